@@ -1,0 +1,59 @@
+"""Alembic environment for the orders schema.
+
+The URL comes, in order, from a connection handed over by ``orders.migrate`` (in
+``config.attributes["connection"]``), from ``sqlalchemy.url`` if someone set it, or from the
+service's own settings (``ORDERS_DATABASE_URL``, else the embedded SQLite file).
+"""
+
+from alembic import context
+from sqlalchemy import Connection
+
+from orders.bootstrap import build_engine
+from orders.config import Settings
+from orders.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _configure(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        compare_type=True,
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_offline() -> None:
+    url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
+    context.configure(
+        url=url,
+        target_metadata=target_metadata,
+        literal_binds=True,
+        dialect_opts={"paramstyle": "named"},
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    handed: Connection | None = config.attributes.get("connection")
+    if handed is not None:
+        _configure(handed)
+        return
+    settings = Settings.from_env()
+    engine = build_engine(settings, config.get_main_option("sqlalchemy.url"))
+    try:
+        with engine.connect() as connection:
+            _configure(connection)
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

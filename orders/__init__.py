@@ -1,0 +1,129 @@
+"""orders: at most a few unpaid orders per user, each closing on its own when its time is up.
+
+Two ways to use it. Module-level functions bound to a default service that is configured
+from ``ORDERS_*`` environment variables on first use (nothing connects at import)::
+
+    import orders
+    order = orders.create_unpaid_order("user-7", amount="19.90", currency="EUR")
+    orders.mark_paid(order.id, payment_ref="psp-123")
+
+Or an :class:`OrderService` that a host application builds from its own SQLAlchemy engine
+and redis-py client::
+
+    service = orders.OrderService(engine, redis_client, orders.Settings(unpaid_limit=3))
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+from orders.config import Settings
+from orders.domain import Order, OrderStatus, SweepResult
+from orders.errors import (
+    InvalidInput,
+    OrderAlreadyPaid,
+    OrderClosed,
+    OrderConflict,
+    OrderNotFound,
+    OrdersError,
+    SchemaNotReady,
+    StoreUnavailable,
+    UnpaidOrderLimitReached,
+)
+from orders.service import OrderService
+
+__all__ = [
+    "InvalidInput",
+    "Order",
+    "OrderAlreadyPaid",
+    "OrderClosed",
+    "OrderConflict",
+    "OrderNotFound",
+    "OrderService",
+    "OrderStatus",
+    "OrdersError",
+    "SchemaNotReady",
+    "Settings",
+    "StoreUnavailable",
+    "SweepResult",
+    "UnpaidOrderLimitReached",
+    "cancel_order",
+    "configure",
+    "create_unpaid_order",
+    "default_service",
+    "get_order",
+    "list_unpaid",
+    "mark_paid",
+    "sweep_expired",
+]
+
+_default: OrderService | None = None
+_default_lock = threading.Lock()
+
+
+def default_service() -> OrderService:
+    """The service behind the module-level functions, built from ``ORDERS_*`` on first use."""
+    global _default  # noqa: PLW0603
+    with _default_lock:
+        if _default is None:
+            from orders.bootstrap import build_service  # noqa: PLC0415
+
+            _default = build_service(Settings.from_env())
+        return _default
+
+
+def configure(service: OrderService | None) -> None:
+    """Bind the module-level functions to ``service`` (None: rebuild from the environment)."""
+    global _default  # noqa: PLW0603
+    with _default_lock:
+        _default = service
+
+
+def create_unpaid_order(
+    user_id: str | int,
+    *,
+    order_id: str | None = None,
+    ttl_s: float | None = None,
+    limit: int | None = None,
+    amount: Decimal | int | str | None = None,
+    currency: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Order:
+    """See :meth:`OrderService.create_unpaid_order`."""
+    return default_service().create_unpaid_order(
+        user_id,
+        order_id=order_id,
+        ttl_s=ttl_s,
+        limit=limit,
+        amount=amount,
+        currency=currency,
+        metadata=metadata,
+    )
+
+
+def mark_paid(order_id: str, *, payment_ref: str | None = None) -> Order:
+    """See :meth:`OrderService.mark_paid`."""
+    return default_service().mark_paid(order_id, payment_ref=payment_ref)
+
+
+def cancel_order(order_id: str, *, reason: str | None = None) -> Order:
+    """See :meth:`OrderService.cancel_order`."""
+    return default_service().cancel_order(order_id, reason=reason)
+
+
+def get_order(order_id: str) -> Order:
+    """See :meth:`OrderService.get_order`."""
+    return default_service().get_order(order_id)
+
+
+def list_unpaid(user_id: str | int) -> list[Order]:
+    """See :meth:`OrderService.list_unpaid`."""
+    return default_service().list_unpaid(user_id)
+
+
+def sweep_expired(*, batch_size: int | None = None, max_batches: int | None = None) -> SweepResult:
+    """See :meth:`OrderService.sweep_expired`."""
+    return default_service().sweep_expired(batch_size=batch_size, max_batches=max_batches)

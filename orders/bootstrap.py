@@ -1,0 +1,86 @@
+"""Turn Settings into a running service: the one place that connects to anything."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import ConnectionPoolEntry
+
+from orders.config import Settings, redact_url
+from orders.domain import Clock
+from orders.service import OrderService
+
+log = logging.getLogger(__name__)
+
+
+def database_url(settings: Settings) -> str:
+    """The configured URL, or the embedded SQLite file under ``settings.home``."""
+    if settings.database_url:
+        return settings.database_url
+    from orders.embedded import sqlite_url  # noqa: PLC0415
+
+    settings.home.mkdir(parents=True, exist_ok=True)
+    return sqlite_url(settings.home)
+
+
+def build_engine(settings: Settings, url: str | None = None) -> Engine:
+    """An engine for ``url`` (default: the configured one) with the service's pool settings.
+
+    SQLite files run in WAL mode with foreign keys on and a busy timeout, so readers never
+    block the writer and writers queue instead of failing.
+    """
+    target = make_url(url or database_url(settings))
+    kwargs: dict[str, Any] = {}
+    if target.get_backend_name() == "sqlite":
+        kwargs["connect_args"] = {"timeout": settings.sql_busy_timeout_s}
+    else:
+        kwargs.update(
+            pool_size=settings.sql_pool_size,
+            pool_timeout=settings.sql_pool_timeout_s,
+            pool_pre_ping=True,
+        )
+    engine = create_engine(target, **kwargs)
+    if target.get_backend_name() == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    log.debug("sql engine for %s", target.render_as_string(hide_password=True))
+    return engine
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+    finally:
+        cursor.close()
+
+
+def build_redis(settings: Settings) -> redis.Redis:
+    """A redis-py client for the configured URL, or for the embedded server of ``home``."""
+    if settings.redis_url:
+        url = settings.redis_url
+    else:
+        from orders.embedded import ensure_redis  # noqa: PLC0415
+
+        url = ensure_redis(settings.home).url
+    log.debug("redis client for %s", redact_url(url))
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=settings.redis_socket_timeout_s,
+        socket_connect_timeout=settings.redis_socket_timeout_s,
+        health_check_interval=30,
+        # One quick retry covers a connection the server dropped; more would only stretch
+        # an outage past the socket timeout the caller chose.
+        retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 1),
+    )
+
+
+def build_service(settings: Settings | None = None, *, clock: Clock | None = None) -> OrderService:
+    settings = settings or Settings.from_env()
+    return OrderService(build_engine(settings), build_redis(settings), settings, clock=clock)

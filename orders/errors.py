@@ -1,0 +1,104 @@
+"""Every error the service raises on purpose.
+
+The tree, so a caller can catch as broadly or as narrowly as it likes::
+
+    OrdersError
+     ├── InvalidInput              bad argument; nothing was written
+     │    └── OrderConflict        an order id reused for another user or amount
+     ├── OrderNotFound             no order with that id
+     ├── UnpaidOrderLimitReached   the user already holds `limit` open unpaid orders
+     ├── OrderClosed               closed or cancelled: a late payment must be refunded
+     ├── OrderAlreadyPaid          paid already (with another payment reference)
+     └── StoreUnavailable          Redis or SQL failed; the operation did not happen
+          └── SchemaNotReady       the database has no (or an old) schema
+
+Exceptions from redis-py and SQLAlchemy are translated into these at the edge, with
+``raise ... from exc`` so the cause is kept for debugging but never part of the contract.
+Messages never contain the raw offending value (it may be hostile or huge) nor a
+password from a connection URL.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class OrdersError(Exception):
+    """Base of every error raised by the ``orders`` package."""
+
+
+class InvalidInput(OrdersError, ValueError):
+    """An argument was refused before anything was written.
+
+    ``field`` names the argument; the message says what is wrong without echoing it.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"invalid {field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class OrderConflict(InvalidInput):
+    """A caller-supplied order id already names a different order."""
+
+    def __init__(self, order_id: str, problem: str) -> None:
+        super().__init__("order_id", problem)
+        self.order_id = order_id
+
+
+class OrderNotFound(OrdersError, LookupError):
+    def __init__(self, order_id: str) -> None:
+        super().__init__("no order with that id")
+        self.order_id = order_id
+
+
+class UnpaidOrderLimitReached(OrdersError):
+    """The user holds ``open_count`` unpaid orders and may hold at most ``limit``.
+
+    ``retry_after_s`` is the time until the earliest of them expires (0 if unknown).
+    """
+
+    def __init__(self, user_id: str, limit: int, open_count: int, retry_after_s: float) -> None:
+        super().__init__(
+            f"unpaid order limit reached: {open_count} open of {limit}; "
+            f"retry in {math.ceil(retry_after_s)} s"
+        )
+        self.user_id = user_id
+        self.limit = limit
+        self.open_count = open_count
+        self.retry_after_s = retry_after_s
+
+
+class OrderClosed(OrdersError):
+    """The order is ``closed`` or ``cancelled``: a payment for it must be refunded."""
+
+    def __init__(self, order_id: str, status: str) -> None:
+        super().__init__(f"order is {status}")
+        self.order_id = order_id
+        self.status = status
+
+
+class OrderAlreadyPaid(OrdersError):
+    """The order was paid before, with ``payment_ref``."""
+
+    def __init__(self, order_id: str, payment_ref: str | None) -> None:
+        super().__init__("order is already paid with another payment reference")
+        self.order_id = order_id
+        self.payment_ref = payment_ref
+
+
+class StoreUnavailable(OrdersError):
+    """A store (``store`` is ``"redis"`` or ``"sql"``) failed; the operation did not happen."""
+
+    def __init__(self, store: str, detail: str) -> None:
+        super().__init__(f"{store} unavailable: {detail}")
+        self.store = store
+        self.detail = detail
+
+
+class SchemaNotReady(StoreUnavailable):
+    """The database schema is missing or older than this code: run ``orders db upgrade``."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("sql", f"{detail}; run `orders db upgrade`")

