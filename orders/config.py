@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from orders.errors import InvalidInput
 
@@ -131,22 +131,22 @@ def _parse(name: str, type_name: object, raw: str) -> Any:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``; safe for logs and error messages."""
+    """``url`` with any password (in the user part or the query) replaced by ``***``."""
     try:
         parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}"
-    try:
         port = parts.port
     except ValueError:
-        port = None
-    if port is not None:
-        netloc += f":{port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+        return "<unparseable url>"
+    if parts.password is None and "password" not in parts.query.lower():
+        return url
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{parts.username or ''}:***@{host}" + ("" if port is None else f":{port}")
+    query = "&".join(
+        f"{key}=***" if "password" in key.lower() else f"{key}={value}"
+        for key, value in parse_qsl(parts.query, keep_blank_values=True)
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -206,5 +206,25 @@ def sql_statements(engine: Engine) -> Iterator[StatementCounter]:
 
 
 def redis_commands(client: redis.Redis) -> int:
-    """Commands the server has processed so far (this INFO call included)."""
+    """Commands the server has processed so far, this INFO call and commands inside scripts
+    included. To count round trips from the service, use the ``redis_round_trips`` fixture."""
     return int(client.info("stats")["total_commands_processed"])
+
+
+class RoundTripCounter:
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@pytest.fixture
+def redis_round_trips(monkeypatch: pytest.MonkeyPatch) -> RoundTripCounter:
+    """Counts requests written to any Redis connection (a pipeline is one) during the test."""
+    counter = RoundTripCounter()
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self: Any, command: Any, check_health: bool = True) -> None:
+        counter.count += 1
+        original(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    return counter

