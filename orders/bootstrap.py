@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -14,6 +15,8 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from orders.config import Settings, redact_url
 from orders.domain import Clock
+from orders.errors import SchemaNotReady, StoreUnavailable
+from orders.models import sql_errors
 from orders.service import OrderService
 
 log = logging.getLogger(__name__)
@@ -35,7 +38,8 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
     SQLite files run in WAL mode with foreign keys on and a busy timeout, so readers never
     block the writer and writers queue instead of failing.
     """
-    target = make_url(url or database_url(settings))
+    with sql_errors():
+        target = make_url(url or database_url(settings))
     kwargs: dict[str, Any] = {}
     if target.get_backend_name() == "sqlite":
         kwargs["connect_args"] = {"timeout": settings.sql_busy_timeout_s}
@@ -45,7 +49,13 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
             pool_timeout=settings.sql_pool_timeout_s,
             pool_pre_ping=True,
         )
-    engine = create_engine(target, **kwargs)
+    try:
+        with sql_errors():
+            engine = create_engine(target, **kwargs)
+    except ImportError as exc:
+        raise StoreUnavailable(
+            "sql", f"no driver for {target.drivername}: {exc.name} is not installed"
+        ) from exc
     if target.get_backend_name() == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     log.debug("sql engine for %s", target.render_as_string(hide_password=True))
@@ -82,5 +92,39 @@ def build_redis(settings: Settings) -> redis.Redis:
 
 
 def build_service(settings: Settings | None = None, *, clock: Clock | None = None) -> OrderService:
+    """A service on the configured stores, its schema checked.
+
+    The embedded SQLite file is migrated on first use; any other database must have been
+    upgraded already (``orders db upgrade``), else :class:`SchemaNotReady`.
+    """
     settings = settings or Settings.from_env()
-    return OrderService(build_engine(settings), build_redis(settings), settings, clock=clock)
+    engine = build_engine(settings)
+    try:
+        if settings.database_url is None:
+            ensure_embedded_schema(engine, settings.home)
+        else:
+            ensure_schema(engine)
+        return OrderService(engine, build_redis(settings), settings, clock=clock)
+    except BaseException:
+        engine.dispose()
+        raise
+
+
+def ensure_schema(engine: Engine) -> None:
+    """Raise SchemaNotReady unless the database is at the newest revision."""
+    from orders import migrate  # noqa: PLC0415  (alembic is only needed here)
+
+    if not migrate.is_current(engine):
+        raise SchemaNotReady("the database schema is missing or behind this version")
+
+
+def ensure_embedded_schema(engine: Engine, home: Path) -> None:
+    """Migrate the embedded SQLite file, one process at a time."""
+    from orders import migrate  # noqa: PLC0415
+    from orders.embedded import file_lock  # noqa: PLC0415
+
+    if migrate.is_current(engine):
+        return
+    with file_lock(home / "schema.lock", store="sql", timeout_s=60):
+        if not migrate.is_current(engine):
+            migrate.upgrade(engine)

@@ -18,7 +18,7 @@ from orders.errors import InvalidInput
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Settings:
     """How the service behaves. Every field has an ``ORDERS_<FIELD>`` environment variable.
 
@@ -41,6 +41,10 @@ class Settings:
     #: Refuse (and close) a payment that arrives after ``expires_at`` but before the sweep.
     strict_expiry: bool = False
     sweep_batch_size: int = 500
+    #: The scheduler sweeps at least this often, and sooner when an order is due sooner.
+    sweep_interval_s: float = 1.0
+    #: How long the active scheduler's lease lasts without renewal (failover time).
+    lease_ttl_s: float = 5.0
     redis_socket_timeout_s: float = 1.0
     sql_pool_size: int = 5
     sql_pool_timeout_s: float = 10.0
@@ -48,7 +52,14 @@ class Settings:
 
     def __post_init__(self) -> None:
         check_int_range("unpaid_limit", self.unpaid_limit, 1, 1000)
-        for name in ("ttl_s", "max_ttl_s", "key_margin_s", "redis_socket_timeout_s"):
+        for name in (
+            "ttl_s",
+            "max_ttl_s",
+            "key_margin_s",
+            "redis_socket_timeout_s",
+            "sweep_interval_s",
+            "lease_ttl_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise InvalidInput(name, "must be a number of seconds")
@@ -59,7 +70,7 @@ class Settings:
         check_int_range("max_user_id_length", self.max_user_id_length, 1, 512)
         check_int_range("max_order_id_length", self.max_order_id_length, 1, 128)
         check_int_range("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
-        check_int_range("sweep_batch_size", self.sweep_batch_size, 1, 100_000)
+        check_int_range("sweep_batch_size", self.sweep_batch_size, 1, 10_000)
         check_int_range("sql_pool_size", self.sql_pool_size, 1, 1000)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
@@ -88,6 +99,10 @@ class Settings:
             values[f.name] = _parse(f.name, f.type, raw)
         values.update(overrides)
         return cls(**values)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={value!r}" for name, value in self.describe().items())
+        return f"Settings({shown})"
 
     def describe(self) -> dict[str, str]:
         """The settings as text, URLs with their passwords hidden (safe to log)."""

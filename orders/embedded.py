@@ -224,11 +224,21 @@ def _make_home(paths: _HomePaths) -> None:
 @contextlib.contextmanager
 def _home_lock(paths: _HomePaths, timeout_s: float) -> Iterator[None]:
     """An exclusive flock on ``<home>/redis.lock``, waited for at most ``timeout_s``."""
+    with file_lock(paths.lockfile, store="redis", timeout_s=timeout_s):
+        yield
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, *, store: str, timeout_s: float) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` across processes, waited for at most ``timeout_s``.
+
+    Failures raise StoreUnavailable for ``store`` (the store the lock protects).
+    """
     try:
-        fd = os.open(paths.lockfile, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise StoreUnavailable(
-            "redis", f"cannot open the lock file {paths.lockfile}: {exc.strerror or exc}"
+            store, f"cannot open the lock file {path}: {exc.strerror or exc}"
         ) from exc
     try:
         deadline = time.monotonic() + timeout_s
@@ -239,13 +249,11 @@ def _home_lock(paths: _HomePaths, timeout_s: float) -> Iterator[None]:
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise StoreUnavailable(
-                        "redis", f"cannot lock {paths.lockfile}: {exc.strerror or exc}"
+                        store, f"cannot lock {path}: {exc.strerror or exc}"
                     ) from exc
             if time.monotonic() >= deadline:
                 raise StoreUnavailable(
-                    "redis",
-                    f"another process held {paths.lockfile} for over {timeout_s:g} s while "
-                    "starting or stopping the embedded redis-server; try again",
+                    store, f"another process held {path} for over {timeout_s:g} s; try again"
                 )
             time.sleep(_POLL_S)
         yield

@@ -14,6 +14,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
+from orders.models import sql_errors
+
 
 def script_location() -> str:
     return str(resources.files("orders._migrations"))
@@ -28,7 +30,7 @@ def alembic_config() -> Config:
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Bring the schema of ``engine``'s database up to ``revision``."""
     config = alembic_config()
-    with engine.begin() as connection:
+    with sql_errors(), engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
 
@@ -45,7 +47,7 @@ def head_revision() -> str | None:
 
 
 def current_revision(engine: Engine) -> str | None:
-    with engine.connect() as connection:
+    with sql_errors(), engine.connect() as connection:
         return MigrationContext.configure(connection).get_current_revision()
 
 

@@ -6,6 +6,8 @@ Redis scores, so the two stores never disagree by a rounding.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -19,9 +21,11 @@ from sqlalchemy import (
     String,
     Table,
 )
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from orders.domain import EventKind, OrderStatus
+from orders.errors import SchemaNotReady, StoreUnavailable
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -97,3 +101,22 @@ class OrderEventRow(Base):
 
 orders_table = cast(Table, OrderRow.__table__)
 events_table = cast(Table, OrderEventRow.__table__)
+
+
+@contextmanager
+def sql_errors() -> Iterator[None]:
+    """Translate SQLAlchemy errors into StoreUnavailable (IntegrityError passes through).
+
+    The detail is the driver's own first line, never the statement or its parameters.
+    """
+    try:
+        yield
+    except IntegrityError:
+        raise
+    except SQLAlchemyError as exc:
+        orig = getattr(exc, "orig", None)
+        reason = str(orig).strip().splitlines()[0][:160] if orig is not None and str(orig) else ""
+        if "no such table" in reason or getattr(orig, "sqlstate", None) == "42P01":
+            raise SchemaNotReady("the orders tables are missing") from exc
+        detail = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
+        raise StoreUnavailable("sql", detail) from exc

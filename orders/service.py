@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 from sqlalchemy import Connection, Engine, Row, func, insert, select, update
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError
 
 from orders.config import Settings
 from orders.domain import (
@@ -50,12 +50,11 @@ from orders.errors import (
     OrderConflict,
     OrderNotFound,
     OrdersError,
-    SchemaNotReady,
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
 from orders.index import Admission, UnpaidIndex
-from orders.models import TEXT_COLUMN_LENGTH, events_table, orders_table
+from orders.models import TEXT_COLUMN_LENGTH, events_table, orders_table, sql_errors
 
 log = logging.getLogger(__name__)
 
@@ -179,22 +178,36 @@ class OrderService:
             return self._insert_guarded(values, lim, now_ms)
         except _SqlRefused as refused:
             if ours:
-                self._release_quietly(uid, oid)
+                self._compensate(uid, oid, now_ms)
             raise UnpaidOrderLimitReached(
                 uid, lim, refused.open_count, retry_after_s(refused.earliest_ms, now_ms)
             ) from None
         except IntegrityError:
-            # The id exists in SQL: an earlier create with this id, or another user's order.
-            if ours:
-                self._release_quietly(uid, oid)
-            earlier = self._find(oid, now_ms)
+            # The id exists in SQL: a concurrent twin of this create won the insert, an
+            # earlier create with this id has since been paid or closed, or another user
+            # owns the id.
+            earlier = self._compensate(uid, oid, now_ms) if ours else self._find(oid, now_ms)
             if earlier is None:
                 raise StoreUnavailable("sql", "insert refused by a constraint") from None
             return _same_order(earlier, uid, amt, cur)
         except OrdersError:
             if ours:
-                self._release_quietly(uid, oid)
+                self._compensate(uid, oid, now_ms)
             raise
+
+    def _compensate(self, uid: str, oid: str, now_ms: int) -> Order | None:
+        """Undo our admission after the insert failed, unless the member indexes a real order.
+
+        A concurrent twin of this create (same id, same user) may have committed the row;
+        its member must stay. Returns the row found, if any.
+        """
+        try:
+            existing = self._find(oid, now_ms)
+        except OrdersError:
+            existing = None
+        if not (existing is not None and existing.user_id == uid and existing.is_open):
+            self._release_quietly(uid, oid)
+        return existing
 
     def _insert_guarded(self, values: dict[str, Any], limit: int, now_ms: int) -> Order:
         """Insert the order unless SQL already counts ``limit`` open orders for the user.
@@ -226,8 +239,9 @@ class OrderService:
         A payment that commits before the sweep closes the order wins, even after
         ``expires_at``, unless ``strict_expiry`` is set: then a late payment closes the
         order and raises :class:`OrderClosed`. Paying a closed or cancelled order raises
-        :class:`OrderClosed` (refund it); paying a paid order with another reference raises
-        :class:`OrderAlreadyPaid`. Redis being down never refuses a payment.
+        :class:`OrderClosed` (refund it). Paying a paid order again without a reference, or
+        with the stored one, returns it; any other reference (also when the first payment
+        had none) raises :class:`OrderAlreadyPaid`. Redis being down never refuses a payment.
         """
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         ref = check_optional_text("payment_ref", payment_ref, TEXT_COLUMN_LENGTH)
@@ -246,7 +260,7 @@ class OrderService:
                 event_data={"payment_ref": ref},
             )
             if row is None and self.settings.strict_expiry:
-                row = self._close_expired(conn, oid, now_ms)
+                row = self._close_expired(conn, oid, now_ms, ref)
                 late_close = row is not None
             current = row if row is not None else self._select(conn, oid)
             conn.commit()
@@ -321,6 +335,25 @@ class OrderService:
             rows = conn.execute(query).all()
         return [_to_order(row, now_ms) for row in rows]
 
+    def earliest_unpaid_expiry_ms(self) -> int | None:
+        """The expiry of the unpaid order due first (overdue ones included), or None."""
+        query = select(func.min(OC.expires_at_ms)).where(OC.status == UNPAID)
+        with self._read() as conn:
+            value: int | None = conn.scalar(query)
+        return value
+
+    def count_due(self, *, now_ms: int | None = None) -> int:
+        """How many unpaid orders a sweep at ``now_ms`` (default: now) would close."""
+        clock_now = self.clock()
+        cutoff = clock_now if now_ms is None else _check_cutoff(now_ms, clock_now)
+        query = (
+            select(func.count())
+            .select_from(orders_table)
+            .where(OC.status == UNPAID, OC.expires_at_ms <= cutoff)
+        )
+        with self._read() as conn:
+            return int(conn.scalar(query) or 0)
+
     # --- sweep -----------------------------------------------------------------------
 
     def sweep_expired(
@@ -362,14 +395,12 @@ class OrderService:
             users |= batch_users
             lag = closed_at_ms - min(row.expires_at_ms for row in rows)
             max_lag = lag if max_lag is None else max(max_lag, lag)
-            try:
-                self.index.drop_expired(batch_users, cutoff)
-            except StoreUnavailable:
-                redis_errors += 1
-                log.warning(
-                    "sweep: redis cleanup failed for %d users; members expire by score",
-                    len(batch_users),
-                )
+            if redis_errors == 0:  # after one failure, spare later batches the timeouts
+                try:
+                    self.index.drop_expired(batch_users, cutoff)
+                except StoreUnavailable:
+                    redis_errors += 1
+                    log.warning("sweep: redis cleanup failed; expired members go by score")
             if len(rows) < size:
                 break
         return SweepResult(
@@ -408,8 +439,13 @@ class OrderService:
 
     # --- helpers ---------------------------------------------------------------------
 
-    def _close_expired(self, conn: Connection, oid: str, now_ms: int) -> Row[Any] | None:
-        """Strict expiry: close one expired unpaid order inside the caller's transaction."""
+    def _close_expired(
+        self, conn: Connection, oid: str, now_ms: int, payment_ref: str | None
+    ) -> Row[Any] | None:
+        """Strict expiry: close one expired unpaid order inside the caller's transaction.
+
+        The refused payment's reference goes into the event, so a refund can find it.
+        """
         return self._transition(
             conn,
             conditions=[OC.id == oid, OC.status == UNPAID, OC.expires_at_ms <= now_ms],
@@ -420,7 +456,7 @@ class OrderService:
                 "closed_at_ms": now_ms,
                 "close_reason": EXPIRED_REASON,
             },
-            event_data={"trigger": "late_payment"},
+            event_data={"trigger": "late_payment", "payment_ref": payment_ref},
         )
 
     def _transition(
@@ -486,7 +522,7 @@ class OrderService:
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with _sql_errors(), self.engine.connect() as conn:
+        with sql_errors(), self.engine.connect() as conn:
             yield conn
 
     @contextmanager
@@ -498,7 +534,7 @@ class OrderService:
         guard. PostgreSQL: ``user_lock`` takes a transaction-scoped advisory lock on the
         user, which serialises that user's creates.
         """
-        with _sql_errors(), self.engine.connect() as conn:
+        with sql_errors(), self.engine.connect() as conn:
             if self._dialect == "sqlite":
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
             elif self._dialect == "postgresql" and user_lock is not None:
@@ -506,20 +542,6 @@ class OrderService:
                     select(func.pg_advisory_xact_lock(func.hashtextextended(user_lock, 0)))
                 )
             yield conn
-
-
-@contextmanager
-def _sql_errors() -> Iterator[None]:
-    try:
-        yield
-    except IntegrityError:
-        raise
-    except SQLAlchemyError as exc:
-        orig = getattr(exc, "orig", None)
-        text = str(orig) if orig is not None else ""
-        if "no such table" in text or getattr(orig, "sqlstate", None) == "42P01":
-            raise SchemaNotReady("the orders tables are missing") from exc
-        raise StoreUnavailable("sql", f"{type(exc).__name__}") from exc
 
 
 def _check_cutoff(now_ms: object, clock_now: int) -> int:

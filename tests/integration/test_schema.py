@@ -1,0 +1,222 @@
+"""The schema: Alembic migrations match the models, run from code and from the CLI.
+
+Every test uses its own SQLite file under ``tmp_path``; the CLI runs as a subprocess from
+the repository root, reading the database URL from ``ORDERS_DATABASE_URL`` like the service.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, inspect, select
+
+from orders import migrate
+from orders.bootstrap import build_engine
+from orders.config import Settings
+from orders.errors import SchemaNotReady, StoreUnavailable
+from orders.models import Base, orders_table
+from orders.service import OrderService
+from tests.conftest import ManualClock
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TABLES = {"orders", "order_events"}
+ORDERS_INDEXES = {
+    "ix_orders_status_expires_at_ms": ["status", "expires_at_ms"],
+    "ix_orders_user_id_status_expires_at_ms": ["user_id", "status", "expires_at_ms"],
+}
+
+
+@pytest.fixture
+def empty_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'empty.db'}"
+
+
+@pytest.fixture
+def empty_engine(empty_url: str) -> Iterator[Engine]:
+    engine = build_engine(Settings(database_url=empty_url))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def schema_differences(engine: Engine) -> list[object]:
+    with engine.connect() as conn:
+        return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
+
+
+def table_names(engine: Engine) -> set[str]:
+    return set(inspect(engine).get_table_names())
+
+
+def alembic_cli(*args: str, database_url: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
+    env["ORDERS_DATABASE_URL"] = database_url
+    env["ORDERS_HOME"] = str(home)  # the embedded default, were it used, stays in tmp
+    return subprocess.run(
+        [sys.executable, "-m", "alembic", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+# --- migrations against the models ----------------------------------------------------------
+
+
+def test_upgrade_head_on_an_empty_database_matches_the_models(empty_engine: Engine) -> None:
+    migrate.upgrade(empty_engine)
+
+    assert table_names(empty_engine) >= TABLES
+    assert schema_differences(empty_engine) == []
+
+
+def test_alembic_cli_reads_the_database_url_from_the_service_settings(tmp_path: Path) -> None:
+    db = tmp_path / "x.db"
+    url = f"sqlite:///{db}"
+
+    upgraded = alembic_cli("upgrade", "head", database_url=url, home=tmp_path / "home")
+    assert upgraded.returncode == 0, upgraded.stderr
+    checked = alembic_cli("check", database_url=url, home=tmp_path / "home")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    assert db.exists()  # the URL came from ORDERS_DATABASE_URL, not from alembic.ini
+    assert not (tmp_path / "home").exists()
+    engine = create_engine(url)
+    try:
+        assert table_names(engine) >= TABLES
+        assert migrate.current_revision(engine) == migrate.head_revision()
+        assert schema_differences(engine) == []
+    finally:
+        engine.dispose()
+
+
+def test_downgrade_to_base_drops_both_tables_and_upgrade_brings_them_back(
+    empty_engine: Engine,
+) -> None:
+    migrate.upgrade(empty_engine)
+    assert table_names(empty_engine) >= TABLES
+
+    migrate.downgrade(empty_engine, "base")
+    assert not TABLES & table_names(empty_engine)
+    assert migrate.current_revision(empty_engine) is None
+    assert not migrate.is_current(empty_engine)
+
+    migrate.upgrade(empty_engine)
+    assert table_names(empty_engine) >= TABLES
+    assert migrate.is_current(empty_engine)
+    assert schema_differences(empty_engine) == []
+
+
+def test_is_current_is_false_on_an_empty_database_and_true_after_upgrade(
+    empty_engine: Engine,
+) -> None:
+    assert migrate.current_revision(empty_engine) is None
+    assert migrate.is_current(empty_engine) is False
+
+    migrate.upgrade(empty_engine)
+
+    assert migrate.is_current(empty_engine) is True
+    assert migrate.current_revision(empty_engine) == migrate.head_revision()
+
+
+def test_head_revision_is_the_newest_script_in_migrations_versions() -> None:
+    scripts = ScriptDirectory(str(REPO_ROOT / "migrations"))
+    heads = scripts.get_heads()
+
+    assert len(heads) == 1
+    assert migrate.head_revision() == heads[0]
+    files = sorted(p.name for p in (REPO_ROOT / "migrations" / "versions").glob("[0-9]*.py"))
+    newest = scripts.get_revision(heads[0])
+    assert newest is not None
+    assert newest.path is not None
+    assert Path(newest.path).name == files[-1]
+
+
+def test_template_database_has_the_sweep_and_limit_guard_indexes(sqlite_template: Path) -> None:
+    engine = create_engine(f"sqlite:///file:{sqlite_template}?mode=ro&uri=true")
+    try:
+        indexes = {ix["name"]: ix["column_names"] for ix in inspect(engine).get_indexes("orders")}
+    finally:
+        engine.dispose()
+
+    for name, columns in ORDERS_INDEXES.items():
+        assert indexes.get(name) == columns
+
+
+# --- the service on a database without the schema -------------------------------------------
+
+
+def test_service_on_an_unmigrated_database_refuses_with_schema_not_ready_and_no_member(
+    empty_engine: Engine, empty_url: str, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    service = OrderService(
+        empty_engine, redis_client, Settings(database_url=empty_url), clock=clock
+    )
+
+    with pytest.raises(SchemaNotReady) as refused:
+        service.create_unpaid_order("early-bird")
+
+    assert isinstance(refused.value, StoreUnavailable)
+    assert refused.value.store == "sql"
+    assert "orders db upgrade" in str(refused.value)
+    assert service.index.members("early-bird") == {}
+    assert redis_client.exists(service.index.key("early-bird")) == 0
+    assert "orders" not in table_names(empty_engine)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda s: s.get_order("o-1"), id="get_order"),
+        pytest.param(lambda s: s.list_unpaid("u-1"), id="list_unpaid"),
+        pytest.param(lambda s: s.mark_paid("o-1"), id="mark_paid"),
+        pytest.param(lambda s: s.cancel_order("o-1"), id="cancel_order"),
+        pytest.param(lambda s: s.sweep_expired(), id="sweep_expired"),
+    ],
+)
+def test_every_use_case_on_an_unmigrated_database_raises_schema_not_ready(
+    empty_engine: Engine,
+    empty_url: str,
+    redis_client: redis.Redis,
+    clock: ManualClock,
+    call: object,
+) -> None:
+    service = OrderService(
+        empty_engine, redis_client, Settings(database_url=empty_url), clock=clock
+    )
+
+    with pytest.raises(SchemaNotReady, match="orders db upgrade"):
+        call(service)  # type: ignore[operator]
+
+    assert redis_client.dbsize() == 0
+
+
+def test_service_works_once_the_empty_database_is_upgraded(
+    empty_engine: Engine, empty_url: str, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    service = OrderService(
+        empty_engine, redis_client, Settings(database_url=empty_url), clock=clock
+    )
+    with pytest.raises(SchemaNotReady):
+        service.create_unpaid_order("early-bird")
+
+    migrate.upgrade(empty_engine)
+    order = service.create_unpaid_order("early-bird")
+
+    with empty_engine.connect() as conn:
+        ids = conn.execute(select(orders_table.c.id)).scalars().all()
+    assert ids == [order.id]
+    assert service.index.members("early-bird") == {order.id: order.expires_at_ms}
