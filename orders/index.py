@@ -1,8 +1,10 @@
 """UnpaidIndex: the Redis admission index, and the only module that talks to Redis.
 
 One sorted set per user, ``<prefix><user_id>``: member = order id, score = expiry in integer
-milliseconds. Every script and command touches exactly one key, so the index runs
-unchanged on Redis Cluster. Every redis-py exception becomes :class:`StoreUnavailable`.
+milliseconds. One more key, ``<prefix>[sweeper-lease]``, holds the token of the active
+scheduler process (``[`` never occurs in a user id). Every script and command touches
+exactly one key, so the index runs unchanged on Redis Cluster. Every redis-py exception
+becomes :class:`StoreUnavailable`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from orders.errors import StoreUnavailable
+from orders.errors import InvalidInput, StoreUnavailable
 
 
 def _load_script(name: str) -> str:
@@ -68,6 +70,8 @@ class UnpaidIndex:
         self.key_prefix = key_prefix
         self.key_margin_ms = key_margin_ms
         self._admit: Script = client.register_script(_load_script("admit"))
+        self._lease: Script = client.register_script(_load_script("lease"))
+        self._lease_release: Script = client.register_script(_load_script("lease_release"))
 
     def key(self, user_id: str) -> str:
         """The one place a user's key name is built."""
@@ -108,3 +112,40 @@ class UnpaidIndex:
                 self.key(user_id), 0, -1, withscores=True, score_cast_func=_text
             )
         return {_text(member): _score(score) for member, score in pairs}
+
+    # --- the sweeper lease: which scheduler process is the active one ------------------
+
+    def lease_key(self) -> str:
+        """The sweeper lease's key: under the users' prefix (one ACL pattern covers both),
+        yet never a user's key, because ``[`` is refused in user ids."""
+        return f"{self.key_prefix}[sweeper-lease]"
+
+    def acquire_lease(self, owner: str, ttl_ms: int) -> bool:
+        """Take the lease for ``ttl_ms`` if it is free, or renew it if ``owner`` holds it.
+
+        One script, one round trip. False: another owner holds it (and keeps it).
+        """
+        _check_lease_args(owner, ttl_ms)
+        with _redis_errors("acquire_lease"):
+            reply: Any = self._lease(keys=[self.lease_key()], args=[owner, ttl_ms])
+        return int(reply) == 1
+
+    def release_lease(self, owner: str) -> bool:
+        """Delete the lease if ``owner`` holds it; True if it did."""
+        _check_lease_args(owner, 1)
+        with _redis_errors("release_lease"):
+            reply: Any = self._lease_release(keys=[self.lease_key()], args=[owner])
+        return int(reply) == 1
+
+    def lease_owner(self) -> str | None:
+        """The owner token of the current holder, or None if the lease is free."""
+        with _redis_errors("lease_owner"):
+            value: bytes | str | None = self.client.get(self.lease_key())
+        return None if value is None else _text(value)
+
+
+def _check_lease_args(owner: str, ttl_ms: int) -> None:
+    if not isinstance(owner, str) or not owner:
+        raise InvalidInput("owner", "must be a non-empty string")
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
+        raise InvalidInput("ttl_ms", "must be a positive integer")

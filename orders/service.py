@@ -400,7 +400,7 @@ class OrderService:
                     self.index.drop_expired(batch_users, cutoff)
                 except StoreUnavailable:
                     redis_errors += 1
-                    log.warning("sweep: redis cleanup failed; expired members go by score")
+                    log.debug("sweep: redis cleanup failed; expired members go by score")
             if len(rows) < size:
                 break
         return SweepResult(

@@ -1,0 +1,5 @@
+"""``python -m orders``: the same as the ``orders`` command."""
+
+from orders.cli import main
+
+main()

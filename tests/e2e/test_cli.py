@@ -1,0 +1,174 @@
+"""The ``orders`` command, in process (CliRunner) and as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from orders.cli import main
+from orders.embedded import redis_status
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def run(database_url: str, redis_url: str, redis_client: Any) -> Any:
+    """Run ``orders ARGS`` in process against the test's stores."""
+    env = {"ORDERS_DATABASE_URL": database_url, "ORDERS_REDIS_URL": redis_url}
+
+    def invoke(*args: str) -> Result:
+        return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+
+    return invoke
+
+
+def test_create_show_pay_round_trip_with_json(run: Any) -> None:
+    created = run("create", "u1", "--ttl", "60", "--amount", "19.90", "--currency", "EUR", "--json")
+    assert created.exit_code == 0, created.output
+    order = json.loads(created.stdout)
+    assert (order["user_id"], order["status"], order["amount"]) == ("u1", "unpaid", "19.90")
+    assert 59 < order["time_left_s"] <= 60
+
+    listed = json.loads(run("user", "u1", "--json").stdout)
+    assert [o["id"] for o in listed] == [order["id"]]
+
+    paid = run("pay", order["id"], "--ref", "psp-1", "--json")
+    assert paid.exit_code == 0, paid.output
+    assert json.loads(paid.stdout)["payment_ref"] == "psp-1"
+    shown = json.loads(run("show", order["id"], "--json").stdout)
+    assert shown["status"] == "paid"
+    assert json.loads(run("user", "u1", "--json").stdout) == []
+
+
+def test_limit_reached_exits_4_with_the_retry_after_on_one_line(run: Any) -> None:
+    for _ in range(3):
+        assert run("create", "u1", "--ttl", "30").exit_code == 0
+    refused = run("create", "u1")
+    assert refused.exit_code == 4
+    assert refused.stderr.count("\n") == 1
+    assert "limit reached: 3 open of 3; retry in 30 s" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "words"),
+    [
+        (["show", "nope"], 3, "no order"),
+        (["create", "a*b"], 2, "user_id"),
+        (["create", "u1", "--ttl", "-5"], 2, "ttl_s"),
+        (["create", "u1", "--amount", "abc"], 2, "amount"),
+        (["pay", ""], 2, "order_id"),
+    ],
+)
+def test_errors_print_one_line_and_exit_with_their_code(
+    run: Any, args: list[str], code: int, words: str
+) -> None:
+    result = run(*args)
+    assert result.exit_code == code, result.output
+    assert result.stderr.startswith("error: ")
+    assert words in result.stderr
+    assert result.stderr.count("\n") == 1
+
+
+def test_paying_a_cancelled_order_exits_5(run: Any) -> None:
+    order = json.loads(run("create", "u1", "--json").stdout)
+    assert run("cancel", order["id"], "--reason", "test").exit_code == 0
+    result = run("pay", order["id"])
+    assert result.exit_code == 5
+    assert "order is cancelled" in result.stderr
+
+
+def test_sweep_dry_run_counts_and_sweep_closes(run: Any, service: Any, clock: Any) -> None:
+    # Orders made with the test clock lie 2027 ahead of the real one, so expire them by
+    # making ones whose expiry is already in the past for the CLI's real clock.
+    clock.set(1_000_000_000_000)  # 2001
+    due = service.create_unpaid_order("u1", ttl_s=1)
+    dry = run("sweep", "--dry-run", "--json")
+    assert json.loads(dry.stdout) == {"due": 1}
+    assert service.get_order(due.id).status == "unpaid"
+    swept = run("sweep", "--once", "--json")
+    assert json.loads(swept.stdout)["closed"] == 1
+    assert service.get_order(due.id).status == "closed"
+
+
+def test_db_upgrade_creates_the_schema_and_other_commands_ask_for_it(tmp_path: Path) -> None:
+    env = {"ORDERS_DATABASE_URL": f"sqlite:///{tmp_path}/fresh.db", "ORDERS_REDIS_URL": ""}
+    runner = CliRunner()
+    missing = runner.invoke(main, ["show", "x"], env=env)
+    assert missing.exit_code == 8
+    assert "orders db upgrade" in missing.stderr
+    upgraded = runner.invoke(main, ["db", "upgrade"], env=env)
+    assert upgraded.exit_code == 0, upgraded.output
+    current = runner.invoke(main, ["db", "current"], env=env)
+    assert current.stdout.strip() == "database: 0001, code: 0001"
+
+
+def test_help_names_the_environment_variables() -> None:
+    runner = CliRunner()
+    top = runner.invoke(main, ["--help"]).stdout
+    for var in ("ORDERS_HOME", "ORDERS_DATABASE_URL", "ORDERS_REDIS_URL"):
+        assert var in top
+    assert "ORDERS_SWEEP_INTERVAL_S" in runner.invoke(main, ["scheduler", "--help"]).stdout
+    assert "ORDERS_LEASE_TTL_S" in runner.invoke(main, ["scheduler", "--help"]).stdout
+    assert "ORDERS_TTL_S" in runner.invoke(main, ["create", "--help"]).stdout
+    assert "ORDERS_SWEEP_BATCH_SIZE" in runner.invoke(main, ["sweep", "--help"]).stdout
+
+
+# --- real processes on the embedded default --------------------------------------------
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    """A short home folder (unix socket paths are limited); its server is stopped after."""
+    folder = Path(tempfile.mkdtemp(prefix="oh", dir="/tmp"))
+    try:
+        yield folder
+    finally:
+        running = redis_status(folder)
+        if running is not None:
+            os.kill(running.pid, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def orders_process(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
+    env["ORDERS_HOME"] = str(home)
+    return subprocess.run(
+        [sys.executable, "-m", "orders", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_embedded_default_is_shared_by_processes_and_stopped_on_request(home: Path) -> None:
+    created = orders_process(home, "create", "u1", "--ttl", "600", "--json")
+    assert created.returncode == 0, created.stderr
+    order_id = json.loads(created.stdout)["id"]
+    assert (home / "orders.db").is_file()
+    running = redis_status(home)
+    assert running is not None  # the server outlived the process that started it
+
+    listed = orders_process(home, "user", "u1", "--json")
+    assert [o["id"] for o in json.loads(listed.stdout)] == [order_id]
+    status = orders_process(home, "server", "status")
+    assert status.returncode == 0
+    assert f"pid {running.pid}" in status.stdout
+
+    stopped = orders_process(home, "server", "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert redis_status(home) is None
+    assert orders_process(home, "server", "status").returncode == 1

@@ -1,0 +1,94 @@
+"""`orders demo` and `orders scheduler` as the real processes a user starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+from sqlalchemy import Engine, func, select
+
+from orders.config import Settings
+from orders.embedded import redis_status
+from orders.models import events_table
+from orders.service import OrderService
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env(**variables: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
+    env.update(variables)
+    return env
+
+
+def test_demo_runs_to_its_checked_summary_and_stops_what_it_started(tmp_path: Path) -> None:
+    home = Path(os.path.join("/tmp", f"od{os.getpid()}"))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "orders", "demo", "--fast"],
+            env=_env(ORDERS_HOME=str(home)),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "refused at the limit" in done.stdout
+        assert "late payments refunded" in done.stdout
+        assert "passed" in done.stdout
+        assert redis_status(home) is None  # the demo stopped the server it started
+    finally:
+        running = redis_status(home)
+        if running is not None:
+            os.kill(running.pid, signal.SIGKILL)
+        subprocess.run(["rm", "-rf", str(home)], check=False)
+
+
+def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
+    engine: Engine, redis_client: redis.Redis, database_url: str, redis_url: str
+) -> None:
+    # The scheduler runs on the real clock, so this service does too.
+    service = OrderService(engine, redis_client, Settings(database_url=database_url))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orders", "scheduler", "--interval", "0.5"],
+        env=_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        orders = [service.create_unpaid_order(f"u{i}", ttl_s=0.3 + i / 10) for i in range(5)]
+        deadline = time.monotonic() + 20
+        while any(service.get_order(o.id).status == "unpaid" for o in orders):
+            assert time.monotonic() < deadline, "the scheduler did not close the orders"
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    closed = [service.get_order(o.id) for o in orders]
+    assert {o.status for o in closed} == {"closed"}
+    lags = [o.closed_at_ms - o.expires_at_ms for o in closed if o.closed_at_ms is not None]
+    assert len(lags) == 5
+    assert min(lags) >= 0
+    with engine.connect() as conn:
+        per_order = conn.execute(
+            select(events_table.c.order_id, func.count())
+            .where(events_table.c.kind == "closed")
+            .group_by(events_table.c.order_id)
+        ).all()
+    assert sorted(count for _, count in per_order) == [1] * 5
+    assert '"event": "sweep"' in stderr
+    assert service.index.lease_owner() is None  # released on the way out
+    assert all(service.index.members(f"u{i}") == {} for i in range(5))

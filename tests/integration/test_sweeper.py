@@ -1,0 +1,688 @@
+"""The scheduler: the Redis lease, Sweeper.tick, and real ``run_scheduler`` processes.
+
+The lease and tick tests run on the test's stores with the manual clock (the lease itself
+lives on Redis's own clock, PX). The process tests start real scheduler processes on the
+same stores; those use the real clock, so the orders they close are created by a service
+on the real clock too, and the tests poll (with a deadline) for the final state of SQL and
+of the lease. Every process a test starts is killed by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import redis
+from sqlalchemy import Engine, func, insert, select
+
+from orders.bootstrap import build_engine, build_redis
+from orders.config import Settings
+from orders.domain import Order, check_user_id
+from orders.errors import InvalidInput
+from orders.models import events_table, orders_table
+from orders.service import OrderService
+from orders.sweeper import JOB_ID, Sweeper, build_scheduler
+from tests.conftest import ManualClock
+
+MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
+T = TypeVar("T")
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def create_orders(
+    service: OrderService, ttls_s: Sequence[float], users: Sequence[str] = ("u1",)
+) -> list[Order]:
+    return [
+        service.create_unpaid_order(users[i % len(users)], ttl_s=ttl, limit=1000)
+        for i, ttl in enumerate(ttls_s)
+    ]
+
+
+def sql_rows(engine: Engine) -> dict[str, Any]:
+    with engine.connect() as conn:
+        return {row.id: row for row in conn.execute(select(orders_table)).all()}
+
+
+def closed_event_counts(engine: Engine) -> Counter[str]:
+    query = select(events_table.c.order_id).where(events_table.c.kind == "closed")
+    with engine.connect() as conn:
+        return Counter(conn.execute(query).scalars().all())
+
+
+def count_closed_events(engine: Engine) -> int:
+    query = select(func.count()).where(events_table.c.kind == "closed")
+    with engine.connect() as conn:
+        return int(conn.scalar(query) or 0)
+
+
+def sweeper_records(caplog: pytest.LogCaptureFixture, level: int) -> list[dict[str, Any]]:
+    return [
+        json.loads(r.getMessage())
+        for r in caplog.records
+        if r.name == "orders.sweeper" and r.levelno >= level
+    ]
+
+
+def wait_until(
+    predicate: Callable[[], T], what: str, *, timeout_s: float = 15, check: Callable[[], None]
+) -> T:
+    """Poll ``predicate`` every 20 ms until it returns something truthy; ``check`` runs each
+    round too (it fails fast when a process died)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check()
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def noop() -> None:
+    pass
+
+
+def pid_of(owner: str | None) -> int | None:
+    """The pid in a ``host:pid:random`` owner token."""
+    return None if owner is None else int(owner.rsplit(":", 2)[1])
+
+
+def real_clock_service(engine: Engine, redis_client: redis.Redis) -> OrderService:
+    """A service on the test's stores and the real clock, like the scheduler processes."""
+    return OrderService(engine, redis_client, Settings())
+
+
+# --- the lease -------------------------------------------------------------------------------
+
+
+def test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it(
+    service: OrderService, redis_client: redis.Redis
+) -> None:
+    index = service.index
+    key = index.lease_key()
+    assert index.lease_owner() is None
+
+    assert index.acquire_lease("A", 1000) is True
+    assert index.acquire_lease("B", 60_000) is False
+    assert index.lease_owner() == "A"
+    assert 0 < redis_client.pttl(key) <= 1000  # B's attempt left A's lease as it was
+
+    # Renewal by its owner: the PTTL goes back up.
+    deadline = time.monotonic() + 5
+    while redis_client.pttl(key) > 900:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert index.acquire_lease("A", 1000) is True
+    assert redis_client.pttl(key) > 900
+    assert index.acquire_lease("A", 60_000) is True
+    assert redis_client.pttl(key) > 59_000
+
+    assert index.release_lease("B") is False
+    assert index.lease_owner() == "A"
+    assert index.release_lease("A") is True
+    assert index.lease_owner() is None
+    assert index.release_lease("A") is False
+
+    assert index.acquire_lease("B", 1000) is True
+    assert index.lease_owner() == "B"
+
+
+def test_lease_that_lapses_can_be_taken_by_another_owner(service: OrderService) -> None:
+    index = service.index
+    assert index.acquire_lease("A", 50)
+
+    deadline = time.monotonic() + 5
+    while not index.acquire_lease("B", 1000):
+        assert time.monotonic() < deadline, "A's 50 ms lease never lapsed"
+        time.sleep(0.01)
+
+    assert index.lease_owner() == "B"
+    assert index.acquire_lease("A", 1000) is False
+
+
+def test_lease_key_is_under_the_prefix_and_can_never_be_a_users_key(
+    service: OrderService, make_service: Callable[..., OrderService]
+) -> None:
+    assert service.index.lease_key() == "UnpaidOrder-[sweeper-lease]"
+    assert make_service(key_prefix="Shop7-").index.lease_key() == "Shop7-[sweeper-lease]"
+    with pytest.raises(InvalidInput):
+        check_user_id("[sweeper-lease]", 128)
+    with pytest.raises(InvalidInput):
+        service.create_unpaid_order("[sweeper-lease]")
+
+
+@pytest.mark.parametrize(("owner", "ttl_ms"), [("", 1000), ("A", 0), ("A", -5), ("A", True)])
+def test_lease_refuses_an_empty_owner_or_a_ttl_below_one_ms(
+    service: OrderService, owner: str, ttl_ms: int
+) -> None:
+    with pytest.raises(InvalidInput):
+        service.index.acquire_lease(owner, ttl_ms)
+    assert service.index.lease_owner() is None
+
+
+# --- Sweeper.tick ------------------------------------------------------------------------------
+
+
+def test_default_owner_names_host_and_pid(service: OrderService) -> None:
+    sweeper = Sweeper(service)
+    assert pid_of(sweeper.owner) == os.getpid()
+    assert Sweeper(service).owner != sweeper.owner
+
+
+def test_active_sweeper_closes_due_orders_and_a_standby_closes_nothing(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    active = Sweeper(service, owner="host-a:1:aaaa")
+    standby = Sweeper(service, owner="host-b:2:bbbb")
+    active.tick()
+    orders = create_orders(service, [1, 2, 3], users=["u1", "u2"])
+    clock.advance(s=5)
+
+    assert standby.tick() == 1.0
+    assert closed_event_counts(engine) == Counter()
+    assert service.index.lease_owner() == "host-a:1:aaaa"
+    assert (active.holds_lease, standby.holds_lease) == (True, False)
+
+    active.tick()
+
+    assert closed_event_counts(engine) == Counter({o.id: 1 for o in orders})
+    assert {row.status for row in sql_rows(engine).values()} == {"closed"}
+
+
+def test_tick_returns_the_time_until_the_earliest_expiry_when_sooner_than_the_interval(
+    service: OrderService, clock: ManualClock
+) -> None:
+    sweeper = Sweeper(service)  # interval 1 s
+    assert sweeper.tick() == 1.0  # nothing open
+
+    soon = service.create_unpaid_order("u1", ttl_s=0.3)
+    service.create_unpaid_order("u2", ttl_s=5)
+    assert sweeper.tick() == pytest.approx(0.3)
+    clock.advance(ms=250)
+    assert sweeper.tick() == pytest.approx(0.05)
+
+    clock.set(soon.expires_at_ms)
+    assert sweeper.tick() == 1.0  # closed it; the next expiry is 4.7 s away
+    assert service.get_order(soon.id).status.value == "closed"
+
+    sweeper.close()
+    fast = Sweeper(service, interval_s=0.2)
+    assert fast.tick() == pytest.approx(0.2)  # the next expiry is further off than that
+    assert fast.holds_lease
+
+
+def test_tick_after_a_sweep_that_left_due_orders_asks_to_run_again_at_once(
+    service: OrderService, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    create_orders(service, [1, 1, 1])
+    clock.advance(s=2)
+    sweeper = Sweeper(service, batch_size=1)
+    original = service.sweep_expired
+
+    def one_batch(**kwargs: Any) -> Any:
+        return original(**kwargs, max_batches=1)
+
+    monkeypatch.setattr(service, "sweep_expired", one_batch)
+
+    assert 0 < sweeper.tick() <= 0.001
+    assert service.count_due() == 2
+
+
+def test_sweep_that_closed_orders_logs_one_json_line_with_its_counts(
+    service: OrderService, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    sweeper = Sweeper(service, batch_size=2, owner="host:123:cafe")
+    sweeper.tick()
+    create_orders(service, [1, 1, 1], users=["u1", "u2"])
+    clock.advance(s=1.5)
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    caplog.clear()
+
+    sweeper.tick()
+
+    records = sweeper_records(caplog, logging.INFO)
+    assert len(records) == 1
+    line = records[0]
+    assert isinstance(line.pop("duration_ms"), int)
+    assert line == {
+        "event": "sweep",
+        "closed": 3,
+        "batches": 2,
+        "users": 2,
+        "max_lag_ms": 500,
+        "owner": "host:123:cafe",
+    }
+
+
+def test_sweep_that_closed_nothing_logs_nothing_at_info(
+    service: OrderService, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    sweeper = Sweeper(service)
+    sweeper.tick()
+    assert [r["event"] for r in sweeper_records(caplog, logging.INFO)] == ["lease_acquired"]
+    caplog.clear()
+    service.create_unpaid_order("u1", ttl_s=10)
+
+    for _ in range(3):
+        sweeper.tick()
+        clock.advance(s=1)
+
+    assert sweeper_records(caplog, logging.INFO) == []
+
+
+def test_tick_with_redis_down_still_closes_due_orders_in_sql_and_warns_once(
+    service: OrderService, engine: Engine, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    orders = create_orders(service, [1, 2], users=["u1", "u2"])
+    clock.advance(s=5)
+    settings = Settings(redis_url=MISSING_SOCKET_URL)
+    no_redis = OrderService(engine, build_redis(settings), settings, clock=clock)
+    sweeper = Sweeper(no_redis)
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+
+    first = sweeper.tick()
+    later = create_orders(service, [1])
+    clock.advance(s=5)
+    sweeper.tick()
+    sweeper.tick()
+
+    assert 0 < first <= 1.0
+    assert closed_event_counts(engine) == Counter({o.id: 1 for o in [*orders, *later]})
+    warnings = sweeper_records(caplog, logging.WARNING)
+    assert [(w["event"], w["store"]) for w in warnings] == [("store_unavailable", "redis")]
+
+
+def test_tick_with_sql_down_sweeps_nothing_warns_once_and_recovers(
+    service: OrderService,
+    engine: Engine,
+    clock: ManualClock,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    order = service.create_unpaid_order("u1", ttl_s=1)
+    clock.advance(s=2)
+    dead = build_engine(Settings(database_url=f"sqlite:///{tmp_path}/missing/dir/orders.db"))
+    sweeper = Sweeper(service)
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        monkeypatch.setattr(service, "engine", dead)
+        assert sweeper.tick() == sweeper.cadence_s
+        assert sweeper.tick() == sweeper.cadence_s
+    finally:
+        monkeypatch.undo()
+        dead.dispose()
+    sweeper.tick()
+
+    events = [(r["event"], r.get("store")) for r in sweeper_records(caplog, logging.INFO)]
+    assert events == [
+        ("lease_acquired", None),
+        ("store_unavailable", "sql"),
+        ("store_back", "sql"),
+        ("sweep", None),
+    ]
+    assert closed_event_counts(engine) == Counter({order.id: 1})
+
+
+def test_request_stop_during_a_sweep_stops_after_the_batch_in_hand(
+    service: OrderService, engine: Engine, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    orders = create_orders(service, [1, 2, 3, 4, 5, 6], users=["u1", "u2"])
+    clock.advance(s=10)
+    sweeper = Sweeper(service, batch_size=2)
+    original = service.sweep_expired
+    asked = 0
+
+    def sweep_stopped_after_one_batch(**kwargs: Any) -> Any:
+        inner = kwargs.pop("should_stop")
+
+        def should_stop() -> bool:
+            nonlocal asked
+            asked += 1
+            if asked == 2:  # asked before the second batch: the first is done
+                sweeper.request_stop()
+            return bool(inner())
+
+        return original(**kwargs, should_stop=should_stop)
+
+    monkeypatch.setattr(service, "sweep_expired", sweep_stopped_after_one_batch)
+
+    sweeper.tick()
+
+    first_two = {o.id for o in orders[:2]}
+    assert closed_event_counts(engine) == Counter(dict.fromkeys(first_two, 1))
+    rows = sql_rows(engine)
+    assert {oid for oid, row in rows.items() if row.status == "unpaid"} == {
+        o.id for o in orders[2:]
+    }
+    sweeper.tick()  # a stopped sweeper does nothing any more
+    assert asked == 2
+    monkeypatch.undo()
+    assert service.sweep_expired().closed == 4
+    assert closed_event_counts(engine) == Counter({o.id: 1 for o in orders})
+
+
+def test_sweeper_whose_lease_was_taken_over_stops_after_the_batch_in_hand(
+    service: OrderService,
+    engine: Engine,
+    clock: ManualClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    orders = create_orders(service, [1, 2, 3, 4], users=["u1", "u2"])
+    clock.advance(s=10)
+    slow = Sweeper(service, batch_size=1, lease_ttl_s=0.3, owner="host:1:slow")
+    other = Sweeper(service, owner="host:2:other")
+    original = service.sweep_expired
+    asked = 0
+
+    def lease_lapses_after_one_batch(**kwargs: Any) -> Any:
+        inner = kwargs.pop("should_stop")
+
+        def should_stop() -> bool:
+            nonlocal asked
+            asked += 1
+            if asked == 2:  # the first batch is done; meanwhile the lease lapses and moves
+                service.index.client.delete(service.index.lease_key())
+                assert service.index.acquire_lease(other.owner, 5000)
+                time.sleep(0.11)  # past the renewal period (lease_ttl_s / 3)
+            return bool(inner())
+
+        return original(**kwargs, should_stop=should_stop)
+
+    monkeypatch.setattr(service, "sweep_expired", lease_lapses_after_one_batch)
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+
+    assert slow.tick() == slow.cadence_s
+
+    assert closed_event_counts(engine) == Counter({orders[0].id: 1})
+    assert not slow.holds_lease
+    assert service.index.lease_owner() == other.owner
+    events = [r["event"] for r in sweeper_records(caplog, logging.INFO)]
+    assert events == ["lease_acquired", "lease_lost", "sweep"]
+
+
+def test_close_releases_our_lease_and_never_another_owners(service: OrderService) -> None:
+    holder = Sweeper(service)
+    other = Sweeper(service)
+    holder.tick()
+    other.tick()
+
+    other.close()
+    assert service.index.lease_owner() == holder.owner
+    holder.close()
+    assert service.index.lease_owner() is None
+    assert holder.tick() == holder.cadence_s  # closed: does not take the lease again
+    assert service.index.lease_owner() is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"interval_s": 0}, {"lease_ttl_s": -1.0}, {"interval_s": float("nan")}, {"batch_size": 0}],
+)
+def test_sweeper_refuses_bad_settings(service: OrderService, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidInput):
+        Sweeper(service, **kwargs)
+    with pytest.raises(InvalidInput):
+        Sweeper(service, owner=" ")
+
+
+# --- the APScheduler job, in this process ------------------------------------------------------
+
+
+def test_background_scheduler_closes_an_order_on_time_and_shuts_down_cleanly(
+    engine: Engine, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = real_clock_service(engine, redis_client)
+    sweeper = Sweeper(service, interval_s=0.2)
+    scheduler = build_scheduler(sweeper, blocking=False)
+    job = scheduler.get_job(JOB_ID)
+    assert scheduler.timezone == UTC
+    assert (job.max_instances, job.coalesce, job.misfire_grace_time) == (1, True, None)
+    caplog.set_level(logging.WARNING)
+    scheduler.start()
+    try:
+        orders = create_orders(service, [0.3, 0.4, 0.45], users=["u1", "u2"])
+        ids = {o.id for o in orders}
+        wait_until(
+            lambda: closed_event_counts(engine).keys() >= ids, "the orders to close", check=noop
+        )
+        assert service.index.lease_owner() == sweeper.owner
+    finally:
+        sweeper.request_stop()
+        scheduler.shutdown(wait=True)
+        sweeper.close()
+
+    rows = sql_rows(engine)
+    assert max(rows[oid].closed_at_ms - rows[oid].expires_at_ms for oid in ids) < 1500
+    assert service.index.lease_owner() is None
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_tick_longer_than_the_interval_is_never_run_twice_at_once_nor_warned_about(
+    engine: Engine, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = real_clock_service(engine, redis_client)
+    sweeper = Sweeper(service, interval_s=0.05)
+    running = 0
+    overlaps = ticks = 0
+    real_tick = sweeper.tick
+
+    def slow_tick() -> float:
+        nonlocal running, overlaps, ticks
+        running += 1
+        overlaps += running > 1
+        time.sleep(0.3)
+        running -= 1
+        ticks += 1
+        return real_tick()
+
+    sweeper.tick = slow_tick  # type: ignore[method-assign]
+    scheduler = build_scheduler(sweeper, blocking=False)
+    caplog.set_level(logging.WARNING)
+    scheduler.start()
+    try:
+        wait_until(lambda: ticks >= 3, "three slow ticks", check=noop)
+    finally:
+        scheduler.shutdown(wait=True)  # without request_stop: shutdown asks for it
+        sweeper.close()
+
+    assert sweeper.stopping
+    assert overlaps == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# --- real scheduler processes ------------------------------------------------------------------
+
+SCHEDULER_CODE = (
+    "import logging; logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s'); "
+    "from orders.sweeper import run_scheduler; from orders.bootstrap import build_service; "
+    "from orders.config import Settings; run_scheduler(build_service(Settings.from_env()))"
+)
+
+
+class Schedulers:
+    """Starts scheduler processes on the test's stores and kills whatever is left at the end."""
+
+    def __init__(self, tmp_path: Path, database_url: str, redis_url: str) -> None:
+        self.tmp_path = tmp_path
+        self.env = {
+            **os.environ,
+            "ORDERS_HOME": str(tmp_path / "home"),
+            "ORDERS_DATABASE_URL": database_url,
+            "ORDERS_REDIS_URL": redis_url,
+            "ORDERS_SWEEP_INTERVAL_S": "0.2",
+            "ORDERS_LEASE_TTL_S": "1",
+        }
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, **env: str) -> subprocess.Popen[bytes]:
+        with open(self.tmp_path / f"{name}.log", "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", SCHEDULER_CODE],
+                env={**self.env, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp_path / f"{name}.log").read_text(errors="replace")
+
+    def sweep_lines(self, name: str) -> list[dict[str, Any]]:
+        prefix = "orders.sweeper "
+        lines = [line[len(prefix) :] for line in self.log(name).splitlines()]
+        return [
+            json.loads(line)
+            for line in lines
+            if line.startswith('{"event": "sweep"')  # only our JSON lines
+        ]
+
+    def check_running(self, *names: str) -> None:
+        for name in names:
+            code = self.procs[name].poll()
+            if code is not None:
+                raise AssertionError(f"scheduler {name} exited with {code}:\n{self.log(name)}")
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture
+def schedulers(tmp_path: Path, database_url: str, redis_url: str) -> Iterator[Schedulers]:
+    started = Schedulers(tmp_path, database_url, redis_url)
+    try:
+        yield started
+    finally:
+        started.kill_all()
+
+
+def test_two_scheduler_processes_close_each_order_once_and_fail_over_on_kill(
+    schedulers: Schedulers,
+    engine: Engine,
+    redis_client: redis.Redis,
+    record_property: Callable[[str, object], None],
+) -> None:
+    service = real_clock_service(engine, redis_client)
+    index = service.index
+    a = schedulers.start("a")
+    b = schedulers.start("b")
+    alive = ["a", "b"]
+
+    def check_alive() -> None:
+        schedulers.check_running(*alive)
+
+    wait_until(index.lease_owner, "a lease holder", check=check_alive)
+    first = create_orders(
+        service, [0.5 + 0.1 * i for i in range(10)], users=["u1", "u2", "u3", "u4"]
+    )
+    first_ids = {o.id for o in first}
+
+    def first_closed() -> bool:
+        return closed_event_counts(engine).keys() >= first_ids
+
+    wait_until(first_closed, "the first orders to close", check=check_alive)
+
+    rows = sql_rows(engine)
+    assert {rows[oid].status for oid in first_ids} == {"closed"}
+    assert closed_event_counts(engine) == Counter(dict.fromkeys(first_ids, 1))
+    lags_ms = [rows[oid].closed_at_ms - rows[oid].expires_at_ms for oid in first_ids]
+    record_property("max_close_lag_ms", max(lags_ms))
+    print(f"close lag with a healthy scheduler: max {max(lags_ms)} ms, all {sorted(lags_ms)}")
+    assert min(lags_ms) >= 0
+    assert max(lags_ms) < 1500
+
+    active_pid = pid_of(index.lease_owner())
+    assert active_pid in {a.pid, b.pid}
+    active, survivor, survivor_name = (a, b, "b") if active_pid == a.pid else (b, a, "a")
+    os.kill(active.pid, signal.SIGKILL)
+    assert active.wait(10) == -signal.SIGKILL
+    alive = [survivor_name]
+
+    second = create_orders(service, [0.5] * 5, users=["u5", "u6"])
+    second_ids = {o.id for o in second}
+
+    def taken_over() -> bool:
+        done = closed_event_counts(engine).keys() >= second_ids
+        return done and pid_of(index.lease_owner()) == survivor.pid
+
+    wait_until(taken_over, "the survivor to take over and close the new orders", check=check_alive)
+
+    assert closed_event_counts(engine) == Counter(dict.fromkeys(first_ids | second_ids, 1))
+    os.kill(survivor.pid, signal.SIGTERM)
+    assert survivor.wait(10) == 0, schedulers.log(survivor_name)
+    assert index.lease_owner() is None
+    # One JSON line per sweep that closed something, and together they account for each
+    # order once: the standby closed nothing twice.
+    logged = [line for name in ("a", "b") for line in schedulers.sweep_lines(name)]
+    assert sum(line["closed"] for line in logged) == len(first_ids | second_ids)
+    assert {pid_of(line["owner"]) for line in logged} <= {a.pid, b.pid}
+
+
+def insert_due_orders(engine: Engine, count: int, now_ms: int) -> None:
+    """``count`` unpaid orders already past their expiry, straight into SQL (the sweep needs
+    no Redis member; creating them one by one would take most of the test's time)."""
+    rows = [
+        {
+            "id": f"bulk-{i:05d}",
+            "user_id": f"user-{i % 100}",
+            "status": "unpaid",
+            "created_at_ms": now_ms - 60_000,
+            "expires_at_ms": now_ms - 30_000 + i,
+            "updated_at_ms": now_ms - 60_000,
+        }
+        for i in range(count)
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(orders_table), rows)
+
+
+def test_sigterm_in_the_middle_of_a_large_sweep_stops_after_a_whole_batch_and_exits_0(
+    schedulers: Schedulers, engine: Engine, redis_client: redis.Redis
+) -> None:
+    # Small batches make the sweep long (hundreds of commits), so the signal lands inside.
+    total, batch = 5000, 10
+    service = real_clock_service(engine, redis_client)
+    insert_due_orders(engine, total, service.clock())
+    proc = schedulers.start("big", ORDERS_SWEEP_BATCH_SIZE=str(batch))
+
+    wait_until(
+        lambda: count_closed_events(engine),
+        "the sweep to start",
+        timeout_s=30,
+        check=lambda: schedulers.check_running("big"),
+    )
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(15) == 0, schedulers.log("big")
+
+    rows = sql_rows(engine)
+    events = closed_event_counts(engine)
+    closed = {oid for oid, row in rows.items() if row.status == "closed"}
+    unpaid = {oid for oid, row in rows.items() if row.status == "unpaid"}
+    assert closed | unpaid == set(rows)
+    assert events == Counter(dict.fromkeys(closed, 1))  # none half-done, none twice
+    assert len(closed) % batch == 0, "stopped inside a batch"
+    assert 0 < len(closed) < total, "the signal did not land in the middle of the sweep"
+    assert redis_client.exists(service.index.lease_key()) == 0
+
+    assert service.sweep_expired().closed == len(unpaid)
+    assert closed_event_counts(engine) == Counter(dict.fromkeys(rows, 1))
