@@ -40,15 +40,22 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
     """
     with sql_errors():
         target = make_url(url or database_url(settings))
+    if target.drivername == "postgresql":  # a bare URL means psycopg 3, the driver we ship
+        target = target.set(drivername="postgresql+psycopg")
     kwargs: dict[str, Any] = {}
-    if target.get_backend_name() == "sqlite":
+    backend = target.get_backend_name()
+    if backend == "sqlite":
         kwargs["connect_args"] = {"timeout": settings.sql_busy_timeout_s}
     else:
         kwargs.update(
             pool_size=settings.sql_pool_size,
+            max_overflow=settings.sql_max_overflow,
             pool_timeout=settings.sql_pool_timeout_s,
             pool_pre_ping=True,
         )
+    if backend == "postgresql" and target.get_driver_name() in ("psycopg", "psycopg2"):
+        timeout_ms = round(settings.sql_statement_timeout_s * 1000)
+        kwargs["connect_args"] = {"options": f"-c statement_timeout={timeout_ms}"}
     try:
         with sql_errors():
             engine = create_engine(target, **kwargs)
@@ -56,7 +63,7 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
         raise StoreUnavailable(
             "sql", f"no driver for {target.drivername}: {exc.name} is not installed"
         ) from exc
-    if target.get_backend_name() == "sqlite":
+    if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     log.debug("sql engine for %s", target.render_as_string(hide_password=True))
     return engine

@@ -47,7 +47,11 @@ class Settings:
     lease_ttl_s: float = 5.0
     redis_socket_timeout_s: float = 1.0
     sql_pool_size: int = 5
+    sql_max_overflow: int = 10
     sql_pool_timeout_s: float = 10.0
+    #: PostgreSQL: the server cancels a statement running longer (0 = no limit).
+    sql_statement_timeout_s: float = 30.0
+    #: SQLite: how long a writer waits for the write lock before giving up.
     sql_busy_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -72,6 +76,13 @@ class Settings:
         check_int_range("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
         check_int_range("sweep_batch_size", self.sweep_batch_size, 1, 10_000)
         check_int_range("sql_pool_size", self.sql_pool_size, 1, 1000)
+        check_int_range("sql_max_overflow", self.sql_max_overflow, 0, 1000)
+        for name in ("sql_pool_timeout_s", "sql_statement_timeout_s", "sql_busy_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidInput(name, "must be a number of seconds")
+            if not math.isfinite(value) or value < 0:
+                raise InvalidInput(name, "must be a finite number of seconds, 0 or more")
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
 

@@ -422,10 +422,14 @@ class OrderService:
             .limit(size)
         )
         if self._dialect == "postgresql":
+            # Rows another sweeper has claimed are skipped, not waited for.
             due = due.with_for_update(skip_locked=True)
+        # A CTE, not "id IN (subquery)": PostgreSQL may run such a subquery more than once,
+        # and with SKIP LOCKED each run can pick other rows, closing more than a batch.
+        claimed = due.cte("due")
         rows = conn.execute(
             update(orders_table)
-            .where(OC.id.in_(due.scalar_subquery()), OC.status == UNPAID)
+            .where(OC.id == claimed.c.id, OC.status == UNPAID)
             .values(
                 status=OrderStatus.CLOSED.value,
                 closed_at_ms=closed_at_ms,

@@ -8,6 +8,7 @@ its database is FLUSHed before every test, so give it a throwaway one.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -20,13 +21,15 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
 
 from orders import migrate
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
 from orders.embedded import find_redis_server
 from orders.service import OrderService
+from tests.postgres import PostgresServer, find_postgres_bin
 
 #: 2027-01-15T08:00:00Z: far from any edge, and every test starts at the same instant.
 START_MS = 1_800_000_000_000
@@ -143,16 +146,91 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
-def database_url(sqlite_template: Path, tmp_path: Path) -> str:
-    path = tmp_path / "orders.db"
-    shutil.copyfile(sqlite_template, path)
-    return f"sqlite:///{path}"
+ENGINES = ["sqlite", "postgresql"]
+
+
+class PostgresTarget:
+    """Where PostgreSQL test databases are made: our own server, or ORDERS_TEST_DATABASE_URL."""
+
+    def __init__(self, base_url: str, server: PostgresServer | None) -> None:
+        self.base = make_url(base_url)
+        self.server = server
+        self._counter = itertools.count()
+
+    def url(self, dbname: str) -> str:
+        return self.base.set(database=dbname).render_as_string(hide_password=False)
+
+    def execute(self, sql: str) -> None:
+        engine = create_engine(self.url("postgres"), isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql(sql)
+        finally:
+            engine.dispose()
+
+    def new_database(self, template: str | None = None) -> str:
+        name = f"orders_test_{os.getpid()}_{next(self._counter)}"
+        self.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {template}" if template else ""))
+        return name
+
+    def drop_database(self, name: str) -> None:
+        self.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresTarget | str]:
+    """A PostgreSQL target, or the reason there is none."""
+    external = os.environ.get("ORDERS_TEST_DATABASE_URL")
+    if external:
+        yield PostgresTarget(external, None)
+        return
+    bindir = find_postgres_bin()
+    if bindir is None:
+        yield "no PostgreSQL server binaries (initdb) found; set ORDERS_TEST_DATABASE_URL"
+        return
+    server = PostgresServer(bindir).start()
+    try:
+        yield PostgresTarget(server.url("postgres"), server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_template(postgres: PostgresTarget | str) -> tuple[PostgresTarget, str]:
+    """A database migrated to head once; each test gets a copy (CREATE DATABASE TEMPLATE)."""
+    if isinstance(postgres, str):
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"PostgreSQL tests must run in CI: {postgres}")
+        pytest.skip(f"PostgreSQL not available: {postgres}")
+    name = postgres.new_database()
+    engine = build_engine(Settings(database_url=postgres.url(name)))
+    try:
+        migrate.upgrade(engine)
+    finally:
+        engine.dispose()
+    return postgres, name
+
+
+@pytest.fixture(params=ENGINES)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, migrated database per test: a SQLite file, then a PostgreSQL database."""
+    if request.param == "sqlite":
+        template: Path = request.getfixturevalue("sqlite_template")
+        path = tmp_path / "orders.db"
+        shutil.copyfile(template, path)
+        yield f"sqlite:///{path}"
+        return
+    target, template_name = request.getfixturevalue("postgres_template")
+    name = target.new_database(template_name)
+    try:
+        yield target.url(name)
+    finally:
+        target.drop_database(name)
 
 
 @pytest.fixture
 def engine(database_url: str) -> Iterator[Engine]:
-    engine = build_engine(Settings(database_url=database_url))
+    engine = build_engine(Settings(database_url=database_url, sql_pool_size=40))
     try:
         yield engine
     finally:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, event, func, select, text
+from sqlalchemy import Engine, event, func, select
 
 from orders import (
     InvalidInput,
@@ -130,8 +130,11 @@ def test_admission_costs_one_redis_call_and_one_sql_transaction(
     event.remove(engine, "commit", on_commit)
     assert redis_round_trips.count - trips_before == 1
     statements = sql_statements.statements[statements_before:]
-    assert statements[0] == "BEGIN IMMEDIATE"
-    assert sum(s.startswith("BEGIN") for s in statements) == 1
+    # The per-user lock opens the transaction: the write lock on SQLite, an advisory lock on
+    # the user on PostgreSQL.
+    lock = "BEGIN IMMEDIATE" if engine.dialect.name == "sqlite" else "SELECT pg_advisory_xact_lock"
+    assert statements[0].startswith(lock)
+    assert sum(s.startswith(lock) for s in statements) == 1
     assert len(commits) == 1
 
 
@@ -265,12 +268,20 @@ def test_sql_failure_on_insert_removes_the_member_again(
 ) -> None:
     service.create_unpaid_order("u1", order_id="kept")
     with engine.begin() as conn:
-        conn.execute(
-            text(
+        if engine.dialect.name == "sqlite":
+            conn.exec_driver_sql(
                 "CREATE TRIGGER refuse_inserts BEFORE INSERT ON orders "
                 "BEGIN SELECT RAISE(ABORT, 'disk on fire'); END"
             )
-        )
+        else:
+            conn.exec_driver_sql(
+                "CREATE FUNCTION disk_on_fire() RETURNS trigger LANGUAGE plpgsql "
+                "AS $$ BEGIN RAISE EXCEPTION 'disk on fire'; END $$"
+            )
+            conn.exec_driver_sql(
+                "CREATE TRIGGER refuse_inserts BEFORE INSERT ON orders "
+                "FOR EACH ROW EXECUTE FUNCTION disk_on_fire()"
+            )
 
     with pytest.raises(StoreUnavailable) as info:
         service.create_unpaid_order("u1", order_id="doomed")

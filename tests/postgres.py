@@ -1,0 +1,124 @@
+"""A throwaway PostgreSQL server for the test session: initdb + postgres on a unix socket.
+
+The binaries come from the system (/usr/lib/postgresql/*/bin, or initdb on PATH). PostgreSQL
+refuses to run as root, so as root the server runs as the unprivileged user ``nobody``.
+The server listens on no TCP address, only on a socket in its private folder, and the test
+session stops it by its PID.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+UNPRIVILEGED_USER = "nobody"
+
+
+def find_postgres_bin() -> Path | None:
+    def version(initdb: str) -> int:
+        name = Path(initdb).parent.parent.name
+        return int(name) if name.isdigit() else 0
+
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=version)
+    if candidates:
+        return Path(candidates[-1]).parent
+    found = shutil.which("initdb")
+    return Path(found).parent if found else None
+
+
+class PostgresServer:
+    """``start()`` then ``url(dbname)``; ``stop()`` ends the server and removes its files."""
+
+    def __init__(self, bindir: Path) -> None:
+        self.bindir = bindir
+        self.folder = Path(tempfile.mkdtemp(prefix="orders-pg-", dir="/tmp"))
+        self.data = self.folder / "data"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.as_user = UNPRIVILEGED_USER if os.geteuid() == 0 else None
+
+    def _run_as(self) -> dict[str, str]:
+        return {"user": self.as_user} if self.as_user else {}
+
+    def start(self, timeout_s: float = 60) -> PostgresServer:
+        if self.as_user:
+            shutil.chown(self.folder, user=self.as_user)
+        os.chmod(self.folder, 0o700)
+        subprocess.run(
+            [
+                str(self.bindir / "initdb"),
+                "-D", str(self.data),
+                "-U", "orders",
+                "--auth=trust",
+                "-E", "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+            cwd=self.folder,
+            **self._run_as(),  # type: ignore[arg-type]
+        )  # fmt: skip
+        log = open(self.folder / "postgres.log", "wb")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    str(self.bindir / "postgres"),
+                    "-D", str(self.data),
+                    "-k", str(self.folder),
+                    "-c", "listen_addresses=",
+                    "-c", "fsync=off",
+                    "-c", "synchronous_commit=off",
+                    "-c", "full_page_writes=off",
+                    "-c", "max_connections=300",
+                    "-c", "shared_buffers=128MB",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.folder,
+                **self._run_as(),  # type: ignore[arg-type]
+            )  # fmt: skip
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    "postgres exited: " + (self.folder / "postgres.log").read_text()[-2000:]
+                )
+            try:
+                with psycopg.connect(self.dsn("postgres"), connect_timeout=2):
+                    return self
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def dsn(self, dbname: str) -> str:
+        return f"host={self.folder} user=orders dbname={dbname}"
+
+    def url(self, dbname: str) -> str:
+        return f"postgresql+psycopg://orders@/{dbname}?host={self.folder}"
+
+    def execute(self, sql: str) -> None:
+        """Run one statement outside a transaction (CREATE/DROP DATABASE) on ``postgres``."""
+        with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
+            conn.execute(sql)  # type: ignore[call-overload]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)  # "fast" shutdown: roll back and exit
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            self.proc = None
+        shutil.rmtree(self.folder, ignore_errors=True)
