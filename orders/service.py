@@ -54,12 +54,21 @@ from orders.errors import (
     UnpaidOrderLimitReached,
 )
 from orders.index import Admission, UnpaidIndex
-from orders.models import TEXT_COLUMN_LENGTH, events_table, orders_table, sql_errors
+from orders.models import (
+    TEXT_COLUMN_LENGTH,
+    UNPAID_PREDICATE,
+    events_table,
+    orders_table,
+    sql_errors,
+)
 
 log = logging.getLogger(__name__)
 
 OC = orders_table.c
 UNPAID = OrderStatus.UNPAID.value
+#: Inline, not a bound parameter: only a literal lets the planners of both engines match the
+#: partial indexes declared WHERE status = 'unpaid' (PostgreSQL's generic plans included).
+IS_UNPAID = UNPAID_PREDICATE
 EXPIRED_REASON = "expired"
 
 
@@ -108,6 +117,10 @@ class OrderService:
         self._dialect = engine.dialect.name
         #: Test hook: called between the Redis admission and the SQL insert.
         self.after_admit: Callable[[str, str], None] | None = None
+        #: Take the per-user lock around the SQL limit guard on PostgreSQL. Only a test
+        #: turns it off, to show the race the lock prevents (count-then-insert at READ
+        #: COMMITTED lets two creates both see room for one more).
+        self.lock_users = True
 
     # --- create ----------------------------------------------------------------------
 
@@ -219,7 +232,7 @@ class OrderService:
         with self._write(user_lock=uid) as conn:
             open_count, earliest = conn.execute(
                 select(func.count(), func.min(OC.expires_at_ms)).where(
-                    OC.user_id == uid, OC.status == UNPAID, OC.expires_at_ms > now_ms
+                    OC.user_id == uid, IS_UNPAID, OC.expires_at_ms > now_ms
                 )
             ).one()
             if open_count >= limit:
@@ -248,7 +261,7 @@ class OrderService:
         now_ms = self.clock()
         late_close = False
         with self._write() as conn:
-            conditions = [OC.id == oid, OC.status == UNPAID]
+            conditions = [OC.id == oid, IS_UNPAID]
             if self.settings.strict_expiry:
                 conditions.append(OC.expires_at_ms > now_ms)
             row = self._transition(
@@ -289,7 +302,7 @@ class OrderService:
         with self._write() as conn:
             row = self._transition(
                 conn,
-                conditions=[OC.id == oid, OC.status == UNPAID],
+                conditions=[OC.id == oid, IS_UNPAID],
                 kind=EventKind.CANCELLED,
                 now_ms=now_ms,
                 values={
@@ -328,7 +341,7 @@ class OrderService:
         now_ms = self.clock()
         query = (
             select(*orders_table.c)
-            .where(OC.user_id == uid, OC.status == UNPAID, OC.expires_at_ms > now_ms)
+            .where(OC.user_id == uid, IS_UNPAID, OC.expires_at_ms > now_ms)
             .order_by(OC.expires_at_ms, OC.id)
         )
         with self._read() as conn:
@@ -337,7 +350,7 @@ class OrderService:
 
     def earliest_unpaid_expiry_ms(self) -> int | None:
         """The expiry of the unpaid order due first (overdue ones included), or None."""
-        query = select(func.min(OC.expires_at_ms)).where(OC.status == UNPAID)
+        query = select(func.min(OC.expires_at_ms)).where(IS_UNPAID)
         with self._read() as conn:
             value: int | None = conn.scalar(query)
         return value
@@ -349,7 +362,7 @@ class OrderService:
         query = (
             select(func.count())
             .select_from(orders_table)
-            .where(OC.status == UNPAID, OC.expires_at_ms <= cutoff)
+            .where(IS_UNPAID, OC.expires_at_ms <= cutoff)
         )
         with self._read() as conn:
             return int(conn.scalar(query) or 0)
@@ -417,7 +430,7 @@ class OrderService:
     ) -> Sequence[Row[Any]]:
         due = (
             select(OC.id)
-            .where(OC.status == UNPAID, OC.expires_at_ms <= cutoff)
+            .where(IS_UNPAID, OC.expires_at_ms <= cutoff)
             .order_by(OC.expires_at_ms)
             .limit(size)
         )
@@ -429,7 +442,7 @@ class OrderService:
         claimed = due.cte("due")
         rows = conn.execute(
             update(orders_table)
-            .where(OC.id == claimed.c.id, OC.status == UNPAID)
+            .where(OC.id == claimed.c.id, IS_UNPAID)
             .values(
                 status=OrderStatus.CLOSED.value,
                 closed_at_ms=closed_at_ms,
@@ -452,7 +465,7 @@ class OrderService:
         """
         return self._transition(
             conn,
-            conditions=[OC.id == oid, OC.status == UNPAID, OC.expires_at_ms <= now_ms],
+            conditions=[OC.id == oid, IS_UNPAID, OC.expires_at_ms <= now_ms],
             kind=EventKind.CLOSED,
             now_ms=now_ms,
             values={
@@ -541,7 +554,7 @@ class OrderService:
         with sql_errors(), self.engine.connect() as conn:
             if self._dialect == "sqlite":
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
-            elif self._dialect == "postgresql" and user_lock is not None:
+            elif self._dialect == "postgresql" and user_lock is not None and self.lock_users:
                 conn.execute(
                     select(func.pg_advisory_xact_lock(func.hashtextextended(user_lock, 0)))
                 )

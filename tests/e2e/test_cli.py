@@ -18,6 +18,7 @@ from click.testing import CliRunner, Result
 
 from orders.cli import main
 from orders.embedded import redis_status
+from orders.migrate import head_revision
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,7 +111,7 @@ def test_db_upgrade_creates_the_schema_and_other_commands_ask_for_it(tmp_path: P
     upgraded = runner.invoke(main, ["db", "upgrade"], env=env)
     assert upgraded.exit_code == 0, upgraded.output
     current = runner.invoke(main, ["db", "current"], env=env)
-    assert current.stdout.strip() == "database: 0001, code: 0001"
+    assert current.stdout.strip() == f"database: {head_revision()}, code: {head_revision()}"
 
 
 def test_help_names_the_environment_variables() -> None:

@@ -7,37 +7,48 @@ the repository root, reading the database URL from ``ORDERS_DATABASE_URL`` like 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, inspect, select
+from sqlalchemy import Engine, create_engine, func, inspect, select
 
 from orders import migrate
 from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.errors import SchemaNotReady, StoreUnavailable
 from orders.models import Base, orders_table
-from orders.service import OrderService
-from tests.conftest import ManualClock
+from orders.service import IS_UNPAID, OC, OrderService
+from tests.conftest import ENGINES, ManualClock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"orders", "order_events"}
 ORDERS_INDEXES = {
-    "ix_orders_status_expires_at_ms": ["status", "expires_at_ms"],
-    "ix_orders_user_id_status_expires_at_ms": ["user_id", "status", "expires_at_ms"],
+    "ix_orders_unpaid_expires_at_ms": ["expires_at_ms"],
+    "ix_orders_unpaid_user_id_expires_at_ms": ["user_id", "expires_at_ms"],
 }
 
 
-@pytest.fixture
-def empty_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'empty.db'}"
+@pytest.fixture(params=ENGINES)
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database without any schema, on each engine."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'empty.db'}"
+        return
+    target, _ = request.getfixturevalue("postgres_template")
+    name = target.new_database()
+    try:
+        yield target.url(name)
+    finally:
+        target.drop_database(name)
 
 
 @pytest.fixture
@@ -145,15 +156,54 @@ def test_head_revision_is_the_newest_script_in_migrations_versions() -> None:
     assert Path(newest.path).name == files[-1]
 
 
-def test_template_database_has_the_sweep_and_limit_guard_indexes(sqlite_template: Path) -> None:
-    engine = create_engine(f"sqlite:///file:{sqlite_template}?mode=ro&uri=true")
-    try:
-        indexes = {ix["name"]: ix["column_names"] for ix in inspect(engine).get_indexes("orders")}
-    finally:
-        engine.dispose()
+def test_the_sweep_and_limit_guard_indexes_are_partial_over_unpaid_orders(engine: Engine) -> None:
+    indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("orders")}
 
     for name, columns in ORDERS_INDEXES.items():
-        assert indexes.get(name) == columns
+        assert indexes[name]["column_names"] == columns
+        where = str(indexes[name].get("dialect_options", {}).get(f"{engine.dialect.name}_where"))
+        assert "status" in where
+        assert "unpaid" in where
+
+
+def explain(engine: Engine, statement: Any) -> str:
+    """The plan the engine picks for ``statement`` with its parameters bound, as text.
+
+    On PostgreSQL the statement is prepared and planned generically, as a statement the
+    driver has prepared and reuses is: a partial index then only serves predicates that
+    are literals in the SQL, not parameters.
+    """
+    compiled = statement.compile(engine)
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            params = tuple(compiled.params[name] for name in compiled.positiontup or ())
+            rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(compiled), params).all()
+        else:
+            names: list[str] = []
+
+            def placeholder(match: re.Match[str]) -> str:
+                names.append(match.group(1))
+                return f"${len(names)}"
+
+            sql = re.sub(r"%\((\w+)\)s(::\w+)?", placeholder, str(compiled))
+            values = ", ".join(
+                str(v) if isinstance(v, int) else "'" + str(v).replace("'", "''") + "'"
+                for v in (compiled.params[name] for name in names)
+            )
+            conn.exec_driver_sql("SET enable_seqscan = off")
+            conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+            conn.exec_driver_sql(f"PREPARE planned AS {sql}")
+            rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE planned({values})").all()
+            conn.exec_driver_sql("DEALLOCATE planned")
+    return "\n".join(str(row[-1]) for row in rows)
+
+
+def test_the_sweep_and_the_limit_guard_use_the_partial_indexes(engine: Engine) -> None:
+    due = select(OC.id).where(IS_UNPAID, OC.expires_at_ms <= 5).order_by(OC.expires_at_ms).limit(10)
+    guard = select(func.count()).where(OC.user_id == "u1", IS_UNPAID, OC.expires_at_ms > 5)
+
+    assert "ix_orders_unpaid_expires_at_ms" in explain(engine, due)
+    assert "ix_orders_unpaid_user_id_expires_at_ms" in explain(engine, guard)
 
 
 # --- the service on a database without the schema -------------------------------------------

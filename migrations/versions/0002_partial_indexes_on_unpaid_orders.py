@@ -1,0 +1,50 @@
+"""Partial indexes over unpaid orders replace the (status, ...) indexes.
+
+Paid, cancelled and closed orders accumulate forever; the sweep, the limit guard and
+list_unpaid only ever look at unpaid ones. Indexes restricted to those stay small and
+cheap to keep up to date however large the table grows.
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-11-22
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0002"
+down_revision: str | None = "0001"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+UNPAID = sa.text("status = 'unpaid'")
+
+
+def upgrade() -> None:
+    op.create_index(
+        "ix_orders_unpaid_expires_at_ms",
+        "orders",
+        ["expires_at_ms"],
+        postgresql_where=UNPAID,
+        sqlite_where=UNPAID,
+    )
+    op.create_index(
+        "ix_orders_unpaid_user_id_expires_at_ms",
+        "orders",
+        ["user_id", "expires_at_ms"],
+        postgresql_where=UNPAID,
+        sqlite_where=UNPAID,
+    )
+    op.drop_index("ix_orders_user_id_status_expires_at_ms", table_name="orders")
+    op.drop_index("ix_orders_status_expires_at_ms", table_name="orders")
+
+
+def downgrade() -> None:
+    op.create_index("ix_orders_status_expires_at_ms", "orders", ["status", "expires_at_ms"])
+    op.create_index(
+        "ix_orders_user_id_status_expires_at_ms", "orders", ["user_id", "status", "expires_at_ms"]
+    )
+    op.drop_index("ix_orders_unpaid_user_id_expires_at_ms", table_name="orders")
+    op.drop_index("ix_orders_unpaid_expires_at_ms", table_name="orders")
