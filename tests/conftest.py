@@ -35,6 +35,21 @@ from tests.postgres import PostgresServer, find_postgres_bin
 START_MS = 1_800_000_000_000
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="run the concurrency and crash tests at full size (slow; also ORDERS_TEST_FULL=1)",
+    )
+
+
+@pytest.fixture(scope="session")
+def full_size(request: pytest.FixtureRequest) -> bool:
+    """True when the large tests should run at the sizes their issue names."""
+    return bool(request.config.getoption("--full")) or os.environ.get("ORDERS_TEST_FULL") == "1"
+
+
 class ManualClock:
     """A clock the test moves by hand; thread-safe."""
 
