@@ -309,6 +309,45 @@ def scheduler(
     )
 
 
+@main.command("reconcile")
+@click.option("--user", "user_id", help="Only this user's key.")
+@click.option("--dry-run", is_flag=True, help="Report what is wrong; change nothing.")
+@json_option
+@click.pass_context
+def reconcile_command(
+    ctx: click.Context, user_id: str | None, dry_run: bool, as_json: bool
+) -> None:
+    """Make the Redis index equal to SQL (after Redis lost data, or any time)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    from orders.reconcile import reconcile  # noqa: PLC0415
+
+    service = _state(ctx).service()
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("reconciling: {task.completed} users"),
+        TimeElapsedColumn(),
+        transient=True,
+        disable=as_json,
+    ) as progress:
+        task = progress.add_task("reconcile", total=None)
+        report = reconcile(
+            service,
+            user_id=user_id,
+            dry_run=dry_run,
+            on_progress=lambda users: progress.update(task, completed=users),
+        )
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+        return
+    verb = "would fix" if dry_run else "fixed"
+    click.echo(
+        f"{report.users} users checked; {verb}: {report.added} added, {report.rescored} "
+        f"re-scored, {report.removed_terminal} removed (order no longer open), "
+        f"{report.removed_expired} expired dropped; {report.kept_in_flight} in flight kept"
+    )
+
+
 # --- stores --------------------------------------------------------------------------
 
 

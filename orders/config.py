@@ -45,6 +45,9 @@ class Settings:
     sweep_interval_s: float = 1.0
     #: How long the active scheduler's lease lasts without renewal (failover time).
     lease_ttl_s: float = 5.0
+    #: The active scheduler rebuilds the Redis index from SQL this often (and at once when
+    #: Redis lost its data).
+    reconcile_interval_s: float = 600.0
     redis_socket_timeout_s: float = 1.0
     sql_pool_size: int = 5
     sql_max_overflow: int = 10
@@ -63,6 +66,7 @@ class Settings:
             "redis_socket_timeout_s",
             "sweep_interval_s",
             "lease_ttl_s",
+            "reconcile_interval_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):

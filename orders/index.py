@@ -70,6 +70,7 @@ class UnpaidIndex:
         self.key_prefix = key_prefix
         self.key_margin_ms = key_margin_ms
         self._admit: Script = client.register_script(_load_script("admit"))
+        self._repair: Script = client.register_script(_load_script("repair"))
         self._lease: Script = client.register_script(_load_script("lease"))
         self._lease_release: Script = client.register_script(_load_script("lease_release"))
 
@@ -115,6 +116,63 @@ class UnpaidIndex:
 
     # --- the sweeper lease: which scheduler process is the active one ------------------
 
+    def epoch_key(self) -> str:
+        """The marker written after a complete rebuild from SQL. Redis losing its data loses
+        this key too, which is how the service notices that the index must be rebuilt."""
+        return f"{self.key_prefix}[index-epoch]"
+
+    def get_epoch(self) -> str | None:
+        with _redis_errors("get_epoch"):
+            value: bytes | str | None = self.client.get(self.epoch_key())
+        return None if value is None else _text(value)
+
+    def set_epoch(self, value: str) -> None:
+        with _redis_errors("set_epoch"):
+            self.client.set(self.epoch_key(), value)
+
+    def scan_users(self, *, chunk: int = 500) -> Iterator[list[str]]:
+        """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking)."""
+        pattern = _glob_escape(self.key_prefix) + "*"
+        start = len(self.key_prefix)
+        with _redis_errors("scan_users"):
+            cursor: int = 0
+            while True:
+                cursor, keys = self.client.scan(cursor, match=pattern, count=chunk)
+                users = [_text(k)[start:] for k in keys]
+                # "[...]" names the service's own keys (lease, epoch): never a user id.
+                users = [u for u in users if not u.startswith("[")]
+                if users:
+                    yield users
+                if cursor == 0:
+                    return
+
+    def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
+        """Every member with its score for each user, in one pipelined round trip."""
+        with _redis_errors("members_of"):
+            pipe = self.client.pipeline(transaction=False)
+            for user_id in user_ids:
+                pipe.zrange(self.key(user_id), 0, -1, withscores=True, score_cast_func=_text)
+            replies: list[Any] = pipe.execute()
+        return {
+            user_id: {_text(member): _score(score) for member, score in pairs}
+            for user_id, pairs in zip(user_ids, replies, strict=True)
+        }
+
+    def repair(
+        self, user_id: str, *, now_ms: int, remove: list[str], add: dict[str, int]
+    ) -> tuple[int, int, int]:
+        """Drop expired members, remove ``remove``, add or re-score ``add``; one script.
+
+        Returns (expired dropped, removed, added or re-scored).
+        """
+        args: list[str | int] = [now_ms, self.key_margin_ms, len(remove), *remove]
+        for order_id, score in add.items():
+            args += [score, order_id]
+        with _redis_errors("repair"):
+            reply: list[Any] = self._repair(keys=[self.key(user_id)], args=args)
+        dropped, removed, changed = (int(x) for x in reply)
+        return dropped, removed, changed
+
     def lease_key(self) -> str:
         """The sweeper lease's key: under the users' prefix (one ACL pattern covers both),
         yet never a user's key, because ``[`` is refused in user ids."""
@@ -142,6 +200,10 @@ class UnpaidIndex:
         with _redis_errors("lease_owner"):
             value: bytes | str | None = self.client.get(self.lease_key())
         return None if value is None else _text(value)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 def _check_lease_args(owner: str, ttl_ms: int) -> None:

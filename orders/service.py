@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from sqlalchemy import Connection, Engine, Row, func, insert, select, update
@@ -54,6 +54,9 @@ from orders.errors import (
     UnpaidOrderLimitReached,
 )
 from orders.index import Admission, UnpaidIndex
+
+if TYPE_CHECKING:
+    from orders.reconcile import ReconcileReport
 from orders.models import (
     TEXT_COLUMN_LENGTH,
     UNPAID_PREDICATE,
@@ -366,6 +369,14 @@ class OrderService:
         )
         with self._read() as conn:
             return int(conn.scalar(query) or 0)
+
+    def reconcile(
+        self, *, user_id: str | None = None, dry_run: bool = False, chunk_size: int = 500
+    ) -> ReconcileReport:
+        """Make the Redis index equal to SQL (see :mod:`orders.reconcile`)."""
+        from orders.reconcile import reconcile  # noqa: PLC0415  (it builds on this class)
+
+        return reconcile(self, user_id=user_id, dry_run=dry_run, chunk_size=chunk_size)
 
     # --- sweep -----------------------------------------------------------------------
 

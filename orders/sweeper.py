@@ -109,6 +109,9 @@ class Sweeper:
         self._renewed_at = 0.0
         self._lost_lease = False
         self._down: set[str] = set()
+        self.reconcile_interval_s = s.reconcile_interval_s
+        #: When the next scheduled reconcile is due (monotonic); None: at the first tick.
+        self._reconcile_at: float | None = None
 
     @property
     def stopping(self) -> bool:
@@ -135,6 +138,7 @@ class Sweeper:
         with self._tick_lock:
             if self._stop_requested or not self._take_lease():
                 return self.cadence_s
+            self._reconcile_if_due()
             return self._sweep()
 
     def close(self) -> None:
@@ -171,6 +175,35 @@ class Sweeper:
         self._renewed_at = time.monotonic()
         self._set_holds(held)
         return held
+
+    def _reconcile_if_due(self) -> None:
+        """Rebuild the Redis index from SQL when this sweeper becomes active, on schedule,
+        and at once when the epoch marker is gone (Redis lost its data)."""
+        now = time.monotonic()
+        if self._reconcile_at is not None and now < self._reconcile_at:
+            try:
+                if self.service.index.get_epoch() is not None:
+                    return
+            except StoreUnavailable:
+                return  # _take_lease already logged the outage
+            reason = "index_lost"
+        else:
+            reason = "scheduled" if self._reconcile_at is not None else "startup"
+        started = time.monotonic()
+        try:
+            report = self.service.reconcile()
+        except StoreUnavailable as exc:
+            self._store_down(exc.store, exc, "reconcile retried next tick")
+            return
+        self._store_up("sql")
+        self._reconcile_at = now + self.reconcile_interval_s
+        self._log(
+            logging.INFO if report.fixes or reason == "index_lost" else logging.DEBUG,
+            "reconcile",
+            reason=reason,
+            duration_ms=round((time.monotonic() - started) * 1000),
+            **report.as_dict(),
+        )
 
     def _sweep(self) -> float:
         self._lost_lease = False

@@ -173,3 +173,19 @@ def test_the_embedded_default_is_shared_by_processes_and_stopped_on_request(home
     assert stopped.returncode == 0, stopped.stderr
     assert redis_status(home) is None
     assert orders_process(home, "server", "status").returncode == 1
+
+
+def test_reconcile_command_restores_the_index_and_reports_its_fixes(
+    run: Any, service: Any, redis_client: Any
+) -> None:
+    service.create_unpaid_order("u1", ttl_s=600)
+    service.create_unpaid_order("u2", ttl_s=600)
+    redis_client.flushdb()
+
+    dry = run("reconcile", "--dry-run", "--json")
+    assert json.loads(dry.stdout)["added"] == 2
+    assert redis_client.dbsize() == 0
+    done = run("reconcile")
+    assert done.exit_code == 0, done.output
+    assert "2 added" in done.stdout
+    assert len(service.index.members("u1")) == len(service.index.members("u2")) == 1

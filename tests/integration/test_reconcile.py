@@ -1,0 +1,188 @@
+"""reconcile(): the Redis index rebuilt and repaired from SQL."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+import redis
+
+from orders import reconcile as reconcile_module
+from orders.service import OrderService
+from orders.sweeper import Sweeper
+from tests.conftest import ManualClock
+
+
+def index_state(service: OrderService, users: list[str]) -> dict[str, dict[str, int]]:
+    return {u: m for u, m in service.index.members_of(users).items() if m}
+
+
+def sql_open(service: OrderService, users: list[str]) -> dict[str, dict[str, int]]:
+    state = {u: {o.id: o.expires_at_ms for o in service.list_unpaid(u)} for u in users}
+    return {u: m for u, m in state.items() if m}
+
+
+def test_after_a_flush_reconcile_restores_every_open_order_with_its_exact_score(
+    service: OrderService, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    users = [f"u{i}" for i in range(7)]
+    for i, user in enumerate(users):
+        for ttl in range(1, i % 3 + 2):
+            service.create_unpaid_order(user, ttl_s=ttl * 10 + i)
+    paid = service.create_unpaid_order("u0", ttl_s=50)
+    service.mark_paid(paid.id)
+    expired = service.create_unpaid_order("u6", ttl_s=1)
+    clock.advance(s=2)
+    expected = sql_open(service, users)
+    assert expired.id not in expected["u6"]
+    redis_client.flushdb()
+
+    report = service.reconcile(chunk_size=3)
+
+    assert index_state(service, users) == expected
+    assert report.added == sum(len(m) for m in expected.values())
+    assert report.removed_terminal == report.removed_expired == report.rescored == 0
+    assert service.index.get_epoch() == str(clock())
+
+
+def test_reconcile_removes_members_of_paid_cancelled_closed_and_expired_orders(
+    service: OrderService, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    kept = service.create_unpaid_order("u1", ttl_s=60)
+    paid = service.create_unpaid_order("u1", ttl_s=60)
+    cancelled = service.create_unpaid_order("u2", ttl_s=60)
+    closed = service.create_unpaid_order("u2", ttl_s=5)
+    for order, score in [(paid, paid.expires_at_ms), (cancelled, cancelled.expires_at_ms)]:
+        service.mark_paid(order.id) if order is paid else service.cancel_order(order.id)
+        # As if Redis had been unreachable when the transition tried to remove the member:
+        redis_client.zadd(service.index.key(order.user_id), {order.id: score})
+    clock.advance(s=5)
+    service.sweep_expired()
+    redis_client.zadd(service.index.key("u2"), {closed.id: closed.expires_at_ms})
+    before = service.index.members_of(["u1", "u2"])
+    assert len(before["u1"]) == 2
+    assert len(before["u2"]) == 2
+
+    report = service.reconcile()
+
+    assert index_state(service, ["u1", "u2"]) == {"u1": {kept.id: kept.expires_at_ms}}
+    assert report.removed_terminal == 2
+    assert report.removed_expired == 1  # the closed one: its score is not ahead of now
+    assert redis_client.exists(service.index.key("u2")) == 0
+
+
+def test_a_member_without_a_sql_row_is_kept_until_its_own_expiry(
+    service: OrderService, clock: ManualClock
+) -> None:
+    # A create between its two steps: admitted in Redis, not yet inserted in SQL.
+    service.index.admit("u1", "in-flight", expires_at_ms=clock() + 10_000, now_ms=clock(), limit=3)
+
+    first = service.reconcile()
+    assert service.index.members("u1") == {"in-flight": clock() + 10_000}
+    assert first.kept_in_flight == 1
+
+    clock.advance(s=10)
+    second = service.reconcile()
+    assert service.index.members("u1") == {}
+    assert second.removed_expired == 1
+
+
+def test_a_wrong_score_is_corrected_and_a_member_in_the_wrong_users_set_removed(
+    service: OrderService, redis_client: redis.Redis
+) -> None:
+    order = service.create_unpaid_order("u1", ttl_s=60)
+    other = service.create_unpaid_order("u2", ttl_s=60)
+    redis_client.zadd(service.index.key("u1"), {order.id: order.expires_at_ms + 999})
+    redis_client.zadd(service.index.key("u1"), {other.id: other.expires_at_ms})
+
+    report = service.reconcile()
+
+    assert service.index.members("u1") == {order.id: order.expires_at_ms}
+    assert service.index.members("u2") == {other.id: other.expires_at_ms}
+    assert report.rescored == 1
+    assert report.removed_terminal == 1
+
+
+def test_dry_run_reports_without_changing_anything(
+    service: OrderService, redis_client: redis.Redis
+) -> None:
+    service.create_unpaid_order("u1", ttl_s=60)
+    service.create_unpaid_order("u2", ttl_s=60)
+    redis_client.flushdb()
+
+    report = service.reconcile(dry_run=True)
+
+    assert report.added == 2
+    assert report.dry_run
+    assert redis_client.dbsize() == 0
+    assert service.index.get_epoch() is None
+
+
+def test_one_user_only(service: OrderService, redis_client: redis.Redis) -> None:
+    service.create_unpaid_order("u1", ttl_s=60)
+    service.create_unpaid_order("u2", ttl_s=60)
+    redis_client.flushdb()
+
+    report = service.reconcile(user_id="u1")
+
+    assert report.users == 1
+    assert len(service.index.members("u1")) == 1
+    assert service.index.members("u2") == {}
+    assert service.index.get_epoch() is None  # not a complete rebuild
+
+
+def test_an_add_that_races_a_payment_does_not_leave_a_stale_member(
+    service: OrderService, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order = service.create_unpaid_order("u1", ttl_s=60)
+    redis_client.flushdb()
+    read_open = reconcile_module._open_orders
+
+    def read_then_pay(*args: Any) -> dict[str, dict[str, int]]:
+        stale = read_open(*args)
+        service.mark_paid(order.id)  # commits and removes its (absent) member now
+        return stale
+
+    monkeypatch.setattr(reconcile_module, "_open_orders", read_then_pay)
+
+    service.reconcile(user_id="u1")
+
+    assert service.get_order(order.id).status == "paid"
+    assert service.index.members("u1") == {}
+
+
+def test_reconcile_covers_keys_of_users_sql_no_longer_has_open_orders_for(
+    service: OrderService, redis_client: redis.Redis
+) -> None:
+    orders = [service.create_unpaid_order(f"gone{i}", ttl_s=60) for i in range(12)]
+    for order in orders:
+        service.cancel_order(order.id)
+        redis_client.zadd(service.index.key(order.user_id), {order.id: order.expires_at_ms})
+
+    report = service.reconcile(chunk_size=5)
+
+    assert report.removed_terminal == 12
+    assert [k for k in redis_client.scan_iter() if b"gone" in k] == []
+
+
+def test_the_active_scheduler_rebuilds_the_index_at_start_and_when_redis_lost_it(
+    service: OrderService, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    orders = [service.create_unpaid_order(f"u{i}", ttl_s=60) for i in range(3)]
+    sweeper = Sweeper(service)
+    sweeper.tick()
+    assert service.index.get_epoch() is not None  # the startup rebuild wrote the marker
+
+    redis_client.flushdb()  # a restart without persistence, say
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    sweeper.tick()
+
+    assert all(service.index.members(o.user_id) == {o.id: o.expires_at_ms} for o in orders)
+    assert service.index.get_epoch() is not None
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "orders.sweeper"]
+    rebuilt = [e for e in events if e["event"] == "reconcile"]
+    assert len(rebuilt) == 1
+    assert (rebuilt[0]["reason"], rebuilt[0]["added"]) == ("index_lost", 3)
+    sweeper.close()
