@@ -111,7 +111,10 @@ def build_service(settings: Settings | None = None, *, clock: Clock | None = Non
             ensure_embedded_schema(engine, settings.home)
         else:
             ensure_schema(engine)
-        return OrderService(engine, build_redis(settings), settings, clock=clock)
+        service = OrderService(engine, build_redis(settings), settings, clock=clock)
+        for warning in service.index.server_warnings():
+            log.warning("%s", warning)
+        return service
     except BaseException:
         engine.dispose()
         raise

@@ -40,6 +40,9 @@ class Settings:
     max_metadata_bytes: int = 16_384
     #: Refuse (and close) a payment that arrives after ``expires_at`` but before the sweep.
     strict_expiry: bool = False
+    #: When Redis is unreachable, admit orders through the SQL limit guard alone (still
+    #: exact, just slower) instead of refusing them with StoreUnavailable.
+    create_without_redis: bool = False
     sweep_batch_size: int = 500
     #: The scheduler sweeps at least this often, and sooner when an order is due sooner.
     sweep_interval_s: float = 1.0
@@ -48,7 +51,8 @@ class Settings:
     #: The active scheduler rebuilds the Redis index from SQL this often (and at once when
     #: Redis lost its data).
     reconcile_interval_s: float = 600.0
-    redis_socket_timeout_s: float = 1.0
+    #: Per Redis call; with one retry, a dead Redis is noticed within about twice this.
+    redis_socket_timeout_s: float = 0.5
     sql_pool_size: int = 5
     sql_max_overflow: int = 10
     sql_pool_timeout_s: float = 10.0

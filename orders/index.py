@@ -116,6 +116,35 @@ class UnpaidIndex:
 
     # --- the sweeper lease: which scheduler process is the active one ------------------
 
+    def server_warnings(self) -> list[str]:
+        """What about the server's configuration could lose or corrupt the index.
+
+        Eviction (any ``maxmemory-policy`` but ``noeviction``) may drop users' keys; no
+        persistence loses everything at a restart. Both are survivable (SQL is the record
+        and reconcile rebuilds the index), but an operator should know. Servers that refuse
+        CONFIG (managed services, restricted ACL users) yield no warning.
+        """
+        try:
+            config: dict[Any, Any] = self.client.config_get("maxmemory-policy")
+            config.update(self.client.config_get("save"))
+            config.update(self.client.config_get("appendonly"))
+        except redis.RedisError:
+            return []
+        values = {_text(k): _text(v) for k, v in config.items()}
+        warnings = []
+        policy = values.get("maxmemory-policy", "noeviction")
+        if policy != "noeviction":
+            warnings.append(
+                f"redis maxmemory-policy is {policy}: keys of the index may be evicted "
+                "(set noeviction; reconcile repairs what is lost)"
+            )
+        if not values.get("save") and values.get("appendonly") != "yes":
+            warnings.append(
+                "redis has no persistence (no RDB save points, appendonly no): a restart "
+                "empties the index until the scheduler rebuilds it from SQL"
+            )
+        return warnings
+
     def epoch_key(self) -> str:
         """The marker written after a complete rebuild from SQL. Redis losing its data loses
         this key too, which is how the service notices that the index must be rebuilt."""

@@ -53,7 +53,7 @@ from orders.errors import (
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
-from orders.index import Admission, UnpaidIndex
+from orders.index import Admission, AdmitResult, UnpaidIndex
 
 if TYPE_CHECKING:
     from orders.reconcile import ReconcileReport
@@ -162,7 +162,16 @@ class OrderService:
             raise InvalidInput("ttl_s", "puts the expiry beyond 2**53 ms")
         oid = given_id or self._new_id()
 
-        admitted = self.index.admit(uid, oid, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=lim)
+        try:
+            admitted = self.index.admit(
+                uid, oid, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=lim
+            )
+        except StoreUnavailable:
+            if not s.create_without_redis:
+                raise
+            # Degraded mode: the SQL guard alone decides; reconcile adds the member later.
+            log.warning("redis unavailable: admitting order %s through the SQL guard only", oid)
+            admitted = AdmitResult(Admission.EXISTS, 0, expires_at_ms)
         if admitted.outcome is Admission.REFUSED:
             if given_id is not None:
                 earlier = self._find(oid, now_ms)
