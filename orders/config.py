@@ -44,6 +44,15 @@ class Settings:
     #: exact, just slower) instead of refusing them with StoreUnavailable.
     create_without_redis: bool = False
     sweep_batch_size: int = 500
+    #: Dotted paths (module:function or module.function), comma-separated, of handlers the
+    #: scheduler calls for each closed order, e.g. "shop.stock:release_closed_order".
+    on_closed: str = ""
+    #: extend_order and the pre-close check never move an expiry past created_at + this.
+    max_lifetime_s: float = 7 * 24 * 3600.0
+    #: The pre-close check (a hook asked before an expired order is closed) gets this long
+    #: for each sweep batch, and may add at most max_extension_s, once per order.
+    pre_close_timeout_s: float = 1.0
+    max_extension_s: float = 600.0
     #: The scheduler sweeps at least this often, and sooner when an order is due sooner.
     sweep_interval_s: float = 1.0
     #: How long the active scheduler's lease lasts without renewal (failover time).
@@ -71,6 +80,9 @@ class Settings:
             "sweep_interval_s",
             "lease_ttl_s",
             "reconcile_interval_s",
+            "max_lifetime_s",
+            "pre_close_timeout_s",
+            "max_extension_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool):

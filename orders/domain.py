@@ -45,6 +45,7 @@ class EventKind(StrEnum):
     PAID = "paid"
     CANCELLED = "cancelled"
     CLOSED = "closed"
+    EXTENDED = "extended"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,8 @@ class Order:
     close_reason: str | None = None
     payment_ref: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    #: How often the expiry was moved (extend_order, the pre-close check).
+    extensions: int = 0
 
     @property
     def created_at(self) -> datetime:

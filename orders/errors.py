@@ -8,6 +8,7 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
      ├── OrderNotFound             no order with that id
      ├── UnpaidOrderLimitReached   the user already holds `limit` open unpaid orders
      ├── OrderClosed               closed or cancelled: a late payment must be refunded
+     │    └── OrderExpired         unpaid, but its time is up: the sweep will close it
      ├── OrderAlreadyPaid          paid already (with another payment reference)
      └── StoreUnavailable          Redis or SQL failed; the operation did not happen
           └── SchemaNotReady       the database has no (or an old) schema
@@ -77,6 +78,13 @@ class OrderClosed(OrdersError):
         super().__init__(f"order is {status}")
         self.order_id = order_id
         self.status = status
+
+
+class OrderExpired(OrderClosed):
+    """The order's time is up (the sweep has not closed it yet): it cannot be extended."""
+
+    def __init__(self, order_id: str) -> None:
+        super().__init__(order_id, "expired")
 
 
 class OrderAlreadyPaid(OrdersError):

@@ -73,6 +73,8 @@ class OrderRow(Base):
     close_reason: Mapped[str | None] = mapped_column(String(TEXT_COLUMN_LENGTH))
     payment_ref: Mapped[str | None] = mapped_column(String(TEXT_COLUMN_LENGTH))
     order_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    #: How often the expiry was moved (extend_order, the pre-close check).
+    extensions: Mapped[int] = mapped_column(Integer, server_default=text("0"))
 
     __table_args__ = (
         CheckConstraint(f"status IN ({_in(OrderStatus)})", name="status"),
@@ -109,15 +111,48 @@ class OrderEventRow(Base):
     kind: Mapped[str] = mapped_column(String(16))
     at_ms: Mapped[int] = mapped_column(BigInteger)
     data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    #: PostgreSQL: the writing transaction's id (column default txid_current()), so a
+    #: consumer can read only events no running transaction can still precede. SQLite has
+    #: one writer at a time: ids are already in commit order, and this stays NULL.
+    txid: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         CheckConstraint(f"kind IN ({_in(EventKind)})", name="kind"),
         Index("ix_order_events_order_id", "order_id"),
+        Index("ix_order_events_txid_id", "txid", "id"),
+        {"sqlite_autoincrement": True},
     )
+
+
+class EventCursorRow(Base):
+    """Where a named consumer of order_events has got to (durable, one row per name)."""
+
+    __tablename__ = "event_cursors"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    txid: Mapped[int] = mapped_column(BigInteger)
+    event_id: Mapped[int] = mapped_column(BigInteger)
+    updated_at_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class EventRetryRow(Base):
+    """An event a consumer's handler failed on, due to be tried again at ``next_at_ms``."""
+
+    __tablename__ = "event_retries"
+
+    consumer: Mapped[str] = mapped_column(String(64), primary_key=True)
+    event_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    attempts: Mapped[int] = mapped_column(Integer)
+    next_at_ms: Mapped[int] = mapped_column(BigInteger)
+    last_error: Mapped[str | None] = mapped_column(String(TEXT_COLUMN_LENGTH))
+
+    __table_args__ = (Index("ix_event_retries_consumer_next_at_ms", "consumer", "next_at_ms"),)
 
 
 orders_table = cast(Table, OrderRow.__table__)
 events_table = cast(Table, OrderEventRow.__table__)
+cursors_table = cast(Table, EventCursorRow.__table__)
+retries_table = cast(Table, EventRetryRow.__table__)
 #: ``status = 'unpaid'`` as an inline literal, the form the partial indexes can serve.
 UNPAID_PREDICATE = orders_table.c.status == literal_column(f"'{OrderStatus.UNPAID.value}'")
 

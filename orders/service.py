@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ from orders.errors import (
     OrderAlreadyPaid,
     OrderClosed,
     OrderConflict,
+    OrderExpired,
     OrderNotFound,
     OrdersError,
     StoreUnavailable,
@@ -56,6 +58,7 @@ from orders.errors import (
 from orders.index import Admission, AdmitResult, UnpaidIndex
 
 if TYPE_CHECKING:
+    from orders.events import OrderEvent
     from orders.reconcile import ReconcileReport
 from orders.models import (
     TEXT_COLUMN_LENGTH,
@@ -124,6 +127,9 @@ class OrderService:
         #: turns it off, to show the race the lock prevents (count-then-insert at READ
         #: COMMITTED lets two creates both see room for one more).
         self.lock_users = True
+        self._pre_close: Callable[[Order], float | None] | None = None
+        self.closed_handlers: list[Callable[[OrderEvent], None]] = []
+        self._hook_executor: ThreadPoolExecutor | None = None
 
     # --- create ----------------------------------------------------------------------
 
@@ -337,6 +343,72 @@ class OrderService:
             raise OrderAlreadyPaid(oid, order.payment_ref)
         raise OrderClosed(oid, order.status.value)
 
+    def extend_order(self, order_id: str, extra_s: float) -> Order:
+        """Move the expiry of an open unpaid order ``extra_s`` later, in SQL and in Redis.
+
+        A compare-and-set against the sweep: an order closed (or paid, or cancelled) first
+        cannot be extended (:class:`OrderClosed` / :class:`OrderAlreadyPaid`), nor can one
+        whose time is already up (:class:`OrderExpired`: its slot may have been reused).
+        The expiry never moves past ``created_at + max_lifetime_s`` (:class:`InvalidInput`).
+        """
+        oid = check_order_id(order_id, self.settings.max_order_id_length)
+        extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
+        now_ms = self.clock()
+        max_life_ms = round(self.settings.max_lifetime_s * 1000)
+        with self._write() as conn:
+            row = self._transition(
+                conn,
+                conditions=[
+                    OC.id == oid,
+                    IS_UNPAID,
+                    OC.expires_at_ms > now_ms,
+                    OC.expires_at_ms + extra_ms - OC.created_at_ms <= max_life_ms,
+                ],
+                kind=EventKind.EXTENDED,
+                now_ms=now_ms,
+                values={
+                    "expires_at_ms": OC.expires_at_ms + extra_ms,
+                    "extensions": OC.extensions + 1,
+                },
+                event_data={"extra_ms": extra_ms},
+            )
+            current = row if row is not None else self._select(conn, oid)
+            conn.commit()
+        if current is None:
+            raise OrderNotFound(oid)
+        order = _to_order(current, now_ms)
+        if row is not None:
+            self._rescore_quietly(order)
+            return order
+        if order.status is OrderStatus.PAID:
+            raise OrderAlreadyPaid(oid, order.payment_ref)
+        if order.status is not OrderStatus.UNPAID:
+            raise OrderClosed(oid, order.status.value)
+        if order.expires_at_ms <= now_ms:
+            raise OrderExpired(oid)
+        raise InvalidInput("extra_s", "would move the expiry past the maximum lifetime")
+
+    def on_closed(self, handler: Callable[[OrderEvent], None]) -> Callable[[OrderEvent], None]:
+        """Register ``handler(event)`` to run for each closed order, after the close commits.
+
+        The scheduler process runs it through a durable event consumer (at least once per
+        closed order, retried with backoff when it raises, never in the sweep's way).
+        Usable as a decorator.
+        """
+        self.closed_handlers.append(handler)
+        return handler
+
+    def set_pre_close_check(self, check: Callable[[Order], float | None] | None) -> None:
+        """Ask ``check(order)`` before an expired order is closed (None: no check).
+
+        It returns seconds to extend the order by (at most ``max_extension_s``; once per
+        order), or None to let the close go ahead. A check that raises, or takes longer
+        than ``pre_close_timeout_s``, lets the close go ahead: it can never stop the sweep.
+        The extension takes the order's slot again, so it is refused (and the order closed)
+        when the user has meanwhile reached the limit.
+        """
+        self._pre_close = check
+
     # --- reads -----------------------------------------------------------------------
 
     def get_order(self, order_id: str) -> Order:
@@ -416,6 +488,8 @@ class OrderService:
         while max_batches is None or batches < max_batches:
             if should_stop is not None and should_stop():
                 break
+            if self._pre_close is not None:
+                self._run_pre_close(cutoff, size)
             closed_at_ms = self.clock()
             with self._write() as conn:
                 rows = self._close_due(conn, cutoff, size, closed_at_ms)
@@ -475,6 +549,97 @@ class OrderService:
         return rows
 
     # --- helpers ---------------------------------------------------------------------
+
+    def _run_pre_close(self, cutoff: int, size: int) -> None:
+        """Ask the pre-close check about the next batch's orders not yet extended."""
+        check = self._pre_close
+        assert check is not None
+        query = (
+            select(*orders_table.c)
+            .where(IS_UNPAID, OC.expires_at_ms <= cutoff, OC.extensions == 0)
+            .order_by(OC.expires_at_ms)
+            .limit(size)
+        )
+        with self._read() as conn:
+            due = [_to_order(row, cutoff) for row in conn.execute(query)]
+        # One time budget for the whole batch: a stuck check costs the batch that budget
+        # once, and then every order it was asked about simply closes.
+        futures = {self._hook_pool().submit(check, order): order for order in due}
+        done, _ = wait(futures, timeout=self.settings.pre_close_timeout_s)
+        max_extension_ms = round(self.settings.max_extension_s * 1000)
+        for future, order in futures.items():
+            if future not in done or future.exception() is not None:
+                log.warning("pre-close check failed or timed out for order %s", order.id)
+                continue
+            answer = future.result()
+            if answer is None:
+                continue
+            try:
+                extra_ms = min(check_ttl_ms(answer, self.settings.max_ttl_ms), max_extension_ms)
+            except InvalidInput:
+                log.warning("pre-close check gave an invalid extension for order %s", order.id)
+                continue
+            self._reopen(order, extra_ms)
+
+    def _reopen(self, order: Order, extra_ms: int) -> bool:
+        """Give an expired, unclosed order ``extra_ms`` more from now, if its user has room.
+
+        The expired order no longer holds a slot, so this is an admission: the Redis script
+        and the SQL guard both count, and a refusal leaves the order to be closed.
+        """
+        now_ms = self.clock()
+        expires_at_ms = now_ms + extra_ms
+        max_life_ms = round(self.settings.max_lifetime_s * 1000)
+        if expires_at_ms - order.created_at_ms > max_life_ms:
+            return False
+        limit = self.settings.unpaid_limit
+        try:
+            admitted = self.index.admit(
+                order.user_id, order.id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+            )
+        except StoreUnavailable:
+            admitted = AdmitResult(Admission.EXISTS, 0, expires_at_ms)  # SQL decides alone
+        if admitted.outcome is Admission.REFUSED:
+            return False
+        with self._write(user_lock=order.user_id) as conn:
+            open_count = conn.scalar(
+                select(func.count()).where(
+                    OC.user_id == order.user_id, IS_UNPAID, OC.expires_at_ms > now_ms
+                )
+            )
+            row = None
+            if (open_count or 0) < limit:
+                row = self._transition(
+                    conn,
+                    conditions=[OC.id == order.id, IS_UNPAID, OC.extensions == 0],
+                    kind=EventKind.EXTENDED,
+                    now_ms=now_ms,
+                    values={"expires_at_ms": expires_at_ms, "extensions": OC.extensions + 1},
+                    event_data={"extra_ms": extra_ms, "trigger": "pre_close_check"},
+                )
+            conn.commit()
+        if row is None:
+            if admitted.outcome is Admission.ADMITTED:
+                self._release_quietly(order.user_id, order.id)
+            return False
+        return True
+
+    def _hook_pool(self) -> ThreadPoolExecutor:
+        if self._hook_executor is None:
+            self._hook_executor = ThreadPoolExecutor(8, thread_name_prefix="orders-hook")
+        return self._hook_executor
+
+    def _rescore_quietly(self, order: Order) -> None:
+        """Move a member's score to the order's new expiry after SQL decided."""
+        try:
+            self.index.repair(
+                order.user_id,
+                now_ms=order.read_at_ms,
+                remove=[],
+                add={order.id: order.expires_at_ms},
+            )
+        except StoreUnavailable:
+            log.warning("redis rescore failed for order %s; reconcile will fix it", order.id)
 
     def _close_expired(
         self, conn: Connection, oid: str, now_ms: int, payment_ref: str | None
@@ -608,6 +773,7 @@ def _to_order(row: Row[Any], read_at_ms: int) -> Order:
         close_reason=m["close_reason"],
         payment_ref=m["payment_ref"],
         metadata=dict(m["metadata"] or {}),
+        extensions=m["extensions"],
     )
 
 

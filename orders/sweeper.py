@@ -32,7 +32,9 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from importlib import import_module
 from types import FrameType
 from typing import Any
 
@@ -49,14 +51,18 @@ from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[im
 from apscheduler.triggers.interval import IntervalTrigger  # type: ignore[import-untyped]
 
 from orders.config import check_int_range
-from orders.domain import SweepResult
+from orders.domain import EventKind, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.events import EventConsumer, OrderEvent
 from orders.service import OrderService
 
 log = logging.getLogger(__name__)
 
 #: The APScheduler job id of the sweep.
 JOB_ID = "orders-sweep"
+#: The job running closed-order handlers, and how often it looks for new events.
+EVENTS_JOB_ID = "orders-events"
+EVENTS_INTERVAL_S = 0.5
 #: The soonest a next round is asked for (when due orders are left after a sweep).
 MIN_DELAY_S = 0.001
 
@@ -389,7 +395,7 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     job = _SweepJob(sweeper, exit_when_stopped=blocking)
     scheduler_class = _BlockingSweepScheduler if blocking else _BackgroundSweepScheduler
     scheduler = scheduler_class(
-        timezone=UTC, executors={"default": ThreadPoolExecutor(max_workers=1)}
+        timezone=UTC, executors={"default": ThreadPoolExecutor(max_workers=2)}
     )
     scheduler.sweep_job = job
     job.scheduler = scheduler
@@ -403,7 +409,80 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
         misfire_grace_time=None,
         next_run_time=datetime.now(UTC),
     )
+    consumers = closed_order_consumers(sweeper.service)
+    if consumers:
+        scheduler.add_job(
+            _EventsJob(sweeper, consumers),
+            IntervalTrigger(seconds=EVENTS_INTERVAL_S, timezone=UTC),
+            id=EVENTS_JOB_ID,
+            name="orders closed-order handlers",
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=None,
+        )
     return scheduler
+
+
+def load_handler(path: str) -> Callable[[OrderEvent], None]:
+    """``package.module:function`` (or ``package.module.function``) to the function."""
+    module_name, _, attr = path.strip().replace(":", ".").rpartition(".")
+    if not module_name or not attr:
+        raise InvalidInput("on_closed", "must name handlers as package.module:function")
+    try:
+        handler: Callable[[OrderEvent], None] = getattr(import_module(module_name), attr)
+    except (ImportError, AttributeError):
+        raise InvalidInput("on_closed", f"cannot import the handler {path.strip()}") from None
+    return handler
+
+
+def closed_order_consumers(service: OrderService) -> list[EventConsumer]:
+    """One durable consumer per closed-order handler: registered in code or configured."""
+    handlers = list(service.closed_handlers)
+    handlers += [load_handler(p) for p in service.settings.on_closed.split(",") if p.strip()]
+    return [
+        EventConsumer(
+            service.engine,
+            f"on_closed:{h.__module__}.{h.__qualname__}"[:64],
+            h,
+            kinds=[EventKind.CLOSED],
+            clock=service.clock,
+        )
+        for h in handlers
+    ]
+
+
+class _EventsJob:
+    """Runs the closed-order handlers; only the active scheduler does (the lease holder)."""
+
+    def __init__(self, sweeper: Sweeper, consumers: list[EventConsumer]) -> None:
+        self.sweeper = sweeper
+        self.consumers = consumers
+
+    def __call__(self) -> None:
+        if self.sweeper.stopping or not self.sweeper.holds_lease:
+            return
+        for consumer in self.consumers:
+            try:
+                result = consumer.run_once()
+            except StoreUnavailable as exc:
+                log_event(
+                    logging.WARNING,
+                    "handlers_failed",
+                    owner=self.sweeper.owner,
+                    consumer=consumer.name,
+                    detail=str(exc),
+                )
+                continue
+            if result.handled or result.failed or result.retried_ok:
+                log_event(
+                    logging.INFO,
+                    "handlers",
+                    owner=self.sweeper.owner,
+                    consumer=consumer.name,
+                    handled=result.handled,
+                    failed=result.failed,
+                    retried_ok=result.retried_ok,
+                )
 
 
 def run_scheduler(

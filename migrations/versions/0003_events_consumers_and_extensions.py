@@ -1,0 +1,74 @@
+"""Event consumers (cursors, retries), the transaction id of events, order extensions.
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2026-11-22
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0003"
+down_revision: str | None = "0002"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+OLD_KINDS = "kind IN ('created', 'paid', 'cancelled', 'closed')"
+NEW_KINDS = "kind IN ('created', 'paid', 'cancelled', 'closed', 'extended')"
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("orders") as batch:
+        batch.add_column(
+            sa.Column("extensions", sa.Integer(), server_default=sa.text("0"), nullable=False)
+        )
+    # On SQLite the table is rebuilt: with AUTOINCREMENT, so event ids never go back, even
+    # after the newest events are deleted (consumers' cursors rely on that).
+    sqlite = op.get_bind().dialect.name == "sqlite"
+    with op.batch_alter_table(
+        "order_events",
+        recreate="always" if sqlite else "auto",
+        table_kwargs={"sqlite_autoincrement": True},
+    ) as batch:
+        batch.add_column(sa.Column("txid", sa.BigInteger(), nullable=True))
+        batch.drop_constraint(op.f("ck_order_events_kind"), type_="check")
+        batch.create_check_constraint("kind", sa.text(NEW_KINDS))
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute("ALTER TABLE order_events ALTER COLUMN txid SET DEFAULT txid_current()")
+    op.create_index("ix_order_events_txid_id", "order_events", ["txid", "id"])
+    op.create_table(
+        "event_cursors",
+        sa.Column("name", sa.String(length=64), nullable=False),
+        sa.Column("txid", sa.BigInteger(), nullable=False),
+        sa.Column("event_id", sa.BigInteger(), nullable=False),
+        sa.Column("updated_at_ms", sa.BigInteger(), nullable=False),
+        sa.PrimaryKeyConstraint("name", name=op.f("pk_event_cursors")),
+    )
+    op.create_table(
+        "event_retries",
+        sa.Column("consumer", sa.String(length=64), nullable=False),
+        sa.Column("event_id", sa.BigInteger(), nullable=False),
+        sa.Column("attempts", sa.Integer(), nullable=False),
+        sa.Column("next_at_ms", sa.BigInteger(), nullable=False),
+        sa.Column("last_error", sa.String(length=256), nullable=True),
+        sa.PrimaryKeyConstraint("consumer", "event_id", name=op.f("pk_event_retries")),
+    )
+    op.create_index(
+        "ix_event_retries_consumer_next_at_ms", "event_retries", ["consumer", "next_at_ms"]
+    )
+
+
+def downgrade() -> None:
+    op.drop_index("ix_event_retries_consumer_next_at_ms", table_name="event_retries")
+    op.drop_table("event_retries")
+    op.drop_table("event_cursors")
+    op.drop_index("ix_order_events_txid_id", table_name="order_events")
+    op.execute("DELETE FROM order_events WHERE kind = 'extended'")
+    with op.batch_alter_table("order_events") as batch:
+        batch.drop_constraint(op.f("ck_order_events_kind"), type_="check")
+        batch.create_check_constraint("kind", sa.text(OLD_KINDS))
+        batch.drop_column("txid")
+    with op.batch_alter_table("orders") as batch:
+        batch.drop_column("extensions")

@@ -1,0 +1,230 @@
+"""Consuming order_events: every transition, in commit order, at least once per consumer.
+
+Each transition writes an ``order_events`` row in the transaction that makes it (an
+outbox), so an event exists exactly when its transition committed. :func:`read_events`
+reads them after a :class:`EventPosition`; an :class:`EventConsumer` keeps a durable,
+named position and calls a handler for each event:
+
+* the position is saved after each handled event, so a consumer that dies resumes where it
+  stopped: nothing is skipped, and at most the event in hand is delivered again;
+* a handler that raises does not hold the stream up: the event goes to ``event_retries``
+  and is tried again with exponential backoff, while later events carry on.
+
+Commit order: on SQLite one writer at a time means ids are assigned in commit order. On
+PostgreSQL ids are not (a transaction may take an id and commit after a later one), so each
+event also records its transaction id, and a reader only takes events of transactions older
+than every transaction still running (``txid_snapshot_xmin``): no event can later appear
+behind a position already passed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Engine, and_, delete, func, insert, or_, select, update
+
+from orders.domain import Clock, EventKind, system_clock
+from orders.errors import InvalidInput
+from orders.models import cursors_table, events_table, retries_table, sql_errors
+
+log = logging.getLogger(__name__)
+
+EC = events_table.c
+RC = retries_table.c
+CC = cursors_table.c
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class EventPosition:
+    """A place in the event stream: (transaction id, event id); (0, 0) is the start."""
+
+    txid: int = 0
+    event_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OrderEvent:
+    id: int
+    order_id: str
+    user_id: str
+    kind: EventKind
+    at_ms: int
+    data: Mapping[str, Any] = field(default_factory=dict)
+    txid: int | None = None
+
+    @property
+    def position(self) -> EventPosition:
+        return EventPosition(self.txid or 0, self.id)
+
+
+def _event(row: Any) -> OrderEvent:
+    return OrderEvent(
+        id=row.id,
+        order_id=row.order_id,
+        user_id=row.user_id,
+        kind=EventKind(row.kind),
+        at_ms=row.at_ms,
+        data=dict(row.data or {}),
+        txid=row.txid,
+    )
+
+
+def read_events(
+    engine: Engine, after: EventPosition = EventPosition(), limit: int = 100
+) -> list[OrderEvent]:
+    """Up to ``limit`` committed events after ``after``, in commit order."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+        raise InvalidInput("limit", "must be an integer between 1 and 10000")
+    query = select(events_table)
+    if engine.dialect.name == "postgresql":
+        horizon = func.txid_snapshot_xmin(func.txid_current_snapshot())
+        query = query.where(
+            EC.txid < horizon,
+            or_(EC.txid > after.txid, and_(EC.txid == after.txid, EC.id > after.event_id)),
+        ).order_by(EC.txid, EC.id)
+    else:
+        query = query.where(EC.id > after.event_id).order_by(EC.id)
+    with sql_errors(), engine.connect() as conn:
+        return [_event(row) for row in conn.execute(query.limit(limit))]
+
+
+@dataclass
+class ConsumeResult:
+    handled: int = 0
+    failed: int = 0
+    retried_ok: int = 0
+
+
+class EventConsumer:
+    """A named, durable reader of order_events that calls ``handler`` for each event.
+
+    ``kinds`` limits the events handed over (the others are passed by). Backoff after a
+    failure: ``backoff_s * 2**(attempts-1)``, at most ``max_backoff_s``. Not thread-safe:
+    run one instance per name at a time (the scheduler runs it as a single job).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        handler: Callable[[OrderEvent], None],
+        *,
+        kinds: Iterable[EventKind] | None = None,
+        clock: Clock | None = None,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 300.0,
+    ) -> None:
+        if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
+            raise InvalidInput("name", "must be 1 to 64 printable characters")
+        self.engine = engine
+        self.name = name
+        self.handler = handler
+        self.kinds = None if kinds is None else frozenset(EventKind(k) for k in kinds)
+        self.clock = clock or system_clock
+        self.backoff_ms = round(backoff_s * 1000)
+        self.max_backoff_ms = round(max_backoff_s * 1000)
+
+    def position(self) -> EventPosition:
+        with sql_errors(), self.engine.connect() as conn:
+            row = conn.execute(
+                select(CC.txid, CC.event_id).where(CC.name == self.name)
+            ).one_or_none()
+        return EventPosition() if row is None else EventPosition(row.txid, row.event_id)
+
+    def run_once(self, limit: int = 100) -> ConsumeResult:
+        """Retry what is due, then handle up to ``limit`` new events."""
+        result = ConsumeResult()
+        self._retry_due(limit, result)
+        for event in read_events(self.engine, self.position(), limit):
+            if self.kinds is None or event.kind in self.kinds:
+                error = self._call(event)
+                if error is None:
+                    result.handled += 1
+                else:
+                    result.failed += 1
+            else:
+                error = None
+            with sql_errors(), self.engine.begin() as conn:
+                if error is not None:
+                    self._schedule_retry(conn, event.id, 1, error)
+                self._save_position(conn, event.position)
+        return result
+
+    def _call(self, event: OrderEvent) -> str | None:
+        try:
+            self.handler(event)
+        except Exception as exc:  # a handler is someone else's code; its failure is data
+            log.warning(
+                "event handler %s failed on event %d (order %s): %s",
+                self.name,
+                event.id,
+                event.order_id,
+                type(exc).__name__,
+            )
+            return type(exc).__name__
+        return None
+
+    def _retry_due(self, limit: int, result: ConsumeResult) -> None:
+        now_ms = self.clock()
+        query = (
+            select(RC.event_id, RC.attempts)
+            .where(RC.consumer == self.name, RC.next_at_ms <= now_ms)
+            .order_by(RC.next_at_ms)
+            .limit(limit)
+        )
+        with sql_errors(), self.engine.connect() as conn:
+            due = conn.execute(query).all()
+            ids = [row.event_id for row in due]
+            events = {
+                row.id: _event(row)
+                for row in conn.execute(select(events_table).where(EC.id.in_(ids)))
+            }
+        for event_id, attempts in due:
+            event = events.get(event_id)
+            error = None if event is None else self._call(event)
+            with sql_errors(), self.engine.begin() as conn:
+                if error is None:
+                    conn.execute(
+                        delete(retries_table).where(
+                            RC.consumer == self.name, RC.event_id == event_id
+                        )
+                    )
+                    result.retried_ok += event is not None
+                else:
+                    result.failed += 1
+                    self._schedule_retry(conn, event_id, attempts + 1, error)
+
+    def _schedule_retry(self, conn: Connection, event_id: int, attempts: int, error: str) -> None:
+        delay_ms = min(self.max_backoff_ms, self.backoff_ms * 2 ** (attempts - 1))
+        values = {"attempts": attempts, "next_at_ms": self.clock() + delay_ms, "last_error": error}
+        updated = conn.execute(
+            update(retries_table)
+            .where(RC.consumer == self.name, RC.event_id == event_id)
+            .values(**values)
+        )
+        if updated.rowcount == 0:
+            conn.execute(
+                insert(retries_table).values(consumer=self.name, event_id=event_id, **values)
+            )
+
+    def _save_position(self, conn: Connection, position: EventPosition) -> None:
+        values = {
+            "txid": position.txid,
+            "event_id": position.event_id,
+            "updated_at_ms": self.clock(),
+        }
+        updated = conn.execute(update(cursors_table).where(CC.name == self.name).values(**values))
+        if updated.rowcount == 0:
+            conn.execute(insert(cursors_table).values(name=self.name, **values))
+
+    def pending_retries(self) -> int:
+        with sql_errors(), self.engine.connect() as conn:
+            return int(
+                conn.scalar(
+                    select(func.count()).select_from(retries_table).where(RC.consumer == self.name)
+                )
+                or 0
+            )
