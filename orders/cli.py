@@ -291,15 +291,40 @@ def sweep(
     show_envvar=True,
     help="Orders closed per transaction. [default: 500]",
 )
+@click.option(
+    "--metrics-port",
+    type=int,
+    envvar="ORDERS_METRICS_PORT",
+    show_envvar=True,
+    help="Serve Prometheus metrics on this port (/metrics). [default: off]",
+)
+@click.option(
+    "--metrics-addr",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="ORDERS_METRICS_ADDR",
+    show_envvar=True,
+    help="Address the metrics server listens on (0.0.0.0 for every interface).",
+)
 @click.pass_context
 def scheduler(
     ctx: click.Context,
     interval_s: float | None,
     lease_ttl_s: float | None,
     batch_size: int | None,
+    metrics_port: int | None,
+    metrics_addr: str,
 ) -> None:
     """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
     from orders.sweeper import run_scheduler  # noqa: PLC0415
+
+    if metrics_port is not None:
+        from orders.metrics import serve  # noqa: PLC0415
+
+        port = serve(metrics_port, metrics_addr)
+        logging.getLogger("orders.metrics").info(
+            "metrics on http://%s:%d/metrics", metrics_addr, port
+        )
 
     run_scheduler(
         _state(ctx).service(),
@@ -307,6 +332,63 @@ def scheduler(
         lease_ttl_s=lease_ttl_s,
         batch_size=batch_size,
     )
+
+
+@main.command()
+@click.argument("order_id", metavar="ORDER")
+@click.argument("extra_s", metavar="SECONDS", type=float)
+@json_option
+@click.pass_context
+def extend(ctx: click.Context, order_id: str, extra_s: float, as_json: bool) -> None:
+    """Give unpaid ORDER SECONDS more to be paid (a payment is in progress, say)."""
+    _print_order(_state(ctx).service().extend_order(order_id, extra_s), as_json)
+
+
+@main.command()
+@click.option(
+    "--window",
+    "window_s",
+    type=int,
+    default=3600,
+    show_default=True,
+    help="Close-lag percentiles over the orders closed in the last SECONDS.",
+)
+@click.option(
+    "--ahead",
+    "horizon_s",
+    type=int,
+    default=600,
+    show_default=True,
+    help="Chart the expiries due in the next SECONDS.",
+)
+@json_option
+@click.pass_context
+def stats(ctx: click.Context, window_s: int, horizon_s: int, as_json: bool) -> None:
+    """Counts by status, open orders, backlog, close lag and the expiries ahead."""
+    from orders.stats import collect_stats  # noqa: PLC0415
+
+    found = collect_stats(_state(ctx).service(), window_s=window_s, horizon_s=horizon_s)
+    if as_json:
+        click.echo(json.dumps(found.as_dict()))
+        return
+    table = Table("", "", title="orders")
+    for status, count in found.by_status.items():
+        table.add_row(status, str(count))
+    table.add_row("open (unpaid, time left)", str(found.open_unpaid))
+    table.add_row("backlog (due, not closed)", str(found.backlog))
+    lag = (
+        "none closed"
+        if found.lag_p50_ms is None
+        else f"p50 {found.lag_p50_ms} ms, p99 {found.lag_p99_ms} ms, max {found.lag_max_ms} ms"
+    )
+    table.add_row(f"close lag, last {window_s} s ({found.closed_in_window})", lag)
+    console = Console()
+    console.print(table)
+    peak = max((count for _, count in found.upcoming), default=0) or 1
+    console.print(f"expiries due in the next {horizon_s} s:")
+    for start_s, count in found.upcoming:
+        bar = "█" * round(30 * count / peak)
+        console.print(f"  +{start_s:>5} s {bar} {count}")
 
 
 @main.command("reconcile")

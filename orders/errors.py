@@ -58,9 +58,17 @@ class UnpaidOrderLimitReached(OrdersError):
     """The user holds ``open_count`` unpaid orders and may hold at most ``limit``.
 
     ``retry_after_s`` is the time until the earliest of them expires (0 if unknown).
+    ``source`` says who refused: ``"redis"`` (the index) or ``"sql"`` (the SQL guard).
     """
 
-    def __init__(self, user_id: str, limit: int, open_count: int, retry_after_s: float) -> None:
+    def __init__(
+        self,
+        user_id: str,
+        limit: int,
+        open_count: int,
+        retry_after_s: float,
+        source: str = "redis",
+    ) -> None:
         super().__init__(
             f"unpaid order limit reached: {open_count} open of {limit}; "
             f"retry in {math.ceil(retry_after_s)} s"
@@ -69,6 +77,7 @@ class UnpaidOrderLimitReached(OrdersError):
         self.limit = limit
         self.open_count = open_count
         self.retry_after_s = retry_after_s
+        self.source = source
 
 
 class OrderClosed(OrdersError):

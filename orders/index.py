@@ -20,6 +20,7 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
+from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
 
 
@@ -58,6 +59,7 @@ def _redis_errors(action: str) -> Iterator[None]:
     try:
         yield
     except redis.RedisError as exc:
+        metrics.STORE_ERRORS.labels("redis").inc()
         # The exception text names host and port at most, never the password.
         raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
 

@@ -26,6 +26,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from orders import metrics
 from orders.domain import EventKind, OrderStatus
 from orders.errors import SchemaNotReady, StoreUnavailable
 
@@ -168,6 +169,7 @@ def sql_errors() -> Iterator[None]:
     except IntegrityError:
         raise
     except SQLAlchemyError as exc:
+        metrics.STORE_ERRORS.labels("sql").inc()
         orig = getattr(exc, "orig", None)
         reason = str(orig).strip().splitlines()[0][:160] if orig is not None and str(orig) else ""
         if "no such table" in reason or getattr(orig, "sqlstate", None) == "42P01":

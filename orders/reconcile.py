@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 
 from sqlalchemy import select
 
+from orders import metrics
 from orders.domain import check_user_id
 from orders.models import UNPAID_PREDICATE, orders_table, sql_errors
 from orders.service import OrderService
@@ -80,6 +81,9 @@ def reconcile(
             on_progress(report.users)
     if user_id is None and not dry_run:
         service.index.set_epoch(str(now_ms))
+    if not dry_run:
+        for kind in ("added", "rescored", "removed_terminal", "removed_expired"):
+            metrics.RECONCILE_FIXES.labels(kind).inc(getattr(report, kind))
     return report
 
 

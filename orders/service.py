@@ -14,6 +14,7 @@ it. Rules that shape every method:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ import redis
 from sqlalchemy import Connection, Engine, Row, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
+from orders import metrics
 from orders.config import Settings
 from orders.domain import (
     MAX_TIMESTAMP_MS,
@@ -152,6 +154,37 @@ class OrderService:
         ``order_id`` returns the same order; the same id with another user, amount or
         currency raises :class:`OrderConflict`.
         """
+        try:
+            order, created = self._create(
+                user_id,
+                order_id=order_id,
+                ttl_s=ttl_s,
+                limit=limit,
+                amount=amount,
+                currency=currency,
+                metadata=metadata,
+            )
+        except UnpaidOrderLimitReached as refused:
+            metrics.CREATES.labels(f"refused_{refused.source}").inc()
+            raise
+        except OrderConflict:
+            metrics.CREATES.labels("conflict").inc()
+            raise
+        metrics.CREATES.labels("admitted" if created else "retry").inc()
+        return order
+
+    def _create(
+        self,
+        user_id: str | int,
+        *,
+        order_id: str | None,
+        ttl_s: float | None,
+        limit: int | None,
+        amount: Decimal | int | str | None,
+        currency: str | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> tuple[Order, bool]:
+        """create_unpaid_order; also says whether this call inserted the order."""
         s = self.settings
         uid = check_user_id(user_id, s.max_user_id_length)
         given_id = None if order_id is None else check_order_id(order_id, s.max_order_id_length)
@@ -182,7 +215,7 @@ class OrderService:
             if given_id is not None:
                 earlier = self._find(oid, now_ms)
                 if earlier is not None:
-                    return _same_order(earlier, uid, amt, cur)
+                    return _same_order(earlier, uid, amt, cur), False
             raise UnpaidOrderLimitReached(
                 uid, lim, admitted.open_count, retry_after_s(admitted.score_ms, now_ms)
             )
@@ -206,12 +239,16 @@ class OrderService:
             "metadata": meta or None,
         }
         try:
-            return self._insert_guarded(values, lim, now_ms)
+            return self._insert_guarded(values, lim, now_ms), True
         except _SqlRefused as refused:
             if ours:
                 self._compensate(uid, oid, now_ms)
             raise UnpaidOrderLimitReached(
-                uid, lim, refused.open_count, retry_after_s(refused.earliest_ms, now_ms)
+                uid,
+                lim,
+                refused.open_count,
+                retry_after_s(refused.earliest_ms, now_ms),
+                source="sql",
             ) from None
         except IntegrityError:
             # The id exists in SQL: a concurrent twin of this create won the insert, an
@@ -220,7 +257,7 @@ class OrderService:
             earlier = self._compensate(uid, oid, now_ms) if ours else self._find(oid, now_ms)
             if earlier is None:
                 raise StoreUnavailable("sql", "insert refused by a constraint") from None
-            return _same_order(earlier, uid, amt, cur)
+            return _same_order(earlier, uid, amt, cur), False
         except OrdersError:
             if ours:
                 self._compensate(uid, oid, now_ms)
@@ -301,11 +338,19 @@ class OrderService:
         if row is not None:
             self._release_quietly(order.user_id, oid)
         if late_close:
+            metrics.PAYMENTS.labels("refused_strict").inc()
             raise OrderClosed(oid, order.status.value)
         if order.status is OrderStatus.PAID:
-            if row is not None or ref is None or ref == order.payment_ref:
+            if row is not None:
+                late = order.expires_at_ms <= now_ms
+                metrics.PAYMENTS.labels("late_before_close" if late else "on_time").inc()
                 return order
+            if ref is None or ref == order.payment_ref:
+                metrics.PAYMENTS.labels("repeat").inc()
+                return order
+            metrics.PAYMENTS.labels("other_ref").inc()
             raise OrderAlreadyPaid(oid, order.payment_ref)
+        metrics.PAYMENTS.labels("refused_after_close").inc()
         raise OrderClosed(oid, order.status.value)
 
     def cancel_order(self, order_id: str, *, reason: str | None = None) -> Order:
@@ -336,6 +381,7 @@ class OrderService:
             raise OrderNotFound(oid)
         order = _to_order(current, now_ms)
         if row is not None:
+            metrics.CANCELS.inc()
             self._release_quietly(order.user_id, oid)
         if order.status is OrderStatus.CANCELLED:
             return order
@@ -378,6 +424,7 @@ class OrderService:
             raise OrderNotFound(oid)
         order = _to_order(current, now_ms)
         if row is not None:
+            metrics.EXTENSIONS.labels("api").inc()
             self._rescore_quietly(order)
             return order
         if order.status is OrderStatus.PAID:
@@ -482,6 +529,7 @@ class OrderService:
         size = self.settings.sweep_batch_size if batch_size is None else batch_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 10_000:
             raise InvalidInput("batch_size", "must be an integer between 1 and 10000")
+        started = time.monotonic()
         closed = batches = redis_errors = 0
         users: set[str] = set()
         max_lag: int | None = None
@@ -498,6 +546,9 @@ class OrderService:
                 break
             batches += 1
             closed += len(rows)
+            metrics.CLOSES.inc(len(rows))
+            for row in rows:
+                metrics.CLOSE_LAG_SECONDS.observe((closed_at_ms - row.expires_at_ms) / 1000)
             batch_users = {row.user_id for row in rows}
             users |= batch_users
             lag = closed_at_ms - min(row.expires_at_ms for row in rows)
@@ -510,6 +561,8 @@ class OrderService:
                     log.debug("sweep: redis cleanup failed; expired members go by score")
             if len(rows) < size:
                 break
+        if closed:
+            metrics.SWEEP_SECONDS.observe(time.monotonic() - started)
         return SweepResult(
             closed=closed,
             batches=batches,
@@ -622,6 +675,7 @@ class OrderService:
             if admitted.outcome is Admission.ADMITTED:
                 self._release_quietly(order.user_id, order.id)
             return False
+        metrics.EXTENSIONS.labels("pre_close_check").inc()
         return True
 
     def _hook_pool(self) -> ThreadPoolExecutor:

@@ -50,6 +50,7 @@ from apscheduler.schedulers.base import (  # type: ignore[import-untyped]
 from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[import-untyped]
 from apscheduler.triggers.interval import IntervalTrigger  # type: ignore[import-untyped]
 
+from orders import metrics
 from orders.config import check_int_range
 from orders.domain import EventKind, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
@@ -235,6 +236,8 @@ class Sweeper:
                 max_lag_ms=result.max_lag_ms,
                 duration_ms=duration_ms,
             )
+        with contextlib.suppress(StoreUnavailable):
+            metrics.BACKLOG.set(self.service.count_due())
         if self._stop_requested or self._lost_lease:
             return self.cadence_s
         return self._next_delay_s(result, earliest_ms, now_ms)

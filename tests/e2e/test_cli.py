@@ -189,3 +189,16 @@ def test_reconcile_command_restores_the_index_and_reports_its_fixes(
     assert done.exit_code == 0, done.output
     assert "2 added" in done.stdout
     assert len(service.index.members("u1")) == len(service.index.members("u2")) == 1
+
+
+def test_extend_and_stats_commands(run: Any) -> None:
+    order = json.loads(run("create", "u1", "--ttl", "60", "--json").stdout)
+    extended = run("extend", order["id"], "30", "--json")
+    assert extended.exit_code == 0, extended.output
+    assert json.loads(extended.stdout)["expires_at_ms"] == order["expires_at_ms"] + 30_000
+    found = json.loads(run("stats", "--json").stdout)
+    assert found["by_status"]["unpaid"] == 1
+    assert found["open_unpaid"] == 1
+    shown = run("stats")
+    assert shown.exit_code == 0, shown.output
+    assert "backlog" in shown.stdout

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import redis
@@ -18,6 +21,12 @@ from orders.models import events_table
 from orders.service import OrderService
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _env(**variables: str) -> dict[str, str]:
@@ -55,8 +64,18 @@ def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
 ) -> None:
     # The scheduler runs on the real clock, so this service does too.
     service = OrderService(engine, redis_client, Settings(database_url=database_url))
+    port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orders", "scheduler", "--interval", "0.5"],
+        [
+            sys.executable,
+            "-m",
+            "orders",
+            "scheduler",
+            "--interval",
+            "0.5",
+            "--metrics-port",
+            str(port),
+        ],  # fmt: skip
         env=_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url),
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -70,6 +89,8 @@ def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
             assert time.monotonic() < deadline, "the scheduler did not close the orders"
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.05)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+            metrics = page.read().decode()
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
     finally:
@@ -90,5 +111,8 @@ def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
         ).all()
     assert sorted(count for _, count in per_order) == [1] * 5
     assert '"event": "sweep"' in stderr
+    closes = re.search(r"^orders_closes_total (\S+)$", metrics, re.MULTILINE)
+    assert closes is not None
+    assert float(closes.group(1)) == 5
     assert service.index.lease_owner() is None  # released on the way out
     assert all(service.index.members(f"u{i}") == {} for i in range(5))
