@@ -75,7 +75,7 @@ def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
             "0.5",
             "--metrics-port",
             str(port),
-        ],  # fmt: skip
+        ],
         env=_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url),
         cwd=REPO,
         stdout=subprocess.PIPE,
