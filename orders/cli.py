@@ -108,6 +108,15 @@ def json_option(func: F) -> F:
     help="Redis URL. [default: an embedded redis-server for the home folder]",
 )
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="ORDERS_LOG_FORMAT",
+    show_envvar=True,
+    help="json: one JSON object per line, for log collectors.",
+)
 @click.pass_context
 def main(
     ctx: click.Context,
@@ -115,12 +124,20 @@ def main(
     database_url: str | None,
     redis_url: str | None,
     verbose: int,
+    log_format: str,
 ) -> None:
     """Unpaid-order limits and expiry on Redis and SQL."""
     # The service's own INFO lines (one per sweep that closed something) always show;
     # -v adds everyone else's INFO, -vv debug.
     level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        from orders.logs import JsonFormatter  # noqa: PLC0415
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     logging.getLogger("orders").setLevel(min(level, logging.INFO))
     logging.getLogger("apscheduler").setLevel(max(level, logging.WARNING))
     overrides: dict[str, Any] = {}

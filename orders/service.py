@@ -209,7 +209,10 @@ class OrderService:
             if not s.create_without_redis:
                 raise
             # Degraded mode: the SQL guard alone decides; reconcile adds the member later.
-            log.warning("redis unavailable: admitting order %s through the SQL guard only", oid)
+            log.warning(
+                "redis unavailable: admitting through the SQL guard only",
+                extra={"order_id": oid, "user_id": uid},
+            )
             admitted = AdmitResult(Admission.EXISTS, 0, expires_at_ms)
         if admitted.outcome is Admission.REFUSED:
             if given_id is not None:
@@ -622,7 +625,10 @@ class OrderService:
         max_extension_ms = round(self.settings.max_extension_s * 1000)
         for future, order in futures.items():
             if future not in done or future.exception() is not None:
-                log.warning("pre-close check failed or timed out for order %s", order.id)
+                log.warning(
+                    "pre-close check failed or timed out; closing",
+                    extra={"order_id": order.id, "user_id": order.user_id},
+                )
                 continue
             answer = future.result()
             if answer is None:
@@ -630,7 +636,10 @@ class OrderService:
             try:
                 extra_ms = min(check_ttl_ms(answer, self.settings.max_ttl_ms), max_extension_ms)
             except InvalidInput:
-                log.warning("pre-close check gave an invalid extension for order %s", order.id)
+                log.warning(
+                    "pre-close check gave an invalid extension; closing",
+                    extra={"order_id": order.id, "user_id": order.user_id},
+                )
                 continue
             self._reopen(order, extra_ms)
 
@@ -693,7 +702,10 @@ class OrderService:
                 add={order.id: order.expires_at_ms},
             )
         except StoreUnavailable:
-            log.warning("redis rescore failed for order %s; reconcile will fix it", order.id)
+            log.warning(
+                "redis rescore failed; reconcile will fix it",
+                extra={"order_id": order.id, "user_id": order.user_id},
+            )
 
     def _close_expired(
         self, conn: Connection, oid: str, now_ms: int, payment_ref: str | None
@@ -773,7 +785,8 @@ class OrderService:
             self.index.release(user_id, order_id)
         except StoreUnavailable:
             log.warning(
-                "redis release failed for order %s; the member expires by its score", order_id
+                "redis release failed; the member expires by its score or at reconcile",
+                extra={"order_id": order_id, "user_id": user_id},
             )
 
     @contextmanager

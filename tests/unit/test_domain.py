@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from decimal import Decimal
 
@@ -22,6 +24,7 @@ from orders.domain import (
     ms_to_datetime,
 )
 from orders.errors import InvalidInput
+from orders.logs import JsonFormatter
 
 MAX_TTL_MS = 7 * 24 * 3600 * 1000
 
@@ -201,3 +204,17 @@ def test_passwords_are_hidden_in_urls() -> None:
         database_url="postgresql://app:s3cret@db/orders", redis_url="rediss://u:s3cret@r:6380"
     ).describe()
     assert "s3cret" not in repr(described)
+
+
+def test_json_log_lines_merge_json_messages_and_order_fields() -> None:
+    formatter = JsonFormatter()
+    plain = logging.LogRecord("orders.service", logging.WARNING, "", 0, "redis down", None, None)
+    plain.order_id = "o1"
+    plain.user_id = "u1"
+    event = logging.LogRecord(
+        "orders.sweeper", logging.INFO, "", 0, '{"event": "sweep", "closed": 3}', None, None
+    )
+    first = json.loads(formatter.format(plain))
+    second = json.loads(formatter.format(event))
+    assert (first["message"], first["order_id"], first["user_id"]) == ("redis down", "o1", "u1")
+    assert (second["event"], second["closed"], second["level"]) == ("sweep", 3, "info")
