@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
 from orders.domain import Order, OrderStatus, SweepResult
@@ -34,6 +34,10 @@ from orders.errors import (
     UnpaidOrderLimitReached,
 )
 from orders.service import OrderService
+
+if TYPE_CHECKING:
+    from orders.events import EventPosition, OrderEvent
+    from orders.reconciler import ReconcileReport
 
 __all__ = [
     "InvalidInput",
@@ -54,9 +58,12 @@ __all__ = [
     "configure",
     "create_unpaid_order",
     "default_service",
+    "extend_order",
     "get_order",
+    "iter_events",
     "list_unpaid",
     "mark_paid",
+    "reconcile",
     "sweep_expired",
 ]
 
@@ -127,3 +134,18 @@ def list_unpaid(user_id: str | int) -> list[Order]:
 def sweep_expired(*, batch_size: int | None = None, max_batches: int | None = None) -> SweepResult:
     """See :meth:`OrderService.sweep_expired`."""
     return default_service().sweep_expired(batch_size=batch_size, max_batches=max_batches)
+
+
+def extend_order(order_id: str, extra_s: float) -> Order:
+    """See :meth:`OrderService.extend_order`."""
+    return default_service().extend_order(order_id, extra_s)
+
+
+def iter_events(*, after: EventPosition | None = None, limit: int = 100) -> list[OrderEvent]:
+    """See :meth:`OrderService.iter_events`."""
+    return default_service().iter_events(after=after, limit=limit)
+
+
+def reconcile(*, user_id: str | None = None, dry_run: bool = False) -> ReconcileReport:
+    """See :meth:`OrderService.reconcile`."""
+    return default_service().reconcile(user_id=user_id, dry_run=dry_run)

@@ -419,7 +419,7 @@ def reconcile_command(
     """Make the Redis index equal to SQL (after Redis lost data, or any time)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
-    from orders.reconcile import reconcile  # noqa: PLC0415
+    from orders.reconciler import reconcile  # noqa: PLC0415
 
     service = _state(ctx).service()
     with Progress(

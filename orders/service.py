@@ -60,8 +60,8 @@ from orders.errors import (
 from orders.index import Admission, AdmitResult, UnpaidIndex
 
 if TYPE_CHECKING:
-    from orders.events import OrderEvent
-    from orders.reconcile import ReconcileReport
+    from orders.events import EventPosition, OrderEvent
+    from orders.reconciler import ReconcileReport
 from orders.models import (
     TEXT_COLUMN_LENGTH,
     UNPAID_PREDICATE,
@@ -501,11 +501,22 @@ class OrderService:
         with self._read() as conn:
             return int(conn.scalar(query) or 0)
 
+    def iter_events(
+        self, *, after: EventPosition | None = None, limit: int = 100
+    ) -> list[OrderEvent]:
+        """Up to ``limit`` committed events after ``after``, in commit order.
+
+        For a durable, named cursor with retries, see :class:`orders.events.EventConsumer`.
+        """
+        from orders.events import EventPosition, read_events  # noqa: PLC0415
+
+        return read_events(self.engine, after or EventPosition(), limit)
+
     def reconcile(
         self, *, user_id: str | None = None, dry_run: bool = False, chunk_size: int = 500
     ) -> ReconcileReport:
-        """Make the Redis index equal to SQL (see :mod:`orders.reconcile`)."""
-        from orders.reconcile import reconcile  # noqa: PLC0415  (it builds on this class)
+        """Make the Redis index equal to SQL (see :mod:`orders.reconciler`)."""
+        from orders.reconciler import reconcile  # noqa: PLC0415  (it builds on this class)
 
         return reconcile(self, user_id=user_id, dry_run=dry_run, chunk_size=chunk_size)
 

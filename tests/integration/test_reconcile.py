@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from orders import reconcile as reconcile_module
+from orders import reconciler as reconcile_module
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 from tests.conftest import ManualClock
