@@ -46,7 +46,8 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
     backend = target.get_backend_name()
     if backend == "sqlite":
         kwargs["connect_args"] = {"timeout": settings.sql_busy_timeout_s}
-    else:
+    if backend != "sqlite" or target.database not in (None, "", ":memory:"):
+        # A file database gets a queue pool like a server does (memory ones a single one).
         kwargs.update(
             pool_size=settings.sql_pool_size,
             max_overflow=settings.sql_max_overflow,

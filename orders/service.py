@@ -550,6 +550,8 @@ class OrderService:
         while max_batches is None or batches < max_batches:
             if should_stop is not None and should_stop():
                 break
+            if self._dialect == "sqlite" and not self._any_due(cutoff):
+                break  # SQLite's write lock is the whole database's: take it only to close
             if self._pre_close is not None:
                 self._run_pre_close(cutoff, size)
             closed_at_ms = self.clock()
@@ -585,6 +587,11 @@ class OrderService:
             max_lag_ms=max_lag,
             redis_errors=redis_errors,
         )
+
+    def _any_due(self, cutoff: int) -> bool:
+        query = select(OC.id).where(IS_UNPAID, OC.expires_at_ms <= cutoff).limit(1)
+        with self._read() as conn:
+            return conn.execute(query).first() is not None
 
     def _close_due(
         self, conn: Connection, cutoff: int, size: int, closed_at_ms: int
