@@ -102,15 +102,26 @@ FIGURES = ("create", "refusal", "mark_paid", "sweep", "close_lag", "redis_memory
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """One timed run of one variant: ``ops`` operations in ``elapsed_ns`` wall time."""
+    """One timed run of one variant: ``ops`` operations in ``elapsed_ns`` wall time.
+
+    ``cpu_ns`` is the CPU time this process (all its threads) used meanwhile: unlike the
+    wall time, it hardly changes when other programs load the machine, so it shows where
+    the client's own cost goes even on a busy host (the servers' CPU is not in it).
+    """
 
     ops: int
     elapsed_ns: int
     latencies_ns: list[int] = field(default_factory=list)
+    cpu_ns: int = 0
 
     @property
     def ops_s(self) -> float:
         return self.ops * 1e9 / max(1, self.elapsed_ns)
+
+    @property
+    def cpu_us(self) -> float:
+        """Client CPU microseconds per operation."""
+        return self.cpu_ns / 1000 / max(1, self.ops)
 
 
 #: A variant: given a number of operations, prepares its data (untimed) and times them.
@@ -122,6 +133,7 @@ def run_ops(op: Callable[[int], object], n: int, threads: int = 1) -> Run:
 
     The wall clock starts when every thread is ready and stops when the last is done.
     """
+    cpu_started = time.process_time_ns()
     if threads <= 1:
         latencies: list[int] = []
         started = ns()
@@ -129,7 +141,8 @@ def run_ops(op: Callable[[int], object], n: int, threads: int = 1) -> Run:
             t0 = ns()
             op(i)
             latencies.append(ns() - t0)
-        return Run(n, ns() - started, latencies)
+        elapsed = ns() - started
+        return Run(n, elapsed, latencies, time.process_time_ns() - cpu_started)
     per_thread: list[list[int]] = [[] for _ in range(threads)]
     errors: list[BaseException] = []
     ready = threading.Barrier(threads + 1)
@@ -153,9 +166,10 @@ def run_ops(op: Callable[[int], object], n: int, threads: int = 1) -> Run:
     for worker in workers:
         worker.join()
     elapsed = ns() - started
+    cpu = time.process_time_ns() - cpu_started
     if errors:
         raise errors[0]
-    return Run(n, elapsed, [x for mine in per_thread for x in mine])
+    return Run(n, elapsed, [x for mine in per_thread for x in mine], cpu)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -179,12 +193,14 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def describe(runs: Sequence[Run]) -> dict[str, Any]:
-    """ops/s over the repetitions, latency percentiles over every operation of them."""
+    """ops/s over the repetitions, latency percentiles over every operation of them, and
+    the client's CPU per operation (median over the repetitions)."""
     latencies = [x for run in runs for x in run.latencies_ns]
     return {
         "ops_s": spread([run.ops_s for run in runs]),
         "p50_ms": percentile(latencies, 50) / 1e6,
         "p99_ms": percentile(latencies, 99) / 1e6,
+        "cpu_us": statistics.median(run.cpu_us for run in runs) if runs else 0.0,
     }
 
 
@@ -241,11 +257,11 @@ def _glob_escape(text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
-    ops: int = 2000
+    ops: int = 1000
     reps: int = 5
     threads: int = 4
     warmup: int = 100
-    sweep_rows: int = 100_000
+    sweep_rows: int = 50_000
     sweep_due: int = 10_000
     batch_sizes: tuple[int, ...] = (100, 500, 2000)
     lag_rate: float = 1000.0
@@ -256,10 +272,10 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         return cls(
-            ops=200,
+            ops=150,
             reps=3,
             warmup=20,
-            sweep_rows=10_000,
+            sweep_rows=5_000,
             sweep_due=1_000,
             lag_rate=200.0,
             lag_seconds=2.0,
@@ -863,6 +879,7 @@ class Bench:
                 )
         return {
             "nproc": os.cpu_count() or 0,
+            "load_average": os.getloadavg()[0],
             "python": platform.python_version(),
             "platform": platform.platform(),
             "redis": str(server.get("redis_version", "?")),
@@ -928,6 +945,7 @@ def run_bench(
             report["durations_s"][name] = round(time.monotonic() - figure_started, 2)
     finally:
         bench.cleanup()
+    report["machine"]["load_average_end"] = os.getloadavg()[0]
     report["left_behind"] = bench.left_behind()
     report["notes"] = bench.notes
     report["targets"] = targets(report)
@@ -1074,30 +1092,30 @@ def results_table(report: Mapping[str, Any]) -> Table:
         "min - max",
         "p50 ms",
         "p99 ms",
+        "client CPU us/op",
         title=(
             f"orders bench on {m['sql_engine']} {m['sql_version']} + redis {m['redis']} "
-            f"({m['nproc']} cpus, python {m['python']}), {report['elapsed_s']:.0f} s"
+            f"({m['nproc']} cpus, load {m['load_average']:.1f}, python {m['python']}), "
+            f"{report['elapsed_s']:.0f} s"
         ),
     )
     fig = report["figures"]
 
-    def variants(figure: str, part: Mapping[str, Any], unit: str = "ops/s") -> None:
+    def add(figure: str, measure: str, median: str, span: str = "", *more: str) -> None:
+        table.add_row(figure, measure, median, span, *more)
+
+    def variants(figure: str, part: Mapping[str, Any]) -> None:
         for name, v in part["variants"].items():
-            table.add_row(
-                figure,
-                f"{name} {unit}",
-                *_rate(v["ops_s"]),
-                f"{v['p50_ms']:.3f}",
-                f"{v['p99_ms']:.3f}",
-            )
+            add(figure, f"{name} ops/s", *_rate(v["ops_s"]), f"{v['p50_ms']:.3f}",
+                f"{v['p99_ms']:.3f}", f"{v['cpu_us']:,.0f}")  # fmt: skip
 
     def ratio(figure: str, label: str, s: Mapping[str, float]) -> None:
-        table.add_row(figure, label, *_times(s), "", "")
+        add(figure, label, *_times(s))
 
     for part in fig.get("create", {}).values():
         label = f"create, {part['threads']} thr"
         variants(label, part)
-        table.add_row(label, "raw floor ops/s", *_rate(part["floor_ops_s"]), "", "")
+        add(label, "raw floor ops/s", *_rate(part["floor_ops_s"]))
         ratio(label, "create / floor", part["create_vs_floor"])
         ratio(label, "create / naive", part["create_vs_naive"])
         table.add_section()
@@ -1105,14 +1123,8 @@ def results_table(report: Mapping[str, Any]) -> Table:
         part = fig["refusal"]
         variants("refusal", part)
         ratio("refusal", "refusal / evalsha", part["refusal_vs_evalsha"])
-        table.add_row(
-            "refusal",
-            "SQL statements",
-            f"{part['sql_statements']}",
-            f"in {part['refusals']:,} refusals",
-            "",
-            "",
-        )
+        add("refusal", "SQL statements", f"{part['sql_statements']}",
+            f"in {part['refusals']:,} refusals")  # fmt: skip
         table.add_section()
     if "mark_paid" in fig:
         part = fig["mark_paid"]
@@ -1122,47 +1134,23 @@ def results_table(report: Mapping[str, Any]) -> Table:
     if "sweep" in fig:
         part = fig["sweep"]
         for label in ("table_1x", "table_10x"):
-            rows = part[label]["rows"]
-            for name in (f"batch_{b}" for b in part["batch_sizes"]):
-                table.add_row(
-                    f"sweep, {rows:,} rows",
-                    f"{name.replace('_', ' ')} closes/s",
-                    *_rate(part[label][name]["closes_s"]),
-                    "",
-                    "",
-                )
-        table.add_row(
-            "sweep",
-            f"10x table cost (batch {part['best_batch']})",
-            f"{part['cost_10x']:.2f} x",
-            "",
-            "",
-            "",
-        )
+            for b in part["batch_sizes"]:
+                add(f"sweep, {part[label]['rows']:,} rows", f"batch {b} closes/s",
+                    *_rate(part[label][f"batch_{b}"]["closes_s"]))  # fmt: skip
+        add("sweep", f"10x table cost (batch {part['best_batch']})", f"{part['cost_10x']:.2f} x")
         table.add_section()
     if "close_lag" in fig:
         part = fig["close_lag"]
-        table.add_row(
-            "close lag",
-            f"{part['closed']:,} of {part['orders']:,} at {part['rate_s']:g}/s, ms",
-            f"max {part['max_ms']:.0f}",
-            "",
-            f"{part['p50_ms']:.0f}",
-            f"{part['p99_ms']:.0f}",
-        )
+        measure = f"{part['closed']:,} of {part['orders']:,} at {part['rate_s']:g}/s, ms"
+        add("close lag", measure, f"max {part['max_ms']:.0f}", "", f"{part['p50_ms']:.0f}",
+            f"{part['p99_ms']:.0f}")  # fmt: skip
         table.add_section()
     if "redis_memory" in fig:
         part = fig["redis_memory"]
         for k in (1, 3):
             s = part[f"per_user_{k}"]["bytes_per_order"]
-            table.add_row(
-                f"redis memory, {k}/user",
-                f"bytes per open order ({part['users']:,} users)",
-                f"{s['median']:.0f}",
-                f"{s['min']:.0f} - {s['max']:.0f}",
-                "",
-                "",
-            )
+            add(f"redis memory, {k}/user", f"bytes per open order ({part['users']:,} users)",
+                f"{s['median']:.0f}", f"{s['min']:.0f} - {s['max']:.0f}")  # fmt: skip
         table.add_section()
     if "sql_admission" in fig:
         part = fig["sql_admission"]
@@ -1245,13 +1233,12 @@ def _parse_batches(text: str) -> tuple[int, ...]:
 @click.option(
     "--ops",
     type=click.IntRange(10, 1_000_000),
-    help="Operations per variant and repetition. [default: 2000; quick 200]",
+    help="Operations per variant and repetition. [default: 1000; quick 150]",
 )
 @click.option(
     "--sweep-rows",
     type=click.IntRange(1, 10_000_000),
-    help="Unpaid orders in the sweep's table (x10 for the large one). "
-    "[default: 100000; quick 10000]",
+    help="Unpaid orders in the sweep's table (x10 for the large one). [default: 50000; quick 5000]",
 )
 @click.option(
     "--sweep-due",
@@ -1349,6 +1336,8 @@ def bench(
         click.echo(json.dumps(report, indent=2))
         return
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 132))
     console.print(results_table(report))
     console.print(targets_table(report))
     for note in report["notes"]:

@@ -59,6 +59,19 @@ class _Group(click.Group):
         except OrdersError as error:
             click.echo(f"error: {error}", err=True)
             ctx.exit(exit_code(error))
+        except click.BadParameter as error:
+            # Click's own message echoes the raw value: say which parameter, not what.
+            param = error.param
+            name = param.opts[0] if param is not None and getattr(param, "opts", None) else "value"
+            if param is not None and not getattr(param, "opts", None):
+                name = param.human_readable_name
+            kind = getattr(getattr(param, "type", None), "name", "value")
+            click.echo(f"error: invalid {name}: not a valid {kind}", err=True)
+            ctx.exit(2)
+        except click.UsageError as error:
+            first = error.format_message().splitlines()[0][:200]
+            click.echo(f"error: {first}", err=True)
+            ctx.exit(2)
 
 
 class _State:

@@ -136,6 +136,8 @@ def _check_text(name: str, value: object, max_length: int, *, key_safe: bool) ->
     if isinstance(value, bool) or value is None:
         raise InvalidInput(name, "must be a string")
     if isinstance(value, int):
+        if abs(value) >= 10**max_length:
+            raise InvalidInput(name, f"must be at most {max_length} characters")
         value = str(value)
     if not isinstance(value, str):
         raise InvalidInput(name, "must be a string")
@@ -176,7 +178,9 @@ def check_ttl_ms(ttl_s: object, max_ttl_ms: int) -> int:
     """A TTL given in seconds, as whole milliseconds (at least 1 ms, at most the maximum)."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float | Decimal):
         raise InvalidInput("ttl_s", "must be a number of seconds")
-    if isinstance(ttl_s, float | Decimal) and not math.isfinite(ttl_s):
+    if isinstance(ttl_s, Decimal) and not ttl_s.is_finite():
+        raise InvalidInput("ttl_s", "must be finite")
+    if isinstance(ttl_s, float) and not math.isfinite(ttl_s):
         raise InvalidInput("ttl_s", "must be finite")
     if ttl_s <= 0:
         raise InvalidInput("ttl_s", "must be positive")
@@ -256,7 +260,7 @@ def check_metadata(value: object, max_bytes: int) -> dict[str, Any]:
         raise InvalidInput("metadata", "must be a mapping")
     try:
         encoded = json.dumps(value, allow_nan=False, ensure_ascii=False, sort_keys=True)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         raise InvalidInput("metadata", "must hold only JSON values (no NaN, no objects)") from None
     if len(encoded.encode("utf-8", "surrogatepass")) > max_bytes:
         raise InvalidInput("metadata", f"must encode to at most {max_bytes} bytes of JSON")

@@ -78,6 +78,10 @@ def read_events(
     """Up to ``limit`` committed events after ``after``, in commit order."""
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
         raise InvalidInput("limit", "must be an integer between 1 and 10000")
+    if not isinstance(after, EventPosition) or not all(
+        type(v) is int and 0 <= v < 2**63 for v in (after.txid, after.event_id)
+    ):
+        raise InvalidInput("after", "must be an EventPosition of two integers in 0 .. 2**63-1")
     query = select(events_table)
     if engine.dialect.name == "postgresql":
         horizon = func.txid_snapshot_xmin(func.txid_current_snapshot())

@@ -130,8 +130,13 @@ class UnpaidIndex:
             config: dict[Any, Any] = self.client.config_get("maxmemory-policy")
             config.update(self.client.config_get("save"))
             config.update(self.client.config_get("appendonly"))
-        except redis.RedisError:
-            return []
+        except redis.ResponseError:
+            return []  # CONFIG refused (ACL, managed service): nothing to say
+        except redis.RedisError as exc:
+            return [
+                f"redis not usable at startup ({type(exc).__name__}): creates will be "
+                "refused until it is (check ORDERS_REDIS_URL and its credentials)"
+            ]
         values = {_text(k): _text(v) for k, v in config.items()}
         warnings = []
         policy = values.get("maxmemory-policy", "noeviction")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 from sqlalchemy import select
 
 from orders import metrics
+from orders.config import check_int_range
 from orders.domain import check_user_id
 from orders.models import UNPAID_PREDICATE, orders_table, sql_errors
 from orders.service import OrderService
@@ -65,6 +66,7 @@ def reconcile(
 
     ``on_progress`` is called with the number of users handled after each chunk.
     """
+    check_int_range("chunk_size", chunk_size, 1, 10_000)
     now_ms = service.clock()
     report = ReconcileReport(dry_run=dry_run)
     if user_id is not None:

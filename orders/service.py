@@ -544,6 +544,10 @@ class OrderService:
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 10_000:
             raise InvalidInput("batch_size", "must be an integer between 1 and 10000")
         started = time.monotonic()
+        if max_batches is not None and (
+            isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+        ):
+            raise InvalidInput("max_batches", "must be a positive integer")
         closed = batches = redis_errors = 0
         users: set[str] = set()
         max_lag: int | None = None
