@@ -9,32 +9,26 @@ it. Rules that shape every method:
 * a transition out of ``unpaid`` is one compare-and-set ``UPDATE ... WHERE status =
   'unpaid'``, so exactly one of pay, cancel and close wins;
 * only :class:`~orders.errors.OrdersError` leaves this module.
+
+The shared plumbing lives in :mod:`orders.store`, the sweep in :mod:`orders.sweeping`.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-import redis
-from sqlalchemy import Connection, Engine, Row, func, insert, select, update
+from sqlalchemy import Connection, Row, func, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from orders import metrics
-from orders.config import Settings
 from orders.domain import (
     MAX_TIMESTAMP_MS,
-    Clock,
     EventKind,
     Order,
-    OrderIdGenerator,
     OrderStatus,
-    SweepResult,
     amount_to_text,
     check_amount,
     check_currency,
@@ -44,7 +38,6 @@ from orders.domain import (
     check_order_id,
     check_ttl_ms,
     check_user_id,
-    system_clock,
 )
 from orders.errors import (
     InvalidInput,
@@ -57,27 +50,19 @@ from orders.errors import (
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
-from orders.index import Admission, AdmitResult, UnpaidIndex
+from orders.index import Admission, AdmitResult
 
 if TYPE_CHECKING:
     from orders.events import EventPosition, OrderEvent
     from orders.reconciler import ReconcileReport
 from orders.models import (
     TEXT_COLUMN_LENGTH,
-    UNPAID_PREDICATE,
-    events_table,
     orders_table,
-    sql_errors,
 )
+from orders.store import EXPIRED_REASON, IS_UNPAID, OC, UNPAID, to_order
+from orders.sweeping import Sweeping
 
 log = logging.getLogger(__name__)
-
-OC = orders_table.c
-UNPAID = OrderStatus.UNPAID.value
-#: Inline, not a bound parameter: only a literal lets the planners of both engines match the
-#: partial indexes declared WHERE status = 'unpaid' (PostgreSQL's generic plans included).
-IS_UNPAID = UNPAID_PREDICATE
-EXPIRED_REASON = "expired"
 
 
 class _SqlRefused(Exception):
@@ -94,7 +79,7 @@ def retry_after_s(earliest_ms: int | None, now_ms: int) -> float:
     return max(0, earliest_ms - now_ms) / 1000
 
 
-class OrderService:
+class OrderService(Sweeping):
     """The order-expiry service over a SQLAlchemy engine and a redis-py client.
 
     A host application builds it from the engine and client it already has::
@@ -104,36 +89,6 @@ class OrderService:
     The schema must exist (``orders db upgrade`` or ``alembic upgrade head``).
     ``clock`` returns integer milliseconds; tests pass one they control.
     """
-
-    def __init__(
-        self,
-        engine: Engine,
-        redis_client: redis.Redis,
-        settings: Settings | None = None,
-        *,
-        clock: Clock | None = None,
-    ) -> None:
-        self.settings = settings or Settings()
-        self.engine = engine
-        self.clock: Clock = clock or system_clock
-        self.index = UnpaidIndex(
-            redis_client,
-            key_prefix=self.settings.key_prefix,
-            key_margin_ms=self.settings.key_margin_ms,
-        )
-        self._new_id = OrderIdGenerator(self.clock)
-        self._dialect = engine.dialect.name
-        #: Test hook: called between the Redis admission and the SQL insert.
-        self.after_admit: Callable[[str, str], None] | None = None
-        #: Take the per-user lock around the SQL limit guard on PostgreSQL. Only a test
-        #: turns it off, to show the race the lock prevents (count-then-insert at READ
-        #: COMMITTED lets two creates both see room for one more).
-        self.lock_users = True
-        self._pre_close: Callable[[Order], float | None] | None = None
-        self.closed_handlers: list[Callable[[OrderEvent], None]] = []
-        self._hook_executor: ThreadPoolExecutor | None = None
-
-    # --- create ----------------------------------------------------------------------
 
     def create_unpaid_order(
         self,
@@ -300,9 +255,7 @@ class OrderService:
             ).one()
             self._record(conn, [(values["id"], uid)], EventKind.CREATED, now_ms, None)
             conn.commit()
-        return _to_order(row, now_ms)
-
-    # --- pay and cancel --------------------------------------------------------------
+        return to_order(row, now_ms)
 
     def mark_paid(self, order_id: str, *, payment_ref: str | None = None) -> Order:
         """Mark an unpaid order paid. Idempotent for the same (or no) ``payment_ref``.
@@ -337,7 +290,7 @@ class OrderService:
             conn.commit()
         if current is None:
             raise OrderNotFound(oid)
-        order = _to_order(current, now_ms)
+        order = to_order(current, now_ms)
         if row is not None:
             self._release_quietly(order.user_id, oid)
         if late_close:
@@ -382,7 +335,7 @@ class OrderService:
             conn.commit()
         if current is None:
             raise OrderNotFound(oid)
-        order = _to_order(current, now_ms)
+        order = to_order(current, now_ms)
         if row is not None:
             metrics.CANCELS.inc()
             self._release_quietly(order.user_id, oid)
@@ -425,7 +378,7 @@ class OrderService:
             conn.commit()
         if current is None:
             raise OrderNotFound(oid)
-        order = _to_order(current, now_ms)
+        order = to_order(current, now_ms)
         if row is not None:
             metrics.EXTENSIONS.labels("api").inc()
             self._rescore_quietly(order)
@@ -448,19 +401,6 @@ class OrderService:
         self.closed_handlers.append(handler)
         return handler
 
-    def set_pre_close_check(self, check: Callable[[Order], float | None] | None) -> None:
-        """Ask ``check(order)`` before an expired order is closed (None: no check).
-
-        It returns seconds to extend the order by (at most ``max_extension_s``; once per
-        order), or None to let the close go ahead. A check that raises, or takes longer
-        than ``pre_close_timeout_s``, lets the close go ahead: it can never stop the sweep.
-        The extension takes the order's slot again, so it is refused (and the order closed)
-        when the user has meanwhile reached the limit.
-        """
-        self._pre_close = check
-
-    # --- reads -----------------------------------------------------------------------
-
     def get_order(self, order_id: str) -> Order:
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         now_ms = self.clock()
@@ -480,26 +420,7 @@ class OrderService:
         )
         with self._read() as conn:
             rows = conn.execute(query).all()
-        return [_to_order(row, now_ms) for row in rows]
-
-    def earliest_unpaid_expiry_ms(self) -> int | None:
-        """The expiry of the unpaid order due first (overdue ones included), or None."""
-        query = select(func.min(OC.expires_at_ms)).where(IS_UNPAID)
-        with self._read() as conn:
-            value: int | None = conn.scalar(query)
-        return value
-
-    def count_due(self, *, now_ms: int | None = None) -> int:
-        """How many unpaid orders a sweep at ``now_ms`` (default: now) would close."""
-        clock_now = self.clock()
-        cutoff = clock_now if now_ms is None else _check_cutoff(now_ms, clock_now)
-        query = (
-            select(func.count())
-            .select_from(orders_table)
-            .where(IS_UNPAID, OC.expires_at_ms <= cutoff)
-        )
-        with self._read() as conn:
-            return int(conn.scalar(query) or 0)
+        return [to_order(row, now_ms) for row in rows]
 
     def iter_events(
         self, *, after: EventPosition | None = None, limit: int = 100
@@ -520,215 +441,6 @@ class OrderService:
 
         return reconcile(self, user_id=user_id, dry_run=dry_run, chunk_size=chunk_size)
 
-    # --- sweep -----------------------------------------------------------------------
-
-    def sweep_expired(
-        self,
-        *,
-        now_ms: int | None = None,
-        batch_size: int | None = None,
-        max_batches: int | None = None,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> SweepResult:
-        """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now).
-
-        Works in batches ordered by expiry, each one SQL transaction that closes its orders
-        with a compare-and-set and records a ``closed`` event per order; after each commit
-        the affected users' Redis sets drop their expired members in one pipeline. A batch
-        that fails leaves its orders unpaid for the next sweep. Safe to run in several
-        processes at once. ``should_stop`` is asked before each batch.
-        """
-        clock_now = self.clock()
-        cutoff = clock_now if now_ms is None else _check_cutoff(now_ms, clock_now)
-        size = self.settings.sweep_batch_size if batch_size is None else batch_size
-        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 10_000:
-            raise InvalidInput("batch_size", "must be an integer between 1 and 10000")
-        started = time.monotonic()
-        if max_batches is not None and (
-            isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
-        ):
-            raise InvalidInput("max_batches", "must be a positive integer")
-        closed = batches = redis_errors = 0
-        users: set[str] = set()
-        max_lag: int | None = None
-        while max_batches is None or batches < max_batches:
-            if should_stop is not None and should_stop():
-                break
-            if self._dialect == "sqlite" and not self._any_due(cutoff):
-                break  # SQLite's write lock is the whole database's: take it only to close
-            if self._pre_close is not None:
-                self._run_pre_close(cutoff, size)
-            closed_at_ms = self.clock()
-            with self._write() as conn:
-                rows = self._close_due(conn, cutoff, size, closed_at_ms)
-                conn.commit()
-            if not rows:
-                break
-            batches += 1
-            closed += len(rows)
-            metrics.CLOSES.inc(len(rows))
-            for row in rows:
-                metrics.CLOSE_LAG_SECONDS.observe((closed_at_ms - row.expires_at_ms) / 1000)
-            batch_users = {row.user_id for row in rows}
-            users |= batch_users
-            lag = closed_at_ms - min(row.expires_at_ms for row in rows)
-            max_lag = lag if max_lag is None else max(max_lag, lag)
-            if redis_errors == 0:  # after one failure, spare later batches the timeouts
-                try:
-                    self.index.drop_expired(batch_users, cutoff)
-                except StoreUnavailable:
-                    redis_errors += 1
-                    log.debug("sweep: redis cleanup failed; expired members go by score")
-            if len(rows) < size:
-                break
-        if closed:
-            metrics.SWEEP_SECONDS.observe(time.monotonic() - started)
-        return SweepResult(
-            closed=closed,
-            batches=batches,
-            users=len(users),
-            cutoff_ms=cutoff,
-            max_lag_ms=max_lag,
-            redis_errors=redis_errors,
-        )
-
-    def _any_due(self, cutoff: int) -> bool:
-        query = select(OC.id).where(IS_UNPAID, OC.expires_at_ms <= cutoff).limit(1)
-        with self._read() as conn:
-            return conn.execute(query).first() is not None
-
-    def _close_due(
-        self, conn: Connection, cutoff: int, size: int, closed_at_ms: int
-    ) -> Sequence[Row[Any]]:
-        due = (
-            select(OC.id)
-            .where(IS_UNPAID, OC.expires_at_ms <= cutoff)
-            .order_by(OC.expires_at_ms)
-            .limit(size)
-        )
-        if self._dialect == "postgresql":
-            # Rows another sweeper has claimed are skipped, not waited for.
-            due = due.with_for_update(skip_locked=True)
-        # A CTE, not "id IN (subquery)": PostgreSQL may run such a subquery more than once,
-        # and with SKIP LOCKED each run can pick other rows, closing more than a batch.
-        claimed = due.cte("due")
-        rows = conn.execute(
-            update(orders_table)
-            .where(OC.id == claimed.c.id, IS_UNPAID)
-            .values(
-                status=OrderStatus.CLOSED.value,
-                closed_at_ms=closed_at_ms,
-                close_reason=EXPIRED_REASON,
-                updated_at_ms=closed_at_ms,
-            )
-            .returning(OC.id, OC.user_id, OC.expires_at_ms)
-        ).all()
-        self._record(conn, [(r.id, r.user_id) for r in rows], EventKind.CLOSED, closed_at_ms, None)
-        return rows
-
-    # --- helpers ---------------------------------------------------------------------
-
-    def _run_pre_close(self, cutoff: int, size: int) -> None:
-        """Ask the pre-close check about the next batch's orders not yet extended."""
-        check = self._pre_close
-        assert check is not None
-        query = (
-            select(*orders_table.c)
-            .where(IS_UNPAID, OC.expires_at_ms <= cutoff, OC.extensions == 0)
-            .order_by(OC.expires_at_ms)
-            .limit(size)
-        )
-        with self._read() as conn:
-            due = [_to_order(row, cutoff) for row in conn.execute(query)]
-        # One time budget for the whole batch: a stuck check costs the batch that budget
-        # once, and then every order it was asked about simply closes.
-        futures = {self._hook_pool().submit(check, order): order for order in due}
-        done, _ = wait(futures, timeout=self.settings.pre_close_timeout_s)
-        max_extension_ms = round(self.settings.max_extension_s * 1000)
-        for future, order in futures.items():
-            if future not in done or future.exception() is not None:
-                log.warning(
-                    "pre-close check failed or timed out; closing",
-                    extra={"order_id": order.id, "user_id": order.user_id},
-                )
-                continue
-            answer = future.result()
-            if answer is None:
-                continue
-            try:
-                extra_ms = min(check_ttl_ms(answer, self.settings.max_ttl_ms), max_extension_ms)
-            except InvalidInput:
-                log.warning(
-                    "pre-close check gave an invalid extension; closing",
-                    extra={"order_id": order.id, "user_id": order.user_id},
-                )
-                continue
-            self._reopen(order, extra_ms)
-
-    def _reopen(self, order: Order, extra_ms: int) -> bool:
-        """Give an expired, unclosed order ``extra_ms`` more from now, if its user has room.
-
-        The expired order no longer holds a slot, so this is an admission: the Redis script
-        and the SQL guard both count, and a refusal leaves the order to be closed.
-        """
-        now_ms = self.clock()
-        expires_at_ms = now_ms + extra_ms
-        max_life_ms = round(self.settings.max_lifetime_s * 1000)
-        if expires_at_ms - order.created_at_ms > max_life_ms:
-            return False
-        limit = self.settings.unpaid_limit
-        try:
-            admitted = self.index.admit(
-                order.user_id, order.id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
-            )
-        except StoreUnavailable:
-            admitted = AdmitResult(Admission.EXISTS, 0, expires_at_ms)  # SQL decides alone
-        if admitted.outcome is Admission.REFUSED:
-            return False
-        with self._write(user_lock=order.user_id) as conn:
-            open_count = conn.scalar(
-                select(func.count()).where(
-                    OC.user_id == order.user_id, IS_UNPAID, OC.expires_at_ms > now_ms
-                )
-            )
-            row = None
-            if (open_count or 0) < limit:
-                row = self._transition(
-                    conn,
-                    conditions=[OC.id == order.id, IS_UNPAID, OC.extensions == 0],
-                    kind=EventKind.EXTENDED,
-                    now_ms=now_ms,
-                    values={"expires_at_ms": expires_at_ms, "extensions": OC.extensions + 1},
-                    event_data={"extra_ms": extra_ms, "trigger": "pre_close_check"},
-                )
-            conn.commit()
-        if row is None:
-            if admitted.outcome is Admission.ADMITTED:
-                self._release_quietly(order.user_id, order.id)
-            return False
-        metrics.EXTENSIONS.labels("pre_close_check").inc()
-        return True
-
-    def _hook_pool(self) -> ThreadPoolExecutor:
-        if self._hook_executor is None:
-            self._hook_executor = ThreadPoolExecutor(8, thread_name_prefix="orders-hook")
-        return self._hook_executor
-
-    def _rescore_quietly(self, order: Order) -> None:
-        """Move a member's score to the order's new expiry after SQL decided."""
-        try:
-            self.index.repair(
-                order.user_id,
-                now_ms=order.read_at_ms,
-                remove=[],
-                add={order.id: order.expires_at_ms},
-            )
-        except StoreUnavailable:
-            log.warning(
-                "redis rescore failed; reconcile will fix it",
-                extra={"order_id": order.id, "user_id": order.user_id},
-            )
-
     def _close_expired(
         self, conn: Connection, oid: str, now_ms: int, payment_ref: str | None
     ) -> Row[Any] | None:
@@ -748,122 +460,6 @@ class OrderService:
             },
             event_data={"trigger": "late_payment", "payment_ref": payment_ref},
         )
-
-    def _transition(
-        self,
-        conn: Connection,
-        *,
-        conditions: list[Any],
-        kind: EventKind,
-        now_ms: int,
-        values: dict[str, Any],
-        event_data: dict[str, Any] | None,
-    ) -> Row[Any] | None:
-        """One compare-and-set UPDATE; records the event if it won. None if it lost."""
-        row = conn.execute(
-            update(orders_table)
-            .where(*conditions)
-            .values(updated_at_ms=now_ms, **values)
-            .returning(*orders_table.c)
-        ).one_or_none()
-        if row is not None:
-            self._record(conn, [(row.id, row.user_id)], kind, now_ms, event_data)
-        return row
-
-    def _record(
-        self,
-        conn: Connection,
-        orders: list[tuple[str, str]],
-        kind: EventKind,
-        at_ms: int,
-        data: dict[str, Any] | None,
-    ) -> None:
-        if orders:
-            conn.execute(
-                insert(events_table),
-                [
-                    {
-                        "order_id": oid,
-                        "user_id": uid,
-                        "kind": kind.value,
-                        "at_ms": at_ms,
-                        "data": data,
-                    }
-                    for oid, uid in orders
-                ],
-            )
-
-    def _select(self, conn: Connection, oid: str) -> Row[Any] | None:
-        return conn.execute(select(*orders_table.c).where(OC.id == oid)).one_or_none()
-
-    def _find(self, oid: str, now_ms: int) -> Order | None:
-        with self._read() as conn:
-            row = self._select(conn, oid)
-        return None if row is None else _to_order(row, now_ms)
-
-    def _release_quietly(self, user_id: str, order_id: str) -> None:
-        """Remove a member after SQL decided; a Redis failure only delays the cleanup."""
-        try:
-            self.index.release(user_id, order_id)
-        except StoreUnavailable:
-            log.warning(
-                "redis release failed; the member expires by its score or at reconcile",
-                extra={"order_id": order_id, "user_id": user_id},
-            )
-
-    @contextmanager
-    def _read(self) -> Iterator[Connection]:
-        with sql_errors(), self.engine.connect() as conn:
-            yield conn
-
-    @contextmanager
-    def _write(self, *, user_lock: str | None = None) -> Iterator[Connection]:
-        """A write transaction; the caller commits. Leaving without commit rolls back.
-
-        SQLite: ``BEGIN IMMEDIATE`` takes the database's write lock up front, so a
-        read-then-write transaction never fails to upgrade, and it serialises the limit
-        guard. PostgreSQL: ``user_lock`` takes a transaction-scoped advisory lock on the
-        user, which serialises that user's creates.
-        """
-        with sql_errors(), self.engine.connect() as conn:
-            if self._dialect == "sqlite":
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-            elif self._dialect == "postgresql" and user_lock is not None and self.lock_users:
-                conn.execute(
-                    select(func.pg_advisory_xact_lock(func.hashtextextended(user_lock, 0)))
-                )
-            yield conn
-
-
-def _check_cutoff(now_ms: object, clock_now: int) -> int:
-    if isinstance(now_ms, bool) or not isinstance(now_ms, int):
-        raise InvalidInput("now_ms", "must be integer milliseconds")
-    if now_ms > clock_now:
-        raise InvalidInput("now_ms", "must not be ahead of the clock (it would close open orders)")
-    if now_ms < 0:
-        raise InvalidInput("now_ms", "must not be negative")
-    return now_ms
-
-
-def _to_order(row: Row[Any], read_at_ms: int) -> Order:
-    m = row._mapping
-    amount = m["amount"]
-    return Order(
-        id=m["id"],
-        user_id=m["user_id"],
-        status=OrderStatus(m["status"]),
-        created_at_ms=m["created_at_ms"],
-        expires_at_ms=m["expires_at_ms"],
-        read_at_ms=read_at_ms,
-        amount=None if amount is None else Decimal(amount),
-        currency=m["currency"],
-        paid_at_ms=m["paid_at_ms"],
-        closed_at_ms=m["closed_at_ms"],
-        close_reason=m["close_reason"],
-        payment_ref=m["payment_ref"],
-        metadata=dict(m["metadata"] or {}),
-        extensions=m["extensions"],
-    )
 
 
 def _same_order(order: Order, user_id: str, amount: Decimal | None, currency: str | None) -> Order:
