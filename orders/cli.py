@@ -18,6 +18,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from orders.bench import bench
 from orders.config import Settings
 from orders.domain import Order
 from orders.errors import (
@@ -533,6 +534,9 @@ def demo(fast: bool) -> None:
     from orders.demo import run_demo  # noqa: PLC0415
 
     sys.exit(run_demo(fast=fast))
+
+
+main.add_command(bench)
 
 
 # --- output --------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""``orders bench``: the quick run reports every figure, cleans up, and spares other orders.
+
+No speed is asserted here (the suite runs on machines of every size); only that each figure
+is there and numeric, that a refusal costs no SQL statement, and that the bench leaves no
+row and no key behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from click.testing import CliRunner, Result
+from sqlalchemy import Engine, func, select
+
+from orders.bench import FIGURES
+from orders.cli import main
+from orders.models import events_table, orders_table
+from orders.service import OrderService
+
+
+@pytest.fixture
+def run(database_url: str, redis_url: str, redis_client: redis.Redis) -> Any:
+    env = {"ORDERS_DATABASE_URL": database_url, "ORDERS_REDIS_URL": redis_url}
+
+    def invoke(*args: str) -> Result:
+        return CliRunner().invoke(main, ["bench", *args], env=env, catch_exceptions=False)
+
+    return invoke
+
+
+def leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from leaves(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from leaves(item, f"{path}[{i}]")
+    else:
+        yield path, value
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def rows(engine: Engine) -> tuple[int, int]:
+    with engine.connect() as conn:
+        orders = conn.scalar(select(func.count()).select_from(orders_table))
+        events = conn.scalar(select(func.count()).select_from(events_table))
+    return int(orders or 0), int(events or 0)
+
+
+def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
+    run: Any, engine: Engine, redis_client: redis.Redis
+) -> None:
+    result = run("--quick", "--json")
+
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert list(report["figures"]) == list(FIGURES), report["notes"]
+    for path, leaf in leaves(report["figures"]):
+        assert is_number(leaf), f"figures{path} = {leaf!r}"
+    assert report["figures"]["refusal"]["sql_statements"] == 0
+    assert report["figures"]["close_lag"]["closed"] == report["figures"]["close_lag"]["orders"]
+    assert report["targets"]
+    for target in report["targets"]:
+        assert target["verdict"] in ("ok", "missed")
+        assert is_number(target["measured"])
+    assert report["left_behind"] == {"rows": 0, "events": 0, "keys": 0}
+    assert rows(engine) == (0, 0)
+    assert redis_client.keys("*") == []
+
+
+def test_bench_refuses_a_database_holding_orders_in_one_line(
+    run: Any, service: OrderService, engine: Engine
+) -> None:
+    service.create_unpaid_order("someone")
+
+    result = run("--quick", "--json")
+
+    assert result.exit_code != 0
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: ")
+    assert "--yes" in result.stderr
+    assert rows(engine) == (1, 1)
+
+
+def test_with_yes_the_bench_runs_beside_other_orders_and_leaves_them_alone(
+    run: Any, service: OrderService, engine: Engine, redis_client: redis.Redis
+) -> None:
+    order = service.create_unpaid_order("someone")
+    keys = redis_client.keys("*")
+
+    result = run(
+        "--quick", "--yes", "--json", "--only", "refusal,sweep,close_lag",
+        "--sweep-rows", "2000", "--sweep-due", "500", "--lag-seconds", "1",
+    )  # fmt: skip
+
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert list(report["figures"]) == ["refusal", "sweep", "close_lag"], report["notes"]
+    assert rows(engine) == (1, 1)
+    assert service.get_order(order.id) == order
+    assert redis_client.keys("*") == keys
+    assert service.index.members("someone") == {order.id: order.expires_at_ms}
