@@ -8,13 +8,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from sqlalchemy import Connection, Row, func, select, update
+from sqlalchemy import BigInteger, Connection, Row, func, insert, literal, select, update
 
 from orders import metrics
 from orders.domain import EventKind, Order, OrderStatus, SweepResult, check_ttl_ms
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.index import Admission, AdmitResult
-from orders.models import orders_table
+from orders.models import events_table, orders_table
 from orders.store import EXPIRED_REASON, IS_UNPAID, OC, ServiceBase, check_cutoff, to_order
 
 log = logging.getLogger("orders.service")
@@ -132,7 +132,7 @@ class Sweeping(ServiceBase):
         # A CTE, not "id IN (subquery)": PostgreSQL may run such a subquery more than once,
         # and with SKIP LOCKED each run can pick other rows, closing more than a batch.
         claimed = due.cte("due")
-        rows = conn.execute(
+        close = (
             update(orders_table)
             .where(OC.id == claimed.c.id, IS_UNPAID)
             .values(
@@ -142,8 +142,32 @@ class Sweeping(ServiceBase):
                 updated_at_ms=closed_at_ms,
             )
             .returning(OC.id, OC.user_id, OC.expires_at_ms)
+        )
+        if self._dialect != "postgresql":
+            rows = conn.execute(close).all()
+            self._record(
+                conn, [(r.id, r.user_id) for r in rows], EventKind.CLOSED, closed_at_ms, None
+            )
+            return rows
+        # PostgreSQL: claim, close and write the events in one statement. Row-by-row event
+        # inserts (psycopg's executemany) took most of a sweep's time there.
+        closed = close.cte("closed")
+        record = (
+            insert(events_table)
+            .from_select(
+                ["order_id", "user_id", "kind", "at_ms"],
+                select(
+                    closed.c.id,
+                    closed.c.user_id,
+                    literal(EventKind.CLOSED.value),
+                    literal(closed_at_ms, BigInteger()),
+                ),
+            )
+            .cte("recorded")
+        )
+        rows = conn.execute(
+            select(closed.c.id, closed.c.user_id, closed.c.expires_at_ms).add_cte(record)
         ).all()
-        self._record(conn, [(r.id, r.user_id) for r in rows], EventKind.CLOSED, closed_at_ms, None)
         return rows
 
     def set_pre_close_check(self, check: Callable[[Order], float | None] | None) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, event, select
 from sqlalchemy.exc import OperationalError
 
 from orders.bootstrap import build_redis
@@ -234,18 +234,18 @@ def test_batch_that_fails_midway_leaves_its_orders_unpaid_for_the_next_sweep(
 ) -> None:
     orders = by_expiry(create_orders(service, [1, 2, 3, 4, 5, 6, 7], users=["a", "b"]))
     clock.advance(s=10)
-    real_record = service._record
     calls = 0
 
-    def record_failing_on_second_batch(*args: Any, **kwargs: Any) -> None:
+    def fail_after_second_close(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         nonlocal calls
+        if "UPDATE orders SET status" not in statement:
+            return
         calls += 1
         if calls == 2:
-            # The batch's UPDATE has already run in this transaction: it must roll back.
-            raise OperationalError("INSERT INTO order_events", {}, Exception("disk I/O error"))
-        real_record(*args, **kwargs)
+            # The batch's UPDATE has run in this transaction: the whole batch must roll back.
+            raise OperationalError(statement[:40], {}, Exception("disk I/O error"))
 
-    monkeypatch.setattr(service, "_record", record_failing_on_second_batch)
+    event.listen(engine, "after_cursor_execute", fail_after_second_close)
 
     with pytest.raises(StoreUnavailable) as caught:
         service.sweep_expired(batch_size=3)
@@ -259,7 +259,7 @@ def test_batch_that_fails_midway_leaves_its_orders_unpaid_for_the_next_sweep(
     assert all(rows[oid].closed_at_ms is None for oid in rest)
     assert closed_event_counts(engine) == Counter(dict.fromkeys(first_batch, 1))
 
-    monkeypatch.undo()
+    event.remove(engine, "after_cursor_execute", fail_after_second_close)
     result = service.sweep_expired(batch_size=3)
 
     assert result.closed == len(rest)
