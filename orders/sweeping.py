@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from sqlalchemy import BigInteger, Connection, Row, func, insert, literal, select, update
+from sqlalchemy import BigInteger, Connection, func, insert, literal, select, update
 
 from orders import metrics
 from orders.domain import EventKind, Order, OrderStatus, SweepResult, check_ttl_ms
@@ -119,7 +119,8 @@ class Sweeping(ServiceBase):
 
     def _close_due(
         self, conn: Connection, cutoff: int, size: int, closed_at_ms: int
-    ) -> Sequence[Row[Any]]:
+    ) -> Sequence[Any]:
+        """Close up to ``size`` due orders; their (id, user_id, expires_at_ms) rows."""
         due = (
             select(OC.id)
             .where(IS_UNPAID, OC.expires_at_ms <= cutoff)
@@ -165,10 +166,9 @@ class Sweeping(ServiceBase):
             )
             .cte("recorded")
         )
-        rows = conn.execute(
+        return conn.execute(
             select(closed.c.id, closed.c.user_id, closed.c.expires_at_ms).add_cte(record)
         ).all()
-        return rows
 
     def set_pre_close_check(self, check: Callable[[Order], float | None] | None) -> None:
         """Ask ``check(order)`` before an expired order is closed (None: no check).
