@@ -245,7 +245,10 @@ class OrderService(Sweeping):
         with self._write(user_lock=uid) as conn:
             open_count, earliest = conn.execute(
                 select(func.count(), func.min(OC.expires_at_ms)).where(
-                    OC.user_id == uid, IS_UNPAID, OC.expires_at_ms > now_ms
+                    OC.user_id == uid,
+                    IS_UNPAID,
+                    OC.expires_at_ms > now_ms,
+                    OC.id != values["id"],  # a retry must not count its own order
                 )
             ).one()
             if open_count >= limit:

@@ -377,3 +377,12 @@ def test_generated_ids_are_unique_and_sort_in_creation_order(
             clock.advance(ms=1)
     assert len(set(ids)) == 20
     assert ids == sorted(ids)
+
+
+def test_a_retry_at_the_limit_returns_the_order_it_retries(service: OrderService) -> None:
+    first = service.create_unpaid_order("u1", order_id="a", limit=1)
+
+    again = service.create_unpaid_order("u1", order_id="a", limit=1)
+
+    assert again == first
+    assert set(service.index.members("u1")) == {"a"}
