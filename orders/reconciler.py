@@ -70,15 +70,17 @@ def reconcile(
     now_ms = service.clock()
     report = ReconcileReport(dry_run=dry_run)
     if user_id is not None:
-        chunks: Iterator[list[str]] = iter(
-            [[check_user_id(user_id, service.settings.max_user_id_length)]]
+        chunks: Iterator[tuple[list[str], bool]] = iter(
+            [([check_user_id(user_id, service.settings.max_user_id_length)], False)]
         )
     else:
+        # Then every key SCAN finds, less the users the first pass already covered.
         chunks = _chain(
-            _sql_users(service, now_ms, chunk_size), service.index.scan_users(chunk=chunk_size)
+            ((users, False) for users in _sql_users(service, now_ms, chunk_size)),
+            ((users, True) for users in service.index.scan_users(chunk=chunk_size)),
         )
-    for users in chunks:
-        _reconcile_users(service, users, now_ms, dry_run, report)
+    for users, skip_open in chunks:
+        _reconcile_users(service, users, now_ms, dry_run, report, skip_open=skip_open)
         if on_progress is not None:
             on_progress(report.users)
     if user_id is None and not dry_run:
@@ -89,7 +91,7 @@ def reconcile(
     return report
 
 
-def _chain(*parts: Iterator[list[str]]) -> Iterator[list[str]]:
+def _chain(*parts: Iterator[tuple[list[str], bool]]) -> Iterator[tuple[list[str], bool]]:
     for part in parts:
         yield from part
 
@@ -141,9 +143,21 @@ def _owners_of_open(
 
 
 def _reconcile_users(
-    service: OrderService, users: list[str], now_ms: int, dry_run: bool, report: ReconcileReport
+    service: OrderService,
+    users: list[str],
+    now_ms: int,
+    dry_run: bool,
+    report: ReconcileReport,
+    *,
+    skip_open: bool,
 ) -> None:
+    """Repair these users' keys. ``skip_open``: leave out users SQL has open orders for
+    (the pass over SQL's users handled them; a user only just given one is indexed)."""
     wanted = _open_orders(service, users, now_ms)
+    if skip_open:
+        users = [user for user in users if not wanted[user]]
+        if not users:
+            return
     present = service.index.members_of(users)
     extra = [
         order_id

@@ -186,3 +186,18 @@ def test_the_active_scheduler_rebuilds_the_index_at_start_and_when_redis_lost_it
     assert len(rebuilt) == 1
     assert (rebuilt[0]["reason"], rebuilt[0]["added"]) == ("index_lost", 3)
     sweeper.close()
+
+
+def test_each_user_is_counted_once_even_when_sql_and_scan_both_find_them(
+    service: OrderService, redis_client: redis.Redis
+) -> None:
+    for i in range(5):
+        service.create_unpaid_order(f"u{i}", ttl_s=60)
+    stale = service.create_unpaid_order("gone", ttl_s=60)
+    service.cancel_order(stale.id)
+    redis_client.zadd(service.index.key("gone"), {stale.id: stale.expires_at_ms})
+
+    report = service.reconcile(chunk_size=2)
+
+    assert report.users == 6
+    assert report.removed_terminal == 1
