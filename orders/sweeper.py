@@ -64,6 +64,9 @@ JOB_ID = "orders-sweep"
 #: The job running closed-order handlers, and how often it looks for new events.
 EVENTS_JOB_ID = "orders-events"
 EVENTS_INTERVAL_S = 0.5
+#: The job rebuilding the Redis index, and how often it checks whether one is due.
+RECONCILE_JOB_ID = "orders-reconcile"
+RECONCILE_CHECK_S = 1.0
 #: The soonest a next round is asked for (when due orders are left after a sweep).
 MIN_DELAY_S = 0.001
 
@@ -117,7 +120,7 @@ class Sweeper:
         self._lost_lease = False
         self._down: set[str] = set()
         self.reconcile_interval_s = s.reconcile_interval_s
-        #: When the next scheduled reconcile is due (monotonic); None: at the first tick.
+        #: When the next scheduled reconcile is due (monotonic); None: as soon as active.
         self._reconcile_at: float | None = None
 
     @property
@@ -145,7 +148,6 @@ class Sweeper:
         with self._tick_lock:
             if self._stop_requested or not self._take_lease():
                 return self.cadence_s
-            self._reconcile_if_due()
             return self._sweep()
 
     def close(self) -> None:
@@ -183,9 +185,15 @@ class Sweeper:
         self._set_holds(held)
         return held
 
-    def _reconcile_if_due(self) -> None:
+    def reconcile_if_due(self) -> None:
         """Rebuild the Redis index from SQL when this sweeper becomes active, on schedule,
-        and at once when the epoch marker is gone (Redis lost its data)."""
+        and at once when the epoch marker is gone (Redis lost its data).
+
+        Only the lease holder does it. The scheduler runs it as a job of its own, beside
+        the sweep, so a long rebuild never holds back the closing of expired orders.
+        """
+        if self._stop_requested or not self._holds_lease:
+            return
         now = time.monotonic()
         if self._reconcile_at is not None and now < self._reconcile_at:
             try:
@@ -200,7 +208,7 @@ class Sweeper:
         try:
             report = self.service.reconcile()
         except StoreUnavailable as exc:
-            self._store_down(exc.store, exc, "reconcile retried next tick")
+            self._store_down(exc.store, exc, "reconcile retried in a second")
             return
         self._store_up("sql")
         self._reconcile_at = now + self.reconcile_interval_s
@@ -398,7 +406,7 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     job = _SweepJob(sweeper, exit_when_stopped=blocking)
     scheduler_class = _BlockingSweepScheduler if blocking else _BackgroundSweepScheduler
     scheduler = scheduler_class(
-        timezone=UTC, executors={"default": ThreadPoolExecutor(max_workers=2)}
+        timezone=UTC, executors={"default": ThreadPoolExecutor(max_workers=3)}
     )
     scheduler.sweep_job = job
     job.scheduler = scheduler
@@ -411,6 +419,15 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
         coalesce=True,
         misfire_grace_time=None,
         next_run_time=datetime.now(UTC),
+    )
+    scheduler.add_job(
+        sweeper.reconcile_if_due,
+        IntervalTrigger(seconds=RECONCILE_CHECK_S, timezone=UTC),
+        id=RECONCILE_JOB_ID,
+        name="orders index rebuild",
+        max_instances=1,
+        coalesce=True,
+        misfire_grace_time=None,
     )
     consumers = closed_order_consumers(sweeper.service)
     if consumers:

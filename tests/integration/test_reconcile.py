@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import redis
 
 from orders import reconciler as reconcile_module
 from orders.service import OrderService
-from orders.sweeper import Sweeper
+from orders.sweeper import Sweeper, build_scheduler
 from tests.conftest import ManualClock
 
 
@@ -172,12 +173,16 @@ def test_the_active_scheduler_rebuilds_the_index_at_start_and_when_redis_lost_it
 ) -> None:
     orders = [service.create_unpaid_order(f"u{i}", ttl_s=60) for i in range(3)]
     sweeper = Sweeper(service)
-    sweeper.tick()
+    sweeper.reconcile_if_due()
+    assert service.index.get_epoch() is None  # only the lease holder rebuilds
+    sweeper.tick()  # takes the lease
+    sweeper.reconcile_if_due()
     assert service.index.get_epoch() is not None  # the startup rebuild wrote the marker
 
     redis_client.flushdb()  # a restart without persistence, say
     caplog.set_level(logging.INFO, logger="orders.sweeper")
     sweeper.tick()
+    sweeper.reconcile_if_due()
 
     assert all(service.index.members(o.user_id) == {o.id: o.expires_at_ms} for o in orders)
     assert service.index.get_epoch() is not None
@@ -201,3 +206,26 @@ def test_each_user_is_counted_once_even_when_sql_and_scan_both_find_them(
 
     assert report.users == 6
     assert report.removed_terminal == 1
+
+
+def test_a_running_scheduler_rebuilds_a_lost_index_by_itself(
+    engine: Any, redis_client: redis.Redis, make_service: Any
+) -> None:
+    real = OrderService(engine, redis_client, make_service().settings)  # the real clock
+    orders = [real.create_unpaid_order(f"u{i}", ttl_s=600) for i in range(3)]
+    sweeper = Sweeper(real, interval_s=0.2)
+    scheduler = build_scheduler(sweeper, blocking=False)
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 20
+        while real.index.get_epoch() is None:  # the startup rebuild
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        redis_client.flushdb()  # Redis loses everything, the marker included
+        while not all(real.index.members(o.user_id) for o in orders):
+            assert time.monotonic() < deadline, "the index was not rebuilt"
+            time.sleep(0.02)
+    finally:
+        scheduler.shutdown(wait=True)
+        sweeper.close()
+    assert all(real.index.members(o.user_id) == {o.id: o.expires_at_ms} for o in orders)
