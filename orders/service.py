@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Row, func, insert, select
+from sqlalchemy import Connection, Row, bindparam, func, insert, select
 from sqlalchemy.exc import IntegrityError
 
 from orders import metrics
@@ -63,6 +63,17 @@ from orders.store import EXPIRED_REASON, IS_UNPAID, OC, UNPAID, to_order
 from orders.sweeping import Sweeping
 
 log = logging.getLogger(__name__)
+
+
+# The create path's statements, built once: building them per call (coercions, cache keys)
+# cost about as much client CPU as running them.
+_GUARD_COUNT = select(func.count(), func.min(OC.expires_at_ms)).where(
+    OC.user_id == bindparam("uid"),
+    IS_UNPAID,
+    OC.expires_at_ms > bindparam("now_ms"),
+    OC.id != bindparam("oid"),  # a retry must not count its own order
+)
+_INSERT_ORDER = insert(orders_table).returning(*orders_table.c)
 
 
 class _SqlRefused(Exception):
@@ -244,18 +255,11 @@ class OrderService(Sweeping):
         uid = values["user_id"]
         with self._write(user_lock=uid) as conn:
             open_count, earliest = conn.execute(
-                select(func.count(), func.min(OC.expires_at_ms)).where(
-                    OC.user_id == uid,
-                    IS_UNPAID,
-                    OC.expires_at_ms > now_ms,
-                    OC.id != values["id"],  # a retry must not count its own order
-                )
+                _GUARD_COUNT, {"uid": uid, "now_ms": now_ms, "oid": values["id"]}
             ).one()
             if open_count >= limit:
                 raise _SqlRefused(open_count, earliest)
-            row = conn.execute(
-                insert(orders_table).values(**values).returning(*orders_table.c)
-            ).one()
+            row = conn.execute(_INSERT_ORDER, values).one()
             self._record(conn, [(values["id"], uid)], EventKind.CREATED, now_ms, None)
             conn.commit()
         return to_order(row, now_ms)

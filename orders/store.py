@@ -22,7 +22,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import redis
-from sqlalchemy import Connection, Engine, Row, func, insert, select, update
+from sqlalchemy import Connection, Engine, Row, String, bindparam, func, insert, select, update
 
 from orders.config import Settings
 from orders.domain import Clock, EventKind, Order, OrderIdGenerator, OrderStatus, system_clock
@@ -41,6 +41,12 @@ UNPAID = OrderStatus.UNPAID.value
 #: partial indexes declared WHERE status = 'unpaid' (PostgreSQL's generic plans included).
 IS_UNPAID = UNPAID_PREDICATE
 EXPIRED_REASON = "expired"
+
+
+_INSERT_EVENT = insert(events_table)
+_PG_USER_LOCK = select(
+    func.pg_advisory_xact_lock(func.hashtextextended(bindparam("key", type_=String), 0))
+)
 
 
 class ServiceBase:
@@ -103,20 +109,14 @@ class ServiceBase:
         at_ms: int,
         data: dict[str, Any] | None,
     ) -> None:
-        if orders:
-            conn.execute(
-                insert(events_table),
-                [
-                    {
-                        "order_id": oid,
-                        "user_id": uid,
-                        "kind": kind.value,
-                        "at_ms": at_ms,
-                        "data": data,
-                    }
-                    for oid, uid in orders
-                ],
-            )
+        rows = [
+            {"order_id": oid, "user_id": uid, "kind": kind.value, "at_ms": at_ms, "data": data}
+            for oid, uid in orders
+        ]
+        if len(rows) == 1:
+            conn.execute(_INSERT_EVENT, rows[0])  # one row: no executemany machinery
+        elif rows:
+            conn.execute(_INSERT_EVENT, rows)
 
     def _select(self, conn: Connection, oid: str) -> Row[Any] | None:
         return conn.execute(select(*orders_table.c).where(OC.id == oid)).one_or_none()
@@ -175,9 +175,7 @@ class ServiceBase:
             return
         with sql_errors(), self.engine.connect() as conn:
             if self._dialect == "postgresql" and user_lock is not None and self.lock_users:
-                conn.execute(
-                    select(func.pg_advisory_xact_lock(func.hashtextextended(user_lock, 0)))
-                )
+                conn.execute(_PG_USER_LOCK, {"key": user_lock})
             yield conn
 
 
