@@ -22,35 +22,15 @@ from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.domain import Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.models import events_table, orders_table
+from orders.models import events_table
 from orders.service import OrderService
 from tests.conftest import ManualClock
+from tests.helpers import closed_event_counts, create_orders, sql_rows
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def create_orders(
-    service: OrderService, ttls_s: Sequence[float], users: Sequence[str] = ("u1",)
-) -> list[Order]:
-    """One order per TTL, all created at the clock's current instant, users taken in turn."""
-    return [
-        service.create_unpaid_order(users[i % len(users)], ttl_s=ttl, limit=1000)
-        for i, ttl in enumerate(ttls_s)
-    ]
-
-
-def sql_rows(engine: Engine) -> dict[str, Any]:
-    with engine.connect() as conn:
-        return {row.id: row for row in conn.execute(select(orders_table)).all()}
-
-
-def closed_event_counts(engine: Engine) -> Counter[str]:
-    query = select(events_table.c.order_id).where(events_table.c.kind == "closed")
-    with engine.connect() as conn:
-        return Counter(conn.execute(query).scalars().all())
 
 
 def closed_events(engine: Engine) -> list[Any]:

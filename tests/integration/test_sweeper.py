@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import UTC
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,38 +28,19 @@ from sqlalchemy import Engine, func, insert, select
 
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
-from orders.domain import Order, check_user_id
+from orders.domain import check_user_id
 from orders.errors import InvalidInput
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 from orders.sweeper import JOB_ID, Sweeper, build_scheduler
 from tests.conftest import ManualClock
+from tests.helpers import closed_event_counts, create_orders, sql_rows
 
 MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
 T = TypeVar("T")
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-
-def create_orders(
-    service: OrderService, ttls_s: Sequence[float], users: Sequence[str] = ("u1",)
-) -> list[Order]:
-    return [
-        service.create_unpaid_order(users[i % len(users)], ttl_s=ttl, limit=1000)
-        for i, ttl in enumerate(ttls_s)
-    ]
-
-
-def sql_rows(engine: Engine) -> dict[str, Any]:
-    with engine.connect() as conn:
-        return {row.id: row for row in conn.execute(select(orders_table)).all()}
-
-
-def closed_event_counts(engine: Engine) -> Counter[str]:
-    query = select(events_table.c.order_id).where(events_table.c.kind == "closed")
-    with engine.connect() as conn:
-        return Counter(conn.execute(query).scalars().all())
 
 
 def count_closed_events(engine: Engine) -> int:
