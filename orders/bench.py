@@ -1337,7 +1337,7 @@ def bench(
     The bench adds users bench-<random>-..., their orders and Redis keys, and removes them
     all at the end. It refuses a database that already holds orders unless --yes.
     """
-    from orders.cli import _state  # noqa: PLC0415  (orders.cli registers this command)
+    from orders.cli.app import cli_state  # noqa: PLC0415
 
     figures = _parse_figures(only)
     base = Sizes.quick() if quick else Sizes()
@@ -1354,7 +1354,7 @@ def bench(
         memory_users=base.memory_users if memory_users is None else memory_users,
     )
     sizes = replace(sizes, warmup=min(sizes.warmup, sizes.ops))
-    state = _state(ctx)
+    state = cli_state(ctx)
     if not yes and _database_holds_orders(state.settings):
         click.echo(
             "error: the database already holds orders; the bench adds and removes only its "

@@ -441,12 +441,19 @@ class OrderService(Sweeping):
         return read_events(self.engine, after or EventPosition(), limit)
 
     def reconcile(
-        self, *, user_id: str | None = None, dry_run: bool = False, chunk_size: int = 500
+        self,
+        *,
+        user_id: str | None = None,
+        dry_run: bool = False,
+        chunk_size: int = 500,
+        on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
         """Make the Redis index equal to SQL (see :mod:`orders.reconciler`)."""
         from orders.reconciler import reconcile  # noqa: PLC0415  (it builds on this class)
 
-        return reconcile(self, user_id=user_id, dry_run=dry_run, chunk_size=chunk_size)
+        return reconcile(
+            self, user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
+        )
 
     def _close_expired(
         self, conn: Connection, oid: str, now_ms: int, payment_ref: str | None

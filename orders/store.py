@@ -80,6 +80,13 @@ class ServiceBase:
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
         self._hook_executor: ThreadPoolExecutor | None = None
 
+    def close(self) -> None:
+        """Release the stores' connections and the hook threads; the service is done."""
+        if self._hook_executor is not None:
+            self._hook_executor.shutdown(wait=False, cancel_futures=True)
+        self.engine.dispose()
+        self.index.client.close()
+
     def _transition(
         self,
         conn: Connection,

@@ -97,9 +97,27 @@ def test_sweep_dry_run_counts_and_sweep_closes(run: Any, service: Any, clock: An
     dry = run("sweep", "--dry-run", "--json")
     assert json.loads(dry.stdout) == {"due": 1}
     assert service.get_order(due.id).status == "unpaid"
-    swept = run("sweep", "--once", "--json")
+    swept = run("sweep", "--json")
     assert json.loads(swept.stdout)["closed"] == 1
     assert service.get_order(due.id).status == "closed"
+
+
+def test_sweep_max_batches_stops_early(run: Any, service: Any, clock: Any) -> None:
+    clock.set(1_000_000_000_000)  # 2001: due for the CLI's real clock
+    due = [service.create_unpaid_order(f"u{i}", ttl_s=1) for i in range(3)]
+    swept = run("sweep", "--batch-size", "1", "--max-batches", "2", "--json")
+    assert json.loads(swept.stdout)["closed"] == 2
+    statuses = sorted(service.get_order(order.id).status.value for order in due)
+    assert statuses == ["closed", "closed", "unpaid"]
+    assert run("sweep", "--once").exit_code == 2  # the flag that meant nothing is gone
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    from importlib.metadata import version  # noqa: PLC0415
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"orders {version('orders')}"
 
 
 def test_db_upgrade_creates_the_schema_and_other_commands_ask_for_it(tmp_path: Path) -> None:

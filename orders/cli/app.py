@@ -1,0 +1,199 @@
+"""The ``orders`` command group: global options, the shared state, and error mapping.
+
+Every option that has an ``ORDERS_*`` environment variable names it in ``--help``. An
+``OrdersError`` raised anywhere below becomes one line on stderr and an exit code (see
+``EXIT_CODES``); the commands themselves live in sibling modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from orders.config import Settings
+from orders.errors import (
+    InvalidInput,
+    OrderAlreadyPaid,
+    OrderClosed,
+    OrderConflict,
+    OrderNotFound,
+    OrdersError,
+    StoreUnavailable,
+    UnpaidOrderLimitReached,
+)
+
+if TYPE_CHECKING:
+    from orders.service import OrderService
+
+#: Exit status by error, most specific first. 1 is left for unexpected failures.
+EXIT_CODES: list[tuple[type[OrdersError], int]] = [
+    (OrderConflict, 7),
+    (InvalidInput, 2),
+    (OrderNotFound, 3),
+    (UnpaidOrderLimitReached, 4),
+    (OrderClosed, 5),
+    (OrderAlreadyPaid, 6),
+    (StoreUnavailable, 8),
+]
+
+#: Commands whose module is imported only when the command runs: "name" -> "module:attr".
+#: The benchmark is a large module that no other command needs.
+LAZY_COMMANDS = {"bench": "orders.bench:bench"}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def exit_code(error: OrdersError) -> int:
+    return next((code for kind, code in EXIT_CODES if isinstance(error, kind)), 1)
+
+
+def parameter_error_line(error: click.BadParameter) -> str:
+    """Click's own message echoes the raw value: say which parameter, not what."""
+    param = error.param
+    opts = getattr(param, "opts", None)
+    if param is None:
+        name = "value"
+    elif opts:
+        name = opts[0]
+    else:
+        name = param.human_readable_name
+    kind = getattr(getattr(param, "type", None), "name", "value")
+    return f"error: invalid {name}: not a valid {kind}"
+
+
+class OrdersGroup(click.Group):
+    """Maps errors to one line and an exit code, and loads the lazy commands on demand."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = LAZY_COMMANDS.get(cmd_name)
+        if target is None:
+            return super().get_command(ctx, cmd_name)
+        module_name, attr = target.split(":")
+        command: click.Command = getattr(importlib.import_module(module_name), attr)
+        return command
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OrdersError as error:
+            click.echo(f"error: {error}", err=True)
+            ctx.exit(exit_code(error))
+        except click.BadParameter as error:
+            click.echo(parameter_error_line(error), err=True)
+            ctx.exit(2)
+        except click.UsageError as error:
+            first = error.format_message().splitlines()[0][:200]
+            click.echo(f"error: {first}", err=True)
+            ctx.exit(2)
+
+
+class CliState:
+    """What every command of one invocation shares: the settings and one service."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        self.overrides = overrides
+        self._service: OrderService | None = None
+
+    @property
+    def settings(self) -> Settings:
+        return Settings.from_env(**self.overrides)
+
+    def service(self) -> OrderService:
+        if self._service is None:
+            from orders.bootstrap import build_service  # noqa: PLC0415
+
+            self._service = build_service(self.settings)
+        return self._service
+
+    def close(self) -> None:
+        if self._service is not None:
+            self._service.close()
+
+
+def cli_state(ctx: click.Context) -> CliState:
+    state = ctx.find_object(CliState)
+    if state is None:  # pragma: no cover - every command runs below main
+        raise click.UsageError("orders: no command state")
+    return state
+
+
+def json_option(func: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(func)
+
+
+def configure_logging(verbose: int, log_format: str) -> None:
+    # The service's own INFO lines (one per sweep that closed something) always show;
+    # -v adds everyone else's INFO, -vv debug.
+    level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        from orders.logs import JsonFormatter  # noqa: PLC0415
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+    logging.getLogger("orders").setLevel(min(level, logging.INFO))
+    logging.getLogger("apscheduler").setLevel(max(level, logging.WARNING))
+
+
+@click.group(cls=OrdersGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="orders", prog_name="orders", message="%(prog)s %(version)s")
+@click.option(
+    "--home",
+    envvar="ORDERS_HOME",
+    show_envvar=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder of the embedded stores (SQLite file, local redis-server). [default: ./.orders]",
+)
+@click.option(
+    "--database-url",
+    envvar="ORDERS_DATABASE_URL",
+    show_envvar=True,
+    help="SQLAlchemy URL of the database. [default: SQLite file in the home folder]",
+)
+@click.option(
+    "--redis-url",
+    envvar="ORDERS_REDIS_URL",
+    show_envvar=True,
+    help="Redis URL. [default: an embedded redis-server for the home folder]",
+)
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    envvar="ORDERS_LOG_FORMAT",
+    show_envvar=True,
+    help="json: one JSON object per line, for log collectors.",
+)
+@click.pass_context
+def main(
+    ctx: click.Context,
+    home: Path | None,
+    database_url: str | None,
+    redis_url: str | None,
+    verbose: int,
+    log_format: str,
+) -> None:
+    """Unpaid-order limits and expiry on Redis and SQL."""
+    configure_logging(verbose, log_format)
+    overrides: dict[str, Any] = {}
+    if home is not None:
+        overrides["home"] = home
+    if database_url:
+        overrides["database_url"] = database_url
+    if redis_url:
+        overrides["redis_url"] = redis_url
+    state = CliState(overrides)
+    ctx.obj = state
+    ctx.call_on_close(state.close)

@@ -1,0 +1,190 @@
+"""Operations commands: sweep, scheduler, stats, reconcile, demo."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import click
+
+from orders.cli.app import cli_state, json_option, main
+from orders.cli.render import dataclass_json, print_stats
+
+
+@main.command()
+@click.option("--dry-run", is_flag=True, help="Only count the orders a sweep would close.")
+@click.option(
+    "--batch-size",
+    type=int,
+    envvar="ORDERS_SWEEP_BATCH_SIZE",
+    show_envvar=True,
+    help="Orders closed per transaction.",
+)
+@click.option(
+    "--max-batches",
+    type=int,
+    help="Stop after this many batches, even if more orders are due. [default: no limit]",
+)
+@json_option
+@click.pass_context
+def sweep(
+    ctx: click.Context,
+    dry_run: bool,
+    batch_size: int | None,
+    max_batches: int | None,
+    as_json: bool,
+) -> None:
+    """Close the unpaid orders whose time is up, once, then exit (orders scheduler repeats)."""
+    service = cli_state(ctx).service()
+    if dry_run:
+        due = service.count_due()
+        click.echo(json.dumps({"due": due}) if as_json else f"{due} orders due")
+        return
+    result = service.sweep_expired(batch_size=batch_size, max_batches=max_batches)
+    if as_json:
+        click.echo(json.dumps(dataclass_json(result)))
+    else:
+        click.echo(f"closed {result.closed} orders in {result.batches} batches")
+
+
+@main.command()
+@click.option(
+    "--interval",
+    "interval_s",
+    type=float,
+    envvar="ORDERS_SWEEP_INTERVAL_S",
+    show_envvar=True,
+    help="Longest time between sweeps, seconds. [default: 1]",
+)
+@click.option(
+    "--lease-ttl",
+    "lease_ttl_s",
+    type=float,
+    envvar="ORDERS_LEASE_TTL_S",
+    show_envvar=True,
+    help="Seconds a standby waits before taking over from a dead scheduler. [default: 5]",
+)
+@click.option(
+    "--batch-size",
+    type=int,
+    envvar="ORDERS_SWEEP_BATCH_SIZE",
+    show_envvar=True,
+    help="Orders closed per transaction. [default: 500]",
+)
+@click.option(
+    "--metrics-port",
+    type=int,
+    envvar="ORDERS_METRICS_PORT",
+    show_envvar=True,
+    help="Serve Prometheus metrics on this port (/metrics). [default: off]",
+)
+@click.option(
+    "--metrics-addr",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="ORDERS_METRICS_ADDR",
+    show_envvar=True,
+    help="Address the metrics server listens on (0.0.0.0 for every interface).",
+)
+@click.pass_context
+def scheduler(
+    ctx: click.Context,
+    interval_s: float | None,
+    lease_ttl_s: float | None,
+    batch_size: int | None,
+    metrics_port: int | None,
+    metrics_addr: str,
+) -> None:
+    """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
+    from orders.sweeper import run_scheduler  # noqa: PLC0415
+
+    if metrics_port is not None:
+        from orders.metrics import serve  # noqa: PLC0415
+
+        port = serve(metrics_port, metrics_addr)
+        logging.getLogger("orders.metrics").info(
+            "metrics on http://%s:%d/metrics", metrics_addr, port
+        )
+
+    run_scheduler(
+        cli_state(ctx).service(),
+        interval_s=interval_s,
+        lease_ttl_s=lease_ttl_s,
+        batch_size=batch_size,
+    )
+
+
+@main.command()
+@click.option(
+    "--window",
+    "window_s",
+    type=int,
+    default=3600,
+    show_default=True,
+    help="Close-lag percentiles over the orders closed in the last SECONDS.",
+)
+@click.option(
+    "--ahead",
+    "horizon_s",
+    type=int,
+    default=600,
+    show_default=True,
+    help="Chart the expiries due in the next SECONDS.",
+)
+@json_option
+@click.pass_context
+def stats(ctx: click.Context, window_s: int, horizon_s: int, as_json: bool) -> None:
+    """Counts by status, open orders, backlog, close lag and the expiries ahead."""
+    from orders.stats import collect_stats  # noqa: PLC0415
+
+    found = collect_stats(cli_state(ctx).service(), window_s=window_s, horizon_s=horizon_s)
+    if as_json:
+        click.echo(json.dumps(found.as_dict()))
+        return
+    print_stats(found, window_s, horizon_s)
+
+
+@main.command("reconcile")
+@click.option("--user", "user_id", help="Only this user's key.")
+@click.option("--dry-run", is_flag=True, help="Report what is wrong; change nothing.")
+@json_option
+@click.pass_context
+def reconcile_command(
+    ctx: click.Context, user_id: str | None, dry_run: bool, as_json: bool
+) -> None:
+    """Make the Redis index equal to SQL (after Redis lost data, or any time)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    service = cli_state(ctx).service()
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("reconciling: {task.completed} users"),
+        TimeElapsedColumn(),
+        transient=True,
+        disable=as_json,
+    ) as progress:
+        task = progress.add_task("reconcile", total=None)
+        report = service.reconcile(
+            user_id=user_id,
+            dry_run=dry_run,
+            on_progress=lambda users: progress.update(task, completed=users),
+        )
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+        return
+    verb = "would fix" if dry_run else "fixed"
+    click.echo(
+        f"{report.users} users checked; {verb}: {report.added} added, {report.rescored} "
+        f"re-scored, {report.removed_terminal} removed (order no longer open), "
+        f"{report.removed_expired} expired dropped; {report.kept_in_flight} in flight kept"
+    )
+
+
+@main.command()
+@click.option("--fast", is_flag=True, help="Shorter timings (for tests).")
+def demo(fast: bool) -> None:
+    """Show the service at work on the embedded stores, then check the result."""
+    from orders.demo import run_demo  # noqa: PLC0415
+
+    sys.exit(run_demo(fast=fast))

@@ -1,0 +1,103 @@
+"""Commands on single orders and users: create, pay, cancel, extend, show, user."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from orders.cli.app import cli_state, json_option, main
+from orders.cli.render import order_to_json, print_order, print_orders_table
+from orders.errors import UnpaidOrderLimitReached
+
+
+@main.command()
+@click.argument("user")
+@click.option("--ttl", "ttl_s", type=float, help="Seconds to pay. [env var: ORDERS_TTL_S]")
+@click.option("--order-id", help="Your own id; retrying with it returns the same order.")
+@click.option("--amount", help="Exact decimal amount, e.g. 19.90.")
+@click.option("--currency", help="ISO 4217 code, e.g. EUR.")
+@click.option(
+    "--limit", type=int, help="Open unpaid orders allowed. [env var: ORDERS_UNPAID_LIMIT]"
+)
+@json_option
+@click.pass_context
+def create(
+    ctx: click.Context,
+    user: str,
+    ttl_s: float | None,
+    order_id: str | None,
+    amount: str | None,
+    currency: str | None,
+    limit: int | None,
+    as_json: bool,
+) -> None:
+    """Create an unpaid order for USER (refused at the user's limit: exit 4)."""
+    service = cli_state(ctx).service()
+    try:
+        order = service.create_unpaid_order(
+            user, order_id=order_id, ttl_s=ttl_s, limit=limit, amount=amount, currency=currency
+        )
+    except UnpaidOrderLimitReached as refused:
+        if as_json:
+            refusal = {
+                "error": "limit_reached",
+                "limit": refused.limit,
+                "open_count": refused.open_count,
+                "retry_after_s": refused.retry_after_s,
+            }
+            click.echo(json.dumps(refusal))
+        raise
+    print_order(order, as_json)
+
+
+@main.command()
+@click.argument("order_id", metavar="ORDER")
+@click.option("--ref", "payment_ref", help="The payment provider's reference.")
+@json_option
+@click.pass_context
+def pay(ctx: click.Context, order_id: str, payment_ref: str | None, as_json: bool) -> None:
+    """Mark ORDER paid (closed or cancelled: exit 5, refund the payment)."""
+    print_order(cli_state(ctx).service().mark_paid(order_id, payment_ref=payment_ref), as_json)
+
+
+@main.command()
+@click.argument("order_id", metavar="ORDER")
+@click.option("--reason", help="Why, kept with the order.")
+@json_option
+@click.pass_context
+def cancel(ctx: click.Context, order_id: str, reason: str | None, as_json: bool) -> None:
+    """Cancel unpaid ORDER."""
+    print_order(cli_state(ctx).service().cancel_order(order_id, reason=reason), as_json)
+
+
+@main.command()
+@click.argument("order_id", metavar="ORDER")
+@click.argument("extra_s", metavar="SECONDS", type=float)
+@json_option
+@click.pass_context
+def extend(ctx: click.Context, order_id: str, extra_s: float, as_json: bool) -> None:
+    """Give unpaid ORDER SECONDS more to be paid (a payment is in progress, say)."""
+    print_order(cli_state(ctx).service().extend_order(order_id, extra_s), as_json)
+
+
+@main.command()
+@click.argument("order_id", metavar="ORDER")
+@json_option
+@click.pass_context
+def show(ctx: click.Context, order_id: str, as_json: bool) -> None:
+    """Show ORDER."""
+    print_order(cli_state(ctx).service().get_order(order_id), as_json)
+
+
+@main.command()
+@click.argument("user")
+@json_option
+@click.pass_context
+def user(ctx: click.Context, user: str, as_json: bool) -> None:
+    """List USER's open unpaid orders with the time each has left."""
+    found = cli_state(ctx).service().list_unpaid(user)
+    if as_json:
+        click.echo(json.dumps([order_to_json(o) for o in found]))
+        return
+    print_orders_table(user, found)

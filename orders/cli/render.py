@@ -1,0 +1,93 @@
+"""How the CLI prints orders and reports: one line for people, JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from orders.domain import Order
+
+if TYPE_CHECKING:
+    from orders.stats import Stats
+
+
+def amount_text(order: Order) -> str:
+    if order.amount is None:
+        return ""
+    return f"{order.amount} {order.currency or ''}".strip()
+
+
+def order_to_json(order: Order) -> dict[str, Any]:
+    return {
+        "id": order.id,
+        "user_id": order.user_id,
+        "status": order.status.value,
+        "amount": None if order.amount is None else str(order.amount),
+        "currency": order.currency,
+        "created_at": order.created_at.isoformat(),
+        "expires_at": order.expires_at.isoformat(),
+        "paid_at": None if order.paid_at is None else order.paid_at.isoformat(),
+        "closed_at": None if order.closed_at is None else order.closed_at.isoformat(),
+        "close_reason": order.close_reason,
+        "payment_ref": order.payment_ref,
+        "expires_at_ms": order.expires_at_ms,
+        "time_left_s": order.time_left_s,
+        "metadata": dict(order.metadata),
+    }
+
+
+def dataclass_json(value: Any) -> dict[str, Any]:
+    return {name: getattr(value, name) for name in value.__dataclass_fields__}
+
+
+def json_default(value: object) -> str:
+    if isinstance(value, Decimal):
+        return str(value)
+    raise TypeError(type(value).__name__)
+
+
+def print_order(order: Order, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(order_to_json(order), default=json_default))
+        return
+    left = f", {order.time_left_s:.1f} s left" if order.is_open else ""
+    amount = f", {amount_text(order)}" if order.amount is not None else ""
+    click.echo(f"{order.id}  user {order.user_id}  {order.status.value}{amount}{left}")
+
+
+def print_orders_table(user: str, found: list[Order]) -> None:
+    table = Table("order", "expires at (UTC)", "time left", "amount", title=f"open orders: {user}")
+    for order in found:
+        table.add_row(
+            order.id,
+            order.expires_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
+            f"{order.time_left_s:.1f} s",
+            amount_text(order),
+        )
+    Console().print(table)
+
+
+def print_stats(found: Stats, window_s: int, horizon_s: int) -> None:
+    table = Table("", "", title="orders")
+    for status, count in found.by_status.items():
+        table.add_row(status, str(count))
+    table.add_row("open (unpaid, time left)", str(found.open_unpaid))
+    table.add_row("backlog (due, not closed)", str(found.backlog))
+    lag = (
+        "none closed"
+        if found.lag_p50_ms is None
+        else f"p50 {found.lag_p50_ms} ms, p99 {found.lag_p99_ms} ms, max {found.lag_max_ms} ms"
+    )
+    table.add_row(f"close lag, last {window_s} s ({found.closed_in_window})", lag)
+    console = Console()
+    console.print(table)
+    peak = max((count for _, count in found.upcoming), default=0) or 1
+    console.print(f"expiries due in the next {horizon_s} s:")
+    for start_s, count in found.upcoming:
+        bar = "█" * round(30 * count / peak)
+        console.print(f"  +{start_s:>5} s {bar} {count}")
