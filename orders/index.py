@@ -24,7 +24,7 @@ from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
 
 
-def _load_script(name: str) -> str:
+def load_script(name: str) -> str:
     return resources.files("orders").joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
@@ -55,7 +55,7 @@ def _score(value: bytes | str | float) -> int:
 
 
 @contextmanager
-def _redis_errors(action: str) -> Iterator[None]:
+def redis_errors(action: str) -> Iterator[None]:
     try:
         yield
     except redis.RedisError as exc:
@@ -71,10 +71,10 @@ class UnpaidIndex:
         self.client = client
         self.key_prefix = key_prefix
         self.key_margin_ms = key_margin_ms
-        self._admit: Script = client.register_script(_load_script("admit"))
-        self._repair: Script = client.register_script(_load_script("repair"))
-        self._lease: Script = client.register_script(_load_script("lease"))
-        self._lease_release: Script = client.register_script(_load_script("lease_release"))
+        self._admit: Script = client.register_script(load_script("admit"))
+        self._repair: Script = client.register_script(load_script("repair"))
+        self._lease: Script = client.register_script(load_script("lease"))
+        self._lease_release: Script = client.register_script(load_script("lease_release"))
 
     def key(self, user_id: str) -> str:
         """The one place a user's key name is built."""
@@ -84,7 +84,7 @@ class UnpaidIndex:
         self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
     ) -> AdmitResult:
         """Drop expired members, then add ``order_id`` unless the user is at ``limit``."""
-        with _redis_errors("admit"):
+        with redis_errors("admit"):
             reply: list[Any] = self._admit(
                 keys=[self.key(user_id)],
                 args=[order_id, expires_at_ms, now_ms, limit, self.key_margin_ms],
@@ -94,7 +94,7 @@ class UnpaidIndex:
 
     def release(self, user_id: str, order_id: str) -> bool:
         """Remove one order from its user's set; True if it was there."""
-        with _redis_errors("release"):
+        with redis_errors("release"):
             return bool(self.client.zrem(self.key(user_id), order_id))
 
     def drop_expired(self, user_ids: Iterable[str], now_ms: int) -> None:
@@ -102,7 +102,7 @@ class UnpaidIndex:
         users = list(dict.fromkeys(user_ids))
         if not users:
             return
-        with _redis_errors("drop_expired"):
+        with redis_errors("drop_expired"):
             pipe = self.client.pipeline(transaction=False)
             for user_id in users:
                 pipe.zremrangebyscore(self.key(user_id), "-inf", now_ms)
@@ -110,7 +110,7 @@ class UnpaidIndex:
 
     def members(self, user_id: str) -> dict[str, int]:
         """Every member of the user's set with its score, expired or not (for reads/tests)."""
-        with _redis_errors("members"):
+        with redis_errors("members"):
             pairs: list[Any] = self.client.zrange(
                 self.key(user_id), 0, -1, withscores=True, score_cast_func=_text
             )
@@ -158,19 +158,19 @@ class UnpaidIndex:
         return f"{self.key_prefix}[index-epoch]"
 
     def get_epoch(self) -> str | None:
-        with _redis_errors("get_epoch"):
+        with redis_errors("get_epoch"):
             value: bytes | str | None = self.client.get(self.epoch_key())
         return None if value is None else _text(value)
 
     def set_epoch(self, value: str) -> None:
-        with _redis_errors("set_epoch"):
+        with redis_errors("set_epoch"):
             self.client.set(self.epoch_key(), value)
 
     def scan_users(self, *, chunk: int = 500) -> Iterator[list[str]]:
         """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking)."""
         pattern = _glob_escape(self.key_prefix) + "*"
         start = len(self.key_prefix)
-        with _redis_errors("scan_users"):
+        with redis_errors("scan_users"):
             cursor: int = 0
             while True:
                 cursor, keys = self.client.scan(cursor, match=pattern, count=chunk)
@@ -184,7 +184,7 @@ class UnpaidIndex:
 
     def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
         """Every member with its score for each user, in one pipelined round trip."""
-        with _redis_errors("members_of"):
+        with redis_errors("members_of"):
             pipe = self.client.pipeline(transaction=False)
             for user_id in user_ids:
                 pipe.zrange(self.key(user_id), 0, -1, withscores=True, score_cast_func=_text)
@@ -204,7 +204,7 @@ class UnpaidIndex:
         args: list[str | int] = [now_ms, self.key_margin_ms, len(remove), *remove]
         for order_id, score in add.items():
             args += [score, order_id]
-        with _redis_errors("repair"):
+        with redis_errors("repair"):
             reply: list[Any] = self._repair(keys=[self.key(user_id)], args=args)
         dropped, removed, changed = (int(x) for x in reply)
         return dropped, removed, changed
@@ -220,20 +220,20 @@ class UnpaidIndex:
         One script, one round trip. False: another owner holds it (and keeps it).
         """
         _check_lease_args(owner, ttl_ms)
-        with _redis_errors("acquire_lease"):
+        with redis_errors("acquire_lease"):
             reply: Any = self._lease(keys=[self.lease_key()], args=[owner, ttl_ms])
         return int(reply) == 1
 
     def release_lease(self, owner: str) -> bool:
         """Delete the lease if ``owner`` holds it; True if it did."""
         _check_lease_args(owner, 1)
-        with _redis_errors("release_lease"):
+        with redis_errors("release_lease"):
             reply: Any = self._lease_release(keys=[self.lease_key()], args=[owner])
         return int(reply) == 1
 
     def lease_owner(self) -> str | None:
         """The owner token of the current holder, or None if the lease is free."""
-        with _redis_errors("lease_owner"):
+        with redis_errors("lease_owner"):
             value: bytes | str | None = self.client.get(self.lease_key())
         return None if value is None else _text(value)
 
