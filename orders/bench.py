@@ -79,7 +79,8 @@ from sqlalchemy import Engine, bindparam, delete, event, func, insert, select, u
 from orders.domain import OrderIdGenerator, OrderStatus
 from orders.errors import OrdersError, UnpaidOrderLimitReached
 from orders.models import UNPAID_PREDICATE, events_table, orders_table, sql_errors
-from orders.service import OrderService, _SqlRefused
+from orders.records import LimitReachedInSql
+from orders.service import OrderService
 
 OC = orders_table.c
 UNPAID = OrderStatus.UNPAID.value
@@ -557,8 +558,8 @@ class Bench:
                 now = clock()
                 values = self.row(ids[i], users[i % len(users)], now, now + ttl)
                 try:
-                    service._insert_guarded(values, limit, now)
-                except _SqlRefused:
+                    service.records.insert_guarded(values, limit, now)
+                except LimitReachedInSql:
                     if refuse:
                         return
                     raise

@@ -10,6 +10,7 @@ becomes :class:`StoreUnavailable`.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,12 @@ from redis.commands.core import Script
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.validation import USER_ID_MAX_LENGTH, check_user_id
+
+log = logging.getLogger(__name__)
+
+#: How many distinct foreign keys one process logs (each once); past it, only counted.
+_FOREIGN_LOG_CAP = 1000
 
 
 def load_script(name: str) -> str:
@@ -45,6 +52,20 @@ class AdmitResult:
 
 def _text(value: bytes | str) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _user_of(key: bytes | str, prefix_length: int) -> str | None:
+    """The user id a key names, or None when no valid user id can be read from it."""
+    try:
+        user = _text(key)[prefix_length:]
+    except UnicodeDecodeError:
+        return None
+    if user.startswith("["):
+        return user
+    try:
+        return check_user_id(user, USER_ID_MAX_LENGTH)
+    except InvalidInput:
+        return None
 
 
 def _score(value: bytes | str | float) -> int:
@@ -71,6 +92,13 @@ class UnpaidIndex:
         self.client = client
         self.key_prefix = key_prefix
         self.key_margin_ms = key_margin_ms
+        pool = getattr(client, "connection_pool", None)
+        if getattr(pool, "connection_kwargs", {}).get("decode_responses"):
+            raise InvalidInput("redis_client", "must not decode responses (ids are read as bytes)")
+        #: Pieces of foreign data skipped so far (keys or members under the prefix that the
+        #: service did not write: not UTF-8, not a user id, not a sorted set).
+        self.foreign_seen = 0
+        self._foreign_logged: set[bytes] = set()
         self._admit: Script = client.register_script(load_script("admit"))
         self._repair: Script = client.register_script(load_script("repair"))
         self._lease: Script = client.register_script(load_script("lease"))
@@ -167,32 +195,68 @@ class UnpaidIndex:
             self.client.set(self.epoch_key(), value)
 
     def scan_users(self, *, chunk: int = 500) -> Iterator[list[str]]:
-        """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking)."""
+        """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking).
+
+        A key under the prefix that no user id can name (not UTF-8, not a valid id) is
+        foreign: it is skipped and reported through :meth:`foreign`, never an error.
+        """
         pattern = _glob_escape(self.key_prefix) + "*"
         start = len(self.key_prefix)
         with redis_errors("scan_users"):
             cursor: int = 0
             while True:
                 cursor, keys = self.client.scan(cursor, match=pattern, count=chunk)
-                users = [_text(k)[start:] for k in keys]
-                # "[...]" names the service's own keys (lease, epoch): never a user id.
-                users = [u for u in users if not u.startswith("[")]
+                users = []
+                for key in keys:
+                    user = _user_of(key, start)
+                    if user is None:
+                        self.foreign(key, "key name is not a user id")
+                    elif not user.startswith("["):  # "[...]" names the service's own keys
+                        users.append(user)
                 if users:
                     yield users
                 if cursor == 0:
                     return
 
     def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
-        """Every member with its score for each user, in one pipelined round trip."""
+        """Every member with its score for each user, in one pipelined round trip.
+
+        Foreign data is skipped and reported through :meth:`foreign`: a member that is not
+        UTF-8, or a key of another type (that user is then left out of the answer).
+        """
         with redis_errors("members_of"):
             pipe = self.client.pipeline(transaction=False)
             for user_id in user_ids:
                 pipe.zrange(self.key(user_id), 0, -1, withscores=True, score_cast_func=_text)
-            replies: list[Any] = pipe.execute()
-        return {
-            user_id: {_text(member): _score(score) for member, score in pairs}
-            for user_id, pairs in zip(user_ids, replies, strict=True)
-        }
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        found: dict[str, dict[str, int]] = {}
+        for user_id, pairs in zip(user_ids, replies, strict=True):
+            if isinstance(pairs, redis.ResponseError):
+                self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "not a sorted set")
+                continue
+            if isinstance(pairs, Exception):
+                raise pairs
+            members = found[user_id] = {}
+            for member, score in pairs:
+                try:
+                    members[_text(member)] = _score(score)
+                except UnicodeDecodeError:
+                    self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "member")
+        return found
+
+    def foreign(self, key: bytes | str, what: str) -> None:
+        """Count a piece of foreign data under the prefix; log each key once per process."""
+        metrics.FOREIGN_KEYS.inc()
+        self.foreign_seen += 1
+        name = key if isinstance(key, bytes) else key.encode("utf-8", "surrogatepass")
+        if name in self._foreign_logged or len(self._foreign_logged) >= _FOREIGN_LOG_CAP:
+            return
+        self._foreign_logged.add(name)
+        log.warning(
+            "skipping foreign data under the key prefix (%s): key %s",
+            what,
+            repr(name[:80]),
+        )
 
     def repair(
         self, user_id: str, *, now_ms: int, remove: list[str], add: dict[str, int]

@@ -40,6 +40,10 @@ RECONCILE_FIXES = Counter(
     "index members reconcile fixed, by kind",
     ["kind"],  # added, rescored, removed_terminal, removed_expired
 )
+FOREIGN_KEYS = Counter(
+    "orders_foreign_keys_total",
+    "keys or members under the key prefix that the service did not write, skipped",
+)
 STORE_ERRORS = Counter("orders_store_errors_total", "failed Redis or SQL calls", ["store"])
 
 

@@ -14,12 +14,14 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     CheckConstraint,
+    ColumnElement,
     ForeignKey,
     Index,
     Integer,
     MetaData,
     String,
     Table,
+    and_,
     literal_column,
     text,
 )
@@ -29,6 +31,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from orders import metrics
 from orders.domain import EventKind, OrderStatus
 from orders.errors import SchemaNotReady, StoreUnavailable
+from orders.validation import USER_ID_MAX_LENGTH
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -39,7 +42,7 @@ NAMING_CONVENTION = {
 }
 
 #: The widest ids the schema holds; the configurable limits may only be lower.
-USER_ID_COLUMN_LENGTH = 512
+USER_ID_COLUMN_LENGTH = USER_ID_MAX_LENGTH
 ORDER_ID_COLUMN_LENGTH = 128
 TEXT_COLUMN_LENGTH = 256
 
@@ -154,8 +157,24 @@ orders_table = cast(Table, OrderRow.__table__)
 events_table = cast(Table, OrderEventRow.__table__)
 cursors_table = cast(Table, EventCursorRow.__table__)
 retries_table = cast(Table, EventRetryRow.__table__)
-#: ``status = 'unpaid'`` as an inline literal, the form the partial indexes can serve.
+#: ``status = 'unpaid'`` as an inline literal, the form the partial indexes can serve
+#: (PostgreSQL's generic plans of prepared statements included; a bound parameter is not).
 UNPAID_PREDICATE = orders_table.c.status == literal_column(f"'{OrderStatus.UNPAID.value}'")
+
+
+# The one vocabulary of order predicates in SQL. ``orders.domain.is_open`` is the same rule
+# in Python, and admit.lua the same in Redis: an order counts while unpaid with its expiry
+# ahead, and is due once unpaid with its expiry at or before the cutoff.
+
+
+def open_at(now_ms: int | ColumnElement[Any]) -> ColumnElement[bool]:
+    """Unpaid with its expiry after ``now_ms``: counts against its user's limit."""
+    return and_(UNPAID_PREDICATE, orders_table.c.expires_at_ms > now_ms)
+
+
+def due_at(cutoff_ms: int | ColumnElement[Any]) -> ColumnElement[bool]:
+    """Unpaid with its expiry at or before ``cutoff_ms``: the sweep closes it."""
+    return and_(UNPAID_PREDICATE, orders_table.c.expires_at_ms <= cutoff_ms)
 
 
 @contextmanager

@@ -1,37 +1,60 @@
-"""OrderService: the use cases, one method each.
+"""OrderService: the use cases, one method each, over composed parts.
 
 SQL is the record and decides every order's fate; Redis is the admission index in front of
-it. Rules that shape every method:
+it. The service owns no SQL and no Redis command itself; it composes:
 
-* input is checked before anything is written (``orders.domain``);
-* the clock is read once per use case and passed down;
-* one SQL transaction per use case; Redis writes that follow a SQL change run after commit;
-* a transition out of ``unpaid`` is one compare-and-set ``UPDATE ... WHERE status =
-  'unpaid'``, so exactly one of pay, cancel and close wins;
-* only :class:`~orders.errors.OrdersError` leaves this module.
+* :class:`~orders.records.OrderRecords`: every SQL statement, the compare-and-sets;
+* :class:`~orders.index.UnpaidIndex`: every admission-index script;
+* :class:`~orders.admission.Admitter`: Redis admit -> SQL guard -> compensation;
+* :class:`~orders.sweep.Sweep` and :class:`~orders.reconciler.Reconciler`.
 
-The shared plumbing lives in :mod:`orders.store`, the sweep in :mod:`orders.sweeping`.
+Rules that shape every method: input is checked first (:mod:`orders.validation`); the
+clock is read once per use case and passed down; one SQL transaction per use case; Redis
+writes that follow a SQL change run after the commit; only
+:class:`~orders.errors.OrdersError` leaves.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, func, insert, select
-from sqlalchemy.exc import IntegrityError
+import redis
+from sqlalchemy import Connection, Engine, Row
 
 from orders import metrics
+from orders.admission import Admitter
+from orders.config import Settings
 from orders.domain import (
-    MAX_TIMESTAMP_MS,
-    EventKind,
+    Clock,
     Order,
+    OrderIdGenerator,
     OrderStatus,
+    SweepResult,
+    refusal,
+    system_clock,
+)
+from orders.errors import (
+    InvalidInput,
+    OrderClosed,
+    OrderConflict,
+    OrderExpired,
+    OrderNotFound,
+    UnpaidOrderLimitReached,
+)
+from orders.events import EventPosition, OrderEvent, read_events
+from orders.index import UnpaidIndex
+from orders.models import TEXT_COLUMN_LENGTH
+from orders.reconciler import Reconciler, ReconcileReport
+from orders.records import OrderRecords
+from orders.sweep import PreCloseCheck, Sweep
+from orders.validation import (
     amount_to_text,
     check_amount,
     check_currency,
+    check_currency_needs_amount,
+    check_expiry_ms,
     check_limit,
     check_metadata,
     check_optional_text,
@@ -39,58 +62,9 @@ from orders.domain import (
     check_ttl_ms,
     check_user_id,
 )
-from orders.errors import (
-    InvalidInput,
-    OrderAlreadyPaid,
-    OrderClosed,
-    OrderConflict,
-    OrderExpired,
-    OrderNotFound,
-    OrdersError,
-    StoreUnavailable,
-    UnpaidOrderLimitReached,
-)
-from orders.index import Admission, AdmitResult
-
-if TYPE_CHECKING:
-    from orders.events import EventPosition, OrderEvent
-    from orders.reconciler import ReconcileReport
-from orders.models import (
-    TEXT_COLUMN_LENGTH,
-    orders_table,
-)
-from orders.store import EXPIRED_REASON, IS_UNPAID, OC, UNPAID, to_order
-from orders.sweeping import Sweeping
-
-log = logging.getLogger(__name__)
 
 
-# The create path's statements, built once: building them per call (coercions, cache keys)
-# cost about as much client CPU as running them.
-_GUARD_COUNT = select(func.count(), func.min(OC.expires_at_ms)).where(
-    OC.user_id == bindparam("uid"),
-    IS_UNPAID,
-    OC.expires_at_ms > bindparam("now_ms"),
-    OC.id != bindparam("oid"),  # a retry must not count its own order
-)
-_INSERT_ORDER = insert(orders_table).returning(*orders_table.c)
-
-
-class _SqlRefused(Exception):
-    """The SQL guard found the user at the limit (internal; becomes the public error)."""
-
-    def __init__(self, open_count: int, earliest_ms: int | None) -> None:
-        self.open_count = open_count
-        self.earliest_ms = earliest_ms
-
-
-def retry_after_s(earliest_ms: int | None, now_ms: int) -> float:
-    if earliest_ms is None:
-        return 0.0
-    return max(0, earliest_ms - now_ms) / 1000
-
-
-class OrderService(Sweeping):
+class OrderService:
     """The order-expiry service over a SQLAlchemy engine and a redis-py client.
 
     A host application builds it from the engine and client it already has::
@@ -98,8 +72,50 @@ class OrderService(Sweeping):
         service = OrderService(engine, redis.Redis.from_url(url), Settings(unpaid_limit=3))
 
     The schema must exist (``orders db upgrade`` or ``alembic upgrade head``).
-    ``clock`` returns integer milliseconds; tests pass one they control.
+    ``clock`` returns integer milliseconds; tests pass one they control, and may pass their
+    own ``index`` or ``records`` (built on the same client and engine) to observe or pace
+    the steps in between.
     """
+
+    def __init__(
+        self,
+        engine: Engine,
+        redis_client: redis.Redis,
+        settings: Settings | None = None,
+        *,
+        clock: Clock | None = None,
+        index: UnpaidIndex | None = None,
+        records: OrderRecords | None = None,
+    ) -> None:
+        self.settings = s = settings or Settings()
+        self.engine = engine
+        self.clock: Clock = clock or system_clock
+        self.index = index or UnpaidIndex(
+            redis_client, key_prefix=s.key_prefix, key_margin_ms=s.key_margin_ms
+        )
+        self.records = records or OrderRecords(engine)
+        self.admitter = Admitter(
+            self.index, self.records, create_without_redis=s.create_without_redis
+        )
+        # The parts read the time through now_ms, so a clock swapped later reaches them too.
+        self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)
+        self.reconciler = Reconciler(
+            self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
+        )
+        self.new_order_id = OrderIdGenerator(self.now_ms)
+        self.closed_handlers: list[Callable[[OrderEvent], None]] = []
+
+    def now_ms(self) -> int:
+        """The service's clock, read once per use case."""
+        return self.clock()
+
+    def close(self) -> None:
+        """Release the stores' connections and the hook threads; the service is done."""
+        self.sweep.close()
+        self.engine.dispose()
+        self.index.client.close()
+
+    # --- admission ---------------------------------------------------------------------
 
     def create_unpaid_order(
         self,
@@ -120,15 +136,30 @@ class OrderService(Sweeping):
         ``order_id`` returns the same order; the same id with another user, amount or
         currency raises :class:`OrderConflict`.
         """
+        s = self.settings
+        uid = check_user_id(user_id, s.max_user_id_length)
+        given_id = None if order_id is None else check_order_id(order_id, s.max_order_id_length)
+        ttl_ms = s.ttl_ms if ttl_s is None else check_ttl_ms(ttl_s, s.max_ttl_ms)
+        lim = s.unpaid_limit if limit is None else check_limit(limit)
+        amt = check_amount(amount)
+        cur = check_currency(currency)
+        check_currency_needs_amount(amt, cur)
+        meta = check_metadata(metadata, s.max_metadata_bytes)
+        now_ms = self.clock()
+        values = {
+            "id": given_id or self.new_order_id(),
+            "user_id": uid,
+            "status": OrderStatus.UNPAID.value,
+            "amount": amount_to_text(amt),
+            "currency": cur,
+            "created_at_ms": now_ms,
+            "expires_at_ms": check_expiry_ms(now_ms, ttl_ms),
+            "updated_at_ms": now_ms,
+            "metadata": meta or None,
+        }
         try:
-            order, created = self._create(
-                user_id,
-                order_id=order_id,
-                ttl_s=ttl_s,
-                limit=limit,
-                amount=amount,
-                currency=currency,
-                metadata=metadata,
+            order, created = self.admitter.create(
+                values, amount=amt, limit=lim, now_ms=now_ms, caller_id=given_id is not None
             )
         except UnpaidOrderLimitReached as refused:
             metrics.CREATES.labels(f"refused_{refused.source}").inc()
@@ -139,130 +170,7 @@ class OrderService(Sweeping):
         metrics.CREATES.labels("admitted" if created else "retry").inc()
         return order
 
-    def _create(
-        self,
-        user_id: str | int,
-        *,
-        order_id: str | None,
-        ttl_s: float | None,
-        limit: int | None,
-        amount: Decimal | int | str | None,
-        currency: str | None,
-        metadata: Mapping[str, Any] | None,
-    ) -> tuple[Order, bool]:
-        """create_unpaid_order; also says whether this call inserted the order."""
-        s = self.settings
-        uid = check_user_id(user_id, s.max_user_id_length)
-        given_id = None if order_id is None else check_order_id(order_id, s.max_order_id_length)
-        ttl_ms = s.ttl_ms if ttl_s is None else check_ttl_ms(ttl_s, s.max_ttl_ms)
-        lim = s.unpaid_limit if limit is None else check_limit(limit)
-        amt = check_amount(amount)
-        cur = check_currency(currency)
-        if cur is not None and amt is None:
-            raise InvalidInput("currency", "given without an amount")
-        meta = check_metadata(metadata, s.max_metadata_bytes)
-        now_ms = self.clock()
-        expires_at_ms = now_ms + ttl_ms
-        if expires_at_ms > MAX_TIMESTAMP_MS:
-            raise InvalidInput("ttl_s", "puts the expiry beyond 2**53 ms")
-        oid = given_id or self._new_id()
-
-        try:
-            admitted = self.index.admit(
-                uid, oid, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=lim
-            )
-        except StoreUnavailable:
-            if not s.create_without_redis:
-                raise
-            # Degraded mode: the SQL guard alone decides; reconcile adds the member later.
-            log.warning(
-                "redis unavailable: admitting through the SQL guard only",
-                extra={"order_id": oid, "user_id": uid},
-            )
-            admitted = AdmitResult(Admission.EXISTS, 0, expires_at_ms)
-        if admitted.outcome is Admission.REFUSED:
-            if given_id is not None:
-                earlier = self._find(oid, now_ms)
-                if earlier is not None:
-                    return _same_order(earlier, uid, amt, cur), False
-            raise UnpaidOrderLimitReached(
-                uid, lim, admitted.open_count, retry_after_s(admitted.score_ms, now_ms)
-            )
-        if admitted.outcome is Admission.EXISTS:
-            # A retry (or a concurrent twin) of a create whose Redis step already ran:
-            # finish it with the expiry that Redis holds.
-            expires_at_ms = admitted.score_ms
-        ours = admitted.outcome is Admission.ADMITTED
-        if self.after_admit is not None:
-            self.after_admit(uid, oid)
-
-        values = {
-            "id": oid,
-            "user_id": uid,
-            "status": UNPAID,
-            "amount": amount_to_text(amt),
-            "currency": cur,
-            "created_at_ms": now_ms,
-            "expires_at_ms": expires_at_ms,
-            "updated_at_ms": now_ms,
-            "metadata": meta or None,
-        }
-        try:
-            return self._insert_guarded(values, lim, now_ms), True
-        except _SqlRefused as refused:
-            if ours:
-                self._compensate(uid, oid, now_ms)
-            raise UnpaidOrderLimitReached(
-                uid,
-                lim,
-                refused.open_count,
-                retry_after_s(refused.earliest_ms, now_ms),
-                source="sql",
-            ) from None
-        except IntegrityError:
-            # The id exists in SQL: a concurrent twin of this create won the insert, an
-            # earlier create with this id has since been paid or closed, or another user
-            # owns the id.
-            earlier = self._compensate(uid, oid, now_ms) if ours else self._find(oid, now_ms)
-            if earlier is None:
-                raise StoreUnavailable("sql", "insert refused by a constraint") from None
-            return _same_order(earlier, uid, amt, cur), False
-        except OrdersError:
-            if ours:
-                self._compensate(uid, oid, now_ms)
-            raise
-
-    def _compensate(self, uid: str, oid: str, now_ms: int) -> Order | None:
-        """Undo our admission after the insert failed, unless the member indexes a real order.
-
-        A concurrent twin of this create (same id, same user) may have committed the row;
-        its member must stay. Returns the row found, if any.
-        """
-        try:
-            existing = self._find(oid, now_ms)
-        except OrdersError:
-            existing = None
-        if not (existing is not None and existing.user_id == uid and existing.is_open):
-            self._release_quietly(uid, oid)
-        return existing
-
-    def _insert_guarded(self, values: dict[str, Any], limit: int, now_ms: int) -> Order:
-        """Insert the order unless SQL already counts ``limit`` open orders for the user.
-
-        Runs under a per-user write lock, so the count and the insert are one decision even
-        when Redis has lost members. Raises IntegrityError (not translated) on a duplicate id.
-        """
-        uid = values["user_id"]
-        with self._write(user_lock=uid) as conn:
-            open_count, earliest = conn.execute(
-                _GUARD_COUNT, {"uid": uid, "now_ms": now_ms, "oid": values["id"]}
-            ).one()
-            if open_count >= limit:
-                raise _SqlRefused(open_count, earliest)
-            row = conn.execute(_INSERT_ORDER, values).one()
-            self._record(conn, [(values["id"], uid)], EventKind.CREATED, now_ms, None)
-            conn.commit()
-        return to_order(row, now_ms)
+    # --- transitions ---------------------------------------------------------------------
 
     def mark_paid(self, order_id: str, *, payment_ref: str | None = None) -> Order:
         """Mark an unpaid order paid. Idempotent for the same (or no) ``payment_ref``.
@@ -277,44 +185,30 @@ class OrderService(Sweeping):
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         ref = check_optional_text("payment_ref", payment_ref, TEXT_COLUMN_LENGTH)
         now_ms = self.clock()
-        late_close = False
-        with self._write() as conn:
-            conditions = [OC.id == oid, IS_UNPAID]
-            if self.settings.strict_expiry:
-                conditions.append(OC.expires_at_ms > now_ms)
-            row = self._transition(
-                conn,
-                conditions=conditions,
-                kind=EventKind.PAID,
-                now_ms=now_ms,
-                values={"status": OrderStatus.PAID.value, "paid_at_ms": now_ms, "payment_ref": ref},
-                event_data={"payment_ref": ref},
-            )
-            if row is None and self.settings.strict_expiry:
-                row = self._close_expired(conn, oid, now_ms, ref)
-                late_close = row is not None
-            current = row if row is not None else self._select(conn, oid)
-            conn.commit()
-        if current is None:
-            raise OrderNotFound(oid)
-        order = to_order(current, now_ms)
-        if row is not None:
-            self._release_quietly(order.user_id, oid)
-        if late_close:
+        strict = self.settings.strict_expiry
+
+        def pay(conn: Connection) -> Row[Any] | None:
+            row = self.records.pay(conn, oid, now_ms, ref, strict=strict)
+            if row is None and strict:
+                # The refused payment's reference goes into the event, for the refund.
+                data = {"trigger": "late_payment", "payment_ref": ref}
+                row = self.records.close_expired(conn, oid, now_ms, data)
+            return row
+
+        order, won = self._transition(oid, now_ms, pay)
+        if won and order.status is OrderStatus.CLOSED:
             metrics.PAYMENTS.labels("refused_strict").inc()
             raise OrderClosed(oid, order.status.value)
-        if order.status is OrderStatus.PAID:
-            if row is not None:
-                late = order.expires_at_ms <= now_ms
-                metrics.PAYMENTS.labels("late_before_close" if late else "on_time").inc()
-                return order
-            if ref is None or ref == order.payment_ref:
-                metrics.PAYMENTS.labels("repeat").inc()
-                return order
-            metrics.PAYMENTS.labels("other_ref").inc()
-            raise OrderAlreadyPaid(oid, order.payment_ref)
-        metrics.PAYMENTS.labels("refused_after_close").inc()
-        raise OrderClosed(oid, order.status.value)
+        if won:
+            late = order.expires_at_ms <= now_ms
+            metrics.PAYMENTS.labels("late_before_close" if late else "on_time").inc()
+            return order
+        if order.status is OrderStatus.PAID and ref in (None, order.payment_ref):
+            metrics.PAYMENTS.labels("repeat").inc()
+            return order
+        outcome = "other_ref" if order.status is OrderStatus.PAID else "refused_after_close"
+        metrics.PAYMENTS.labels(outcome).inc()
+        raise refusal(order)
 
     def cancel_order(self, order_id: str, *, reason: str | None = None) -> Order:
         """Cancel an unpaid order. Idempotent on a cancelled order.
@@ -325,32 +219,14 @@ class OrderService(Sweeping):
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         why = check_optional_text("reason", reason, TEXT_COLUMN_LENGTH)
         now_ms = self.clock()
-        with self._write() as conn:
-            row = self._transition(
-                conn,
-                conditions=[OC.id == oid, IS_UNPAID],
-                kind=EventKind.CANCELLED,
-                now_ms=now_ms,
-                values={
-                    "status": OrderStatus.CANCELLED.value,
-                    "closed_at_ms": now_ms,
-                    "close_reason": why or "cancelled",
-                },
-                event_data={"reason": why} if why else None,
-            )
-            current = row if row is not None else self._select(conn, oid)
-            conn.commit()
-        if current is None:
-            raise OrderNotFound(oid)
-        order = to_order(current, now_ms)
-        if row is not None:
+        order, won = self._transition(
+            oid, now_ms, lambda conn: self.records.cancel(conn, oid, now_ms, why)
+        )
+        if won:
             metrics.CANCELS.inc()
-            self._release_quietly(order.user_id, oid)
         if order.status is OrderStatus.CANCELLED:
             return order
-        if order.status is OrderStatus.PAID:
-            raise OrderAlreadyPaid(oid, order.payment_ref)
-        raise OrderClosed(oid, order.status.value)
+        raise refusal(order)
 
     def extend_order(self, order_id: str, extra_s: float) -> Order:
         """Move the expiry of an open unpaid order ``extra_s`` later, in SQL and in Redis.
@@ -364,39 +240,61 @@ class OrderService(Sweeping):
         extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
         now_ms = self.clock()
         max_life_ms = round(self.settings.max_lifetime_s * 1000)
-        with self._write() as conn:
-            row = self._transition(
-                conn,
-                conditions=[
-                    OC.id == oid,
-                    IS_UNPAID,
-                    OC.expires_at_ms > now_ms,
-                    OC.expires_at_ms + extra_ms - OC.created_at_ms <= max_life_ms,
-                ],
-                kind=EventKind.EXTENDED,
-                now_ms=now_ms,
-                values={
-                    "expires_at_ms": OC.expires_at_ms + extra_ms,
-                    "extensions": OC.extensions + 1,
-                },
-                event_data={"extra_ms": extra_ms},
-            )
-            current = row if row is not None else self._select(conn, oid)
-            conn.commit()
-        if current is None:
-            raise OrderNotFound(oid)
-        order = to_order(current, now_ms)
-        if row is not None:
+        order, won = self._transition(
+            oid,
+            now_ms,
+            lambda conn: self.records.extend_open(conn, oid, now_ms, extra_ms, max_life_ms),
+            redis_after=self.admitter.rescore_after_commit,
+        )
+        if won:
             metrics.EXTENSIONS.labels("api").inc()
-            self._rescore_quietly(order)
             return order
-        if order.status is OrderStatus.PAID:
-            raise OrderAlreadyPaid(oid, order.payment_ref)
         if order.status is not OrderStatus.UNPAID:
-            raise OrderClosed(oid, order.status.value)
+            raise refusal(order)
         if order.expires_at_ms <= now_ms:
             raise OrderExpired(oid)
         raise InvalidInput("extra_s", "would move the expiry past the maximum lifetime")
+
+    def _transition(
+        self,
+        order_id: str,
+        now_ms: int,
+        attempt: Callable[[Connection], Row[Any] | None],
+        *,
+        redis_after: Callable[[Order], None] | None = None,
+    ) -> tuple[Order, bool]:
+        """The shape every transition shares: the compare-and-set in one transaction, then,
+        if it won, the Redis follow-up (by default: the member leaves the index)."""
+        order, won = self.records.transition_or_current(order_id, now_ms, attempt)
+        if won:
+            if redis_after is None:
+                self.admitter.release_after_commit(order.user_id, order.id)
+            else:
+                redis_after(order)
+        return order, won
+
+    # --- reading -------------------------------------------------------------------------
+
+    def get_order(self, order_id: str) -> Order:
+        oid = check_order_id(order_id, self.settings.max_order_id_length)
+        order = self.records.find(oid, self.clock())
+        if order is None:
+            raise OrderNotFound(oid)
+        return order
+
+    def list_unpaid(self, user_id: str | int) -> list[Order]:
+        """The user's open unpaid orders (expiry still ahead), soonest expiry first."""
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        return self.records.list_open(uid, self.clock())
+
+    def iter_events(
+        self, *, after: EventPosition | None = None, limit: int = 100
+    ) -> list[OrderEvent]:
+        """Up to ``limit`` committed events after ``after``, in commit order.
+
+        For a durable, named cursor with retries, see :class:`orders.events.EventConsumer`.
+        """
+        return read_events(self.engine, after or EventPosition(), limit)
 
     def on_closed(self, handler: Callable[[OrderEvent], None]) -> Callable[[OrderEvent], None]:
         """Register ``handler(event)`` to run for each closed order, after the close commits.
@@ -408,37 +306,43 @@ class OrderService(Sweeping):
         self.closed_handlers.append(handler)
         return handler
 
-    def get_order(self, order_id: str) -> Order:
-        oid = check_order_id(order_id, self.settings.max_order_id_length)
-        now_ms = self.clock()
-        order = self._find(oid, now_ms)
-        if order is None:
-            raise OrderNotFound(oid)
-        return order
+    # --- the sweep and the index -----------------------------------------------------------
 
-    def list_unpaid(self, user_id: str | int) -> list[Order]:
-        """The user's open unpaid orders (expiry still ahead), soonest expiry first."""
-        uid = check_user_id(user_id, self.settings.max_user_id_length)
-        now_ms = self.clock()
-        query = (
-            select(*orders_table.c)
-            .where(OC.user_id == uid, IS_UNPAID, OC.expires_at_ms > now_ms)
-            .order_by(OC.expires_at_ms, OC.id)
-        )
-        with self._read() as conn:
-            rows = conn.execute(query).all()
-        return [to_order(row, now_ms) for row in rows]
+    def sweep_expired(
+        self,
+        *,
+        now_ms: int | None = None,
+        batch_size: int | None = None,
+        max_batches: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> SweepResult:
+        """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now).
 
-    def iter_events(
-        self, *, after: EventPosition | None = None, limit: int = 100
-    ) -> list[OrderEvent]:
-        """Up to ``limit`` committed events after ``after``, in commit order.
-
-        For a durable, named cursor with retries, see :class:`orders.events.EventConsumer`.
+        Batches of ``batch_size``, each one transaction; see :mod:`orders.sweep`.
         """
-        from orders.events import EventPosition, read_events  # noqa: PLC0415
+        return self.sweep.sweep_expired(
+            now_ms=now_ms, batch_size=batch_size, max_batches=max_batches, should_stop=should_stop
+        )
 
-        return read_events(self.engine, after or EventPosition(), limit)
+    def count_due(self, *, now_ms: int | None = None) -> int:
+        """How many unpaid orders a sweep at ``now_ms`` (default: now) would close."""
+        return self.records.count_due(self.sweep.cutoff(now_ms))
+
+    def earliest_unpaid_expiry_ms(self) -> int | None:
+        """The expiry of the unpaid order due first (overdue ones included), or None."""
+        return self.records.earliest_unpaid_expiry_ms()
+
+    def set_pre_close_check(self, check: PreCloseCheck | None) -> None:
+        """Ask ``check(order)`` before an expired order is closed (None: no check).
+
+        It returns seconds to extend the order by (at most ``max_extension_s``; once per
+        order), or None to let the close go ahead. A check that raises, or takes longer
+        than ``pre_close_timeout_s``, lets the close go ahead: it can never stop the sweep.
+        The extension takes the order's slot again, so it is refused (and the order closed)
+        when the user has meanwhile reached the limit, or when Redis is down and
+        ``create_without_redis`` is off (the one outage policy of :mod:`orders.admission`).
+        """
+        self.sweep.pre_close = check
 
     def reconcile(
         self,
@@ -449,37 +353,6 @@ class OrderService(Sweeping):
         on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
         """Make the Redis index equal to SQL (see :mod:`orders.reconciler`)."""
-        from orders.reconciler import reconcile  # noqa: PLC0415  (it builds on this class)
-
-        return reconcile(
-            self, user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
+        return self.reconciler.reconcile(
+            user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
         )
-
-    def _close_expired(
-        self, conn: Connection, oid: str, now_ms: int, payment_ref: str | None
-    ) -> Row[Any] | None:
-        """Strict expiry: close one expired unpaid order inside the caller's transaction.
-
-        The refused payment's reference goes into the event, so a refund can find it.
-        """
-        return self._transition(
-            conn,
-            conditions=[OC.id == oid, IS_UNPAID, OC.expires_at_ms <= now_ms],
-            kind=EventKind.CLOSED,
-            now_ms=now_ms,
-            values={
-                "status": OrderStatus.CLOSED.value,
-                "closed_at_ms": now_ms,
-                "close_reason": EXPIRED_REASON,
-            },
-            event_data={"trigger": "late_payment", "payment_ref": payment_ref},
-        )
-
-
-def _same_order(order: Order, user_id: str, amount: Decimal | None, currency: str | None) -> Order:
-    """``order`` if a create with these arguments is a retry of it; else OrderConflict."""
-    if order.user_id != user_id:
-        raise OrderConflict(order.id, "this order id belongs to another user")
-    if order.amount != amount or order.currency != currency:
-        raise OrderConflict(order.id, "this order id exists with another amount or currency")
-    return order

@@ -39,8 +39,11 @@ from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
 from orders.models import events_table, orders_table
-from orders.service import UNPAID, OrderService, _SqlRefused
+from orders.records import LimitReachedInSql, OrderRecords
+from orders.service import OrderService
 from tests.concurrency.worker import now_ms, split, started
+
+UNPAID = "unpaid"
 
 OC = orders_table.c
 EC = events_table.c
@@ -348,7 +351,9 @@ GUARD_THREADS = 32
 GUARD_ROUNDS = 20
 
 
-def race_the_guard(service: OrderService, user: str, limit: int) -> tuple[int, int]:
+def race_the_guard(
+    service: OrderService, records: OrderRecords, user: str, limit: int
+) -> tuple[int, int]:
     """GUARD_THREADS threads call the SQL guard at once for ``user``; (inserted, refused)."""
     barrier = threading.Barrier(GUARD_THREADS, timeout=30)
     outcomes: list[str] = []
@@ -361,7 +366,7 @@ def race_the_guard(service: OrderService, user: str, limit: int) -> tuple[int, i
             ttl_ms = 60_000
             # Exactly the row create_unpaid_order builds (no amount, currency or metadata).
             values = {
-                "id": service._new_id(),
+                "id": service.new_order_id(),
                 "user_id": user,
                 "status": UNPAID,
                 "amount": None,
@@ -373,8 +378,8 @@ def race_the_guard(service: OrderService, user: str, limit: int) -> tuple[int, i
             }
             barrier.wait()
             try:
-                service._insert_guarded(values, limit, now)
-            except _SqlRefused:
+                records.insert_guarded(values, limit, now)
+            except LimitReachedInSql:
                 outcome = "refused"
             else:
                 outcome = "inserted"
@@ -414,11 +419,11 @@ def test_sql_guard_needs_the_per_user_lock_on_postgresql(
 
     results: dict[bool, list[tuple[int, int]]] = {}
     for lock_users in (False, True):
-        service.lock_users = lock_users
+        records = OrderRecords(engine, lock_users=lock_users)
         rounds = []
         for n in range(GUARD_ROUNDS):
             user = f"guard-{'locked' if lock_users else 'unlocked'}-{n}"
-            inserted, refused = race_the_guard(service, user, limit=1)
+            inserted, refused = race_the_guard(service, records, user, limit=1)
             assert inserted + refused == GUARD_THREADS
             assert unpaid_count(engine, user) == inserted
             rounds.append((inserted, refused))

@@ -19,9 +19,12 @@ import redis
 from sqlalchemy import Engine, func, insert, select
 
 from orders.config import Settings
+from orders.domain import OrderStatus
 from orders.models import events_table, orders_table
-from orders.service import UNPAID, OrderService
+from orders.service import OrderService
 from tests.concurrency.worker import now_ms, started
+
+UNPAID = OrderStatus.UNPAID.value
 
 OC = orders_table.c
 EC = events_table.c

@@ -22,8 +22,10 @@ from sqlalchemy import Engine, insert, select
 from orders.config import Settings
 from orders.domain import Order, OrderStatus
 from orders.models import events_table, orders_table
-from orders.service import UNPAID, OrderService
+from orders.service import OrderService
 from tests.concurrency.worker import now_ms, sleep_until_ms, started
+
+UNPAID = OrderStatus.UNPAID.value
 
 OC = orders_table.c
 EC = events_table.c
@@ -47,7 +49,7 @@ def write_orders(
     now = now_ms()
     orders = [
         Order(
-            id=service._new_id(),
+            id=service.new_order_id(),
             user_id=user,
             status=OrderStatus.UNPAID,
             created_at_ms=now,

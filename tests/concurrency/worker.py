@@ -284,7 +284,7 @@ def contend(service: Any, cfg: dict[str, Any], stop: threading.Event, deadline: 
         OrderClosed,
         UnpaidOrderLimitReached,
     )
-    from orders.service import _SqlRefused  # noqa: PLC0415
+    from orders.records import LimitReachedInSql  # noqa: PLC0415
 
     name, user, limit = cfg["name"], cfg["user"], cfg["limit"]
     ttl_lo, ttl_hi = cfg["ttl_ms"]
@@ -306,17 +306,17 @@ def contend(service: Any, cfg: dict[str, Any], stop: threading.Event, deadline: 
         paid_refs={},
         cancelled_ids=[],
     )
-    guard = service._insert_guarded
+    guard = service.records.insert_guarded
 
     def counted_guard(values: dict[str, Any], limit: int, now: int) -> Any:
         # Count the refusals that came from the SQL guard rather than from Redis.
         try:
             return guard(values, limit, now)
-        except _SqlRefused:
+        except LimitReachedInSql:
             tally.add("sql_refused")
             raise
 
-    service._insert_guarded = counted_guard
+    service.records.insert_guarded = counted_guard
     creators_done = threading.Event()
     remaining = [cfg["threads"]]
     lock = threading.Lock()

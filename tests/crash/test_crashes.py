@@ -43,12 +43,14 @@ from sqlalchemy import Connection, Engine, event, func, insert, select, text
 
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.domain import system_clock
+from orders.domain import OrderStatus, system_clock
 from orders.errors import OrderClosed, StoreUnavailable, UnpaidOrderLimitReached
 from orders.models import events_table, orders_table
-from orders.service import UNPAID, OrderService
+from orders.service import OrderService
 from orders.sweeper import Sweeper
 from tests.conftest import ManualClock, RedisServer
+
+UNPAID = OrderStatus.UNPAID.value
 
 REPO = Path(__file__).resolve().parents[2]
 OC = orders_table.c

@@ -5,7 +5,7 @@ repository root as its working directory and the test's stores in ``ORDERS_DATAB
 ``ORDERS_REDIS_URL``. It runs on the system clock, like a real checkout process.
 
 ``CREATES_JSON`` is a list of ``{"user": ..., "order_id": ..., "ttl_s": ..., "limit": ...}``;
-each create runs in a thread of its own. The service's ``after_admit`` hook, which runs after
+each create runs in a thread of its own. A pausing index (tests/doubles.py), which runs after
 the Redis admission and before the SQL insert, writes ``<MARKER_DIR>/<order_id>.admitted``
 (atomically: written under another name, then renamed) and then blocks forever, so the test
 knows every create is between its two steps and can SIGKILL the process there. A create that
@@ -24,6 +24,7 @@ from typing import Any
 
 from orders.bootstrap import build_service
 from orders.config import Settings
+from tests.doubles import pausing_after_admit
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -35,14 +36,13 @@ def _write_atomically(path: Path, text: str) -> None:
 def main(argv: list[str]) -> int:
     marker_dir = Path(argv[0])
     creates: list[dict[str, Any]] = json.loads(argv[1])
-    service = build_service(Settings.from_env())
     forever = threading.Event()
 
     def hang_after_admit(user_id: str, order_id: str) -> None:
         _write_atomically(marker_dir / f"{order_id}.admitted", user_id)
         forever.wait()  # never set: the test kills the process here
 
-    service.after_admit = hang_after_admit
+    service = pausing_after_admit(build_service(Settings.from_env()), hang_after_admit)
 
     def create(spec: dict[str, Any]) -> None:
         try:

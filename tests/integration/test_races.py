@@ -17,11 +17,13 @@ import pytest
 import redis
 from sqlalchemy import Engine, func, select
 
-from orders.domain import MAX_TIMESTAMP_MS, OrderStatus
+from orders.domain import OrderStatus
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, UnpaidOrderLimitReached
 from orders.models import events_table, orders_table
 from orders.service import OrderService
+from orders.validation import MAX_TIMESTAMP_MS
 from tests.conftest import ManualClock
+from tests.doubles import pausing_after_admit
 
 OC = orders_table.c
 EC = events_table.c
@@ -489,20 +491,20 @@ def test_twin_create_that_inserts_first_does_not_cost_the_order_its_redis_member
 ) -> None:
     """The admitted create loses the SQL insert to its twin: the member must stay.
 
-    Interleaving forced with the ``after_admit`` hook: A is admitted by Redis and pauses
+    Interleaving forced with a pausing index: A is admitted by Redis and pauses
     before its insert; B (same order id) finds the member (``exists``), inserts the row and
     returns; then A's insert hits the primary key and A returns the same order. The order
     is unpaid in SQL, so it must still count in Redis.
     """
     user, order_id = "twin", "checkout-forced"
-    first, second = make_service(), make_service()
     a_admitted, b_done = threading.Event(), threading.Event()
 
     def pause_after_admit(_user: str, _order: str) -> None:
         a_admitted.set()
         assert b_done.wait(30), "the twin did not finish"
 
-    first.after_admit = pause_after_admit
+    first = pausing_after_admit(make_service(), pause_after_admit)
+    second = make_service()
     results: dict[str, Any] = {}
 
     def run_a() -> None:

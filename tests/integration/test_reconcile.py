@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import redis
 
-from orders import reconciler as reconcile_module
 from orders.service import OrderService
 from orders.sweeper import Sweeper, build_scheduler
 from tests.conftest import ManualClock
@@ -139,14 +138,14 @@ def test_an_add_that_races_a_payment_does_not_leave_a_stale_member(
 ) -> None:
     order = service.create_unpaid_order("u1", ttl_s=60)
     redis_client.flushdb()
-    read_open = reconcile_module._open_orders
+    read_open = service.records.open_by_user
 
     def read_then_pay(*args: Any) -> dict[str, dict[str, int]]:
         stale = read_open(*args)
         service.mark_paid(order.id)  # commits and removes its (absent) member now
         return stale
 
-    monkeypatch.setattr(reconcile_module, "_open_orders", read_then_pay)
+    monkeypatch.setattr(service.records, "open_by_user", read_then_pay)
 
     service.reconcile(user_id="u1")
 

@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +19,14 @@ import redis
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, func, inspect, select
+from sqlalchemy import Engine, create_engine, event, inspect, select
 
 from orders import migrate
 from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.errors import SchemaNotReady, StoreUnavailable
 from orders.models import Base, orders_table
-from orders.service import IS_UNPAID, OC, OrderService
+from orders.service import OrderService
 from tests.conftest import ENGINES, ManualClock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -166,18 +166,31 @@ def test_the_sweep_and_limit_guard_indexes_are_partial_over_unpaid_orders(engine
         assert "unpaid" in where
 
 
-def explain(engine: Engine, statement: Any) -> str:
-    """The plan the engine picks for ``statement`` with its parameters bound, as text.
+def statements_run_by(engine: Engine, action: Callable[[], object]) -> list[tuple[str, Any]]:
+    """Every (SQL, parameters) pair the driver is handed while ``action`` runs."""
+    seen: list[tuple[str, Any]] = []
+
+    def capture(_conn: Any, _cursor: Any, sql: str, params: Any, *_rest: Any) -> None:
+        seen.append((sql, params))
+
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        action()
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    return seen
+
+
+def explain(engine: Engine, sql: str, params: Any) -> str:
+    """The plan the engine picks for the driver-level ``sql`` with ``params``, as text.
 
     On PostgreSQL the statement is prepared and planned generically, as a statement the
     driver has prepared and reuses is: a partial index then only serves predicates that
     are literals in the SQL, not parameters.
     """
-    compiled = statement.compile(engine)
     with engine.connect() as conn:
         if engine.dialect.name == "sqlite":
-            params = tuple(compiled.params[name] for name in compiled.positiontup or ())
-            rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + str(compiled), params).all()
+            rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params).all()
         else:
             names: list[str] = []
 
@@ -185,25 +198,44 @@ def explain(engine: Engine, statement: Any) -> str:
                 names.append(match.group(1))
                 return f"${len(names)}"
 
-            sql = re.sub(r"%\((\w+)\)s(::\w+)?", placeholder, str(compiled))
+            generic = re.sub(r"%\((\w+)\)s(::\w+)?", placeholder, sql)
             values = ", ".join(
                 str(v) if isinstance(v, int) else "'" + str(v).replace("'", "''") + "'"
-                for v in (compiled.params[name] for name in names)
+                for v in (params[name] for name in names)
             )
             conn.exec_driver_sql("SET enable_seqscan = off")
             conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
-            conn.exec_driver_sql(f"PREPARE planned AS {sql}")
+            conn.exec_driver_sql(f"PREPARE planned AS {generic}")
             rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE planned({values})").all()
             conn.exec_driver_sql("DEALLOCATE planned")
+            conn.rollback()
     return "\n".join(str(row[-1]) for row in rows)
 
 
-def test_the_sweep_and_the_limit_guard_use_the_partial_indexes(engine: Engine) -> None:
-    due = select(OC.id).where(IS_UNPAID, OC.expires_at_ms <= 5).order_by(OC.expires_at_ms).limit(10)
-    guard = select(func.count()).where(OC.user_id == "u1", IS_UNPAID, OC.expires_at_ms > 5)
+def the_one(statements: list[tuple[str, Any]], marker: str) -> tuple[str, Any]:
+    found = [(sql, params) for sql, params in statements if marker in sql.lower()]
+    assert len(found) == 1, [sql for sql, _ in statements]
+    return found[0]
 
-    assert "ix_orders_unpaid_expires_at_ms" in explain(engine, due)
-    assert "ix_orders_unpaid_user_id_expires_at_ms" in explain(engine, guard)
+
+def test_the_services_own_sweep_and_limit_guard_use_the_partial_indexes(
+    engine: Engine, service: OrderService, clock: Any
+) -> None:
+    """Plans the statements the service itself sends, captured from the driver: a guard or
+    sweep rewritten so that no partial index can serve it (the status as a bound parameter,
+    say) fails here."""
+    service.create_unpaid_order("u0", ttl_s=1)
+    clock.advance(s=2)
+    guard_sql, guard_params = the_one(
+        statements_run_by(engine, lambda: service.create_unpaid_order("u1", ttl_s=60)),
+        "count(*)",
+    )
+    sweep_sql, sweep_params = the_one(
+        statements_run_by(engine, service.sweep_expired), "with due as"
+    )
+
+    assert "ix_orders_unpaid_user_id_expires_at_ms" in explain(engine, guard_sql, guard_params)
+    assert "ix_orders_unpaid_expires_at_ms" in explain(engine, sweep_sql, sweep_params)
 
 
 # --- the service on a database without the schema -------------------------------------------

@@ -28,11 +28,11 @@ from sqlalchemy import Engine, func, insert, select
 
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
-from orders.domain import check_user_id
 from orders.errors import InvalidInput
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 from orders.sweeper import JOB_ID, Sweeper, build_scheduler
+from orders.validation import check_user_id
 from tests.conftest import ManualClock
 from tests.helpers import closed_event_counts, create_orders, sql_rows
 
@@ -302,7 +302,7 @@ def test_tick_with_sql_down_sweeps_nothing_warns_once_and_recovers(
     caplog.set_level(logging.INFO, logger="orders.sweeper")
     monkeypatch = pytest.MonkeyPatch()
     try:
-        monkeypatch.setattr(service, "engine", dead)
+        monkeypatch.setattr(service.records.tx, "engine", dead)  # every SQL call goes there
         assert sweeper.tick() == sweeper.cadence_s
         assert sweeper.tick() == sweeper.cadence_s
     finally:

@@ -10,10 +10,10 @@ from decimal import Decimal
 import pytest
 
 from orders.config import Settings, redact_url
-from orders.domain import (
-    Order,
-    OrderIdGenerator,
-    OrderStatus,
+from orders.domain import Order, OrderIdGenerator, OrderStatus, ms_to_datetime
+from orders.errors import InvalidInput
+from orders.logs import JsonFormatter
+from orders.validation import (
     check_amount,
     check_currency,
     check_limit,
@@ -21,10 +21,7 @@ from orders.domain import (
     check_order_id,
     check_ttl_ms,
     check_user_id,
-    ms_to_datetime,
 )
-from orders.errors import InvalidInput
-from orders.logs import JsonFormatter
 
 MAX_TTL_MS = 7 * 24 * 3600 * 1000
 

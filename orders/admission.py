@@ -1,0 +1,189 @@
+"""The admission path: Redis admit -> SQL guard -> compensation, with one Redis-outage policy.
+
+Every way an order comes to count against its user's limit goes through here: a create,
+and the pre-close check's extension of an expired order (which no longer held a slot).
+
+1. The Redis script (``admit.lua``) drops expired members, counts, and refuses at the limit
+   or adds the member, atomically: a refusal costs one round trip and no SQL.
+2. SQL counts again under the user's lock (:meth:`OrderRecords.check_room`) in the
+   transaction that writes the row and its event. Redis may have lost members; SQL has not.
+3. If SQL refuses or fails, the member this call added is removed again (compensation).
+
+The outage policy, once: when Redis cannot be reached, admission fails with
+:class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
+guard alone decides (it stays exact) and reconcile adds the member later.
+
+Redis writes that follow a SQL decision (``release_after_commit``, ``rescore_after_commit``)
+never undo it: when Redis is down the member simply expires by its score or is fixed by the
+next reconcile.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+
+from orders.domain import Order, same_order
+from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
+from orders.index import Admission, AdmitResult, UnpaidIndex
+from orders.records import LimitReachedInSql, OrderRecords
+
+log = logging.getLogger(__name__)
+
+
+def retry_after_s(earliest_ms: int | None, now_ms: int) -> float:
+    """Seconds until the earliest open order frees its slot (0 if none is known)."""
+    if earliest_ms is None:
+        return 0.0
+    return max(0, earliest_ms - now_ms) / 1000
+
+
+class Admitter:
+    """Admits orders against a user's limit in Redis and in SQL (see the module docstring)."""
+
+    def __init__(
+        self, index: UnpaidIndex, records: OrderRecords, *, create_without_redis: bool
+    ) -> None:
+        self.index = index
+        self.records = records
+        self.create_without_redis = create_without_redis
+
+    def reserve(
+        self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
+    ) -> AdmitResult:
+        """The Redis step, under the one outage policy."""
+        try:
+            return self.index.admit(
+                user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+            )
+        except StoreUnavailable:
+            if not self.create_without_redis:
+                raise
+            log.warning(
+                "redis unavailable: admitting through the SQL guard only",
+                extra={"order_id": order_id, "user_id": user_id},
+            )
+            # As if a retry found its member: nothing of ours to compensate; SQL decides.
+            return AdmitResult(Admission.EXISTS, 0, expires_at_ms)
+
+    def create(
+        self,
+        values: Mapping[str, Any],
+        *,
+        amount: Decimal | None,
+        limit: int,
+        now_ms: int,
+        caller_id: bool,
+    ) -> tuple[Order, bool]:
+        """Admit and insert the order ``values`` describe; also says whether this call did.
+
+        ``caller_id``: the caller chose the id, so a refusal may be a retry of an order that
+        is no longer open (one read by primary key tells).
+        """
+        uid, oid, currency = values["user_id"], values["id"], values["currency"]
+        admitted = self.reserve(
+            uid, oid, expires_at_ms=values["expires_at_ms"], now_ms=now_ms, limit=limit
+        )
+        if admitted.outcome is Admission.REFUSED:
+            earlier = self.records.find(oid, now_ms) if caller_id else None
+            if earlier is not None:
+                return same_order(earlier, uid, amount, currency), False
+            wait_s = retry_after_s(admitted.score_ms, now_ms)
+            raise UnpaidOrderLimitReached(uid, limit, admitted.open_count, wait_s)
+        if admitted.outcome is Admission.EXISTS:
+            # A retry (or a concurrent twin) of a create whose Redis step already ran:
+            # finish it with the expiry that Redis holds.
+            values = {**values, "expires_at_ms": admitted.score_ms}
+        ours = admitted.outcome is Admission.ADMITTED
+        try:
+            return self.records.insert_guarded(values, limit, now_ms), True
+        except LimitReachedInSql as refused:
+            if ours:
+                self._compensate(uid, oid, now_ms)
+            wait_s = retry_after_s(refused.earliest_ms, now_ms)
+            raise UnpaidOrderLimitReached(
+                uid, limit, refused.open_count, wait_s, source="sql"
+            ) from None
+        except IntegrityError:
+            # The id exists in SQL: a concurrent twin of this create won the insert, an
+            # earlier create with this id has since been paid or closed, or another user
+            # owns the id.
+            earlier = self._compensate(uid, oid, now_ms) if ours else self.records.find(oid, now_ms)
+            if earlier is None:
+                raise StoreUnavailable("sql", "insert refused by a constraint") from None
+            return same_order(earlier, uid, amount, currency), False
+        except OrdersError:
+            if ours:
+                self._compensate(uid, oid, now_ms)
+            raise
+
+    def reopen(
+        self, order: Order, *, expires_at_ms: int, now_ms: int, limit: int, extra_ms: int
+    ) -> bool:
+        """Give an expired, unclosed order a new expiry, if its user has room for it.
+
+        The expired order no longer holds a slot, so this is an admission like a create's:
+        a refusal (or Redis down, under the outage policy) leaves the order to be closed.
+        """
+        try:
+            admitted = self.reserve(
+                order.user_id, order.id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+            )
+        except StoreUnavailable:
+            return False
+        if admitted.outcome is Admission.REFUSED:
+            return False
+        with self.records.tx.write(user_lock=order.user_id) as conn:
+            try:
+                self.records.check_room(conn, order.user_id, limit, now_ms, order.id)
+            except LimitReachedInSql:
+                row = None
+            else:
+                row = self.records.reopen_expired(conn, order.id, expires_at_ms, now_ms, extra_ms)
+            conn.commit()
+        if row is None and admitted.outcome is Admission.ADMITTED:
+            self.release_after_commit(order.user_id, order.id)
+        return row is not None
+
+    def _compensate(self, user_id: str, order_id: str, now_ms: int) -> Order | None:
+        """Undo our admission after the insert failed, unless the member indexes a real order.
+
+        A concurrent twin of this create (same id, same user) may have committed the row;
+        its member must stay. Returns the row found, if any.
+        """
+        try:
+            existing = self.records.find(order_id, now_ms)
+        except OrdersError:
+            existing = None
+        if not (existing is not None and existing.user_id == user_id and existing.is_open):
+            self.release_after_commit(user_id, order_id)
+        return existing
+
+    def release_after_commit(self, user_id: str, order_id: str) -> None:
+        """Remove a member after SQL decided; a Redis failure only delays the cleanup."""
+        try:
+            self.index.release(user_id, order_id)
+        except StoreUnavailable:
+            log.warning(
+                "redis release failed; the member expires by its score or at reconcile",
+                extra={"order_id": order_id, "user_id": user_id},
+            )
+
+    def rescore_after_commit(self, order: Order) -> None:
+        """Move a member's score to the order's new expiry after SQL decided."""
+        try:
+            self.index.repair(
+                order.user_id,
+                now_ms=order.read_at_ms,
+                remove=[],
+                add={order.id: order.expires_at_ms},
+            )
+        except StoreUnavailable:
+            log.warning(
+                "redis rescore failed; reconcile will fix it",
+                extra={"order_id": order.id, "user_id": order.user_id},
+            )

@@ -1,0 +1,173 @@
+"""Closing expired orders: the sweep, and the pre-close check it asks first.
+
+A sweep closes due orders in batches ordered by expiry. Each batch is one SQL transaction
+that closes its orders with a compare-and-set and records a ``closed`` event per order;
+after each commit the affected users' Redis sets drop their expired members in one
+pipeline. A batch that fails leaves its orders unpaid for the next sweep, and several
+sweepers may run at once: none closes an order twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from orders import metrics
+from orders.admission import Admitter
+from orders.config import Settings
+from orders.domain import Clock, Order, SweepResult
+from orders.errors import InvalidInput, StoreUnavailable
+from orders.records import OrderRecords
+from orders.validation import check_count, check_cutoff, check_ttl_ms
+
+log = logging.getLogger("orders.service")
+
+PreCloseCheck = Callable[[Order], float | None]
+
+
+class Sweep:
+    """Closes due orders; see :meth:`sweep_expired`."""
+
+    def __init__(
+        self, records: OrderRecords, admitter: Admitter, settings: Settings, clock: Clock
+    ) -> None:
+        self.records = records
+        self.admitter = admitter
+        self.settings = settings
+        self.clock = clock
+        self.pre_close: PreCloseCheck | None = None
+        self._hook_executor: ThreadPoolExecutor | None = None
+
+    def cutoff(self, now_ms: int | None) -> int:
+        clock_now = self.clock()
+        return clock_now if now_ms is None else check_cutoff(now_ms, clock_now)
+
+    def sweep_expired(
+        self,
+        *,
+        now_ms: int | None = None,
+        batch_size: int | None = None,
+        max_batches: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> SweepResult:
+        """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now).
+
+        ``should_stop`` is asked before each batch.
+        """
+        cutoff = self.cutoff(now_ms)
+        size = self.settings.sweep_batch_size if batch_size is None else batch_size
+        check_count("batch_size", size, 1, 10_000)
+        if max_batches is not None:
+            check_count("max_batches", max_batches, 1)
+        started = time.monotonic()
+        result = _Tally(cutoff)
+        while max_batches is None or result.batches < max_batches:
+            if should_stop is not None and should_stop():
+                break
+            closed = self._close_batch(cutoff, size, result)
+            if closed < size:
+                break
+        if result.closed:
+            metrics.SWEEP_SECONDS.observe(time.monotonic() - started)
+        return result.done()
+
+    def _close_batch(self, cutoff: int, size: int, result: _Tally) -> int:
+        """Close one batch; how many orders it closed."""
+        if self.records.dialect == "sqlite" and not self.records.any_due(cutoff):
+            return 0  # SQLite's write lock is the whole database's: take it only to close
+        if self.pre_close is not None:
+            self._run_pre_close(self.pre_close, cutoff, size)
+        closed_at_ms = self.clock()
+        rows = self.records.close_due(cutoff, size, closed_at_ms)
+        if not rows:
+            return 0
+        metrics.CLOSES.inc(len(rows))
+        for row in rows:
+            metrics.CLOSE_LAG_SECONDS.observe((closed_at_ms - row.expires_at_ms) / 1000)
+        batch_users = {row.user_id for row in rows}
+        result.add(len(rows), batch_users, closed_at_ms - min(r.expires_at_ms for r in rows))
+        if result.redis_errors == 0:  # after one failure, spare later batches the timeouts
+            try:
+                self.admitter.index.drop_expired(batch_users, cutoff)
+            except StoreUnavailable:
+                result.redis_errors += 1
+                log.debug("sweep: redis cleanup failed; expired members go by score")
+        return len(rows)
+
+    def _run_pre_close(self, check: PreCloseCheck, cutoff: int, size: int) -> None:
+        """Ask the pre-close check about the next batch's orders not yet extended."""
+        due = self.records.due_not_extended(cutoff, size)
+        # One time budget for the whole batch: a stuck check costs the batch that budget
+        # once, and then every order it was asked about simply closes.
+        futures = {self._hook_pool().submit(check, order): order for order in due}
+        done, _ = wait(futures, timeout=self.settings.pre_close_timeout_s)
+        max_extension_ms = round(self.settings.max_extension_s * 1000)
+        for future, order in futures.items():
+            if future not in done or future.exception() is not None:
+                _log_order(order, "pre-close check failed or timed out; closing")
+                continue
+            answer = future.result()
+            if answer is None:
+                continue
+            try:
+                extra_ms = min(check_ttl_ms(answer, self.settings.max_ttl_ms), max_extension_ms)
+            except InvalidInput:
+                _log_order(order, "pre-close check gave an invalid extension; closing")
+                continue
+            self._reopen(order, extra_ms)
+
+    def _reopen(self, order: Order, extra_ms: int) -> None:
+        now_ms = self.clock()
+        expires_at_ms = now_ms + extra_ms
+        if expires_at_ms - order.created_at_ms > round(self.settings.max_lifetime_s * 1000):
+            return
+        reopened = self.admitter.reopen(
+            order,
+            expires_at_ms=expires_at_ms,
+            now_ms=now_ms,
+            limit=self.settings.unpaid_limit,
+            extra_ms=extra_ms,
+        )
+        if reopened:
+            metrics.EXTENSIONS.labels("pre_close_check").inc()
+
+    def _hook_pool(self) -> ThreadPoolExecutor:
+        if self._hook_executor is None:
+            self._hook_executor = ThreadPoolExecutor(8, thread_name_prefix="orders-hook")
+        return self._hook_executor
+
+    def close(self) -> None:
+        if self._hook_executor is not None:
+            self._hook_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _log_order(order: Order, message: str) -> None:
+    log.warning(message, extra={"order_id": order.id, "user_id": order.user_id})
+
+
+class _Tally:
+    """What a sweep has done so far."""
+
+    def __init__(self, cutoff_ms: int) -> None:
+        self.cutoff_ms = cutoff_ms
+        self.closed = self.batches = self.redis_errors = 0
+        self.users: set[str] = set()
+        self.max_lag_ms: int | None = None
+
+    def add(self, closed: int, users: set[str], lag_ms: int) -> None:
+        self.batches += 1
+        self.closed += closed
+        self.users |= users
+        self.max_lag_ms = lag_ms if self.max_lag_ms is None else max(self.max_lag_ms, lag_ms)
+
+    def done(self) -> SweepResult:
+        return SweepResult(
+            closed=self.closed,
+            batches=self.batches,
+            users=len(self.users),
+            cutoff_ms=self.cutoff_ms,
+            max_lag_ms=self.max_lag_ms,
+            redis_errors=self.redis_errors,
+        )

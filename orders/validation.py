@@ -1,0 +1,201 @@
+"""Every check of caller input, once: each returns the value in its canonical form or raises
+:class:`~orders.errors.InvalidInput`, naming the parameter and never echoing the value.
+
+Nothing here does I/O or knows about the stores; the service calls these before it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import unicodedata
+from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from orders.errors import InvalidInput
+
+#: Every expiry must stay an exact integer in a Redis score (a double): below 2**53.
+MAX_TIMESTAMP_MS = 2**53 - 1
+#: The widest user id the schema holds; the configurable limit may only be lower.
+USER_ID_MAX_LENGTH = 512
+#: Characters refused in user ids: Redis Cluster hash tags and SCAN/KEYS glob syntax.
+KEY_UNSAFE = frozenset("{}*?[]")
+
+
+def _check_text(name: str, value: object, max_length: int, *, key_safe: bool) -> str:
+    if isinstance(value, bool) or value is None:
+        raise InvalidInput(name, "must be a string")
+    if isinstance(value, int):
+        if abs(value) >= 10**max_length:
+            raise InvalidInput(name, f"must be at most {max_length} characters")
+        value = str(value)
+    if not isinstance(value, str):
+        raise InvalidInput(name, "must be a string")
+    if not value or value.isspace():
+        raise InvalidInput(name, "must not be empty or blank")
+    if len(value) > max_length:
+        raise InvalidInput(name, f"must be at most {max_length} characters")
+    if value != value.strip():
+        raise InvalidInput(name, "must not start or end with white space")
+    for ch in value:
+        if unicodedata.category(ch) in ("Cc", "Cs", "Cn", "Zl", "Zp"):
+            raise InvalidInput(name, "must not contain control or unassigned characters")
+        if key_safe and ch in KEY_UNSAFE:
+            raise InvalidInput(name, "must not contain any of {}*?[]")
+    return value
+
+
+def check_user_id(value: object, max_length: int) -> str:
+    """A user id as a string; an int becomes its decimal string, so 7 and "7" are one user."""
+    return _check_text("user_id", value, max_length, key_safe=True)
+
+
+def check_order_id(value: object, max_length: int) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise InvalidInput("order_id", "must be a string (ids above 2**53 break in JSON)")
+    return _check_text("order_id", value, max_length, key_safe=True)
+
+
+def check_optional_text(name: str, value: object, max_length: int) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        raise InvalidInput(name, "must be a string")
+    return _check_text(name, value, max_length, key_safe=False)
+
+
+def check_ttl_ms(ttl_s: object, max_ttl_ms: int) -> int:
+    """A TTL given in seconds, as whole milliseconds (at least 1 ms, at most the maximum)."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float | Decimal):
+        raise InvalidInput("ttl_s", "must be a number of seconds")
+    if isinstance(ttl_s, Decimal) and not ttl_s.is_finite():
+        raise InvalidInput("ttl_s", "must be finite")
+    if isinstance(ttl_s, float) and not math.isfinite(ttl_s):
+        raise InvalidInput("ttl_s", "must be finite")
+    if ttl_s <= 0:
+        raise InvalidInput("ttl_s", "must be positive")
+    if ttl_s > max_ttl_ms / 1000:
+        raise InvalidInput(
+            "ttl_s", f"must be at most {max_ttl_ms // 1000} s (is it in milliseconds?)"
+        )
+    ttl_ms = round(ttl_s * 1000)
+    if ttl_ms < 1:
+        raise InvalidInput("ttl_s", "must be at least 0.001 s")
+    return int(ttl_ms)
+
+
+def check_limit(limit: object) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise InvalidInput("limit", "must be an integer")
+    if not 1 <= limit <= 1000:
+        raise InvalidInput("limit", "must be between 1 and 1000")
+    return limit
+
+
+MAX_AMOUNT_DIGITS = 20
+MAX_AMOUNT_PLACES = 8
+
+
+def check_amount(value: object) -> Decimal | None:
+    """A money amount: Decimal, int or decimal string; floats are refused as inexact."""
+    if value is None:
+        return None
+    if isinstance(value, bool | float):
+        raise InvalidInput("amount", "must be a Decimal, an int or a decimal string, not a float")
+    if isinstance(value, int):
+        amount = Decimal(value)
+    elif isinstance(value, Decimal):
+        amount = value
+    elif isinstance(value, str):
+        if len(value) > 64:
+            raise InvalidInput("amount", "is too long")
+        try:
+            amount = Decimal(value.strip())
+        except InvalidOperation:
+            raise InvalidInput("amount", "is not a decimal number") from None
+    else:
+        raise InvalidInput("amount", "must be a Decimal, an int or a decimal string")
+    if not amount.is_finite():
+        raise InvalidInput("amount", "must be finite")
+    if amount < 0:
+        raise InvalidInput("amount", "must not be negative")
+    _, digits, exponent = amount.as_tuple()
+    assert isinstance(exponent, int)  # finite, checked above
+    if -exponent > MAX_AMOUNT_PLACES:
+        raise InvalidInput("amount", f"must have at most {MAX_AMOUNT_PLACES} decimal places")
+    if len(digits) + max(exponent, 0) > MAX_AMOUNT_DIGITS:
+        raise InvalidInput("amount", f"must have at most {MAX_AMOUNT_DIGITS} digits")
+    return amount
+
+
+def amount_to_text(amount: Decimal | None) -> str | None:
+    return None if amount is None else format(amount, "f")
+
+
+def check_currency(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 3 or not value.isascii():
+        raise InvalidInput("currency", "must be a three-letter ISO 4217 code")
+    if not value.isalpha() or not value.isupper():
+        raise InvalidInput("currency", "must be three upper-case letters, like EUR")
+    return value
+
+
+def check_metadata(value: object, max_bytes: int) -> dict[str, Any]:
+    """JSON-able mapping with string keys, at most ``max_bytes`` once encoded."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidInput("metadata", "must be a mapping")
+    try:
+        encoded = json.dumps(value, allow_nan=False, ensure_ascii=False, sort_keys=True)
+    except (TypeError, ValueError, RecursionError):
+        raise InvalidInput("metadata", "must hold only JSON values (no NaN, no objects)") from None
+    if len(encoded.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise InvalidInput("metadata", f"must encode to at most {max_bytes} bytes of JSON")
+    try:
+        encoded.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput("metadata", "must be valid Unicode (no lone surrogates)") from None
+    decoded: dict[str, Any] = json.loads(encoded)
+    if decoded != dict(value):
+        raise InvalidInput(
+            "metadata", "must hold only JSON types (str keys, lists not tuples) to round-trip"
+        )
+    return decoded
+
+
+def check_expiry_ms(now_ms: int, ttl_ms: int) -> int:
+    """``now_ms + ttl_ms``, refused when it would not be exact as a Redis score."""
+    expires_at_ms = now_ms + ttl_ms
+    if expires_at_ms > MAX_TIMESTAMP_MS:
+        raise InvalidInput("ttl_s", "puts the expiry beyond 2**53 ms")
+    return expires_at_ms
+
+
+def check_currency_needs_amount(amount: Decimal | None, currency: str | None) -> None:
+    if currency is not None and amount is None:
+        raise InvalidInput("currency", "given without an amount")
+
+
+def check_cutoff(now_ms: object, clock_now: int) -> int:
+    """A sweep cutoff: integer ms, not negative, and never ahead of the clock."""
+    if isinstance(now_ms, bool) or not isinstance(now_ms, int):
+        raise InvalidInput("now_ms", "must be integer milliseconds")
+    if now_ms > clock_now:
+        raise InvalidInput("now_ms", "must not be ahead of the clock (it would close open orders)")
+    if now_ms < 0:
+        raise InvalidInput("now_ms", "must not be negative")
+    return now_ms
+
+
+def check_count(name: str, value: object, low: int, high: int | None = None) -> int:
+    """An integer in ``low..high`` (no upper bound when ``high`` is None); bools refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInput(name, "must be an integer")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise InvalidInput(name, f"must be {bound}")
+    return value

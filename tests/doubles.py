@@ -1,0 +1,40 @@
+"""Test doubles built on the real parts: they run the real Redis scripts and SQL, and let a
+test observe or pace the steps in between (composition: the service takes them as-is)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from orders.index import AdmitResult, UnpaidIndex
+from orders.service import OrderService
+
+
+class PausingIndex(UnpaidIndex):
+    """The real admission index, calling ``after_admit(user_id, order_id)`` once the Redis
+    step of a create has run and before its SQL insert."""
+
+    def __init__(self, base: UnpaidIndex, after_admit: Callable[[str, str], None]) -> None:
+        super().__init__(base.client, key_prefix=base.key_prefix, key_margin_ms=base.key_margin_ms)
+        self.after_admit = after_admit
+
+    def admit(
+        self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
+    ) -> AdmitResult:
+        result = super().admit(
+            user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+        )
+        self.after_admit(user_id, order_id)
+        return result
+
+
+def pausing_after_admit(
+    service: OrderService, after_admit: Callable[[str, str], None]
+) -> OrderService:
+    """A service on the same stores as ``service`` whose creates pause after admission."""
+    return OrderService(
+        service.engine,
+        service.index.client,
+        service.settings,
+        clock=service.clock,
+        index=PausingIndex(service.index, after_admit),
+    )
