@@ -28,7 +28,8 @@ def _configure(connection: Connection) -> None:
 
 
 def run_migrations_offline() -> None:
-    url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
+    configured = Settings.from_env().database_url  # a SecretUrl: reveal it to alembic only
+    url = config.get_main_option("sqlalchemy.url") or (configured.reveal() if configured else None)
     context.configure(
         url=url,
         target_metadata=target_metadata,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from decimal import Decimal
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
@@ -66,6 +67,11 @@ __all__ = [
     "reconcile",
     "sweep_expired",
 ]
+
+try:
+    __version__ = version("orders")
+except PackageNotFoundError:  # imported from a source tree that was never pip-installed
+    __version__ = "0+unknown"
 
 _default: OrderService | None = None
 _default_lock = threading.Lock()

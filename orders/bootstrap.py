@@ -10,22 +10,21 @@ import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from orders.config import Settings, redact_url
+from orders.config import SecretUrl, Settings, check_database_url
 from orders.domain import Clock
-from orders.errors import SchemaNotReady, StoreUnavailable
-from orders.models import sql_errors
+from orders.errors import InvalidInput, SchemaNotReady
 from orders.service import OrderService
 
 log = logging.getLogger(__name__)
 
 
 def database_url(settings: Settings) -> str:
-    """The configured URL, or the embedded SQLite file under ``settings.home``."""
-    if settings.database_url:
-        return settings.database_url
+    """The configured URL (revealed: for the driver), or the embedded SQLite file."""
+    if settings.database_url is not None:
+        return settings.database_url.reveal()
     from orders.embedded import sqlite_url  # noqa: PLC0415
 
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -36,10 +35,10 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
     """An engine for ``url`` (default: the configured one) with the service's pool settings.
 
     SQLite files run in WAL mode with foreign keys on and a busy timeout, so readers never
-    block the writer and writers queue instead of failing.
+    block the writer and writers queue instead of failing. A URL SQLAlchemy cannot use, or
+    whose driver is not installed, is InvalidInput; nothing has connected by then.
     """
-    with sql_errors():
-        target = make_url(url or database_url(settings))
+    target = check_database_url(url or database_url(settings))
     if target.drivername == "postgresql":  # a bare URL means psycopg 3, the driver we ship
         target = target.set(drivername="postgresql+psycopg")
     kwargs: dict[str, Any] = {}
@@ -58,12 +57,16 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
         timeout_ms = round(settings.sql_statement_timeout_s * 1000)
         kwargs["connect_args"] = {"options": f"-c statement_timeout={timeout_ms}"}
     try:
-        with sql_errors():
-            engine = create_engine(target, **kwargs)
+        engine = create_engine(target, **kwargs)
     except ImportError as exc:
-        raise StoreUnavailable(
-            "sql", f"no driver for {target.drivername}: {exc.name} is not installed"
+        raise InvalidInput(
+            "database_url", f"the driver of {target.drivername} needs {exc.name}, not installed"
         ) from exc
+    except (ArgumentError, ValueError, TypeError) as exc:
+        # from None: an option's message may quote the URL's query, password included.
+        raise InvalidInput(
+            "database_url", f"refused by SQLAlchemy ({type(exc).__name__})"
+        ) from None
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     log.debug("sql engine for %s", target.render_as_string(hide_password=True))
@@ -81,22 +84,26 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None
 
 def build_redis(settings: Settings) -> redis.Redis:
     """A redis-py client for the configured URL, or for the embedded server of ``home``."""
-    if settings.redis_url:
+    if settings.redis_url is not None:
         url = settings.redis_url
     else:
         from orders.embedded import ensure_redis  # noqa: PLC0415
 
-        url = ensure_redis(settings.home).url
-    log.debug("redis client for %s", redact_url(url))
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=settings.redis_socket_timeout_s,
-        socket_connect_timeout=settings.redis_socket_timeout_s,
-        health_check_interval=30,
-        # One quick retry covers a connection the server dropped; more would only stretch
-        # an outage past the socket timeout the caller chose.
-        retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 1),
-    )
+        url = SecretUrl(ensure_redis(settings.home).url)
+    log.debug("redis client for %s", url)
+    try:
+        return redis.Redis.from_url(
+            url.reveal(),
+            socket_timeout=settings.redis_socket_timeout_s,
+            socket_connect_timeout=settings.redis_socket_timeout_s,
+            health_check_interval=30,
+            # One quick retry covers a connection the server dropped; more would only
+            # stretch an outage past the socket timeout the caller chose.
+            retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 1),
+        )
+    except ValueError:
+        # Settings checked the URL already; from None: redis-py's message may quote it.
+        raise InvalidInput("redis_url", "refused by redis-py") from None
 
 
 def build_service(settings: Settings | None = None, *, clock: Clock | None = None) -> OrderService:

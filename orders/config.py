@@ -1,33 +1,91 @@
 """Settings: one frozen value, read from ``ORDERS_*`` environment variables or built in code.
 
-Nothing here connects to anything; :func:`orders.bootstrap.build_service` does that.
+Nothing here connects to anything; :func:`orders.bootstrap.build_service` does that. The
+connection URLs are held as :class:`SecretUrl`, which cannot print its password.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from typing import Any, NoReturn
+from urllib.parse import SplitResult, parse_qsl, urlsplit
+
+import redis.connection
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from orders.errors import InvalidInput
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+HIDDEN = "***"
 
 
-@dataclass(frozen=True, slots=True, repr=False)
+class SecretUrl:
+    """A connection URL (or libpq ``key=value`` DSN) that never prints its secrets.
+
+    ``str``, ``repr`` and ``format`` show a rendering built only from whitelisted parts:
+    scheme, user, host, port and path of a URL, the keys (never the values) of its query;
+    host, port, dbname and user of a DSN. A part that does not look like what it should
+    (a password typed without percent-encoding spills into the path) is shown as ``***``.
+    :meth:`reveal` is the one way to the raw text, for handing it to a driver.
+    """
+
+    __slots__ = ("_raw", "_shown")
+    _raw: str
+    _shown: str
+
+    def __init__(self, raw: str) -> None:
+        if not isinstance(raw, str):
+            raise TypeError("SecretUrl holds a str")
+        object.__setattr__(self, "_raw", raw)
+        object.__setattr__(self, "_shown", _safe_rendering(raw))
+
+    def reveal(self) -> str:
+        """The raw URL, password included: only for the driver that connects with it."""
+        return self._raw
+
+    def __str__(self) -> str:
+        return self._shown
+
+    def __repr__(self) -> str:
+        return f"SecretUrl({self._shown!r})"
+
+    def __format__(self, spec: str) -> str:
+        return format(self._shown, spec)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SecretUrl) and other._raw == self._raw
+
+    def __hash__(self) -> int:
+        return hash((SecretUrl, self._raw))
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError("SecretUrl is immutable")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError("SecretUrl is immutable")
+
+    def __reduce__(self) -> tuple[type[SecretUrl], tuple[str]]:
+        return SecretUrl, (self._raw,)
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """How the service behaves. Every field has an ``ORDERS_<FIELD>`` environment variable.
 
     ``database_url`` None means the embedded SQLite file under ``home``; ``redis_url`` None
-    means the embedded Redis server for ``home``.
+    means the embedded Redis server for ``home``. Both may be given as plain strings: they
+    are checked and held as :class:`SecretUrl` (an empty string means None).
     """
 
-    database_url: str | None = None
-    redis_url: str | None = None
+    database_url: SecretUrl | None = None
+    redis_url: SecretUrl | None = None
     home: Path = Path(".orders")
     unpaid_limit: int = 3
     ttl_s: float = 1800.0
@@ -71,6 +129,13 @@ class Settings:
     sql_busy_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        # A frozen dataclass sets its own fields through object.__setattr__ too.
+        object.__setattr__(self, "database_url", _secret_url("database_url", self.database_url))
+        object.__setattr__(self, "redis_url", _secret_url("redis_url", self.redis_url))
+        if self.database_url is not None:
+            check_database_url(self.database_url.reveal())
+        if self.redis_url is not None:
+            check_redis_url(self.redis_url.reveal())
         check_int_range("unpaid_limit", self.unpaid_limit, 1, 1000)
         for name in (
             "ttl_s",
@@ -131,19 +196,9 @@ class Settings:
         values.update(overrides)
         return cls(**values)
 
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{name}={value!r}" for name, value in self.describe().items())
-        return f"Settings({shown})"
-
     def describe(self) -> dict[str, str]:
         """The settings as text, URLs with their passwords hidden (safe to log)."""
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name.endswith("_url") and value is not None:
-                value = redact_url(value)
-            out[f.name] = str(value)
-        return out
+        return {f.name: str(getattr(self, f.name)) for f in fields(self)}
 
 
 def check_int_range(name: str, value: object, low: int, high: int) -> int:
@@ -176,23 +231,106 @@ def _parse(name: str, type_name: object, raw: str) -> Any:
     return raw
 
 
-def redact_url(url: str) -> str:
-    """``url`` with any password (in the user part or the query) replaced by ``***``."""
+def _secret_url(name: str, value: object) -> SecretUrl | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, SecretUrl):
+        return None if value.reveal() == "" else value
+    if isinstance(value, str):
+        return SecretUrl(value)
+    raise InvalidInput(name, "must be a URL string")
+
+
+def check_redis_url(raw: str) -> None:
+    """Refuse what redis-py would refuse, without its message (which may echo the URL)."""
+    scheme, sep, _ = raw.partition("://")
+    if not sep or scheme not in REDIS_SCHEMES:
+        raise InvalidInput("redis_url", "must start with redis://, rediss:// or unix://")
     try:
-        parts = urlsplit(url)
-        port = parts.port
+        redis.connection.parse_url(raw)  # type: ignore[no-untyped-call]
     except ValueError:
-        return "<unparseable url>"
-    if parts.password is None and "password" not in parts.query.lower():
-        return url
-    netloc = parts.netloc
-    if parts.password is not None:
-        host = parts.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}" + ("" if port is None else f":{port}")
-    query = "&".join(
-        f"{key}=***" if "password" in key.lower() else f"{key}={value}"
-        for key, value in parse_qsl(parts.query, keep_blank_values=True)
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        raise InvalidInput("redis_url", "has a bad port, database or option") from None
+
+
+def check_database_url(raw: str) -> URL:
+    """The parsed URL, if it names a dialect and driver SQLAlchemy knows (else InvalidInput).
+
+    Whether the driver's module is installed is only known when the engine is built.
+    """
+    try:
+        url = make_url(raw)
+    except (ArgumentError, ValueError):
+        # from None: the parser's message may quote the URL, password included.
+        raise InvalidInput(
+            "database_url", "is not a SQLAlchemy URL (dialect+driver://user:pass@host/db)"
+        ) from None
+    try:
+        url.get_dialect()
+    except NoSuchModuleError:
+        name = url.drivername if re.fullmatch(r"[a-z0-9_+]{1,40}", url.drivername) else "it"
+        raise InvalidInput(
+            "database_url", f"SQLAlchemy has no dialect or driver called {name}"
+        ) from None
+    return url
+
+
+def redact_url(url: str) -> str:
+    """``url`` as :class:`SecretUrl` shows it: safe to log."""
+    return str(SecretUrl(url))
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}")
+_HOST = re.compile(r"[a-z0-9._-]{1,253}|[0-9a-f:.]{2,45}")
+#: A user, a path or a DSN value is shown only when made of these (and never a password).
+_PLAIN = re.compile(r"[A-Za-z0-9._~/+-]{0,255}")
+_QUERY_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+#: One libpq ``key = value`` pair; a value is 'quoted' or runs to whitespace, \ escapes.
+_DSN_PAIR = re.compile(r"\s*([A-Za-z_]+)\s*=\s*('(?:[^'\\]|\\.)*'|(?:[^\s'\\]|\\.)*)(?=\s|$)", re.S)
+_DSN_SHOWN = ("host", "port", "dbname", "user")
+
+
+def _safe_rendering(raw: str) -> str:
+    scheme, sep, _ = raw.partition("://")
+    if not sep:
+        return _safe_dsn(raw) if "=" in raw else HIDDEN
+    if not _SCHEME.fullmatch(scheme):
+        return HIDDEN
+    try:
+        parts = urlsplit(raw)
+        netloc = _safe_netloc(parts)
+    except ValueError:
+        return f"{scheme}://{HIDDEN}"
+    path = parts.path if _PLAIN.fullmatch(parts.path) else f"/{HIDDEN}"
+    keys = [key for key, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    query = "&".join(f"{k if _QUERY_KEY.fullmatch(k) else HIDDEN}={HIDDEN}" for k in keys)
+    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "")
+
+
+def _safe_netloc(parts: SplitResult) -> str:
+    port = parts.port  # ValueError when it is not a number
+    host = parts.hostname or ""
+    if not _HOST.fullmatch(host):
+        host = HIDDEN if host else ""
+    elif ":" in host:
+        host = f"[{host}]"
+    shown = host + ("" if port is None else f":{port}")
+    if "@" not in parts.netloc:
+        return shown
+    user = parts.username or ""
+    user = user if _PLAIN.fullmatch(user) and "/" not in user else HIDDEN
+    password = "" if parts.password is None else f":{HIDDEN}"
+    return f"{user}{password}@{shown}"
+
+
+def _safe_dsn(raw: str) -> str:
+    shown, pos = [], 0
+    while raw[pos:].strip():
+        pair = _DSN_PAIR.match(raw, pos)
+        if pair is None:
+            return HIDDEN
+        key, value = pair[1], pair[2]
+        value = re.sub(r"\\(.)", r"\1", value[1:-1] if value.startswith("'") else value)
+        if key in _DSN_SHOWN and value and _PLAIN.fullmatch(value):
+            shown.append(f"{key}={value}")
+        pos = pair.end()
+    return " ".join(shown) or HIDDEN

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -159,9 +160,12 @@ def home() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def orders_process(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def orders_process(
+    home: Path, *args: str, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
     env["ORDERS_HOME"] = str(home)
+    env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, "-m", "orders", *args],
         env=env,
@@ -220,3 +224,41 @@ def test_extend_and_stats_commands(run: Any) -> None:
     shown = run("stats")
     assert shown.exit_code == 0, shown.output
     assert "backlog" in shown.stdout
+
+
+#: A password in each malformed setting that must never be printed.
+SECRET = "hunter2-e2e"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("ORDERS_REDIS_URL", f"http://:{SECRET}@cache:6379/0"),
+        ("ORDERS_REDIS_URL", f"redis://:{SECRET}@cache:port/0"),
+        ("ORDERS_REDIS_URL", f"redis://:{SECRET}@cache:6379/0?socket_timeout=soon"),
+        ("ORDERS_DATABASE_URL", "not a url"),
+        ("ORDERS_DATABASE_URL", f"host=db password={SECRET} dbname=shop"),
+        ("ORDERS_DATABASE_URL", f"nosuchdb://app:{SECRET}@db/shop"),
+        ("ORDERS_DATABASE_URL", f"postgresql+nosuchdriver://app:{SECRET}@db/shop"),
+        ("ORDERS_DATABASE_URL", f"postgresql://app:{SECRET}@db:port/shop"),
+        ("ORDERS_DATABASE_URL", f"mysql+mysqldb://app:{SECRET}@db/shop"),
+        ("ORDERS_UNPAID_LIMIT", "three"),
+        ("ORDERS_UNPAID_LIMIT", "0"),
+        ("ORDERS_TTL_S", "soon"),
+        ("ORDERS_STRICT_EXPIRY", "maybe"),
+    ],
+)
+def test_a_malformed_setting_exits_2_with_one_line_and_writes_nothing(
+    home: Path, variable: str, value: str
+) -> None:
+    if value.startswith("mysql") and importlib.util.find_spec("MySQLdb") is not None:
+        pytest.skip("the case needs a driver that is not installed, and MySQLdb is")
+
+    shown = orders_process(home, "show", "x", extra_env={variable: value})
+
+    assert shown.returncode == 2, shown.stderr
+    assert shown.stderr.startswith("error: invalid "), shown.stderr
+    assert shown.stderr.count("\n") == 1, shown.stderr
+    assert "Traceback" not in shown.stderr
+    assert SECRET not in shown.stderr
+    assert list(home.iterdir()) == []  # refused before anything was created

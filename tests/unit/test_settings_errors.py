@@ -1,0 +1,73 @@
+"""Malformed connection settings are InvalidInput when Settings are built, and URLs are
+held in a SecretUrl that gives its raw text only through ``reveal()``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+
+import pytest
+
+from orders.config import SecretUrl, Settings
+from orders.errors import InvalidInput
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("redis_url", "http://:hunter2@cache:6379/0", "redis://, rediss:// or unix://"),
+        ("redis_url", "REDIS://:hunter2@cache", "redis://, rediss:// or unix://"),
+        ("redis_url", "cache:6379", "redis://, rediss:// or unix://"),
+        ("redis_url", "redis://:hunter2@cache:port/0", "bad port"),
+        ("redis_url", "redis://cache/0?socket_timeout=soon&password=hunter2", "option"),
+        ("database_url", "not a url", "not a SQLAlchemy URL"),
+        ("database_url", "host=db password=hunter2", "not a SQLAlchemy URL"),
+        ("database_url", "postgresql://app:hunter2@db:port/shop", "not a SQLAlchemy URL"),
+        ("database_url", "nosuchdb://app:hunter2@db/shop", "called nosuchdb"),
+        ("database_url", "postgresql+nope://app:hunter2@db/shop", "called postgresql+nope"),
+        ("database_url", 42, "must be a URL string"),
+    ],
+)
+def test_a_malformed_url_is_invalid_input_naming_the_field_not_the_password(
+    field: str, value: object, words: str
+) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        Settings(**{field: value})  # type: ignore[arg-type]
+
+    assert refused.value.field == field
+    assert words in str(refused.value)
+    assert "hunter2" not in str(refused.value)
+    assert refused.value.__cause__ is None  # the library's message may quote the URL
+    assert "\n" not in str(refused.value)
+
+
+def test_from_env_refuses_a_malformed_url_too() -> None:
+    with pytest.raises(InvalidInput, match="redis_url"):
+        Settings.from_env({"ORDERS_REDIS_URL": "http://cache:6379"})
+
+
+def test_plain_strings_are_held_as_secret_urls_and_empty_means_unset() -> None:
+    settings = Settings(
+        database_url="postgresql://app:hunter2@db/shop", redis_url="unix:///run/redis.sock"
+    )
+
+    assert isinstance(settings.database_url, SecretUrl)
+    assert settings.database_url.reveal() == "postgresql://app:hunter2@db/shop"
+    assert settings.redis_url == SecretUrl("unix:///run/redis.sock")
+    assert Settings(database_url="", redis_url=SecretUrl("")).database_url is None
+    assert Settings(redis_url=SecretUrl("")).redis_url is None
+
+
+def test_a_secret_url_is_immutable_and_survives_copies_without_showing_its_password() -> None:
+    url = SecretUrl("rediss://:hunter2@cache:6380/0")
+
+    with pytest.raises(AttributeError):
+        url._raw = "redis://other"  # type: ignore[misc]
+    for twin in (copy.copy(url), copy.deepcopy(url), pickle.loads(pickle.dumps(url))):
+        assert twin == url
+        assert twin.reveal() == url.reveal()
+    assert hash(url) == hash(SecretUrl("rediss://:hunter2@cache:6380/0"))
+    settings = Settings(redis_url=url)
+    assert "hunter2" not in str(dataclasses.asdict(settings))
+    assert "hunter2" not in str(dataclasses.replace(settings, unpaid_limit=4))
