@@ -20,14 +20,17 @@ behind a position already passed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, func, insert, or_, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, Table, and_, delete, func, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
 
 from orders.domain import Clock, EventKind, system_clock
-from orders.errors import InvalidInput
+from orders.errors import InvalidInput, StoreUnavailable
 from orders.models import cursors_table, events_table, retries_table, sql_errors
 
 log = logging.getLogger(__name__)
@@ -82,17 +85,66 @@ def read_events(
         type(v) is int and 0 <= v < 2**63 for v in (after.txid, after.event_id)
     ):
         raise InvalidInput("after", "must be an EventPosition of two integers in 0 .. 2**63-1")
-    query = select(events_table)
+    query = select(events_table).where(events_after(engine, after))
     if engine.dialect.name == "postgresql":
         horizon = func.txid_snapshot_xmin(func.txid_current_snapshot())
-        query = query.where(
-            EC.txid < horizon,
-            or_(EC.txid > after.txid, and_(EC.txid == after.txid, EC.id > after.event_id)),
-        ).order_by(EC.txid, EC.id)
-    else:
-        query = query.where(EC.id > after.event_id).order_by(EC.id)
-    with sql_errors(), engine.connect() as conn:
-        return [_event(row) for row in conn.execute(query.limit(limit))]
+        query = query.where(EC.txid < horizon)
+    query = query.order_by(*commit_order(engine)).limit(limit)
+    with store_errors(), engine.connect() as conn:
+        return [_event(row) for row in conn.execute(query)]
+
+
+def events_after(engine: Engine, after: EventPosition) -> ColumnElement[bool]:
+    """Events past ``after`` in commit order (served by ix_order_events_txid_id, or the key)."""
+    if engine.dialect.name == "postgresql":
+        return _past(EC.txid, EC.id, after.txid, after.event_id)
+    return EC.id > after.event_id
+
+
+def commit_order(engine: Engine) -> tuple[Any, ...]:
+    return (EC.txid, EC.id) if engine.dialect.name == "postgresql" else (EC.id,)
+
+
+def _past(txid: Any, event_id: Any, than_txid: Any, than_event_id: Any) -> ColumnElement[bool]:
+    return or_(txid > than_txid, and_(txid == than_txid, event_id > than_event_id))
+
+
+@contextmanager
+def store_errors() -> Iterator[None]:
+    """``sql_errors``, with a conflict too: nothing but an OrdersError leaves this module.
+
+    The writes below are upserts, so a conflict is not expected; if one comes all the same
+    (a schema the code does not know), it is a store failure like any other.
+    """
+    with sql_errors():
+        try:
+            yield
+        except IntegrityError as exc:
+            raise StoreUnavailable("sql", "conflicting write to the event tables") from exc
+
+
+def upsert(
+    conn: Connection,
+    table: Table,
+    key: Mapping[str, Any],
+    values: Mapping[str, Any],
+    only_if: Callable[[Any], ColumnElement[bool]] | None = None,
+) -> int:
+    """Insert the row, or update ``values`` on the row with that ``key`` where
+    ``only_if(excluded)`` holds (``excluded``: the row that was refused, as columns).
+
+    One statement (INSERT ... ON CONFLICT DO UPDATE on both engines), so two writers of one
+    key never race between an UPDATE that found nothing and an INSERT that then conflicts.
+    Returns the rows written: 0 when the row existed and ``only_if`` was false for it.
+    """
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(table).values(**key, **values)
+    statement = statement.on_conflict_do_update(
+        index_elements=list(key),
+        set_={name: statement.excluded[name] for name in values},
+        where=None if only_if is None else only_if(statement.excluded),
+    )
+    return int(conn.execute(statement).rowcount)
 
 
 @dataclass
@@ -132,7 +184,7 @@ class EventConsumer:
         self.max_backoff_ms = round(max_backoff_s * 1000)
 
     def position(self) -> EventPosition:
-        with sql_errors(), self.engine.connect() as conn:
+        with store_errors(), self.engine.connect() as conn:
             row = conn.execute(
                 select(CC.txid, CC.event_id).where(CC.name == self.name)
             ).one_or_none()
@@ -151,7 +203,7 @@ class EventConsumer:
                     result.failed += 1
             else:
                 error = None
-            with sql_errors(), self.engine.begin() as conn:
+            with store_errors(), self.engine.begin() as conn:
                 if error is not None:
                     self._schedule_retry(conn, event.id, 1, error)
                 self._save_position(conn, event.position)
@@ -179,7 +231,7 @@ class EventConsumer:
             .order_by(RC.next_at_ms)
             .limit(limit)
         )
-        with sql_errors(), self.engine.connect() as conn:
+        with store_errors(), self.engine.connect() as conn:
             due = conn.execute(query).all()
             ids = [row.event_id for row in due]
             events = {
@@ -189,7 +241,7 @@ class EventConsumer:
         for event_id, attempts in due:
             event = events.get(event_id)
             error = None if event is None else self._call(event)
-            with sql_errors(), self.engine.begin() as conn:
+            with store_errors(), self.engine.begin() as conn:
                 if error is None:
                     conn.execute(
                         delete(retries_table).where(
@@ -204,15 +256,7 @@ class EventConsumer:
     def _schedule_retry(self, conn: Connection, event_id: int, attempts: int, error: str) -> None:
         delay_ms = min(self.max_backoff_ms, self.backoff_ms * 2 ** (attempts - 1))
         values = {"attempts": attempts, "next_at_ms": self.clock() + delay_ms, "last_error": error}
-        updated = conn.execute(
-            update(retries_table)
-            .where(RC.consumer == self.name, RC.event_id == event_id)
-            .values(**values)
-        )
-        if updated.rowcount == 0:
-            conn.execute(
-                insert(retries_table).values(consumer=self.name, event_id=event_id, **values)
-            )
+        upsert(conn, retries_table, {"consumer": self.name, "event_id": event_id}, values)
 
     def _save_position(self, conn: Connection, position: EventPosition) -> None:
         values = {
@@ -220,12 +264,16 @@ class EventConsumer:
             "event_id": position.event_id,
             "updated_at_ms": self.clock(),
         }
-        updated = conn.execute(update(cursors_table).where(CC.name == self.name).values(**values))
-        if updated.rowcount == 0:
-            conn.execute(insert(cursors_table).values(name=self.name, **values))
+
+        # Forward only: a second consumer of this name that is behind cannot move it back
+        # (everything up to the saved position was handled by the one that saved it).
+        def ahead(new: Any) -> ColumnElement[bool]:
+            return _past(new.txid, new.event_id, CC.txid, CC.event_id)
+
+        upsert(conn, cursors_table, {"name": self.name}, values, only_if=ahead)
 
     def pending_retries(self) -> int:
-        with sql_errors(), self.engine.connect() as conn:
+        with store_errors(), self.engine.connect() as conn:
             return int(
                 conn.scalar(
                     select(func.count()).select_from(retries_table).where(RC.consumer == self.name)
