@@ -8,7 +8,12 @@ named position and calls a handler for each event:
 * the position is saved after each handled event, so a consumer that dies resumes where it
   stopped: nothing is skipped, and at most the event in hand is delivered again;
 * a handler that raises does not hold the stream up: the event goes to ``event_retries``
-  and is tried again with exponential backoff, while later events carry on.
+  and is tried again after an exponential backoff with full jitter, while later events
+  carry on;
+* after ``max_attempts`` tries in all the event is *parked*: kept with its attempt count
+  and last error, logged once at WARNING, and not tried again until an operator requeues
+  it (:mod:`orders.event_admin`, ``orders events``). The vocabulary follows Oban
+  (retryable / discarded, ``max_attempts``) and Sidekiq (retry set / dead set).
 
 Commit order: on SQLite one writer at a time means ids are assigned in commit order. On
 PostgreSQL ids are not (a transaction may take an id and commit after a later one), so each
@@ -20,6 +25,7 @@ behind a position already passed.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,15 +35,27 @@ from sqlalchemy import ColumnElement, Connection, Engine, Table, and_, delete, f
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
+from orders.config import check_int_range
 from orders.domain import Clock, EventKind, system_clock
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.models import cursors_table, events_table, retries_table, sql_errors
+from orders.models import (
+    TEXT_COLUMN_LENGTH,
+    cursors_table,
+    events_table,
+    retries_table,
+    sql_errors,
+)
 
 log = logging.getLogger(__name__)
 
 EC = events_table.c
 RC = retries_table.c
 CC = cursors_table.c
+#: The rows of event_retries still being retried; the others are parked.
+RETRYING = RC.parked_at_ms.is_(None)
+PARKED = RC.parked_at_ms.is_not(None)
+#: A source of uniform floats in [0, 1), like random.random; tests pass their own.
+Random = Callable[[], float]
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -144,7 +162,9 @@ def upsert(
         set_={name: statement.excluded[name] for name in values},
         where=None if only_if is None else only_if(statement.excluded),
     )
-    return int(conn.execute(statement).rowcount)
+    # RETURNING, not the rowcount: psycopg reports -1 for an INSERT ... ON CONFLICT.
+    first_key = table.c[next(iter(key))]
+    return len(conn.execute(statement.returning(first_key)).all())
 
 
 @dataclass
@@ -152,14 +172,27 @@ class ConsumeResult:
     handled: int = 0
     failed: int = 0
     retried_ok: int = 0
+    #: Events that used up their attempts in this run and were parked.
+    parked: int = 0
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: first line of the message``, cut to fit ``event_retries.last_error``."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text[:TEXT_COLUMN_LENGTH]
 
 
 class EventConsumer:
     """A named, durable reader of order_events that calls ``handler`` for each event.
 
-    ``kinds`` limits the events handed over (the others are passed by). Backoff after a
-    failure: ``backoff_s * 2**(attempts-1)``, at most ``max_backoff_s``. Not thread-safe:
-    run one instance per name at a time (the scheduler runs it as a single job).
+    ``kinds`` limits the events handed over (the others are passed by). After the n-th
+    failure of an event the next try is due after a delay drawn uniformly ("full jitter")
+    from 0 to ``backoff_s * 2**(n-1)``, at most ``max_backoff_s``, so many consumers failing
+    at once do not retry in step; ``rand`` is the random source (``random.random``).
+    An event that failed ``max_attempts`` times is parked. One instance per name at a time
+    is meant (the scheduler runs it as a single job); a second one racing it only causes
+    duplicates.
     """
 
     def __init__(
@@ -172,15 +205,19 @@ class EventConsumer:
         clock: Clock | None = None,
         backoff_s: float = 1.0,
         max_backoff_s: float = 300.0,
+        max_attempts: int = 10,
+        rand: Random | None = None,
     ) -> None:
         if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
             raise InvalidInput("name", "must be 1 to 64 printable characters")
+        self.max_attempts = check_int_range("max_attempts", max_attempts, 1, 1000)
+        self.rand = rand or random.random
         self.engine = engine
         self.name = name
         self.handler = handler
         self.kinds = None if kinds is None else frozenset(EventKind(k) for k in kinds)
         self.clock = clock or system_clock
-        self.backoff_ms = round(backoff_s * 1000)
+        self.base_backoff_ms = round(backoff_s * 1000)
         self.max_backoff_ms = round(max_backoff_s * 1000)
 
     def position(self) -> EventPosition:
@@ -204,9 +241,9 @@ class EventConsumer:
             else:
                 error = None
             with store_errors(), self.engine.begin() as conn:
-                if error is not None:
-                    self._schedule_retry(conn, event.id, 1, error)
+                parked = error is not None and self._fail(conn, event.id, 1, error)
                 self._save_position(conn, event.position)
+            self._count_parked(parked, event.id, 1, result)
         return result
 
     def _call(self, event: OrderEvent) -> str | None:
@@ -220,14 +257,14 @@ class EventConsumer:
                 event.order_id,
                 type(exc).__name__,
             )
-            return type(exc).__name__
+            return error_text(exc)
         return None
 
     def _retry_due(self, limit: int, result: ConsumeResult) -> None:
         now_ms = self.clock()
         query = (
             select(RC.event_id, RC.attempts)
-            .where(RC.consumer == self.name, RC.next_at_ms <= now_ms)
+            .where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= now_ms)
             .order_by(RC.next_at_ms)
             .limit(limit)
         )
@@ -241,6 +278,7 @@ class EventConsumer:
         for event_id, attempts in due:
             event = events.get(event_id)
             error = None if event is None else self._call(event)
+            parked = False
             with store_errors(), self.engine.begin() as conn:
                 if error is None:
                     conn.execute(
@@ -251,12 +289,41 @@ class EventConsumer:
                     result.retried_ok += event is not None
                 else:
                     result.failed += 1
-                    self._schedule_retry(conn, event_id, attempts + 1, error)
+                    parked = self._fail(conn, event_id, attempts + 1, error)
+            self._count_parked(parked, event_id, attempts + 1, result)
 
-    def _schedule_retry(self, conn: Connection, event_id: int, attempts: int, error: str) -> None:
-        delay_ms = min(self.max_backoff_ms, self.backoff_ms * 2 ** (attempts - 1))
-        values = {"attempts": attempts, "next_at_ms": self.clock() + delay_ms, "last_error": error}
-        upsert(conn, retries_table, {"consumer": self.name, "event_id": event_id}, values)
+    def backoff_ms(self, attempts: int) -> int:
+        """The delay before the next try after ``attempts`` failures: full jitter."""
+        ceiling_ms = min(self.max_backoff_ms, self.base_backoff_ms << min(attempts - 1, 62))
+        return round(ceiling_ms * min(max(self.rand(), 0.0), 1.0))
+
+    def _fail(self, conn: Connection, event_id: int, attempts: int, error: str) -> bool:
+        """Record the failed try: retry it later, or park it. True if this parked it."""
+        now_ms = self.clock()
+        park = attempts >= self.max_attempts
+        values = {
+            "attempts": attempts,
+            "next_at_ms": now_ms if park else now_ms + self.backoff_ms(attempts),
+            "last_error": error,
+            "parked_at_ms": now_ms if park else None,
+        }
+        # A row already parked (by a twin of this consumer) stays as it is.
+        key = {"consumer": self.name, "event_id": event_id}
+        written = upsert(conn, retries_table, key, values, only_if=lambda new: RETRYING)
+        return park and written == 1
+
+    def _count_parked(
+        self, parked: bool, event_id: int, attempts: int, result: ConsumeResult
+    ) -> None:
+        # Logged after the commit, once: a parked row is never tried (nor parked) again.
+        if parked:
+            result.parked += 1
+            log.warning(
+                "event consumer %s parked event %d after %d attempts; see `orders events parked`",
+                self.name,
+                event_id,
+                attempts,
+            )
 
     def _save_position(self, conn: Connection, position: EventPosition) -> None:
         values = {
@@ -273,10 +340,7 @@ class EventConsumer:
         upsert(conn, cursors_table, {"name": self.name}, values, only_if=ahead)
 
     def pending_retries(self) -> int:
+        """Events of this consumer still being retried (parked ones not counted)."""
+        query = select(func.count()).where(RC.consumer == self.name, RETRYING)
         with store_errors(), self.engine.connect() as conn:
-            return int(
-                conn.scalar(
-                    select(func.count()).select_from(retries_table).where(RC.consumer == self.name)
-                )
-                or 0
-            )
+            return int(conn.scalar(query) or 0)
