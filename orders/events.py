@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, Table, and_, delete, func, or_, select
+from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
@@ -115,16 +115,12 @@ def read_events(
 def events_after(engine: Engine, after: EventPosition) -> ColumnElement[bool]:
     """Events past ``after`` in commit order (served by ix_order_events_txid_id, or the key)."""
     if engine.dialect.name == "postgresql":
-        return _past(EC.txid, EC.id, after.txid, after.event_id)
+        return tuple_(EC.txid, EC.id) > tuple_(after.txid, after.event_id)
     return EC.id > after.event_id
 
 
 def commit_order(engine: Engine) -> tuple[Any, ...]:
     return (EC.txid, EC.id) if engine.dialect.name == "postgresql" else (EC.id,)
-
-
-def _past(txid: Any, event_id: Any, than_txid: Any, than_event_id: Any) -> ColumnElement[bool]:
-    return or_(txid > than_txid, and_(txid == than_txid, event_id > than_event_id))
 
 
 @contextmanager
@@ -165,6 +161,12 @@ def upsert(
     # RETURNING, not the rowcount: psycopg reports -1 for an INSERT ... ON CONFLICT.
     first_key = table.c[next(iter(key))]
     return len(conn.execute(statement.returning(first_key)).all())
+
+
+def check_consumer_name(field_name: str, name: object) -> str:
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
+        raise InvalidInput(field_name, "must be 1 to 64 printable characters")
+    return name
 
 
 @dataclass
@@ -208,8 +210,7 @@ class EventConsumer:
         max_attempts: int = 10,
         rand: Random | None = None,
     ) -> None:
-        if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
-            raise InvalidInput("name", "must be 1 to 64 printable characters")
+        check_consumer_name("name", name)
         self.max_attempts = check_int_range("max_attempts", max_attempts, 1, 1000)
         self.rand = rand or random.random
         self.engine = engine
@@ -335,7 +336,7 @@ class EventConsumer:
         # Forward only: a second consumer of this name that is behind cannot move it back
         # (everything up to the saved position was handled by the one that saved it).
         def ahead(new: Any) -> ColumnElement[bool]:
-            return _past(new.txid, new.event_id, CC.txid, CC.event_id)
+            return tuple_(new.txid, new.event_id) > tuple_(CC.txid, CC.event_id)
 
         upsert(conn, cursors_table, {"name": self.name}, values, only_if=ahead)
 
