@@ -105,6 +105,9 @@ class Settings:
     #: Dotted paths (module:function or module.function), comma-separated, of handlers the
     #: scheduler calls for each closed order, e.g. "shop.stock:release_closed_order".
     on_closed: str = ""
+    #: An event consumer tries a failing event this many times in all, then parks it
+    #: (kept, not retried again until ``orders events requeue``).
+    event_max_attempts: int = 10
     #: extend_order and the pre-close check never move an expiry past created_at + this.
     max_lifetime_s: float = 7 * 24 * 3600.0
     #: The pre-close check (a hook asked before an expired order is closed) gets this long
@@ -160,6 +163,7 @@ class Settings:
         check_int_range("max_order_id_length", self.max_order_id_length, 1, 128)
         check_int_range("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
         check_int_range("sweep_batch_size", self.sweep_batch_size, 1, 10_000)
+        check_int_range("event_max_attempts", self.event_max_attempts, 1, 1000)
         check_int_range("sql_pool_size", self.sql_pool_size, 1, 1000)
         check_int_range("sql_max_overflow", self.sql_max_overflow, 0, 1000)
         for name in ("sql_pool_timeout_s", "sql_statement_timeout_s", "sql_busy_timeout_s"):

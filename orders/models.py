@@ -51,6 +51,8 @@ EventId = BigInteger().with_variant(Integer(), "sqlite")
 
 
 UNPAID_SQL = f"status = '{OrderStatus.UNPAID.value}'"
+#: An event_retries row still being retried (not parked).
+RETRYING_SQL = "parked_at_ms IS NULL"
 
 
 def _in(values: type[OrderStatus] | type[EventKind]) -> str:
@@ -140,17 +142,32 @@ class EventCursorRow(Base):
 
 
 class EventRetryRow(Base):
-    """An event a consumer's handler failed on, due to be tried again at ``next_at_ms``."""
+    """An event a consumer's handler failed on: *retrying* (due again at ``next_at_ms``) or,
+    once ``attempts`` reached the consumer's maximum, *parked* (``parked_at_ms`` set): kept
+    with its last error, never retried until an operator requeues it, nor deleted unless an
+    operator discards it.
+    """
 
     __tablename__ = "event_retries"
 
     consumer: Mapped[str] = mapped_column(String(64), primary_key=True)
     event_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    #: Failed tries so far (0 right after a requeue).
     attempts: Mapped[int] = mapped_column(Integer)
     next_at_ms: Mapped[int] = mapped_column(BigInteger)
     last_error: Mapped[str | None] = mapped_column(String(TEXT_COLUMN_LENGTH))
+    parked_at_ms: Mapped[int | None] = mapped_column(BigInteger)
 
-    __table_args__ = (Index("ix_event_retries_consumer_next_at_ms", "consumer", "next_at_ms"),)
+    __table_args__ = (
+        # Partial, over retrying rows only: parked ones pile up and are never due.
+        Index(
+            "ix_event_retries_retrying_consumer_next_at_ms",
+            "consumer",
+            "next_at_ms",
+            postgresql_where=text(RETRYING_SQL),
+            sqlite_where=text(RETRYING_SQL),
+        ),
+    )
 
 
 orders_table = cast(Table, OrderRow.__table__)

@@ -5,6 +5,7 @@ themselves on it from ``order_commands``, ``ops_commands`` and ``store_commands`
 ``render`` prints. The benchmark command is loaded only when it is run.
 """
 
+import orders.cli.event_commands  # noqa: F401 - registers `orders events` on main
 from orders.cli import ops_commands, order_commands, store_commands
 from orders.cli.app import EXIT_CODES, exit_code, main
 

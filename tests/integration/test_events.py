@@ -94,7 +94,8 @@ def test_a_failing_handler_is_retried_with_backoff_without_holding_up_later_even
             raise RuntimeError("payment provider down")
         handled.append(event.order_id)
 
-    consumer = EventConsumer(engine, "test", handler, clock=clock, backoff_s=1)
+    # rand 1.0: the top of the jitter range, so the delays are the plain doubling.
+    consumer = EventConsumer(engine, "test", handler, clock=clock, backoff_s=1, rand=lambda: 1.0)
     first = consumer.run_once()
     assert (first.handled, first.failed) == (3, 1)
     assert handled == [orders[0].id, orders[2].id, orders[3].id]

@@ -1,0 +1,133 @@
+"""``orders events``: consumers, parked, requeue, discard, in process with CliRunner."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from orders.events import EventConsumer
+from orders.service import OrderService
+from tests.conftest import ManualClock
+from tests.e2e.test_cli import run  # noqa: F401 - the fixture: `orders ARGS` on the test's stores
+from tests.integration.test_event_retries import Poison
+
+HOUR_S = 3600
+
+
+@pytest.fixture
+def stock(service: OrderService, engine: Engine, clock: ManualClock) -> Poison:
+    """Consumer "stock": event 1 parked (a long, two-line error), event 2 retrying."""
+    handler = Poison(service.create_unpaid_order("u1", order_id="o-" + "x" * 60).id)
+    consumer = EventConsumer(engine, "stock", handler, clock=clock, max_attempts=2)
+    consumer.run_once()
+    clock.advance(s=HOUR_S)
+    consumer.run_once()
+    handler.order_ids.add(service.create_unpaid_order("u2").id)
+    consumer.run_once()
+    return handler
+
+
+def test_consumers_json_and_text_show_lag_retrying_and_parked(
+    run: Any,  # noqa: F811
+    stock: Poison,
+    service: OrderService,
+) -> None:
+    for i in range(3):
+        service.create_unpaid_order(f"n{i}")
+
+    listed = run("events", "consumers", "--json")
+
+    assert listed.exit_code == 0, listed.output
+    [row] = json.loads(listed.stdout)
+    assert (row["name"], row["lag_events"], row["retrying"], row["parked"]) == ("stock", 3, 1, 1)
+    assert row["position"]["event_id"] == 2
+    assert isinstance(row["oldest_unread_age_ms"], int)
+    text = run("events", "consumers").stdout.splitlines()
+    assert text[1].split()[:3] == ["stock", "2", "3"]
+    assert text[1].split()[-2:] == ["1", "1"]
+
+
+def test_parked_shows_each_entry_on_one_line_with_the_error_cut(
+    run: Any,  # noqa: F811
+    stock: Poison,
+) -> None:
+    listed = run("events", "parked", "--consumer", "stock", "--json")
+    assert listed.exit_code == 0, listed.output
+    [row] = json.loads(listed.stdout)
+    assert (row["consumer"], row["event_id"], row["kind"], row["attempts"]) == (
+        "stock",
+        1,
+        "created",
+        2,
+    )
+    assert row["last_error"] == "RuntimeError: no stock row for o-" + "x" * 60
+
+    lines = run("events", "parked").stdout.splitlines()
+    assert len(lines) == 2  # the header and one entry: the error's second line is not kept
+    assert lines[1].startswith("stock  1  o-xxx")
+    assert lines[1].endswith("…")
+    assert "RuntimeError: no stock row" in lines[1]
+
+
+def test_requeue_then_the_consumer_runs_it_and_discard_removes_an_entry(
+    run: Any,  # noqa: F811
+    stock: Poison,
+    engine: Engine,
+    clock: ManualClock,
+) -> None:
+    requeued = run("events", "requeue", "stock", "1")
+    assert requeued.exit_code == 0, requeued.output
+    assert requeued.stdout == "requeued event 1 of stock\n"
+    assert json.loads(run("events", "parked", "--json").stdout) == []
+
+    stock.order_ids.clear()
+    consumer = EventConsumer(engine, "stock", stock, clock=clock, max_attempts=2)
+    clock.advance(s=HOUR_S)
+    assert consumer.run_once().retried_ok == 2  # the requeued one and the retrying one
+
+    stock.order_ids.add("nothing")
+    assert run("events", "discard", "stock", "1").exit_code == 2  # nothing parked any more
+
+
+def test_discard_removes_the_parked_entry(
+    run: Any,  # noqa: F811
+    stock: Poison,
+) -> None:
+    discarded = run("events", "discard", "stock", "1")
+    assert discarded.exit_code == 0, discarded.output
+    assert discarded.stdout == "discarded event 1 of stock\n"
+    assert json.loads(run("events", "parked", "--json").stdout) == []
+    [row] = json.loads(run("events", "consumers", "--json").stdout)
+    assert (row["retrying"], row["parked"]) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["requeue", "nope", "1"], "invalid consumer: no consumer with that name"),
+        (["discard", "nope", "1"], "invalid consumer: no consumer with that name"),
+        (
+            ["requeue", "stock", "999"],
+            "invalid event_id: no parked event with that id for this consumer",
+        ),
+        (
+            ["discard", "stock", "999"],
+            "invalid event_id: no parked event with that id for this consumer",
+        ),
+        (["requeue", "stock", "2"], "invalid event_id: is retrying, not parked"),
+        (["requeue", "stock", "x"], "invalid event_id: not a valid integer"),
+        (["parked", "--consumer", "nope"], "invalid consumer: no consumer with that name"),
+    ],
+)
+def test_what_is_not_a_parked_event_exits_2_with_one_line(
+    run: Any,  # noqa: F811
+    stock: Poison,
+    args: list[str],
+    words: str,
+) -> None:
+    result = run("events", *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {words}\n"

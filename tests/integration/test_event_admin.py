@@ -1,0 +1,179 @@
+"""The operator's view of event consumers (lag, retrying, parked) and its two actions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, select
+
+from orders.errors import InvalidInput
+from orders.event_admin import (
+    discard_parked,
+    lag_statements,
+    list_consumers,
+    list_parked,
+    requeue_parked,
+)
+from orders.events import EventConsumer, EventPosition, read_events
+from orders.models import retries_table
+from orders.service import OrderService
+from tests.conftest import ManualClock
+from tests.integration.test_event_retries import Poison
+from tests.integration.test_schema import explain
+
+HOUR_S = 3600
+
+
+def parked_consumer(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> tuple[EventConsumer, Poison, str]:
+    """Consumer "stock" with the first order's event parked after 2 attempts."""
+    order = service.create_unpaid_order("u1")
+    handler = Poison(order.id)
+    consumer = EventConsumer(engine, "stock", handler, clock=clock, max_attempts=2)
+    consumer.run_once()
+    clock.advance(s=HOUR_S)
+    assert consumer.run_once().parked == 1
+    return consumer, handler, order.id
+
+
+def retry_row(engine: Engine) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(select(retries_table)).one_or_none()
+
+
+def test_consumers_show_position_lag_oldest_wait_and_failure_counts(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    consumer, _, _ = parked_consumer(service, engine, clock)
+    bad = service.create_unpaid_order("u2")
+    consumer.handler.order_ids.add(bad.id)  # type: ignore[attr-defined]
+    consumer.run_once()  # one retrying now, one parked
+    EventConsumer(engine, "audit", lambda e: None, clock=clock).run_once()
+    assert [c.lag_events for c in list_consumers(engine, clock=clock)] == [0, 0]
+
+    clock.advance(s=10)
+    first_unread_at_ms = clock()
+    for i in range(4):
+        service.create_unpaid_order(f"n{i}")
+        clock.advance(s=1)
+
+    audit, stock = list_consumers(engine, clock=clock)
+    last = read_events(engine, EventPosition(), 100)[-5]
+    assert (audit.name, audit.lag_events, audit.retrying, audit.parked) == ("audit", 4, 0, 0)
+    assert audit.oldest_unread_age_ms == clock() - first_unread_at_ms == 4000
+    assert audit.position == last.position
+    assert (stock.name, stock.lag_events, stock.retrying, stock.parked) == ("stock", 4, 1, 1)
+
+
+def test_the_lag_count_and_the_oldest_unread_are_index_range_scans(engine: Engine) -> None:
+    count, first = lag_statements(engine, EventPosition(5, 7))
+    for statement in (count, first):
+        plan = explain(engine, statement)
+        if engine.dialect.name == "postgresql":  # a range of the index, not all of it
+            assert "ix_order_events_txid_id" in plan, plan
+            assert "Index Cond" in plan, plan
+        else:
+            assert "USING INTEGER PRIMARY KEY (rowid>?)" in plan, plan
+
+
+def test_parked_events_are_listed_with_their_order_kind_attempts_and_error(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    _, _, order_id = parked_consumer(service, engine, clock)
+
+    [parked] = list_parked(engine)
+
+    assert (parked.consumer, parked.event_id, parked.order_id, parked.kind) == (
+        "stock",
+        1,
+        order_id,
+        "created",
+    )
+    assert parked.attempts == 2
+    assert parked.parked_at_ms == clock()
+    assert parked.last_error == f"RuntimeError: no stock row for {order_id}"
+    assert list_parked(engine, consumer="stock") == [parked]
+    with pytest.raises(InvalidInput, match="no consumer with that name"):
+        list_parked(engine, consumer="nope")
+
+
+def test_requeue_makes_a_parked_event_run_again_and_succeed(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    consumer, handler, order_id = parked_consumer(service, engine, clock)
+    clock.advance(s=HOUR_S)
+    consumer.run_once()
+    assert handler.calls == [1, 1]  # parked: not tried again
+
+    requeue_parked(engine, "stock", 1, clock=clock)
+    row = retry_row(engine)
+    assert (row.attempts, row.next_at_ms, row.parked_at_ms) == (0, clock(), None)
+    handler.order_ids.clear()  # the bug is fixed
+    result = consumer.run_once()
+
+    assert result.retried_ok == 1
+    assert handler.handled == [order_id]
+    assert retry_row(engine) is None
+    assert list_consumers(engine, clock=clock)[0].parked == 0
+
+
+def test_a_requeued_event_that_fails_again_gets_max_attempts_more_tries(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    consumer, handler, _ = parked_consumer(service, engine, clock)
+    requeue_parked(engine, "stock", 1, clock=clock)
+
+    for _ in range(5):
+        consumer.run_once()
+        clock.advance(s=HOUR_S)
+
+    assert handler.calls == [1, 1, 1, 1]
+    assert retry_row(engine).parked_at_ms is not None
+
+
+def test_discard_removes_the_parked_entry_and_keeps_the_event(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    consumer, handler, order_id = parked_consumer(service, engine, clock)
+
+    discard_parked(engine, "stock", 1)
+
+    assert retry_row(engine) is None
+    assert read_events(engine)[0].order_id == order_id
+    clock.advance(s=HOUR_S)
+    consumer.run_once()
+    assert handler.calls == [1, 1]
+    assert list_parked(engine) == []
+
+
+@pytest.mark.parametrize("action", ["requeue", "discard"])
+def test_requeue_and_discard_refuse_what_is_not_a_parked_event(
+    service: OrderService, engine: Engine, clock: ManualClock, action: str
+) -> None:
+    consumer, _, _ = parked_consumer(service, engine, clock)
+    retrying = service.create_unpaid_order("u2")
+    consumer.handler.order_ids.add(retrying.id)  # type: ignore[attr-defined]
+    consumer.run_once()
+
+    def act(name: Any, event_id: Any) -> None:
+        if action == "requeue":
+            requeue_parked(engine, name, event_id, clock=clock)
+        else:
+            discard_parked(engine, name, event_id)
+
+    cases = [
+        ("nope", 1, "consumer", "no consumer with that name"),
+        ("stock", 999, "event_id", "no parked event with that id"),
+        ("stock", 2, "event_id", "is retrying, not parked"),
+        ("", 1, "consumer", "printable"),
+        ("stock", 0, "event_id", "positive integer"),
+        ("stock", True, "event_id", "positive integer"),
+    ]
+    for name, event_id, field, words in cases:
+        with pytest.raises(InvalidInput, match=words) as refused:
+            act(name, event_id)
+        assert refused.value.field == field
+    assert [p.event_id for p in list_parked(engine)] == [1]  # nothing was changed
+    assert consumer.pending_retries() == 1

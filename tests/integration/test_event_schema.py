@@ -1,0 +1,65 @@
+"""Migration 0004: parked event retries, up and down, on each engine, with data in place."""
+
+from __future__ import annotations
+
+from sqlalchemy import Engine, inspect, select, text
+
+from orders import migrate
+from orders.events import RC, RETRYING
+from orders.models import retries_table
+from tests.integration.test_schema import (  # the schema tests' fixtures and readers
+    empty_engine,  # noqa: F401
+    empty_url,  # noqa: F401
+    explain,
+    schema_differences,
+)
+
+RETRY_COLUMNS = "consumer, event_id, attempts, next_at_ms, last_error"
+
+
+def retry_indexes(engine: Engine) -> set[str]:
+    return {ix["name"] or "" for ix in inspect(engine).get_indexes("event_retries")}
+
+
+def test_0004_keeps_retries_as_retrying_and_downgrade_keeps_parked_ones(
+    empty_engine: Engine,  # noqa: F811
+) -> None:
+    migrate.upgrade(empty_engine, "0003")
+    with empty_engine.begin() as conn:
+        conn.execute(
+            text(f"INSERT INTO event_retries ({RETRY_COLUMNS}) VALUES ('c', 1, 2, 5, 'E')")
+        )
+
+    migrate.upgrade(empty_engine)
+    assert schema_differences(empty_engine) == []
+    assert retry_indexes(empty_engine) == {"ix_event_retries_retrying_consumer_next_at_ms"}
+    with empty_engine.begin() as conn:
+        [row] = conn.execute(select(retries_table)).all()
+        assert (row.attempts, row.parked_at_ms) == (2, None)
+        conn.execute(retries_table.update().values(parked_at_ms=9))
+
+    migrate.downgrade(empty_engine, "0003")
+    assert retry_indexes(empty_engine) == {"ix_event_retries_consumer_next_at_ms"}
+    assert "parked_at_ms" not in {
+        c["name"] for c in inspect(empty_engine).get_columns("event_retries")
+    }
+    with empty_engine.connect() as conn:  # not deleted silently: a plain retry again
+        assert conn.execute(text(f"SELECT {RETRY_COLUMNS} FROM event_retries")).all() == [
+            ("c", 1, 2, 5, "E")
+        ]
+
+    migrate.upgrade(empty_engine)
+    assert schema_differences(empty_engine) == []
+
+
+def test_due_retries_are_found_through_an_index_over_retrying_rows_only(engine: Engine) -> None:
+    [index] = inspect(engine).get_indexes("event_retries")
+    where = str(index.get("dialect_options", {}).get(f"{engine.dialect.name}_where"))
+    assert "parked_at_ms IS NULL" in where.replace("(", "").replace(")", "")
+    due = (
+        select(RC.event_id, RC.attempts)
+        .where(RC.consumer == "c", RETRYING, RC.next_at_ms <= 5)
+        .order_by(RC.next_at_ms)
+        .limit(10)
+    )
+    assert "ix_event_retries_retrying_consumer_next_at_ms" in explain(engine, due)
