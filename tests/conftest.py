@@ -88,17 +88,20 @@ def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s
 class RedisServer:
     """A throwaway redis-server on a unix socket; the test that starts one stops it."""
 
-    def __init__(self, folder: Path, *extra: str) -> None:
+    def __init__(self, folder: Path, *extra: str, tcp_port: int = 0) -> None:
         self.folder = folder
         self.socket = folder / "redis.sock"
         self.url = f"unix://{self.socket}"
         self.extra = extra
+        #: 0: the unix socket only; else also this port, on 127.0.0.1 only.
+        self.tcp_port = tcp_port
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         args = [
             str(find_redis_server()),
-            "--port", "0",
+            "--port", str(self.tcp_port),
+            "--bind", "127.0.0.1",
             "--unixsocket", str(self.socket),
             "--unixsocketperm", "700",
             "--dir", str(self.folder),
