@@ -71,6 +71,27 @@ class ManualClock:
             self._now_ms = now_ms
 
 
+class RunningClock:
+    """A clock that runs with real time from ``start_ms`` and jumps forward when the test
+    says; thread-safe. For tests that measure real delays (a close lag) in the service's
+    own milliseconds while still choosing when orders fall due."""
+
+    def __init__(self, start_ms: int = START_MS) -> None:
+        self._origin_s = time.monotonic()
+        self._offset_ms = start_ms
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            return self._offset_ms + int((time.monotonic() - self._origin_s) * 1000)
+
+    def advance_to(self, at_ms: int) -> None:
+        """Jump to ``at_ms`` (never back): an order with ``expires_at_ms == at_ms`` is due."""
+        with self._lock:
+            now_ms = self._offset_ms + int((time.monotonic() - self._origin_s) * 1000)
+            self._offset_ms += max(0, at_ms - now_ms)
+
+
 def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
