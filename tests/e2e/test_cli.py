@@ -89,6 +89,36 @@ def test_paying_a_cancelled_order_exits_5(run: Any) -> None:
     assert "order is cancelled" in result.stderr
 
 
+def test_paying_a_paid_order_with_another_reference_exits_6_on_one_line(run: Any) -> None:
+    order = json.loads(run("create", "u1", "--json").stdout)
+    assert run("pay", order["id"], "--ref", "psp-1").exit_code == 0
+    result = run("pay", order["id"], "--ref", "psp-2")
+    assert result.exit_code == 6, result.output
+    assert result.stderr == "error: order is already paid with another payment reference\n"
+    # The same reference again is a repeat, not a conflict.
+    assert run("pay", order["id"], "--ref", "psp-1").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("second", "problem"),
+    [
+        (["u2"], "this order id belongs to another user"),
+        (["u1", "--amount", "20.00"], "this order id exists with another amount or currency"),
+    ],
+)
+def test_reusing_an_order_id_for_another_order_exits_7_on_one_line(
+    run: Any, second: list[str], problem: str
+) -> None:
+    first = run("create", "u1", "--order-id", "checkout-1", "--amount", "19.90")
+    assert first.exit_code == 0, first.output
+    result = run("create", *second, "--order-id", "checkout-1")
+    assert result.exit_code == 7, result.output
+    assert result.stderr == f"error: invalid order_id: {problem}\n"
+    # The same create again is a retry: it returns the order.
+    retried = run("create", "u1", "--order-id", "checkout-1", "--amount", "19.90")
+    assert retried.exit_code == 0, retried.output
+
+
 def test_sweep_dry_run_counts_and_sweep_closes(run: Any, service: Any, clock: Any) -> None:
     # Orders made with the test clock lie 2027 ahead of the real one, so expire them by
     # making ones whose expiry is already in the past for the CLI's real clock.
