@@ -9,6 +9,7 @@ its database is FLUSHed before every test, so give it a throwaway one.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
 from orders.embedded import find_redis_server
 from orders.service import OrderService
+from tests.helpers import stop_process
 from tests.postgres import PostgresServer, find_postgres_bin
 
 #: 2027-01-15T08:00:00Z: far from any edge, and every test starts at the same instant.
@@ -139,12 +141,7 @@ class RedisServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc)
         self.proc = None
 
 
@@ -274,6 +271,14 @@ def engine(database_url: str) -> Iterator[Engine]:
         yield engine
     finally:
         engine.dispose()
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """Every log record of the test, DEBUG included (the ``orders`` loggers too)."""
+    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="orders")
+    return caplog
 
 
 @pytest.fixture

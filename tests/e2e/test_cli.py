@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,8 +16,7 @@ from click.testing import CliRunner, Result
 from orders.cli import main
 from orders.embedded import redis_status
 from orders.migrate import head_revision
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import child_env, kill_embedded_redis, run_orders
 
 
 @pytest.fixture
@@ -165,24 +161,12 @@ def home() -> Iterator[Path]:
     try:
         yield folder
     finally:
-        running = redis_status(folder)
-        if running is not None:
-            os.kill(running.pid, signal.SIGKILL)
+        kill_embedded_redis(folder)
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def orders_process(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
-    env["ORDERS_HOME"] = str(home)
-    return subprocess.run(
-        [sys.executable, "-m", "orders", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_orders(*args, env=child_env(ORDERS_HOME=str(home)))
 
 
 def test_the_embedded_default_is_shared_by_processes_and_stopped_on_request(home: Path) -> None:

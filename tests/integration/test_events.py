@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -25,9 +24,7 @@ from orders.models import events_table
 from orders.service import OrderService
 from orders.sweeper import Sweeper, build_scheduler
 from tests.conftest import ManualClock, RunningClock
-from tests.helpers import sql_rows
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, child_env, sql_rows, stop_process
 
 
 def kinds_of(engine: Engine, order_id: str) -> list[str]:
@@ -147,11 +144,10 @@ def test_a_consumer_killed_mid_stream_resumes_without_losing_or_skipping_an_even
         service.create_unpaid_order(f"u{i}")
     handled_file = tmp_path / "handled.txt"
     handled_file.touch()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
 
     def start() -> subprocess.Popen[bytes]:
         args = [sys.executable, "-c", CONSUMER_PROCESS, database_url, str(handled_file)]
-        return subprocess.Popen(args, cwd=REPO, env=env)
+        return subprocess.Popen(args, cwd=REPO, env=child_env())
 
     proc = start()
     try:
@@ -159,14 +155,11 @@ def test_a_consumer_killed_mid_stream_resumes_without_losing_or_skipping_an_even
         while len(handled_file.read_text().split()) < 20:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        stop_process(proc, signum=signal.SIGKILL)
         proc = start()
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, signum=signal.SIGKILL)
 
     handled = Counter(int(line) for line in handled_file.read_text().split())
     every = {e.id for e in read_events(engine, EventPosition(), 1000)}

@@ -44,6 +44,7 @@ from orders.index import Admission, UnpaidIndex
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 from tests.conftest import ManualClock, RedisServer
+from tests.helpers import record_texts
 
 PREFIX = "UnpaidOrder-"
 #: Characters that must be percent-encoded in a URL, so the test also shows that the
@@ -155,13 +156,6 @@ def admin(acl_redis: AclRedis) -> redis.Redis:
     return client
 
 
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.DEBUG)
-    caplog.set_level(logging.DEBUG, logger="orders")
-    return caplog
-
-
 def secrets_in(text: str) -> list[str]:
     """The forms of the password found in ``text`` (raw, percent-encoded, its tail)."""
     forms = {PASSWORD, quote(PASSWORD, safe=""), PASSWORD[-24:]}
@@ -169,13 +163,7 @@ def secrets_in(text: str) -> list[str]:
 
 
 def all_log_text(caplog: pytest.LogCaptureFixture) -> str:
-    formatter = logging.Formatter()
-    parts = []
-    for record in caplog.records:
-        parts.append(record.getMessage())
-        if record.exc_info:
-            parts.append(formatter.formatException(record.exc_info))
-    return "\n".join(parts)
+    return "\n".join(record_texts(caplog.records))
 
 
 def refused_commands(admin: redis.Redis) -> dict[str, set[str]]:

@@ -34,7 +34,7 @@ from orders.models import events_table, orders_table
 from orders.service import OrderService
 from orders.sweeper import JOB_ID, Sweeper, build_scheduler
 from tests.conftest import ManualClock
-from tests.helpers import closed_event_counts, create_orders, sql_rows
+from tests.helpers import child_env, closed_event_counts, create_orders, sql_rows, stop_process
 
 MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
 T = TypeVar("T")
@@ -505,14 +505,13 @@ class Schedulers:
 
     def __init__(self, tmp_path: Path, database_url: str, redis_url: str) -> None:
         self.tmp_path = tmp_path
-        self.env = {
-            **os.environ,
-            "ORDERS_HOME": str(tmp_path / "home"),
-            "ORDERS_DATABASE_URL": database_url,
-            "ORDERS_REDIS_URL": redis_url,
-            "ORDERS_SWEEP_INTERVAL_S": "0.2",
-            "ORDERS_LEASE_TTL_S": "1",
-        }
+        self.env = child_env(
+            ORDERS_HOME=str(tmp_path / "home"),
+            ORDERS_DATABASE_URL=database_url,
+            ORDERS_REDIS_URL=redis_url,
+            ORDERS_SWEEP_INTERVAL_S="0.2",
+            ORDERS_LEASE_TTL_S="1",
+        )
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, **env: str) -> subprocess.Popen[bytes]:
@@ -546,9 +545,7 @@ class Schedulers:
 
     def kill_all(self) -> None:
         for proc in self.procs.values():
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            stop_process(proc, signum=signal.SIGKILL)
 
 
 @pytest.fixture
