@@ -9,6 +9,7 @@ its database is FLUSHed before every test, so give it a throwaway one.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import subprocess
@@ -29,6 +30,7 @@ from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
 from orders.embedded import find_redis_server
 from orders.service import OrderService
+from tests.helpers import stop_process
 from tests.postgres import PostgresServer, find_postgres_bin
 
 #: 2027-01-15T08:00:00Z: far from any edge, and every test starts at the same instant.
@@ -71,6 +73,27 @@ class ManualClock:
             self._now_ms = now_ms
 
 
+class RunningClock:
+    """A clock that runs with real time from ``start_ms`` and jumps forward when the test
+    says; thread-safe. For tests that measure real delays (a close lag) in the service's
+    own milliseconds while still choosing when orders fall due."""
+
+    def __init__(self, start_ms: int = START_MS) -> None:
+        self._origin_s = time.monotonic()
+        self._offset_ms = start_ms
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            return self._offset_ms + int((time.monotonic() - self._origin_s) * 1000)
+
+    def advance_to(self, at_ms: int) -> None:
+        """Jump to ``at_ms`` (never back): an order with ``expires_at_ms == at_ms`` is due."""
+        with self._lock:
+            now_ms = self._offset_ms + int((time.monotonic() - self._origin_s) * 1000)
+            self._offset_ms += max(0, at_ms - now_ms)
+
+
 def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -88,17 +111,20 @@ def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s
 class RedisServer:
     """A throwaway redis-server on a unix socket; the test that starts one stops it."""
 
-    def __init__(self, folder: Path, *extra: str) -> None:
+    def __init__(self, folder: Path, *extra: str, tcp_port: int = 0) -> None:
         self.folder = folder
         self.socket = folder / "redis.sock"
         self.url = f"unix://{self.socket}"
         self.extra = extra
+        #: 0: the unix socket only; else also this port, on 127.0.0.1 only.
+        self.tcp_port = tcp_port
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         args = [
             str(find_redis_server()),
-            "--port", "0",
+            "--port", str(self.tcp_port),
+            "--bind", "127.0.0.1",
             "--unixsocket", str(self.socket),
             "--unixsocketperm", "700",
             "--dir", str(self.folder),
@@ -115,12 +141,7 @@ class RedisServer:
     def stop(self) -> None:
         if self.proc is None:
             return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_process(self.proc)
         self.proc = None
 
 
@@ -250,6 +271,14 @@ def engine(database_url: str) -> Iterator[Engine]:
         yield engine
     finally:
         engine.dispose()
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """Every log record of the test, DEBUG included (the ``orders`` loggers too)."""
+    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="orders")
+    return caplog
 
 
 @pytest.fixture

@@ -1,14 +1,22 @@
-"""Small readers of the stores that several test modules share."""
+"""What several test modules share: small readers of the stores, child processes, logs."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, select
 
 from orders.domain import Order
+from orders.embedded import redis_status
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 
@@ -34,3 +42,77 @@ def closed_event_counts(engine: Engine) -> Counter[str]:
     query = select(events_table.c.order_id).where(events_table.c.kind == "closed")
     with engine.connect() as conn:
         return Counter(conn.execute(query).scalars().all())
+
+
+# --- child processes ------------------------------------------------------------------------
+
+#: The checkout: the working directory of child processes, first on their PYTHONPATH.
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env(**orders_env: str) -> dict[str, str]:
+    """A child's environment: ours without any ORDERS_* variable (a developer's own settings
+    never leak in), with this checkout first on PYTHONPATH, plus ``orders_env``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(orders_env)
+    return env
+
+
+def run_python(
+    *args: str, env: dict[str, str], cwd: Path = REPO, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` to its end: exit status, stdout and stderr as text (never raises on a
+    non-zero exit; the caller asserts on it)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def run_orders(
+    *args: str, env: dict[str, str], cwd: Path = REPO, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """The ``orders`` command (``python -m orders ARGS``) as a real process, to its end."""
+    return run_python("-m", "orders", *args, env=env, cwd=cwd, timeout_s=timeout_s)
+
+
+def stop_process(
+    proc: subprocess.Popen[Any], *, signum: int = signal.SIGTERM, timeout_s: float = 10
+) -> int:
+    """End a child we started, by its PID: ``signum``, then SIGKILL if it is still there
+    after ``timeout_s``. Reaps it and returns its exit status (also if it had already ended)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signum)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait(timeout_s)
+
+
+def kill_embedded_redis(home: Path) -> None:
+    """For cleanup: SIGKILL the embedded redis-server of ``home`` by its PID, if one runs."""
+    running = redis_status(home)
+    if running is not None:
+        os.kill(running.pid, signal.SIGKILL)
+
+
+# --- logs -------------------------------------------------------------------------------------
+
+
+def record_texts(records: Iterable[logging.LogRecord]) -> list[str]:
+    """Each record's message, and its traceback when it has one: all a log would show."""
+    texts = []
+    formatter = logging.Formatter()
+    for record in records:
+        texts.append(record.getMessage())
+        if record.exc_info:
+            texts.append(formatter.formatException(record.exc_info))
+    return texts

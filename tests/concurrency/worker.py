@@ -44,7 +44,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, child_env, stop_process
+
 MODULE = "tests.concurrency.worker"
 
 
@@ -76,14 +77,6 @@ def bucket(order_id: str) -> str:
 # ============================================================================================
 # The test side: start, release, stop and collect workers.
 # ============================================================================================
-
-
-def worker_env(database_url: str, redis_url: str) -> dict[str, str]:
-    """The environment of a worker: ours without any ORDERS_* variable, plus the two stores."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
-    env["ORDERS_DATABASE_URL"] = database_url
-    env["ORDERS_REDIS_URL"] = redis_url
-    return env
 
 
 class WorkerProcess:
@@ -174,13 +167,7 @@ class WorkerProcess:
     def close(self) -> None:
         """Stop the process by its PID if it still runs, reap it, close the pipes."""
         try:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(10)
+            stop_process(self.proc)
         finally:
             for stream in (self.proc.stdin, self.proc.stdout):
                 if stream is not None:
@@ -199,7 +186,7 @@ def started(
     ready_timeout_s: float = 90,
 ) -> Iterator[list[WorkerProcess]]:
     """Start one worker per (mode, config), wait until all are READY, stop them all at the end."""
-    env = worker_env(database_url, redis_url)
+    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
     workers: list[WorkerProcess] = []
     try:
         for mode, config in specs:

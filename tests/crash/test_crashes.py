@@ -19,7 +19,6 @@ and named in failures, and ``ORDERS_TEST_CRASH_SEED`` replays one. The lines sta
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -49,10 +48,9 @@ from orders.models import events_table, orders_table
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 from tests.conftest import ManualClock, RedisServer
+from tests.helpers import REPO, child_env, stop_process
 
 UNPAID = OrderStatus.UNPAID.value
-
-REPO = Path(__file__).resolve().parents[2]
 OC = orders_table.c
 EC = events_table.c
 TERMINAL_EVENTS = {"paid", "cancelled", "closed"}
@@ -66,12 +64,10 @@ def crash_seed() -> int:
     return seed
 
 
-def child_env(database_url: str, redis_url: str) -> dict[str, str]:
-    """Our environment without any ORDERS_* variable, plus the test's two stores."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
+def stores_env(database_url: str, redis_url: str) -> dict[str, str]:
+    """A child's environment (no ORDERS_* of ours, no PYTHONWARNINGS), plus the two stores."""
+    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
     env.pop("PYTHONWARNINGS", None)
-    env["ORDERS_DATABASE_URL"] = database_url
-    env["ORDERS_REDIS_URL"] = redis_url
     return env
 
 
@@ -118,10 +114,7 @@ class Child:
 
     def sigkill(self) -> int:
         """SIGKILL it by PID and reap it; its exit status (-9 if it was still running)."""
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-        returncode = self.proc.wait(30)
+        returncode = stop_process(self.proc, signum=signal.SIGKILL, timeout_s=30)
         self._log.close()
         return returncode
 
@@ -278,7 +271,7 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
     sizes = crash_sizes(full_size, engine.dialect.name)
     # The scheduler processes run on the system clock, and so does this service.
     service = OrderService(engine, redis_client, Settings(database_url=database_url))
-    env = child_env(database_url, redis_url)
+    env = stores_env(database_url, redis_url)
 
     inserted: list[str] = []
     paid_ok: set[str] = set()
@@ -420,7 +413,7 @@ def test_a_create_killed_between_redis_and_sql_holds_its_slot_until_its_expiry_a
     markers.mkdir()
     worker = Child(
         ["-m", "tests.crash.worker", str(markers), json.dumps(creates)],
-        child_env(database_url, redis_url),
+        stores_env(database_url, redis_url),
         tmp_path / "worker.log",
     )
     try:

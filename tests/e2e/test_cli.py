@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +17,7 @@ from click.testing import CliRunner, Result
 from orders.cli import main
 from orders.embedded import redis_status
 from orders.migrate import head_revision
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import child_env, kill_embedded_redis, run_orders
 
 
 @pytest.fixture
@@ -90,6 +86,36 @@ def test_paying_a_cancelled_order_exits_5(run: Any) -> None:
     assert "order is cancelled" in result.stderr
 
 
+def test_paying_a_paid_order_with_another_reference_exits_6_on_one_line(run: Any) -> None:
+    order = json.loads(run("create", "u1", "--json").stdout)
+    assert run("pay", order["id"], "--ref", "psp-1").exit_code == 0
+    result = run("pay", order["id"], "--ref", "psp-2")
+    assert result.exit_code == 6, result.output
+    assert result.stderr == "error: order is already paid with another payment reference\n"
+    # The same reference again is a repeat, not a conflict.
+    assert run("pay", order["id"], "--ref", "psp-1").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("second", "problem"),
+    [
+        (["u2"], "this order id belongs to another user"),
+        (["u1", "--amount", "20.00"], "this order id exists with another amount or currency"),
+    ],
+)
+def test_reusing_an_order_id_for_another_order_exits_7_on_one_line(
+    run: Any, second: list[str], problem: str
+) -> None:
+    first = run("create", "u1", "--order-id", "checkout-1", "--amount", "19.90")
+    assert first.exit_code == 0, first.output
+    result = run("create", *second, "--order-id", "checkout-1")
+    assert result.exit_code == 7, result.output
+    assert result.stderr == f"error: invalid order_id: {problem}\n"
+    # The same create again is a retry: it returns the order.
+    retried = run("create", "u1", "--order-id", "checkout-1", "--amount", "19.90")
+    assert retried.exit_code == 0, retried.output
+
+
 def test_sweep_dry_run_counts_and_sweep_closes(run: Any, service: Any, clock: Any) -> None:
     # Orders made with the test clock lie 2027 ahead of the real one, so expire them by
     # making ones whose expiry is already in the past for the CLI's real clock.
@@ -154,27 +180,14 @@ def home() -> Iterator[Path]:
     try:
         yield folder
     finally:
-        running = redis_status(folder)
-        if running is not None:
-            os.kill(running.pid, signal.SIGKILL)
+        kill_embedded_redis(folder)
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def orders_process(
     home: Path, *args: str, extra_env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
-    env["ORDERS_HOME"] = str(home)
-    env.update(extra_env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "orders", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_orders(*args, env=child_env(ORDERS_HOME=str(home), **(extra_env or {})))
 
 
 def test_the_embedded_default_is_shared_by_processes_and_stopped_on_request(home: Path) -> None:

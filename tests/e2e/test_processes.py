@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,8 +20,7 @@ from orders.config import Settings
 from orders.embedded import redis_status
 from orders.models import events_table
 from orders.service import OrderService
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, child_env, kill_embedded_redis, run_orders, stop_process
 
 
 def free_port() -> int:
@@ -29,34 +29,18 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _env(**variables: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
-    env.update(variables)
-    return env
-
-
 def test_demo_runs_to_its_checked_summary_and_stops_what_it_started(tmp_path: Path) -> None:
     home = Path(os.path.join("/tmp", f"od{os.getpid()}"))
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "orders", "demo", "--fast"],
-            env=_env(ORDERS_HOME=str(home)),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        done = run_orders("demo", "--fast", env=child_env(ORDERS_HOME=str(home)))
         assert done.returncode == 0, done.stdout + done.stderr
         assert "refused at the limit" in done.stdout
         assert "late payments refunded" in done.stdout
         assert "passed" in done.stdout
         assert redis_status(home) is None  # the demo stopped the server it started
     finally:
-        running = redis_status(home)
-        if running is not None:
-            os.kill(running.pid, signal.SIGKILL)
-        subprocess.run(["rm", "-rf", str(home)], check=False)
+        kill_embedded_redis(home)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
@@ -76,7 +60,7 @@ def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
             "--metrics-port",
             str(port),
         ],
-        env=_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url),
+        env=child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -95,7 +79,7 @@ def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
         _, stderr = proc.communicate(timeout=15)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            stop_process(proc, signum=signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, stderr
     closed = [service.get_order(o.id) for o in orders]

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import redis
 
-import orders
 from orders.embedded import (
     EmbeddedRedis,
     ensure_redis,
@@ -30,12 +29,12 @@ from orders.embedded import (
     stop_redis,
 )
 from orders.errors import StoreUnavailable
+from tests.helpers import child_env, run_python, stop_process
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/cwd").exists(), reason="finds servers through /proc (Linux)"
 )
 
-PROJECT_ROOT = Path(orders.__file__).resolve().parent.parent
 
 CHILD_ENSURE = """
 import sys, time
@@ -92,23 +91,8 @@ def servers_under(base: Path) -> list[int]:
     return sorted(found)
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p
-    )
-    return env
-
-
-def run_child(code: str, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-        check=False,
-    )
+def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_python("-c", code, *args, env=child_env())
 
 
 def ping_url(url: str) -> bool:
@@ -250,7 +234,7 @@ def test_concurrent_starts_share_one_server(home: Path) -> None:
         go.unlink(missing_ok=True)
         for child in children:
             if child.poll() is None:
-                child.kill()
+                stop_process(child, signum=signal.SIGKILL)
                 child.communicate()
 
     for child, (_, err) in zip(children, results, strict=True):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import math
 import operator
 from collections.abc import Callable, Iterable, Iterator
@@ -39,6 +38,7 @@ from orders.cli import main
 from orders.config import Settings
 from orders.events import EventPosition
 from orders.models import events_table, orders_table
+from tests.helpers import record_texts
 
 PREFIX = "UnpaidOrder-"
 MAX_TTL_MS = 7 * 24 * 3600 * 1000
@@ -455,13 +455,6 @@ def api(service: OrderService) -> Iterator[Any]:
         orders.configure(None)
 
 
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.DEBUG)
-    caplog.set_level(logging.DEBUG, logger="orders")
-    return caplog
-
-
 _fresh = itertools.count()
 
 
@@ -485,16 +478,6 @@ def long_strings(values: Iterable[object]) -> Iterator[str]:
             seen.add(id(value))
             items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
             pending.extend(list(items)[:100])
-
-
-def record_texts(records: Iterable[logging.LogRecord]) -> list[str]:
-    texts = []
-    formatter = logging.Formatter()
-    for record in records:
-        texts.append(record.getMessage())
-        if record.exc_info:
-            texts.append(formatter.formatException(record.exc_info))
-    return texts
 
 
 def assert_not_echoed(values: Iterable[object], texts: Iterable[str]) -> None:
@@ -702,6 +685,40 @@ def test_create_with_any_metadata_refuses_cleanly_or_stores_it_exactly(
 PAIR_CASES = [{"order_id": v, "text": v} for v in [*NAMED_TEXT, *NAMED_WRONG_TYPES, 10**5000]]
 
 
+def assert_made_up_id_refused(
+    stores: Stores, logs: pytest.LogCaptureFixture, order_id: object, use: Callable[[], Any]
+) -> None:
+    """``use()`` with a made-up (and perhaps hostile) ``order_id`` is refused cleanly."""
+    call = Call(stores, logs, order_id)
+    result, _ = call.run(use)
+    assert result is None, "a made-up order id was taken"
+
+
+def end_with_any_text(
+    api: Any, stores: Stores, redis_client: redis.Redis, logs: pytest.LogCaptureFixture,
+    order_id: object, text: object, end: Callable[..., Any], keyword: str, status: OrderStatus,
+) -> Any:  # fmt: skip
+    """The property for a transition out of unpaid (``end`` is mark_paid or cancel_order)
+    with ``keyword=text``: a made-up ``order_id`` is refused; ``text`` is refused cleanly,
+    the order left open, or the order ends in ``status``. Returns the ended order, or None."""
+    user = fresh_user(status.value)
+    target = api.create_unpaid_order(user)
+    assert_made_up_id_refused(stores, logs, order_id, lambda: end(order_id))
+
+    call = Call(stores, logs, text)
+    ended, _ = call.run(lambda: end(target.id, **{keyword: text}))
+    if ended is None:
+        assert api.get_order(target.id).status is OrderStatus.UNPAID
+        assert redis_client.zscore(PREFIX + user, target.id) is not None
+        return None
+    assert text is None or isinstance(text, str)
+    stored = api.get_order(target.id)
+    assert stored.status is status
+    assert redis_client.zscore(PREFIX + user, target.id) is None
+    call.assert_quiet()
+    return stored
+
+
 @HYPOTHESIS
 @given(order_id_=shown(anything), text_=shown(st.one_of(st.none(), anything)))
 @examples(*PAIR_CASES)
@@ -709,27 +726,13 @@ def test_mark_paid_with_any_order_id_or_reference_refuses_cleanly_or_stores_it_e
     api: Any, stores: Stores, redis_client: redis.Redis, logs: pytest.LogCaptureFixture,
     order_id_: Shown, text_: Shown,
 ) -> None:  # fmt: skip
-    order_id = order_id_.value
     text = text_.value
-    user = fresh_user("pay")
-    target = api.create_unpaid_order(user)
-
-    call = Call(stores, logs, order_id)
-    paid, _ = call.run(lambda: api.mark_paid(order_id))
-    assert paid is None, "a made-up order id was paid"
-
-    call = Call(stores, logs, text)
-    paid, _ = call.run(lambda: api.mark_paid(target.id, payment_ref=text))
-    if paid is None:
-        assert api.get_order(target.id).status is OrderStatus.UNPAID
-        assert redis_client.zscore(PREFIX + user, target.id) is not None
-        return
-    assert text is None or isinstance(text, str)
-    stored = api.get_order(target.id)
-    assert stored.status is OrderStatus.PAID
-    assert stored.payment_ref == text
-    assert redis_client.zscore(PREFIX + user, target.id) is None
-    call.assert_quiet()
+    paid = end_with_any_text(
+        api, stores, redis_client, logs, order_id_.value, text,
+        api.mark_paid, "payment_ref", OrderStatus.PAID,
+    )  # fmt: skip
+    if paid is not None:
+        assert paid.payment_ref == text
 
 
 @HYPOTHESIS
@@ -739,27 +742,13 @@ def test_cancel_with_any_order_id_or_reason_refuses_cleanly_or_stores_it_exactly
     api: Any, stores: Stores, redis_client: redis.Redis, logs: pytest.LogCaptureFixture,
     order_id_: Shown, text_: Shown,
 ) -> None:  # fmt: skip
-    order_id = order_id_.value
     text = text_.value
-    user = fresh_user("cancel")
-    target = api.create_unpaid_order(user)
-
-    call = Call(stores, logs, order_id)
-    cancelled, _ = call.run(lambda: api.cancel_order(order_id))
-    assert cancelled is None, "a made-up order id was cancelled"
-
-    call = Call(stores, logs, text)
-    cancelled, _ = call.run(lambda: api.cancel_order(target.id, reason=text))
-    if cancelled is None:
-        assert api.get_order(target.id).status is OrderStatus.UNPAID
-        assert redis_client.zscore(PREFIX + user, target.id) is not None
-        return
-    assert text is None or isinstance(text, str)
-    stored = api.get_order(target.id)
-    assert stored.status is OrderStatus.CANCELLED
-    assert stored.close_reason == (text or "cancelled")
-    assert redis_client.zscore(PREFIX + user, target.id) is None
-    call.assert_quiet()
+    cancelled = end_with_any_text(
+        api, stores, redis_client, logs, order_id_.value, text,
+        api.cancel_order, "reason", OrderStatus.CANCELLED,
+    )  # fmt: skip
+    if cancelled is not None:
+        assert cancelled.close_reason == (text or "cancelled")
 
 
 @HYPOTHESIS
@@ -775,10 +764,7 @@ def test_extend_with_any_order_id_or_seconds_refuses_cleanly_or_moves_the_expiry
     order_id, extra_s = order_id_.value, extra_s_.value
     user = fresh_user("extend")
     target = api.create_unpaid_order(user)
-
-    call = Call(stores, logs, order_id)
-    extended, _ = call.run(lambda: api.extend_order(order_id, 60))
-    assert extended is None, "a made-up order id was extended"
+    assert_made_up_id_refused(stores, logs, order_id, lambda: api.extend_order(order_id, 60))
 
     call = Call(stores, logs, extra_s)
     extended, _ = call.run(lambda: api.extend_order(target.id, extra_s))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from decimal import Decimal
@@ -24,8 +23,8 @@ from orders.config import Settings
 from orders.errors import InvalidInput
 from orders.models import events_table, orders_table
 from tests.conftest import ManualClock
+from tests.helpers import child_env, run_python
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DEAD_DATABASE_URL = "postgresql://u:p@127.0.0.1:1/x"
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"
 
@@ -89,23 +88,8 @@ sys.stdout.write(json.dumps(result))
 """
 
 
-def child_env(**orders_env: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    env.update(orders_env)
-    return env
-
-
 def run_child(code: str, cwd: Path, **orders_env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=cwd,
-        env=child_env(**orders_env),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_python("-c", code, env=child_env(**orders_env), cwd=cwd)
 
 
 # --- names ------------------------------------------------------------------------------

@@ -6,17 +6,11 @@ import contextlib
 import re
 import urllib.request
 
-from prometheus_client import REGISTRY
-
 from orders import OrderClosed, UnpaidOrderLimitReached
 from orders.metrics import serve
 from orders.service import OrderService
 from orders.stats import collect_stats, percentile
 from tests.conftest import ManualClock
-
-
-def sample(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def scrape(port: int) -> dict[str, float]:

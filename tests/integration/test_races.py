@@ -424,13 +424,13 @@ def test_strict_expiry_late_payments_racing_the_sweep_close_each_order_exactly_o
     assert all(events[o.id] == ["created", "closed"] for o in orders)
     with engine.connect() as conn:
         close_events = conn.execute(select(EC.order_id, EC.data).where(EC.kind == "closed")).all()
-    late = [e for e in close_events if (e.data or {}).get("trigger") == "late_payment"]
-    closed_by_late_payment = len(late)
-    # A refused late payment is what a refund needs to find: its reference, if recorded,
-    # is the one the caller sent.
+    # A close is either the sweep's (no data) or a refused late payment's, which records
+    # exactly what a refund needs to find: the reference the caller sent.
+    late = [e for e in close_events if e.data is not None]
     assert all(
-        e.data.get("payment_ref", f"late-{e.order_id}") == f"late-{e.order_id}" for e in late
-    )
+        e.data == {"trigger": "late_payment", "payment_ref": f"late-{e.order_id}"} for e in late
+    ), [e.data for e in late]
+    closed_by_late_payment = len(late)
     assert len(close_events) == len(orders)
     assert closed_by_late_payment + sum(sweep_results) == len(orders)  # nobody closed twice
     for u in range(users):

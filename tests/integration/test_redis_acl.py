@@ -18,10 +18,13 @@ INFO, EVAL, and every key outside ``UnpaidOrder-*``. The default user is switche
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import shutil
+import socket
 import tempfile
+import threading
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from orders.index import Admission, UnpaidIndex
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 from tests.conftest import ManualClock, RedisServer
+from tests.helpers import record_texts
 
 PREFIX = "UnpaidOrder-"
 #: Characters that must be percent-encoded in a URL, so the test also shows that the
@@ -76,6 +80,8 @@ EXPECTED_REFUSALS = {"config", "client"}
 @dataclass
 class AclRedis:
     server: RedisServer
+    #: The test's own connection: over TCP, so that MONITOR tells it from the service's
+    #: connections, which use the unix socket.
     admin: redis.Redis
 
     @property
@@ -100,7 +106,8 @@ def acl_redis() -> Iterator[AclRedis]:
     own checks), and ``default``, switched off once the server is up.
 
     ``RedisServer.start()`` waits with an unauthenticated PING, so the file lets the default
-    user PING and nothing else; the fixture then turns the default user off.
+    user PING and nothing else; the fixture then turns the default user off. The server also
+    listens on a loopback port, for the admin connection only.
     """
     folder = Path(tempfile.mkdtemp(prefix="oacl", dir="/tmp"))
     acl_file = folder / "users.acl"
@@ -109,16 +116,11 @@ def acl_redis() -> Iterator[AclRedis]:
         f"user admin on >{ADMIN_PASSWORD} ~* &* +@all\n"
         f"user orders {ORDERS_ACL} >{PASSWORD}\n"
     )
-    server = RedisServer(folder, "--aclfile", str(acl_file))
+    server = RedisServer(folder, "--aclfile", str(acl_file), tcp_port=free_tcp_port())
     admin = None
     try:
         server.start()
-        admin = redis.Redis(
-            unix_socket_path=str(server.socket),
-            username="admin",
-            password=ADMIN_PASSWORD,
-            socket_timeout=5,
-        )
+        admin = admin_client(server)
         admin.execute_command("ACL", "SETUSER", "default", "off")
         yield AclRedis(server, admin)
     finally:
@@ -128,22 +130,30 @@ def acl_redis() -> Iterator[AclRedis]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def free_tcp_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def admin_client(server: RedisServer, *, socket_timeout_s: float = 5) -> redis.Redis:
+    return redis.Redis(
+        host="127.0.0.1",
+        port=server.tcp_port,
+        username="admin",
+        password=ADMIN_PASSWORD,
+        socket_timeout=socket_timeout_s,
+    )
+
+
 @pytest.fixture
 def admin(acl_redis: AclRedis) -> redis.Redis:
-    """The admin connection, on an empty server with no scripts, statistics or ACL log."""
+    """The admin connection, on an empty server with no scripts and no ACL log."""
     client = acl_redis.admin
     client.flushall()
     client.script_flush()
     client.acl_log_reset()
-    client.config_resetstat()
     return client
-
-
-@pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
-    caplog.set_level(logging.DEBUG)
-    caplog.set_level(logging.DEBUG, logger="orders")
-    return caplog
 
 
 def secrets_in(text: str) -> list[str]:
@@ -153,13 +163,7 @@ def secrets_in(text: str) -> list[str]:
 
 
 def all_log_text(caplog: pytest.LogCaptureFixture) -> str:
-    formatter = logging.Formatter()
-    parts = []
-    for record in caplog.records:
-        parts.append(record.getMessage())
-        if record.exc_info:
-            parts.append(formatter.formatException(record.exc_info))
-    return "\n".join(parts)
+    return "\n".join(record_texts(caplog.records))
 
 
 def refused_commands(admin: redis.Redis) -> dict[str, set[str]]:
@@ -171,17 +175,56 @@ def refused_commands(admin: redis.Redis) -> dict[str, set[str]]:
     return found
 
 
-def commands_run(admin: redis.Redis) -> set[str]:
-    """Every command the server ran since the last CONFIG RESETSTAT, scripts' included.
+#: Commands whose first argument names a subcommand, which ACLs grant one by one.
+CONTAINER_COMMANDS = {"script", "client", "config", "acl"}
 
-    Redis 7 names subcommands ``script|load``; Redis 6 counts them under ``script``.
+
+@contextlib.contextmanager
+def service_commands(acl_redis: AclRedis) -> Iterator[set[str]]:
+    """The commands the service's own connections ran inside the block, scripts' included.
+
+    MONITOR, not server-wide statistics: those count the admin's checks too, so a grant the
+    service never uses would look used whenever the test itself sends that command. The
+    admin talks over TCP and the service over the unix socket, so the address tells them
+    apart; commands run by a script (``lua``) are the service's, as the admin runs none.
+    The set is complete when the block ends: a marker the admin sends last closes it.
     """
-    stats = admin.info("commandstats")
-    return {name.removeprefix("cmdstat_").lower() for name in stats}
+    used: set[str] = set()
+    errors: list[BaseException] = []
+    marker = "end-of-service-commands-" + secrets.token_hex(8)
+    watcher = admin_client(acl_redis.server, socket_timeout_s=60)
+    with watcher.monitor() as monitor:
+
+        def read() -> None:
+            try:
+                for entry in monitor.listen():
+                    words = [w.lower() for w in entry["command"].split()]
+                    if entry["client_type"] == "tcp":
+                        if words == ["echo", marker]:
+                            return
+                        assert words[0] not in {"eval", "evalsha", "fcall"}, words
+                    elif words[0] in CONTAINER_COMMANDS:
+                        used.add(f"{words[0]}|{words[1]}")
+                    else:
+                        used.add(words[0])
+            except BaseException as exc:
+                errors.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            yield used
+        finally:
+            acl_redis.admin.echo(marker)
+            reader.join(30)
+    watcher.close()
+    assert not reader.is_alive(), "MONITOR never showed the end marker"
+    if errors:
+        raise errors[0]
 
 
 def granted_but_unused(used: set[str]) -> list[str]:
-    return [c for c in SERVICE_COMMANDS if c not in used and c.split("|")[0] not in used]
+    return [c for c in SERVICE_COMMANDS if c not in used]
 
 
 # --- the service through the restricted user --------------------------------------------
@@ -195,55 +238,56 @@ def test_every_use_case_works_through_the_restricted_user_and_needs_every_grant(
 ) -> None:
     clock = ManualClock()
     settings = Settings(database_url=database_url, redis_url=acl_redis.url())
-    service = build_service(settings, clock=clock)
-    try:
-        # The startup warnings need CONFIG GET, which this user may not run: none, quietly.
-        assert service.index.server_warnings() == []
-        admin_view = UnpaidIndex(admin, key_prefix=PREFIX, key_margin_ms=0)
-        assert any("persistence" in w for w in admin_view.server_warnings())
+    with service_commands(acl_redis) as used:
+        service = build_service(settings, clock=clock)
+        try:
+            # The startup warnings need CONFIG GET, which this user may not run: none, quietly.
+            assert service.index.server_warnings() == []
+            admin_view = UnpaidIndex(admin, key_prefix=PREFIX, key_margin_ms=0)
+            assert any("persistence" in w for w in admin_view.server_warnings())
 
-        paid = service.create_unpaid_order("u1", ttl_s=60)
-        cancelled = service.create_unpaid_order("u1", ttl_s=60)
-        expiring = service.create_unpaid_order("u1", ttl_s=10)
-        kept = service.create_unpaid_order("u2", ttl_s=600)
-        assert admin.zcard(f"{PREFIX}u1") == 3
+            paid = service.create_unpaid_order("u1", ttl_s=60)
+            cancelled = service.create_unpaid_order("u1", ttl_s=60)
+            expiring = service.create_unpaid_order("u1", ttl_s=10)
+            kept = service.create_unpaid_order("u2", ttl_s=600)
+            assert admin.zcard(f"{PREFIX}u1") == 3
 
-        assert service.mark_paid(paid.id, payment_ref="psp-1").status is OrderStatus.PAID
-        assert admin.zscore(f"{PREFIX}u1", paid.id) is None
-        assert service.cancel_order(cancelled.id).status is OrderStatus.CANCELLED
-        assert admin.zscore(f"{PREFIX}u1", cancelled.id) is None
+            assert service.mark_paid(paid.id, payment_ref="psp-1").status is OrderStatus.PAID
+            assert admin.zscore(f"{PREFIX}u1", paid.id) is None
+            assert service.cancel_order(cancelled.id).status is OrderStatus.CANCELLED
+            assert admin.zscore(f"{PREFIX}u1", cancelled.id) is None
 
-        clock.advance(s=11)
-        swept = service.sweep_expired()
-        assert (swept.closed, swept.redis_errors) == (1, 0)
-        assert service.get_order(expiring.id).status is OrderStatus.CLOSED
-        assert admin.zscore(f"{PREFIX}u1", expiring.id) is None
+            clock.advance(s=11)
+            swept = service.sweep_expired()
+            assert (swept.closed, swept.redis_errors) == (1, 0)
+            assert service.get_order(expiring.id).status is OrderStatus.CLOSED
+            assert admin.zscore(f"{PREFIX}u1", expiring.id) is None
 
-        # Redis loses a member; reconcile (one user, then everyone) puts it back.
-        admin.zrem(f"{PREFIX}u2", kept.id)
-        assert service.reconcile(user_id="u2").added == 1
-        assert admin.zscore(f"{PREFIX}u2", kept.id) == kept.expires_at_ms
-        admin.delete(f"{PREFIX}u2")
-        assert service.reconcile().added == 1
-        assert admin.get(f"{PREFIX}[index-epoch]") == str(clock()).encode()
-        extended = service.extend_order(kept.id, 60)
-        assert admin.zscore(f"{PREFIX}u2", kept.id) == extended.expires_at_ms
+            # Redis loses a member; reconcile (one user, then everyone) puts it back.
+            admin.zrem(f"{PREFIX}u2", kept.id)
+            assert service.reconcile(user_id="u2").added == 1
+            assert admin.zscore(f"{PREFIX}u2", kept.id) == kept.expires_at_ms
+            admin.delete(f"{PREFIX}u2")
+            assert service.reconcile().added == 1
+            assert admin.get(f"{PREFIX}[index-epoch]") == str(clock()).encode()
+            extended = service.extend_order(kept.id, 60)
+            assert admin.zscore(f"{PREFIX}u2", kept.id) == extended.expires_at_ms
 
-        # The sweeper: take the lease (and rebuild at startup), renew it, give it up.
-        sweeper = Sweeper(service, owner="acl-sweeper", lease_ttl_s=5)
-        sweeper.tick()
-        assert sweeper.holds_lease
-        assert admin.get(f"{PREFIX}[sweeper-lease]") == b"acl-sweeper"
-        sweeper.tick()
-        assert 0 < admin.pttl(f"{PREFIX}[sweeper-lease]") <= 5000
-        sweeper.close()
-        assert admin.exists(f"{PREFIX}[sweeper-lease]") == 0
+            # The sweeper: take the lease (and rebuild at startup), renew it, give it up.
+            sweeper = Sweeper(service, owner="acl-sweeper", lease_ttl_s=5)
+            sweeper.tick()
+            assert sweeper.holds_lease
+            assert admin.get(f"{PREFIX}[sweeper-lease]") == b"acl-sweeper"
+            sweeper.tick()
+            assert 0 < admin.pttl(f"{PREFIX}[sweeper-lease]") <= 5000
+            sweeper.close()
+            assert admin.exists(f"{PREFIX}[sweeper-lease]") == 0
 
-        # What redis-py sends as its health check after 30 s of idleness.
-        assert service.index.client.ping()
-    finally:
-        service.engine.dispose()
-        service.index.client.close()
+            # What redis-py sends as its health check after 30 s of idleness.
+            assert service.index.client.ping()
+        finally:
+            service.engine.dispose()
+            service.index.client.close()
 
     # Nothing failed quietly: no refusal but the two expected ones, no warning logged...
     refusals = refused_commands(admin)
@@ -251,8 +295,10 @@ def test_every_use_case_works_through_the_restricted_user_and_needs_every_grant(
     assert refusals.get("command", set()) <= EXPECTED_REFUSALS
     warnings = [r.getMessage() for r in logs.records if r.levelno >= logging.WARNING]
     assert warnings == []
-    # ...and every command granted was needed.
-    assert granted_but_unused(commands_run(admin)) == []
+    # ...and every command granted was used by the service itself; the service's
+    # connections ran nothing else but the login (HELLO or AUTH: no grant needed).
+    assert granted_but_unused(used) == []
+    assert used - set(SERVICE_COMMANDS) <= {"hello", "auth"}, used
     # The password went nowhere.
     assert secrets_in(all_log_text(logs)) == []
     assert secrets_in(repr(settings)) == []

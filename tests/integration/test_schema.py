@@ -6,10 +6,8 @@ the repository root, reading the database URL from ``ORDERS_DATABASE_URL`` like 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from orders.errors import SchemaNotReady, StoreUnavailable
 from orders.models import Base, orders_table
 from orders.service import OrderService
 from tests.conftest import ENGINES, ManualClock
+from tests.helpers import child_env, run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"orders", "order_events"}
@@ -70,18 +69,9 @@ def table_names(engine: Engine) -> set[str]:
 
 
 def alembic_cli(*args: str, database_url: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
-    env["ORDERS_DATABASE_URL"] = database_url
-    env["ORDERS_HOME"] = str(home)  # the embedded default, were it used, stays in tmp
-    return subprocess.run(
-        [sys.executable, "-m", "alembic", *args],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    # ORDERS_HOME: the embedded default, were it used, stays in tmp.
+    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_HOME=str(home))
+    return run_python("-m", "alembic", *args, env=env, cwd=REPO_ROOT)
 
 
 # --- migrations against the models ----------------------------------------------------------

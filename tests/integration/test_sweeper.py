@@ -34,7 +34,7 @@ from orders.service import OrderService
 from orders.sweeper import JOB_ID, Sweeper, build_scheduler
 from orders.validation import check_user_id
 from tests.conftest import ManualClock
-from tests.helpers import closed_event_counts, create_orders, sql_rows
+from tests.helpers import child_env, closed_event_counts, create_orders, sql_rows, stop_process
 
 MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
 T = TypeVar("T")
@@ -310,12 +310,15 @@ def test_tick_with_sql_down_sweeps_nothing_warns_once_and_recovers(
         dead.dispose()
     sweeper.tick()
 
-    events = [(r["event"], r.get("store")) for r in sweeper_records(caplog, logging.INFO)]
+    events = [
+        {key: r[key] for key in ("event", "store") if key in r}
+        for r in sweeper_records(caplog, logging.INFO)
+    ]
     assert events == [
-        ("lease_acquired", None),
-        ("store_unavailable", "sql"),
-        ("store_back", "sql"),
-        ("sweep", None),
+        {"event": "lease_acquired"},
+        {"event": "store_unavailable", "store": "sql"},
+        {"event": "store_back", "store": "sql"},
+        {"event": "sweep"},
     ]
     assert closed_event_counts(engine) == Counter({order.id: 1})
 
@@ -502,14 +505,13 @@ class Schedulers:
 
     def __init__(self, tmp_path: Path, database_url: str, redis_url: str) -> None:
         self.tmp_path = tmp_path
-        self.env = {
-            **os.environ,
-            "ORDERS_HOME": str(tmp_path / "home"),
-            "ORDERS_DATABASE_URL": database_url,
-            "ORDERS_REDIS_URL": redis_url,
-            "ORDERS_SWEEP_INTERVAL_S": "0.2",
-            "ORDERS_LEASE_TTL_S": "1",
-        }
+        self.env = child_env(
+            ORDERS_HOME=str(tmp_path / "home"),
+            ORDERS_DATABASE_URL=database_url,
+            ORDERS_REDIS_URL=redis_url,
+            ORDERS_SWEEP_INTERVAL_S="0.2",
+            ORDERS_LEASE_TTL_S="1",
+        )
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, **env: str) -> subprocess.Popen[bytes]:
@@ -543,9 +545,7 @@ class Schedulers:
 
     def kill_all(self) -> None:
         for proc in self.procs.values():
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            stop_process(proc, signum=signal.SIGKILL)
 
 
 @pytest.fixture

@@ -212,6 +212,8 @@ def test_strict_expiry_refuses_a_late_payment_and_closes_the_order(
     closed_events = sql_events(engine, order.id, "closed")
     assert len(closed_events) == 1
     assert closed_events[0].at_ms == late
+    # The refused payment's reference is recorded with the close, so a refund can find it.
+    assert closed_events[0].data == {"trigger": "late_payment", "payment_ref": "psp-late"}
     assert sql_events(engine, order.id, "paid") == []
     assert service.index.members("u1") == {}
     assert service.sweep_expired().closed == 0
