@@ -78,8 +78,11 @@ from sqlalchemy import Engine, bindparam, delete, event, func, insert, select, u
 
 from orders.domain import OrderIdGenerator, OrderStatus
 from orders.errors import OrdersError, UnpaidOrderLimitReached
+from orders.lease import SweeperLease
 from orders.models import UNPAID_PREDICATE, events_table, orders_table, sql_errors
+from orders.scheduling import build_scheduler
 from orders.service import OrderService, _SqlRefused
+from orders.sweeper import Sweeper
 
 OC = orders_table.c
 UNPAID = OrderStatus.UNPAID.value
@@ -752,8 +755,6 @@ class Bench:
         return prefix
 
     def fig_close_lag(self) -> dict[str, Any] | None:
-        from orders.sweeper import Sweeper, build_scheduler  # noqa: PLC0415
-
         sz = self.sizes
         n = max(1, round(sz.lag_rate * sz.lag_seconds))
         gap_ms = 1000 / sz.lag_rate
@@ -771,11 +772,10 @@ class Bench:
             return None
         settings = replace(self.service.settings, key_prefix=self.key_tag + "lag-")
         lagged = OrderService(self.engine, self.client, settings, clock=clock)
-        sweeper = Sweeper(lagged)
+        sweeper = Sweeper(lagged, reconcile_at_start=False)
         # The startup reconcile would index every unpaid order in the database under the
         # bench's prefix (all are open in 2001); the bench's orders need no Redis members.
         lagged.index.set_epoch("orders-bench")
-        sweeper._reconcile_at = time.monotonic() + 3600
 
         self.status(f"close lag: inserting {n:,} orders expiring at {sz.lag_rate:g}/s")
         users = self.users("l", n)
@@ -969,7 +969,7 @@ def run_bench(
         "durations_s": {},
     }
     try:
-        holder = service.index.lease_owner()
+        holder = SweeperLease(service.index.client, key_prefix=service.index.key_prefix).owner()
     except OrdersError:
         holder = None
     if holder is not None and {"sweep", "close_lag"} & set(figures):

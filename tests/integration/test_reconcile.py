@@ -11,8 +11,9 @@ import pytest
 import redis
 
 from orders import reconciler as reconcile_module
+from orders.scheduling import build_scheduler
 from orders.service import OrderService
-from orders.sweeper import Sweeper, build_scheduler
+from orders.sweeper import Sweeper
 from tests.conftest import ManualClock
 
 
