@@ -20,7 +20,8 @@ from sqlalchemy import select
 
 from orders.bench.figures import FIGURES
 from orders.bench.measure import Sizes
-from orders.bench.report import progress_units, results_table, run_bench, targets_table
+from orders.bench.report import progress_units, run_bench
+from orders.bench.tables import results_table, targets_table
 from orders.errors import OrdersError
 from orders.models import orders_table, sql_errors
 

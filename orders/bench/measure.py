@@ -48,6 +48,14 @@ class Run:
 Variant = Callable[[int], Run]
 
 
+def _timed(op: Callable[[int], object], indices: range, latencies: list[int]) -> None:
+    """Call ``op(i)`` for each index, appending each call's wall time to ``latencies``."""
+    for i in indices:
+        t0 = ns()
+        op(i)
+        latencies.append(ns() - t0)
+
+
 def run_ops(op: Callable[[int], object], n: int, threads: int = 1) -> Run:
     """Call ``op(i)`` for i in 0..n-1 on ``threads`` threads; time each call and the whole.
 
@@ -57,10 +65,7 @@ def run_ops(op: Callable[[int], object], n: int, threads: int = 1) -> Run:
     if threads <= 1:
         latencies: list[int] = []
         started = ns()
-        for i in range(n):
-            t0 = ns()
-            op(i)
-            latencies.append(ns() - t0)
+        _timed(op, range(n), latencies)
         elapsed = ns() - started
         return Run(n, elapsed, latencies, time.process_time_ns() - cpu_started)
     per_thread: list[list[int]] = [[] for _ in range(threads)]
@@ -68,13 +73,9 @@ def run_ops(op: Callable[[int], object], n: int, threads: int = 1) -> Run:
     ready = threading.Barrier(threads + 1)
 
     def work(t: int) -> None:
-        mine = per_thread[t]
         ready.wait()
         try:
-            for i in range(t, n, threads):
-                t0 = ns()
-                op(i)
-                mine.append(ns() - t0)
+            _timed(op, range(t, n, threads), per_thread[t])
         except BaseException as exc:  # re-raised in the calling thread
             errors.append(exc)
 
