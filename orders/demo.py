@@ -225,7 +225,8 @@ def run_demo(*, fast: bool = False, console: Console | None = None) -> int:
 
 
 def _run(service: OrderService, console: Console, scale: float) -> int:
-    from orders.sweeper import Sweeper, build_scheduler  # noqa: PLC0415
+    from orders.scheduling import build_scheduler  # noqa: PLC0415
+    from orders.sweeper import Sweeper  # noqa: PLC0415
 
     script = _Script(service, console, scale)
     sweep_log = logging.getLogger("orders.sweeper")

@@ -101,8 +101,6 @@ class UnpaidIndex:
         self._foreign_logged: set[bytes] = set()
         self._admit: Script = client.register_script(load_script("admit"))
         self._repair: Script = client.register_script(load_script("repair"))
-        self._lease: Script = client.register_script(load_script("lease"))
-        self._lease_release: Script = client.register_script(load_script("lease_release"))
 
     def key(self, user_id: str) -> str:
         """The one place a user's key name is built."""
@@ -143,8 +141,6 @@ class UnpaidIndex:
                 self.key(user_id), 0, -1, withscores=True, score_cast_func=_text
             )
         return {_text(member): _score(score) for member, score in pairs}
-
-    # --- the sweeper lease: which scheduler process is the active one ------------------
 
     def server_warnings(self) -> list[str]:
         """What about the server's configuration could lose or corrupt the index.
@@ -273,41 +269,6 @@ class UnpaidIndex:
         dropped, removed, changed = (int(x) for x in reply)
         return dropped, removed, changed
 
-    def lease_key(self) -> str:
-        """The sweeper lease's key: under the users' prefix (one ACL pattern covers both),
-        yet never a user's key, because ``[`` is refused in user ids."""
-        return f"{self.key_prefix}[sweeper-lease]"
-
-    def acquire_lease(self, owner: str, ttl_ms: int) -> bool:
-        """Take the lease for ``ttl_ms`` if it is free, or renew it if ``owner`` holds it.
-
-        One script, one round trip. False: another owner holds it (and keeps it).
-        """
-        _check_lease_args(owner, ttl_ms)
-        with redis_errors("acquire_lease"):
-            reply: Any = self._lease(keys=[self.lease_key()], args=[owner, ttl_ms])
-        return int(reply) == 1
-
-    def release_lease(self, owner: str) -> bool:
-        """Delete the lease if ``owner`` holds it; True if it did."""
-        _check_lease_args(owner, 1)
-        with redis_errors("release_lease"):
-            reply: Any = self._lease_release(keys=[self.lease_key()], args=[owner])
-        return int(reply) == 1
-
-    def lease_owner(self) -> str | None:
-        """The owner token of the current holder, or None if the lease is free."""
-        with redis_errors("lease_owner"):
-            value: bytes | str | None = self.client.get(self.lease_key())
-        return None if value is None else _text(value)
-
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def _check_lease_args(owner: str, ttl_ms: int) -> None:
-    if not isinstance(owner, str) or not owner:
-        raise InvalidInput("owner", "must be a non-empty string")
-    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
-        raise InvalidInput("ttl_ms", "must be a positive integer")

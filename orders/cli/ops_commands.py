@@ -97,7 +97,7 @@ def scheduler(
     metrics_addr: str,
 ) -> None:
     """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
-    from orders.sweeper import run_scheduler  # noqa: PLC0415
+    from orders.scheduler_process import run_scheduler  # noqa: PLC0415
 
     if metrics_port is not None:
         from orders.metrics import serve  # noqa: PLC0415

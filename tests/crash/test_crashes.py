@@ -44,6 +44,7 @@ from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.domain import OrderStatus, system_clock
 from orders.errors import OrderClosed, StoreUnavailable, UnpaidOrderLimitReached
+from orders.lease import SweeperLease
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 from orders.sweeper import Sweeper
@@ -375,7 +376,8 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
     # No order is open, so the index must come out of a reconcile empty.
     service.reconcile()
     assert {u: m for u, m in service.index.members_of(CRASH_USERS).items() if m} == {}
-    assert service.index.lease_owner() is None  # released by the clean scheduler
+    lease = SweeperLease(service.index.client, key_prefix=service.index.key_prefix)
+    assert lease.owner() is None  # released by the clean scheduler
 
 
 # ============================================================================================

@@ -18,6 +18,7 @@ from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
 from orders.embedded import redis_status
+from orders.lease import SweeperLease
 from orders.models import events_table
 from orders.service import OrderService
 from tests.helpers import REPO, child_env, kill_embedded_redis, run_orders, stop_process
@@ -98,5 +99,6 @@ def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
     closes = re.search(r"^orders_closes_total (\S+)$", metrics, re.MULTILINE)
     assert closes is not None
     assert float(closes.group(1)) == 5
-    assert service.index.lease_owner() is None  # released on the way out
+    lease = SweeperLease(service.index.client, key_prefix=service.index.key_prefix)
+    assert lease.owner() is None  # released on the way out
     assert all(service.index.members(f"u{i}") == {} for i in range(5))

@@ -21,8 +21,9 @@ from orders.domain import EventKind, Order
 from orders.errors import OrderAlreadyPaid, OrderExpired
 from orders.events import EventConsumer, EventPosition, OrderEvent, read_events
 from orders.models import events_table
+from orders.scheduling import build_scheduler
 from orders.service import OrderService
-from orders.sweeper import Sweeper, build_scheduler
+from orders.sweeper import Sweeper
 from tests.conftest import ManualClock, RunningClock
 from tests.helpers import REPO, child_env, sql_rows, stop_process
 

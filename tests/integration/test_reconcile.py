@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import redis
 
+from orders.scheduling import build_scheduler
 from orders.service import OrderService
-from orders.sweeper import Sweeper, build_scheduler
+from orders.sweeper import Sweeper
 from tests.conftest import ManualClock
 
 

@@ -29,9 +29,11 @@ from sqlalchemy import Engine, func, insert, select
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
 from orders.errors import InvalidInput
+from orders.lease import SweeperLease
 from orders.models import events_table, orders_table
+from orders.scheduling import JOB_ID, build_scheduler
 from orders.service import OrderService
-from orders.sweeper import JOB_ID, Sweeper, build_scheduler
+from orders.sweeper import Sweeper
 from orders.validation import check_user_id
 from tests.conftest import ManualClock
 from tests.helpers import child_env, closed_event_counts, create_orders, sql_rows, stop_process
@@ -82,6 +84,11 @@ def pid_of(owner: str | None) -> int | None:
     return None if owner is None else int(owner.rsplit(":", 2)[1])
 
 
+def lease_of(service: OrderService) -> SweeperLease:
+    """The sweeper lease under the service's key prefix, as its sweepers take it."""
+    return SweeperLease(service.index.client, key_prefix=service.index.key_prefix)
+
+
 def real_clock_service(engine: Engine, redis_client: redis.Redis) -> OrderService:
     """A service on the test's stores and the real clock, like the scheduler processes."""
     return OrderService(engine, redis_client, Settings())
@@ -93,13 +100,13 @@ def real_clock_service(engine: Engine, redis_client: redis.Redis) -> OrderServic
 def test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it(
     service: OrderService, redis_client: redis.Redis
 ) -> None:
-    index = service.index
-    key = index.lease_key()
-    assert index.lease_owner() is None
+    lease = lease_of(service)
+    key = lease.key
+    assert lease.owner() is None
 
-    assert index.acquire_lease("A", 1000) is True
-    assert index.acquire_lease("B", 60_000) is False
-    assert index.lease_owner() == "A"
+    assert lease.acquire("A", 1000) is True
+    assert lease.acquire("B", 60_000) is False
+    assert lease.owner() == "A"
     assert 0 < redis_client.pttl(key) <= 1000  # B's attempt left A's lease as it was
 
     # Renewal by its owner: the PTTL goes back up.
@@ -107,39 +114,39 @@ def test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it(
     while redis_client.pttl(key) > 900:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert index.acquire_lease("A", 1000) is True
+    assert lease.acquire("A", 1000) is True
     assert redis_client.pttl(key) > 900
-    assert index.acquire_lease("A", 60_000) is True
+    assert lease.acquire("A", 60_000) is True
     assert redis_client.pttl(key) > 59_000
 
-    assert index.release_lease("B") is False
-    assert index.lease_owner() == "A"
-    assert index.release_lease("A") is True
-    assert index.lease_owner() is None
-    assert index.release_lease("A") is False
+    assert lease.release("B") is False
+    assert lease.owner() == "A"
+    assert lease.release("A") is True
+    assert lease.owner() is None
+    assert lease.release("A") is False
 
-    assert index.acquire_lease("B", 1000) is True
-    assert index.lease_owner() == "B"
+    assert lease.acquire("B", 1000) is True
+    assert lease.owner() == "B"
 
 
 def test_lease_that_lapses_can_be_taken_by_another_owner(service: OrderService) -> None:
-    index = service.index
-    assert index.acquire_lease("A", 50)
+    lease = lease_of(service)
+    assert lease.acquire("A", 50)
 
     deadline = time.monotonic() + 5
-    while not index.acquire_lease("B", 1000):
+    while not lease.acquire("B", 1000):
         assert time.monotonic() < deadline, "A's 50 ms lease never lapsed"
         time.sleep(0.01)
 
-    assert index.lease_owner() == "B"
-    assert index.acquire_lease("A", 1000) is False
+    assert lease.owner() == "B"
+    assert lease.acquire("A", 1000) is False
 
 
 def test_lease_key_is_under_the_prefix_and_can_never_be_a_users_key(
     service: OrderService, make_service: Callable[..., OrderService]
 ) -> None:
-    assert service.index.lease_key() == "UnpaidOrder-[sweeper-lease]"
-    assert make_service(key_prefix="Shop7-").index.lease_key() == "Shop7-[sweeper-lease]"
+    assert Sweeper(service).lease.key == "UnpaidOrder-[sweeper-lease]"
+    assert Sweeper(make_service(key_prefix="Shop7-")).lease.key == "Shop7-[sweeper-lease]"
     with pytest.raises(InvalidInput):
         check_user_id("[sweeper-lease]", 128)
     with pytest.raises(InvalidInput):
@@ -151,8 +158,8 @@ def test_lease_refuses_an_empty_owner_or_a_ttl_below_one_ms(
     service: OrderService, owner: str, ttl_ms: int
 ) -> None:
     with pytest.raises(InvalidInput):
-        service.index.acquire_lease(owner, ttl_ms)
-    assert service.index.lease_owner() is None
+        lease_of(service).acquire(owner, ttl_ms)
+    assert lease_of(service).owner() is None
 
 
 # --- Sweeper.tick ------------------------------------------------------------------------------
@@ -175,7 +182,7 @@ def test_active_sweeper_closes_due_orders_and_a_standby_closes_nothing(
 
     assert standby.tick() == 1.0
     assert closed_event_counts(engine) == Counter()
-    assert service.index.lease_owner() == "host-a:1:aaaa"
+    assert lease_of(service).owner() == "host-a:1:aaaa"
     assert (active.holds_lease, standby.holds_lease) == (True, False)
 
     active.tick()
@@ -382,8 +389,8 @@ def test_sweeper_whose_lease_was_taken_over_stops_after_the_batch_in_hand(
             nonlocal asked
             asked += 1
             if asked == 2:  # the first batch is done; meanwhile the lease lapses and moves
-                service.index.client.delete(service.index.lease_key())
-                assert service.index.acquire_lease(other.owner, 5000)
+                service.index.client.delete(lease_of(service).key)
+                assert lease_of(service).acquire(other.owner, 5000)
                 time.sleep(0.11)  # past the renewal period (lease_ttl_s / 3)
             return bool(inner())
 
@@ -396,7 +403,7 @@ def test_sweeper_whose_lease_was_taken_over_stops_after_the_batch_in_hand(
 
     assert closed_event_counts(engine) == Counter({orders[0].id: 1})
     assert not slow.holds_lease
-    assert service.index.lease_owner() == other.owner
+    assert lease_of(service).owner() == other.owner
     events = [r["event"] for r in sweeper_records(caplog, logging.INFO)]
     assert events == ["lease_acquired", "lease_lost", "sweep"]
 
@@ -408,11 +415,11 @@ def test_close_releases_our_lease_and_never_another_owners(service: OrderService
     other.tick()
 
     other.close()
-    assert service.index.lease_owner() == holder.owner
+    assert lease_of(service).owner() == holder.owner
     holder.close()
-    assert service.index.lease_owner() is None
+    assert lease_of(service).owner() is None
     assert holder.tick() == holder.cadence_s  # closed: does not take the lease again
-    assert service.index.lease_owner() is None
+    assert lease_of(service).owner() is None
 
 
 @pytest.mark.parametrize(
@@ -424,6 +431,29 @@ def test_sweeper_refuses_bad_settings(service: OrderService, kwargs: dict[str, A
         Sweeper(service, **kwargs)
     with pytest.raises(InvalidInput):
         Sweeper(service, owner=" ")
+
+
+def test_sweeper_rebuilds_the_index_once_active_unless_told_to_skip_the_startup_rebuild(
+    service: OrderService,
+) -> None:
+    order = service.create_unpaid_order("u1", ttl_s=60)
+    service.index.client.delete(service.index.key("u1"))  # the member is lost
+    service.index.set_epoch("before")  # but the index looks whole: no "index_lost" rebuild
+
+    skipping = Sweeper(service, reconcile_at_start=False)
+    skipping.tick()
+    assert skipping.holds_lease
+    skipping.reconcile_if_due()
+    assert service.index.get_epoch() == "before"
+    assert service.index.members("u1") == {}
+    skipping.close()
+
+    default = Sweeper(service)
+    default.tick()
+    default.reconcile_if_due()
+    assert service.index.get_epoch() != "before"
+    assert service.index.members("u1") == {order.id: order.expires_at_ms}
+    default.close()
 
 
 # --- the APScheduler job, in this process ------------------------------------------------------
@@ -446,7 +476,7 @@ def test_background_scheduler_closes_an_order_on_time_and_shuts_down_cleanly(
         wait_until(
             lambda: closed_event_counts(engine).keys() >= ids, "the orders to close", check=noop
         )
-        assert service.index.lease_owner() == sweeper.owner
+        assert lease_of(service).owner() == sweeper.owner
     finally:
         sweeper.request_stop()
         scheduler.shutdown(wait=True)
@@ -454,7 +484,7 @@ def test_background_scheduler_closes_an_order_on_time_and_shuts_down_cleanly(
 
     rows = sql_rows(engine)
     assert max(rows[oid].closed_at_ms - rows[oid].expires_at_ms for oid in ids) < 1500
-    assert service.index.lease_owner() is None
+    assert lease_of(service).owner() is None
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
@@ -495,7 +525,8 @@ def test_a_tick_longer_than_the_interval_is_never_run_twice_at_once_nor_warned_a
 
 SCHEDULER_CODE = (
     "import logging; logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s'); "
-    "from orders.sweeper import run_scheduler; from orders.bootstrap import build_service; "
+    "from orders.scheduler_process import run_scheduler; "
+    "from orders.bootstrap import build_service; "
     "from orders.config import Settings; run_scheduler(build_service(Settings.from_env()))"
 )
 
@@ -564,7 +595,7 @@ def test_two_scheduler_processes_close_each_order_once_and_fail_over_on_kill(
     record_property: Callable[[str, object], None],
 ) -> None:
     service = real_clock_service(engine, redis_client)
-    index = service.index
+    lease = lease_of(service)
     a = schedulers.start("a")
     b = schedulers.start("b")
     alive = ["a", "b"]
@@ -572,7 +603,7 @@ def test_two_scheduler_processes_close_each_order_once_and_fail_over_on_kill(
     def check_alive() -> None:
         schedulers.check_running(*alive)
 
-    wait_until(index.lease_owner, "a lease holder", check=check_alive)
+    wait_until(lease.owner, "a lease holder", check=check_alive)
     first = create_orders(
         service, [0.5 + 0.1 * i for i in range(10)], users=["u1", "u2", "u3", "u4"]
     )
@@ -592,7 +623,7 @@ def test_two_scheduler_processes_close_each_order_once_and_fail_over_on_kill(
     assert min(lags_ms) >= 0
     assert max(lags_ms) < 1500
 
-    active_pid = pid_of(index.lease_owner())
+    active_pid = pid_of(lease.owner())
     assert active_pid in {a.pid, b.pid}
     active, survivor, survivor_name = (a, b, "b") if active_pid == a.pid else (b, a, "a")
     os.kill(active.pid, signal.SIGKILL)
@@ -604,14 +635,14 @@ def test_two_scheduler_processes_close_each_order_once_and_fail_over_on_kill(
 
     def taken_over() -> bool:
         done = closed_event_counts(engine).keys() >= second_ids
-        return done and pid_of(index.lease_owner()) == survivor.pid
+        return done and pid_of(lease.owner()) == survivor.pid
 
     wait_until(taken_over, "the survivor to take over and close the new orders", check=check_alive)
 
     assert closed_event_counts(engine) == Counter(dict.fromkeys(first_ids | second_ids, 1))
     os.kill(survivor.pid, signal.SIGTERM)
     assert survivor.wait(10) == 0, schedulers.log(survivor_name)
-    assert index.lease_owner() is None
+    assert lease.owner() is None
     # One JSON line per sweep that closed something, and together they account for each
     # order once: the standby closed nothing twice.
     logged = [line for name in ("a", "b") for line in schedulers.sweep_lines(name)]
@@ -663,7 +694,7 @@ def test_sigterm_in_the_middle_of_a_large_sweep_stops_after_a_whole_batch_and_ex
     assert events == Counter(dict.fromkeys(closed, 1))  # none half-done, none twice
     assert len(closed) % batch == 0, "stopped inside a batch"
     assert 0 < len(closed) < total, "the signal did not land in the middle of the sweep"
-    assert redis_client.exists(service.index.lease_key()) == 0
+    assert redis_client.exists(lease_of(service).key) == 0
 
     assert service.sweep_expired().closed == len(unpaid)
     assert closed_event_counts(engine) == Counter(dict.fromkeys(rows, 1))

@@ -33,3 +33,17 @@ def test_the_changelog_has_an_entry_for_this_version() -> None:
     text = (REPO / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in text
     assert f"## [{orders.__version__}] - " in text
+
+
+def test_every_package_of_the_source_tree_is_in_the_distribution() -> None:
+    """setuptools installs only the packages pyproject lists: a subpackage left out (the CLI,
+    say) exists in an editable install and is missing from a real one."""
+    with (REPO / "pyproject.toml").open("rb") as file:
+        listed = set(tomllib.load(file)["tool"]["setuptools"]["packages"])
+    source = REPO / "orders"
+    found = {
+        ".".join(("orders", *init.parent.relative_to(source).parts))
+        for init in source.rglob("__init__.py")
+        if "__pycache__" not in init.parts and init.parent.name != "_migrations"
+    }
+    assert found - {"orders._migrations.versions"} <= listed

@@ -1,0 +1,53 @@
+"""``orders bench``: what the service costs, measured on your own stores against its floors.
+
+Every comparison runs side by side in one process: the variants of a figure take turns
+(A B C A B C ...) for several repetitions, so a machine that slows down or speeds up during
+the run affects each of them alike. Each figure reports the median over the repetitions and
+the min-max, and every ratio is computed per repetition (A_r / B_r) before its median is
+taken, so a ratio holds on a noisy machine even when the absolute figures wander.
+
+The figures, each with what it is compared with:
+
+1. ``create``: ``create_unpaid_order`` end to end (every op a new user, so every op is
+   admitted), on 1 thread and on N, against the raw floor measured in the same run (one
+   EVALSHA of the admission script alone, one Core INSERT + COMMIT of the same row alone,
+   combined as ``1 / (1/a + 1/b)``) and against the naive approach (ZCARD, then ZADD from
+   the client, then the same INSERT).
+2. ``refusal``: a create refused at the limit, and the SQL statements it issued (should be
+   none), against one raw EVALSHA that refuses.
+3. ``mark_paid``: end to end against one raw ``UPDATE ... WHERE status = 'unpaid'`` + COMMIT.
+4. ``sweep``: closes per second of ``sweep_expired`` per batch size, on a table of many
+   unpaid orders of which a fixed number are due, then on a table ten times larger with the
+   same number due (the cost should stay flat), then on the first size again: a table cannot
+   grow and shrink between two sweeps, so the sizes take turns as phases (1x 10x 1x).
+5. ``close_lag``: ``closed_at - expires_at`` with a real :class:`~orders.sweeper.Sweeper` in
+   an APScheduler background scheduler while orders expire at a steady rate.
+6. ``redis_memory``: Redis ``used_memory`` per open order, with 1 and 3 orders per user.
+7. ``sql_admission``: the SQL guard alone (count + insert under the per-user lock, no Redis)
+   as a peer of the Redis path, for refusals and for admissions.
+
+Besides wall-clock figures, each variant reports the client's CPU time per operation: on a
+busy machine the wall clock of every variant suffers, the CPU time hardly.
+
+What the bench writes is its own: users ``bench-<random>-...``, orders whose ids it made,
+Redis keys under ``<key prefix>bench-<random>-``. The sweep figure runs the service with a
+clock stopped in 2001 (``SWEEP_NOW_MS``) and the close-lag figure with one running at real
+speed from that date, so the only orders due in their eyes are the bench's own, inserted
+with expiries in 2001; a database holding someone else's unpaid order due by then makes the
+bench skip those two figures rather than close it. (The close-lag scheduler also takes its
+lease under the bench's prefix and skips its startup reconcile, which would otherwise index
+every unpaid order of the database under that prefix.) Everything is deleted at the end
+(``order_events`` rows go by the cascade), also when the bench fails or is interrupted. The
+only other trace is planner statistics: the sweep figure runs ``ANALYZE`` (PostgreSQL:
+``VACUUM (ANALYZE)``) on ``orders`` after each bulk load.
+
+The package, one job a module: ``measure`` (runs, percentiles, sizes), ``workload`` (the
+bench's namespace, rows and cleanup), ``variants`` and ``figures`` (what is timed), ``report``
+(the report, its targets and tables) and ``command`` (``orders bench``). Only the command
+imports it (lazily, see ``orders.cli.app.LAZY_COMMANDS``), and it uses public names only.
+"""
+
+from orders.bench.command import bench
+from orders.bench.figures import FIGURES
+
+__all__ = ["FIGURES", "bench"]

@@ -1,0 +1,201 @@
+"""Timing and summarising: runs, percentiles, spreads, ratios, and the sizes of a run."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine, event
+
+ns = time.perf_counter_ns
+
+
+# --- measuring -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One timed run of one variant: ``ops`` operations in ``elapsed_ns`` wall time.
+
+    ``cpu_ns`` is the CPU time this process (all its threads) used meanwhile: unlike the
+    wall time, it hardly changes when other programs load the machine, so it shows where
+    the client's own cost goes even on a busy host (the servers' CPU is not in it).
+    """
+
+    ops: int
+    elapsed_ns: int
+    latencies_ns: list[int] = field(default_factory=list)
+    cpu_ns: int = 0
+
+    @property
+    def ops_s(self) -> float:
+        return self.ops * 1e9 / max(1, self.elapsed_ns)
+
+    @property
+    def cpu_us(self) -> float:
+        """Client CPU microseconds per operation."""
+        return self.cpu_ns / 1000 / max(1, self.ops)
+
+
+#: A variant: given a number of operations, prepares its data (untimed) and times them.
+Variant = Callable[[int], Run]
+
+
+def _timed(op: Callable[[int], object], indices: range, latencies: list[int]) -> None:
+    """Call ``op(i)`` for each index, appending each call's wall time to ``latencies``."""
+    for i in indices:
+        t0 = ns()
+        op(i)
+        latencies.append(ns() - t0)
+
+
+def run_ops(op: Callable[[int], object], n: int, threads: int = 1) -> Run:
+    """Call ``op(i)`` for i in 0..n-1 on ``threads`` threads; time each call and the whole.
+
+    The wall clock starts when every thread is ready and stops when the last is done.
+    """
+    cpu_started = time.process_time_ns()
+    if threads <= 1:
+        latencies: list[int] = []
+        started = ns()
+        _timed(op, range(n), latencies)
+        elapsed = ns() - started
+        return Run(n, elapsed, latencies, time.process_time_ns() - cpu_started)
+    per_thread: list[list[int]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+    ready = threading.Barrier(threads + 1)
+
+    def work(t: int) -> None:
+        ready.wait()
+        try:
+            _timed(op, range(t, n, threads), per_thread[t])
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
+    for worker in workers:
+        worker.start()
+    ready.wait()
+    started = ns()
+    for worker in workers:
+        worker.join()
+    elapsed = ns() - started
+    cpu = time.process_time_ns() - cpu_started
+    if errors:
+        raise errors[0]
+    return Run(n, elapsed, [x for mine in per_thread for x in mine], cpu)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, math.ceil(q / 100 * len(ordered)) - 1)
+    return float(ordered[rank])
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max: how a figure is reported."""
+    if not values:
+        return {"median": 0.0, "min": 0.0, "max": 0.0}
+    return {
+        "median": float(statistics.median(values)),
+        "min": float(min(values)),
+        "max": float(max(values)),
+    }
+
+
+def describe(runs: Sequence[Run]) -> dict[str, Any]:
+    """ops/s over the repetitions, latency percentiles over every operation of them, and
+    the client's CPU per operation (median over the repetitions)."""
+    latencies = [x for run in runs for x in run.latencies_ns]
+    return {
+        "ops_s": spread([run.ops_s for run in runs]),
+        "p50_ms": percentile(latencies, 50) / 1e6,
+        "p99_ms": percentile(latencies, 99) / 1e6,
+        "cpu_us": statistics.median(run.cpu_us for run in runs) if runs else 0.0,
+    }
+
+
+def ratios(a: Sequence[Run] | Sequence[float], b: Sequence[Run] | Sequence[float]) -> list[float]:
+    """Per-repetition ratios a_r / b_r of two interleaved variants (ops/s)."""
+    left = [x.ops_s if isinstance(x, Run) else x for x in a]
+    right = [x.ops_s if isinstance(x, Run) else x for x in b]
+    return [x / y for x, y in zip(left, right, strict=True) if y > 0]
+
+
+def harmonic_floor(a: Sequence[Run], b: Sequence[Run]) -> list[float]:
+    """Per repetition, the rate of doing one op of ``a`` then one of ``b``: 1/(1/a + 1/b)."""
+    return [1 / (1 / x.ops_s + 1 / y.ops_s) for x, y in zip(a, b, strict=True)]
+
+
+@contextlib.contextmanager
+def counting_statements(engine: Engine) -> Iterator[list[int]]:
+    """Counts every statement the engine sends to the database while the block runs."""
+    counter = [0]
+
+    def on_execute(*_: Any) -> None:
+        counter[0] += 1
+
+    event.listen(engine, "before_cursor_execute", on_execute)
+    try:
+        yield counter
+    finally:
+        event.remove(engine, "before_cursor_execute", on_execute)
+
+
+@contextlib.contextmanager
+def quiet(logger_name: str) -> Iterator[None]:
+    """Hold a logger at WARNING (the sweeper logs a line per sweep that closed something)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+# --- sizes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    ops: int = 1000
+    reps: int = 5
+    threads: int = 4
+    warmup: int = 100
+    sweep_rows: int = 50_000
+    sweep_due: int = 10_000
+    batch_sizes: tuple[int, ...] = (100, 500, 2000)
+    lag_rate: float = 1000.0
+    lag_seconds: float = 10.0
+    memory_users: int = 10_000
+    memory_reps: int = 3
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            ops=150,
+            reps=3,
+            warmup=20,
+            sweep_rows=5_000,
+            sweep_due=1_000,
+            lag_rate=200.0,
+            lag_seconds=2.0,
+            memory_users=1_000,
+            memory_reps=2,
+        )

@@ -1,0 +1,142 @@
+"""The report as rich tables: the results, one section per figure, and the targets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rich.table import Table
+
+from orders.bench.figures import FIGURES
+
+
+def _rate(s: Mapping[str, float]) -> tuple[str, str]:
+    return f"{s['median']:,.0f}", f"{s['min']:,.0f} - {s['max']:,.0f}"
+
+
+def _times(s: Mapping[str, float]) -> tuple[str, str]:
+    return f"{s['median']:.2f} x", f"{s['min']:.2f} - {s['max']:.2f}"
+
+
+class _Rows:
+    """Adds the rows of the results table, in the shapes the figures share."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+
+    def add(self, figure: str, measure: str, median: str, span: str = "", *more: str) -> None:
+        self.table.add_row(figure, measure, median, span, *more)
+
+    def variants(self, figure: str, part: Mapping[str, Any]) -> None:
+        for name, v in part["variants"].items():
+            self.add(figure, f"{name} ops/s", *_rate(v["ops_s"]), f"{v['p50_ms']:.3f}",
+                     f"{v['p99_ms']:.3f}", f"{v['cpu_us']:,.0f}")  # fmt: skip
+
+    def ratio(self, figure: str, label: str, s: Mapping[str, float]) -> None:
+        self.add(figure, label, *_times(s))
+
+
+def _create(rows: _Rows, fig: Mapping[str, Any]) -> None:
+    for part in fig.values():
+        label = f"create, {part['threads']} thr"
+        rows.variants(label, part)
+        rows.add(label, "raw floor ops/s", *_rate(part["floor_ops_s"]))
+        rows.ratio(label, "create / floor", part["create_vs_floor"])
+        rows.ratio(label, "create / naive", part["create_vs_naive"])
+        rows.table.add_section()
+
+
+def _refusal(rows: _Rows, part: Mapping[str, Any]) -> None:
+    rows.variants("refusal", part)
+    rows.ratio("refusal", "refusal / evalsha", part["refusal_vs_evalsha"])
+    rows.add("refusal", "SQL statements", f"{part['sql_statements']}",
+             f"in {part['refusals']:,} refusals")  # fmt: skip
+    rows.table.add_section()
+
+
+def _mark_paid(rows: _Rows, part: Mapping[str, Any]) -> None:
+    rows.variants("mark_paid", part)
+    rows.ratio("mark_paid", "mark_paid / raw update", part["mark_paid_vs_raw_update"])
+    rows.table.add_section()
+
+
+def _sweep(rows: _Rows, part: Mapping[str, Any]) -> None:
+    for label in ("table_1x", "table_10x", "table_1x_again"):
+        again = " (again)" if label.endswith("again") else ""
+        for b in part["batch_sizes"]:
+            rows.add(f"sweep, {part[label]['rows']:,} rows{again}", f"batch {b} closes/s",
+                     *_rate(part[label][f"batch_{b}"]["closes_s"]))  # fmt: skip
+    rows.add("sweep", f"10x table cost (batch {part['best_batch']})", f"{part['cost_10x']:.2f} x")
+    rows.add("sweep", "1x again / 1x (drift)", f"{part['drift_1x']:.2f} x")
+    rows.table.add_section()
+
+
+def _close_lag(rows: _Rows, part: Mapping[str, Any]) -> None:
+    measure = f"{part['closed']:,} of {part['orders']:,} at {part['rate_s']:g}/s, ms"
+    rows.add("close lag", measure, f"max {part['max_ms']:.0f}", "", f"{part['p50_ms']:.0f}",
+             f"{part['p99_ms']:.0f}")  # fmt: skip
+    rows.table.add_section()
+
+
+def _redis_memory(rows: _Rows, part: Mapping[str, Any]) -> None:
+    for k in (1, 3):
+        s = part[f"per_user_{k}"]["bytes_per_order"]
+        rows.add(f"redis memory, {k}/user", f"bytes per open order ({part['users']:,} users)",
+                 f"{s['median']:.0f}", f"{s['min']:.0f} - {s['max']:.0f}")  # fmt: skip
+    rows.table.add_section()
+
+
+def _sql_admission(rows: _Rows, part: Mapping[str, Any]) -> None:
+    rows.variants("sql admission", part)
+    rows.ratio("sql admission", "refusal: redis / sql", part["refusal_redis_vs_sql"])
+    rows.ratio("sql admission", "admission: create / sql", part["admission_create_vs_sql"])
+
+
+_SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
+    "create": _create,
+    "refusal": _refusal,
+    "mark_paid": _mark_paid,
+    "sweep": _sweep,
+    "close_lag": _close_lag,
+    "redis_memory": _redis_memory,
+    "sql_admission": _sql_admission,
+}
+
+
+def results_table(report: Mapping[str, Any]) -> Table:
+    m = report["machine"]
+    table = Table(
+        "figure",
+        "measure",
+        "median",
+        "min - max",
+        "p50 ms",
+        "p99 ms",
+        "client CPU us/op",
+        title=(
+            f"orders bench on {m['sql_engine']} {m['sql_version']} + redis {m['redis']} "
+            f"({m['nproc']} cpus, load {m['load_average']:.1f}, python {m['python']}), "
+            f"{report['elapsed_s']:.0f} s"
+        ),
+    )
+    rows = _Rows(table)
+    for name in FIGURES:
+        if name in report["figures"]:
+            _SECTIONS[name](rows, report["figures"][name])
+    return table
+
+
+def targets_table(report: Mapping[str, Any]) -> Table:
+    table = Table("target", "measured", "required", "ratio", "verdict", title="targets")
+    for t in report["targets"]:
+        colour = "green" if t["verdict"] == "ok" else "red"
+        ratio = "" if t["ratio"] is None else f"{t['ratio']:.2f}"
+        note = f" ({t['note']})" if t["note"] else ""
+        table.add_row(
+            t["name"],
+            f"{t['measured']:,.1f}",
+            t["required"],
+            ratio,
+            f"[{colour}]{t['verdict']}[/{colour}]{note}",
+        )
+    return table

@@ -1,0 +1,263 @@
+"""The bench's workload: its namespace in the stores, its rows and keys, and cleanup."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import platform
+import secrets
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import redis
+import sqlalchemy
+from sqlalchemy import delete, func, insert, select
+
+from orders.bench.measure import (
+    Run,
+    Sizes,
+    Variant,
+    chunks,
+)
+from orders.domain import OrderIdGenerator, OrderStatus
+from orders.index import load_script
+from orders.models import UNPAID_PREDICATE, events_table, orders_table, sql_errors
+from orders.service import OrderService
+
+OC = orders_table.c
+UNPAID = OrderStatus.UNPAID.value
+
+#: "Now" of the sweep figure, and the start of the close-lag figure's shifted clock:
+#: 2001-09-09, long before any real order was created.
+SWEEP_NOW_MS = 1_000_000_000_000
+#: How far past its latest expiry the close-lag figure checks that no foreign order is due.
+FOREIGN_MARGIN_MS = 24 * 3600 * 1000
+
+
+class Workload:
+    """The stores, the bench's own namespace in them (users, ids, rows, keys), and the
+    interleaved measuring of variants."""
+
+    def __init__(
+        self,
+        service: OrderService,
+        sizes: Sizes,
+        *,
+        step: Callable[[float], None] = lambda _units: None,
+        status: Callable[[str], None] = lambda _text: None,
+    ) -> None:
+        self.service = service
+        self.sizes = sizes
+        self.engine = service.engine
+        self.client: redis.Redis = service.index.client
+        self.step = step
+        self.status = status
+        self.tag = f"bench-{secrets.token_hex(4)}-"
+        self.key_tag = service.index.key_prefix + self.tag
+        self.notes: list[str] = []
+        self._serial = itertools.count()
+        self._bulk_serial = itertools.count()
+        self._bulk_prefix = "B" + self.tag[6:14]
+        self._new_id = OrderIdGenerator(service.clock)
+        self.admit_sha: str = self.client.script_load(load_script("admit"))
+        self._full_users: list[str] | None = None
+
+    def users(self, kind: str, n: int) -> list[str]:
+        """``n`` user ids never used before, all under the bench's tag."""
+        batch = next(self._serial)
+        return [f"{self.tag}{kind}{batch}-{i}" for i in range(n)]
+
+    def order_ids(self, n: int) -> list[str]:
+        """``n`` fresh ULIDs (26 characters), like the service's own ids."""
+        return [self._new_id() for _ in range(n)]
+
+    def bulk_ids(self, n: int) -> list[str]:
+        """``n`` fresh 26-character ids, cheaper to make than ULIDs (for bulk rows)."""
+        return [f"{self._bulk_prefix}{next(self._bulk_serial):017d}" for _ in range(n)]
+
+    def key(self, user_id: str) -> str:
+        return self.service.index.key(user_id)
+
+    @staticmethod
+    def row(order_id: str, user_id: str, created_ms: int, expires_ms: int) -> dict[str, Any]:
+        """An orders row of the shape ``create_unpaid_order`` inserts (no amount, no metadata)."""
+        return {
+            "id": order_id,
+            "user_id": user_id,
+            "status": UNPAID,
+            "amount": None,
+            "currency": None,
+            "created_at_ms": created_ms,
+            "expires_at_ms": expires_ms,
+            "updated_at_ms": created_ms,
+            "metadata": None,
+        }
+
+    def insert_rows(self, rows: Sequence[dict[str, Any]], chunk: int = 5000) -> None:
+        """Bulk rows with Core executemany, one transaction per chunk."""
+        statement = insert(orders_table)
+        for part in chunks(rows, chunk):
+            with sql_errors(), self.engine.begin() as conn:
+                conn.execute(statement, list(part))
+
+    def delete_ids(self, ids: Sequence[str]) -> None:
+        for part in chunks(ids, 500):
+            with sql_errors(), self.engine.begin() as conn:
+                conn.execute(delete(orders_table).where(OC.id.in_(list(part))))
+
+    def open_orders(self, kind: str, n: int, *, members: bool) -> list[str]:
+        """``n`` open unpaid orders of ``n`` new users, inserted directly (untimed setup);
+        with ``members``, each also gets its Redis member, as a create would have added."""
+        now = self.service.clock()
+        expires = now + self.service.settings.ttl_ms
+        ids = self.order_ids(n)
+        users = self.users(kind, n)
+        self.insert_rows([self.row(o, u, now, expires) for o, u in zip(ids, users, strict=True)])
+        if members:
+            self.add_members(users, ids, [expires] * n)
+        return ids
+
+    def add_members(self, users: Sequence[str], ids: Sequence[str], scores: Sequence[int]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for user, oid, score in zip(users, ids, scores, strict=True):
+            pipe.zadd(self.key(user), {oid: score})
+        pipe.execute()
+
+    def full_users(self) -> list[str]:
+        """Users holding one open order each, admitted by the service with limit 1."""
+        if self._full_users is None:
+            users = self.users("full", min(self.sizes.ops, 1000))
+            for user in users:
+                self.service.create_unpaid_order(user, limit=1)
+            self._full_users = users
+        return self._full_users
+
+    def foreign_unpaid_due(self, cutoff_ms: int) -> int:
+        """Unpaid orders of other users due by ``cutoff_ms``: a shifted sweep would close them."""
+        query = (
+            select(func.count())
+            .select_from(orders_table)
+            .where(UNPAID_PREDICATE, OC.expires_at_ms <= cutoff_ms)
+            .where(~OC.user_id.startswith(self.tag, autoescape=True))
+        )
+        with sql_errors(), self.engine.connect() as conn:
+            return int(conn.scalar(query) or 0)
+
+    def measure(
+        self,
+        label: str,
+        variants: Mapping[str, Variant],
+        *,
+        n: int | None = None,
+        reps: int | None = None,
+    ) -> dict[str, list[Run]]:
+        """One warm-up run of each variant, then ``reps`` rounds of A B C ..., in turn."""
+        n = self.sizes.ops if n is None else n
+        reps = self.sizes.reps if reps is None else reps
+        self.status(f"{label}: warm-up")
+        for variant in variants.values():
+            variant(min(n, self.sizes.warmup))
+            self.step(1)
+        runs: dict[str, list[Run]] = {name: [] for name in variants}
+        for rep in range(reps):
+            self.status(f"{label}: repetition {rep + 1} of {reps}")
+            for name, variant in variants.items():
+                runs[name].append(variant(n))
+                self.step(1)
+        return runs
+
+    @property
+    def sweep_reps(self) -> int:
+        """Repetitions per sweep phase: each costs a fresh load of due orders."""
+        return min(self.sizes.reps, 3)
+
+    def settle(self) -> None:
+        """After a bulk load or delete: fresh planner statistics, and on PostgreSQL a VACUUM,
+        as a live table kept by autovacuum would have."""
+        with sql_errors(), self.engine.connect() as conn:
+            if self.engine.dialect.name == "postgresql":
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                conn.exec_driver_sql("VACUUM (ANALYZE) orders")
+            else:
+                conn.exec_driver_sql("ANALYZE orders")
+                conn.commit()
+
+    def delete_users(self, prefix: str) -> None:
+        with sql_errors(), self.engine.begin() as conn:
+            conn.execute(delete(orders_table).where(OC.user_id.startswith(prefix, autoescape=True)))
+
+    def fill_open(self, n: int) -> str:
+        """``n`` unpaid orders not due for a week (3 per user), inserted directly.
+
+        Returns the user-id prefix of their users (see :meth:`delete_users`).
+        """
+        users = self.users("o", max(1, (n + 2) // 3))
+        prefix = users[0].rpartition("-")[0] + "-"
+        if n <= 0:
+            return prefix
+        now = self.service.clock()
+        ids = self.bulk_ids(n)
+        week = 7 * 24 * 3600 * 1000
+        step = 10_000
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            self.insert_rows(
+                [self.row(ids[i], users[i // 3], now, now + week + i) for i in range(start, end)]
+            )
+        return prefix
+
+    def used_memory(self) -> int:
+        info: dict[str, Any] = self.client.info("memory")
+        return int(info["used_memory"])
+
+    def cleanup(self) -> None:
+        """Delete the bench's rows (their events go by the cascade) and its Redis keys."""
+        self._full_users = None
+        with sql_errors(), self.engine.begin() as conn:
+            conn.execute(
+                delete(orders_table).where(OC.user_id.startswith(self.tag, autoescape=True))
+            )
+        for part in chunks(self.bench_keys(), 1000):
+            self.client.delete(*part)
+
+    def bench_keys(self) -> list[str]:
+        pattern = _glob_escape(self.key_tag) + "*"
+        found = self.client.scan_iter(match=pattern, count=1000)
+        return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
+
+    def left_behind(self) -> dict[str, int]:
+        mine = OC.user_id.startswith(self.tag, autoescape=True)
+        events_mine = events_table.c.user_id.startswith(self.tag, autoescape=True)
+        with sql_errors(), self.engine.connect() as conn:
+            rows = conn.scalar(select(func.count()).select_from(orders_table).where(mine))
+            events = conn.scalar(select(func.count()).select_from(events_table).where(events_mine))
+        return {"rows": int(rows or 0), "events": int(events or 0), "keys": len(self.bench_keys())}
+
+    def machine(self) -> dict[str, Any]:
+        server: dict[str, Any] = self.client.info("server")
+        dialect = self.engine.dialect.name
+        if dialect == "sqlite":
+            sql_version = sqlite3.sqlite_version
+        else:
+            with sql_errors(), self.engine.connect() as conn:
+                sql_version = str(
+                    conn.exec_driver_sql(
+                        "SHOW server_version" if dialect == "postgresql" else "SELECT version()"
+                    ).scalar()
+                )
+        return {
+            "nproc": os.cpu_count() or 0,
+            "load_average": os.getloadavg()[0],
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "redis": str(server.get("redis_version", "?")),
+            "sql_engine": dialect,
+            "sql_version": sql_version,
+            "sqlalchemy": sqlalchemy.__version__,
+            "redis_py": redis.__version__,
+        }
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
