@@ -20,6 +20,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from orders.errors import InvalidInput
+from orders.validation import check_count
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -139,7 +140,7 @@ class Settings:
             check_database_url(self.database_url.reveal())
         if self.redis_url is not None:
             check_redis_url(self.redis_url.reveal())
-        check_int_range("unpaid_limit", self.unpaid_limit, 1, 1000)
+        check_count("unpaid_limit", self.unpaid_limit, 1, 1000)
         for name in (
             "ttl_s",
             "max_ttl_s",
@@ -152,26 +153,18 @@ class Settings:
             "pre_close_timeout_s",
             "max_extension_s",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                raise InvalidInput(name, "must be a number of seconds")
-            if not math.isfinite(value) or value <= 0:
-                raise InvalidInput(name, "must be a positive finite number of seconds")
+            _check_seconds(name, getattr(self, name), allow_zero=False)
         if self.ttl_s > self.max_ttl_s:
             raise InvalidInput("ttl_s", "is above max_ttl_s")
-        check_int_range("max_user_id_length", self.max_user_id_length, 1, 512)
-        check_int_range("max_order_id_length", self.max_order_id_length, 1, 128)
-        check_int_range("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
-        check_int_range("sweep_batch_size", self.sweep_batch_size, 1, 10_000)
-        check_int_range("event_max_attempts", self.event_max_attempts, 1, 1000)
-        check_int_range("sql_pool_size", self.sql_pool_size, 1, 1000)
-        check_int_range("sql_max_overflow", self.sql_max_overflow, 0, 1000)
+        check_count("max_user_id_length", self.max_user_id_length, 1, 512)
+        check_count("max_order_id_length", self.max_order_id_length, 1, 128)
+        check_count("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
+        check_count("sweep_batch_size", self.sweep_batch_size, 1, 10_000)
+        check_count("event_max_attempts", self.event_max_attempts, 1, 1000)
+        check_count("sql_pool_size", self.sql_pool_size, 1, 1000)
+        check_count("sql_max_overflow", self.sql_max_overflow, 0, 1000)
         for name in ("sql_pool_timeout_s", "sql_statement_timeout_s", "sql_busy_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InvalidInput(name, "must be a number of seconds")
-            if not math.isfinite(value) or value < 0:
-                raise InvalidInput(name, "must be a finite number of seconds, 0 or more")
+            _check_seconds(name, getattr(self, name), allow_zero=True)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
 
@@ -205,12 +198,12 @@ class Settings:
         return {f.name: str(getattr(self, f.name)) for f in fields(self)}
 
 
-def check_int_range(name: str, value: object, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidInput(name, "must be an integer")
-    if not low <= value <= high:
-        raise InvalidInput(name, f"must be between {low} and {high}")
-    return value
+def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(name, "must be a number of seconds")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        qualifier = "0 or more" if allow_zero else "positive"
+        raise InvalidInput(name, f"must be a finite number of seconds, {qualifier}")
 
 
 def _parse(name: str, type_name: object, raw: str) -> Any:

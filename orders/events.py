@@ -35,7 +35,6 @@ from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, s
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from orders.config import check_int_range
 from orders.domain import Clock, EventKind, system_clock
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.models import (
@@ -45,6 +44,7 @@ from orders.models import (
     retries_table,
     sql_errors,
 )
+from orders.validation import check_count
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class EventConsumer:
         rand: Random | None = None,
     ) -> None:
         check_consumer_name("name", name)
-        self.max_attempts = check_int_range("max_attempts", max_attempts, 1, 1000)
+        self.max_attempts = check_count("max_attempts", max_attempts, 1, 1000)
         self.rand = rand or random.random
         self.engine = engine
         self.name = name

@@ -140,7 +140,7 @@ class UnpaidIndex:
             pairs: list[Any] = self.client.zrange(
                 self.key(user_id), 0, -1, withscores=True, score_cast_func=_text
             )
-        return {_text(member): _score(score) for member, score in pairs}
+        return self._decode(user_id, pairs)
 
     def server_warnings(self) -> list[str]:
         """What about the server's configuration could lose or corrupt the index.
@@ -232,13 +232,18 @@ class UnpaidIndex:
                 continue
             if isinstance(pairs, Exception):
                 raise pairs
-            members = found[user_id] = {}
-            for member, score in pairs:
-                try:
-                    members[_text(member)] = _score(score)
-                except UnicodeDecodeError:
-                    self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "member")
+            found[user_id] = self._decode(user_id, pairs)
         return found
+
+    def _decode(self, user_id: str, pairs: list[Any]) -> dict[str, int]:
+        """A ZRANGE WITHSCORES reply as {order id: score}; members not UTF-8 are foreign."""
+        members: dict[str, int] = {}
+        for member, score in pairs:
+            try:
+                members[_text(member)] = _score(score)
+            except UnicodeDecodeError:
+                self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "member")
+        return members
 
     def foreign(self, key: bytes | str, what: str) -> None:
         """Count a piece of foreign data under the prefix; log each key once per process."""

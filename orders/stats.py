@@ -7,10 +7,10 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from orders.config import check_int_range
 from orders.domain import OrderStatus
 from orders.models import UNPAID_PREDICATE, orders_table, sql_errors
 from orders.service import OrderService
+from orders.validation import check_count
 
 OC = orders_table.c
 
@@ -47,9 +47,9 @@ def percentile(sorted_values: list[int], fraction: float) -> int | None:
 def collect_stats(
     service: OrderService, *, window_s: int = 3600, horizon_s: int = 600, buckets: int = 10
 ) -> Stats:
-    check_int_range("window_s", window_s, 1, 366 * 86_400)
-    check_int_range("horizon_s", horizon_s, 1, 31 * 86_400)
-    check_int_range("buckets", buckets, 1, 100)
+    check_count("window_s", window_s, 1, 366 * 86_400)
+    check_count("horizon_s", horizon_s, 1, 31 * 86_400)
+    check_count("buckets", buckets, 1, 100)
     now_ms = service.clock()
     step_ms = max(1, horizon_s * 1000 // buckets)
     with sql_errors(), service.engine.connect() as conn:

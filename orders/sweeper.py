@@ -32,11 +32,11 @@ import time
 from typing import Any
 
 from orders import metrics
-from orders.config import check_int_range
 from orders.domain import SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.lease import SweeperLease
 from orders.service import OrderService
+from orders.validation import check_count
 
 #: The scheduler process's one logger, documented by that name (README, operators' filters).
 LOGGER_NAME = "orders.sweeper"
@@ -83,7 +83,7 @@ class Sweeper:
         self.lease_ttl_s = _seconds(
             "lease_ttl_s", s.lease_ttl_s if lease_ttl_s is None else lease_ttl_s
         )
-        self.batch_size = check_int_range(
+        self.batch_size = check_count(
             "batch_size", s.sweep_batch_size if batch_size is None else batch_size, 1, 10_000
         )
         if owner is not None and (not isinstance(owner, str) or not owner.strip()):

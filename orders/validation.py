@@ -24,9 +24,7 @@ KEY_UNSAFE = frozenset("{}*?[]")
 
 
 def _check_text(name: str, value: object, max_length: int, *, key_safe: bool) -> str:
-    if isinstance(value, bool) or value is None:
-        raise InvalidInput(name, "must be a string")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         if abs(value) >= 10**max_length:
             raise InvalidInput(name, f"must be at most {max_length} characters")
         value = str(value)
@@ -38,12 +36,16 @@ def _check_text(name: str, value: object, max_length: int, *, key_safe: bool) ->
         raise InvalidInput(name, f"must be at most {max_length} characters")
     if value != value.strip():
         raise InvalidInput(name, "must not start or end with white space")
+    _check_characters(name, value, key_safe=key_safe)
+    return value
+
+
+def _check_characters(name: str, value: str, *, key_safe: bool) -> None:
     for ch in value:
         if unicodedata.category(ch) in ("Cc", "Cs", "Cn", "Zl", "Zp"):
             raise InvalidInput(name, "must not contain control or unassigned characters")
         if key_safe and ch in KEY_UNSAFE:
             raise InvalidInput(name, "must not contain any of {}*?[]")
-    return value
 
 
 def check_user_id(value: object, max_length: int) -> str:
@@ -101,21 +103,7 @@ def check_amount(value: object) -> Decimal | None:
     """A money amount: Decimal, int or decimal string; floats are refused as inexact."""
     if value is None:
         return None
-    if isinstance(value, bool | float):
-        raise InvalidInput("amount", "must be a Decimal, an int or a decimal string, not a float")
-    if isinstance(value, int):
-        amount = Decimal(value)
-    elif isinstance(value, Decimal):
-        amount = value
-    elif isinstance(value, str):
-        if len(value) > 64:
-            raise InvalidInput("amount", "is too long")
-        try:
-            amount = Decimal(value.strip())
-        except InvalidOperation:
-            raise InvalidInput("amount", "is not a decimal number") from None
-    else:
-        raise InvalidInput("amount", "must be a Decimal, an int or a decimal string")
+    amount = _parse_amount(value)
     if not amount.is_finite():
         raise InvalidInput("amount", "must be finite")
     if amount < 0:
@@ -127,6 +115,23 @@ def check_amount(value: object) -> Decimal | None:
     if len(digits) + max(exponent, 0) > MAX_AMOUNT_DIGITS:
         raise InvalidInput("amount", f"must have at most {MAX_AMOUNT_DIGITS} digits")
     return amount
+
+
+def _parse_amount(value: object) -> Decimal:
+    if isinstance(value, bool | float):
+        raise InvalidInput("amount", "must be a Decimal, an int or a decimal string, not a float")
+    if isinstance(value, Decimal):
+        return value
+    if isinstance(value, int):
+        return Decimal(value)
+    if not isinstance(value, str):
+        raise InvalidInput("amount", "must be a Decimal, an int or a decimal string")
+    if len(value) > 64:
+        raise InvalidInput("amount", "is too long")
+    try:
+        return Decimal(value.strip())
+    except InvalidOperation:
+        raise InvalidInput("amount", "is not a decimal number") from None
 
 
 def amount_to_text(amount: Decimal | None) -> str | None:

@@ -20,7 +20,7 @@ from orders.models import retries_table
 from orders.service import OrderService
 from tests.conftest import ManualClock
 from tests.integration.test_event_retries import Poison
-from tests.integration.test_schema import explain
+from tests.plans import explain
 
 HOUR_S = 3600
 

@@ -10,9 +10,9 @@ from orders.models import retries_table
 from tests.integration.test_schema import (  # the schema tests' fixtures and readers
     empty_engine,  # noqa: F401
     empty_url,  # noqa: F401
-    explain,
     schema_differences,
 )
+from tests.plans import explain
 
 RETRY_COLUMNS = "consumer, event_id, attempts, next_at_ms, last_error"
 

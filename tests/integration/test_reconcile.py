@@ -229,3 +229,44 @@ def test_a_running_scheduler_rebuilds_a_lost_index_by_itself(
         scheduler.shutdown(wait=True)
         sweeper.close()
     assert all(real.index.members(o.user_id) == {o.id: o.expires_at_ms} for o in orders)
+
+
+def test_foreign_data_under_the_prefix_is_skipped_counted_and_logged_once(
+    service: OrderService,
+    redis_client: redis.Redis,
+    clock: ManualClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Keys and members the service never wrote (not UTF-8, no valid user id, another type)
+    must not stop a rebuild: before, the first non-UTF-8 key raised UnicodeDecodeError and
+    the scheduler's rebuild job failed every second for as long as it existed."""
+    prefix = service.settings.key_prefix.encode()
+    future = clock() + 60_000
+    order = service.create_unpaid_order("real", ttl_s=60)
+    redis_client.zadd(prefix + b"\xff\xfe", {b"x": future})  # key name not UTF-8
+    redis_client.zadd(prefix + b"a{b}", {b"y": future})  # names no valid user id
+    redis_client.set(prefix + b"stray", b"not a sorted set")  # another type
+    redis_client.zadd(prefix + b"real", {b"\xc3\x28": future})  # member not UTF-8
+    redis_client.delete(prefix + b"[index-epoch]")
+    caplog.set_level(logging.WARNING, logger="orders.index")
+
+    first = service.reconcile(chunk_size=2)
+    second = service.reconcile(chunk_size=2)
+
+    assert first.foreign_skipped == second.foreign_skipped == 4
+    assert service.index.get_epoch() is not None  # the rebuild finished
+    assert service.index.members("real")[order.id] == order.expires_at_ms
+    warnings = [r for r in caplog.records if r.name == "orders.index"]
+    assert len(warnings) == 4  # once per key, not again on the second run
+    assert redis_client.get(prefix + b"stray") == b"not a sorted set"  # left alone
+
+
+def test_a_client_that_decodes_responses_is_refused_up_front(engine: Any, redis_url: str) -> None:
+    from orders.errors import InvalidInput  # noqa: PLC0415
+
+    decoding = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        with pytest.raises(InvalidInput, match="redis_client"):
+            OrderService(engine, decoding)
+    finally:
+        decoding.close()

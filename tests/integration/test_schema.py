@@ -6,7 +6,6 @@ the repository root, reading the database URL from ``ORDERS_DATABASE_URL`` like 
 
 from __future__ import annotations
 
-import re
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from orders.models import Base, orders_table
 from orders.service import OrderService
 from tests.conftest import ENGINES, ManualClock
 from tests.helpers import child_env, run_python
+from tests.plans import explain_sql
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"orders", "order_events"}
@@ -171,37 +171,6 @@ def statements_run_by(engine: Engine, action: Callable[[], object]) -> list[tupl
     return seen
 
 
-def explain(engine: Engine, sql: str, params: Any) -> str:
-    """The plan the engine picks for the driver-level ``sql`` with ``params``, as text.
-
-    On PostgreSQL the statement is prepared and planned generically, as a statement the
-    driver has prepared and reuses is: a partial index then only serves predicates that
-    are literals in the SQL, not parameters.
-    """
-    with engine.connect() as conn:
-        if engine.dialect.name == "sqlite":
-            rows = conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql, params).all()
-        else:
-            names: list[str] = []
-
-            def placeholder(match: re.Match[str]) -> str:
-                names.append(match.group(1))
-                return f"${len(names)}"
-
-            generic = re.sub(r"%\((\w+)\)s(::\w+)?", placeholder, sql)
-            values = ", ".join(
-                str(v) if isinstance(v, int) else "'" + str(v).replace("'", "''") + "'"
-                for v in (params[name] for name in names)
-            )
-            conn.exec_driver_sql("SET enable_seqscan = off")
-            conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
-            conn.exec_driver_sql(f"PREPARE planned AS {generic}")
-            rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE planned({values})").all()
-            conn.exec_driver_sql("DEALLOCATE planned")
-            conn.rollback()
-    return "\n".join(str(row[-1]) for row in rows)
-
-
 def the_one(statements: list[tuple[str, Any]], marker: str) -> tuple[str, Any]:
     found = [(sql, params) for sql, params in statements if marker in sql.lower()]
     assert len(found) == 1, [sql for sql, _ in statements]
@@ -224,8 +193,8 @@ def test_the_services_own_sweep_and_limit_guard_use_the_partial_indexes(
         statements_run_by(engine, service.sweep_expired), "with due as"
     )
 
-    assert "ix_orders_unpaid_user_id_expires_at_ms" in explain(engine, guard_sql, guard_params)
-    assert "ix_orders_unpaid_expires_at_ms" in explain(engine, sweep_sql, sweep_params)
+    assert "ix_orders_unpaid_user_id_expires_at_ms" in explain_sql(engine, guard_sql, guard_params)
+    assert "ix_orders_unpaid_expires_at_ms" in explain_sql(engine, sweep_sql, sweep_params)
 
 
 # --- the service on a database without the schema -------------------------------------------
