@@ -139,7 +139,7 @@ def ensure_schema(engine: Engine) -> None:
 def ensure_embedded_schema(engine: Engine, home: Path) -> None:
     """Migrate the embedded SQLite file, one process at a time."""
     from orders import migrate  # noqa: PLC0415
-    from orders.embedded import file_lock  # noqa: PLC0415
+    from orders.host import file_lock  # noqa: PLC0415
 
     if migrate.is_current(engine):
         return

