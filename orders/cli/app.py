@@ -30,16 +30,18 @@ from orders.errors import (
 if TYPE_CHECKING:
     from orders.service import OrderService
 
-#: Exit status by error, most specific first. 1 is left for unexpected failures.
-EXIT_CODES: list[tuple[type[OrdersError], int]] = [
-    (OrderConflict, 7),
-    (InvalidInput, 2),
-    (OrderNotFound, 3),
-    (UnpaidOrderLimitReached, 4),
-    (OrderClosed, 5),
-    (OrderAlreadyPaid, 6),
-    (StoreUnavailable, 8),
-]
+#: Exit status by error class. An error takes the code of the nearest class in its MRO,
+#: so a subclass (OrderConflict is an InvalidInput) keeps its own code whatever the order
+#: here. 1 is left for unexpected failures.
+EXIT_CODES: dict[type[OrdersError], int] = {
+    InvalidInput: 2,
+    OrderNotFound: 3,
+    UnpaidOrderLimitReached: 4,
+    OrderClosed: 5,
+    OrderAlreadyPaid: 6,
+    OrderConflict: 7,
+    StoreUnavailable: 8,
+}
 
 #: Commands whose module is imported only when the command runs: "name" -> "module:attr".
 #: The benchmark is a large module that no other command needs.
@@ -49,7 +51,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def exit_code(error: OrdersError) -> int:
-    return next((code for kind, code in EXIT_CODES if isinstance(error, kind)), 1)
+    return next((EXIT_CODES[kind] for kind in type(error).__mro__ if kind in EXIT_CODES), 1)
 
 
 def parameter_error_line(error: click.BadParameter) -> str:
