@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 from orders.cli import main
 from orders.embedded import redis_status
 from orders.migrate import head_revision
-from tests.helpers import child_env, kill_embedded_redis, run_orders
+from tests.helpers import child_env, kill_embedded_redis, run_orders, run_python
 
 
 @pytest.fixture
@@ -275,3 +275,14 @@ def test_a_malformed_setting_exits_2_with_one_line_and_writes_nothing(
     assert "Traceback" not in shown.stderr
     assert SECRET not in shown.stderr
     assert list(home.iterdir()) == []  # refused before anything was created
+
+
+def test_the_cli_starts_without_importing_the_benchmark() -> None:
+    """The bench is a package no other command needs: neither start-up nor --help loads it."""
+    probe = (
+        "import sys; from click.testing import CliRunner; from orders.cli import main; "
+        "r = CliRunner().invoke(main, ['--help']); "
+        "print(r.exit_code, 'bench' in r.output, 'orders.bench' in sys.modules)"
+    )
+    done = run_python("-c", probe, env=child_env())
+    assert done.stdout.split() == ["0", "True", "False"], done.stderr
