@@ -172,6 +172,7 @@ class Settings:
                 raise InvalidInput(name, "must be a number of seconds")
             if not math.isfinite(value) or value < 0:
                 raise InvalidInput(name, "must be a finite number of seconds, 0 or more")
+        check_handler_paths("on_closed", self.on_closed)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
 
@@ -211,6 +212,18 @@ def check_int_range(name: str, value: object, low: int, high: int) -> int:
     if not low <= value <= high:
         raise InvalidInput(name, f"must be between {low} and {high}")
     return value
+
+
+#: ``package.module:function`` or ``package.module.function``, as the scheduler loads it.
+_HANDLER_PATH = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*[:.][^\W\d]\w*")
+
+
+def check_handler_paths(name: str, value: object) -> None:
+    """Only the shape: whether each handler imports is known when the scheduler loads it."""
+    if not isinstance(value, str) or not all(
+        _HANDLER_PATH.fullmatch(part.strip()) for part in value.split(",") if part.strip()
+    ):
+        raise InvalidInput(name, "must name handlers as package.module:function, comma-separated")
 
 
 def _parse(name: str, type_name: object, raw: str) -> Any:
