@@ -120,11 +120,13 @@ class CliState:
     def settings(self) -> Settings:
         return Settings.from_env(**self.overrides)
 
-    def service(self) -> OrderService:
+    def service(self, *, long_running: bool = False) -> OrderService:
+        """The service; only a long-running one warns about the Redis server's settings
+        (every one-shot command would repeat it, and its stderr is for one error line)."""
         if self._service is None:
             from orders.bootstrap import build_service  # noqa: PLC0415
 
-            self._service = build_service(self.settings)
+            self._service = build_service(self.settings, startup_warnings=long_running)
         return self._service
 
     def close(self) -> None:

@@ -575,13 +575,13 @@ def test_real_process_prints_one_line_and_exits(
     setting: dict[str, str],
     exit_status: int,
 ) -> None:
-    env = child_env(
-        ORDERS_HOME=str(tmp_path / "home"),
-        ORDERS_DATABASE_URL=stores.healthy_db,
-        ORDERS_REDIS_URL=stores.redis_url,
-        ORDERS_REDIS_SOCKET_TIMEOUT_S=SOCKET_TIMEOUT_S,
-        **setting,
-    )
+    stores_env = {
+        "ORDERS_HOME": str(tmp_path / "home"),
+        "ORDERS_DATABASE_URL": stores.healthy_db,
+        "ORDERS_REDIS_URL": stores.redis_url,
+        "ORDERS_REDIS_SOCKET_TIMEOUT_S": SOCKET_TIMEOUT_S,
+    }
+    env = child_env(**(stores_env | setting))
     done = run_orders(*args, env=env, timeout_s=20)
     assert (done.returncode, done.stderr.count("\n")) == (exit_status, 1), done.stderr[-800:]
     assert done.stderr.startswith("error: "), done.stderr[-800:]
