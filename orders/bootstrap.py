@@ -106,11 +106,18 @@ def build_redis(settings: Settings) -> redis.Redis:
         raise InvalidInput("redis_url", "refused by redis-py") from None
 
 
-def build_service(settings: Settings | None = None, *, clock: Clock | None = None) -> OrderService:
+def build_service(
+    settings: Settings | None = None,
+    *,
+    clock: Clock | None = None,
+    startup_warnings: bool = True,
+) -> OrderService:
     """A service on the configured stores, its schema checked.
 
     The embedded SQLite file is migrated on first use; any other database must have been
-    upgraded already (``orders db upgrade``), else :class:`SchemaNotReady`.
+    upgraded already (``orders db upgrade``), else :class:`SchemaNotReady`. The Redis
+    server's risky configuration is logged unless ``startup_warnings`` is off (a one-shot
+    command, whose stderr is its one error line).
     """
     settings = settings or Settings.from_env()
     engine = build_engine(settings)
@@ -120,7 +127,7 @@ def build_service(settings: Settings | None = None, *, clock: Clock | None = Non
         else:
             ensure_schema(engine)
         service = OrderService(engine, build_redis(settings), settings, clock=clock)
-        for warning in service.index.server_warnings():
+        for warning in service.index.server_warnings() if startup_warnings else []:
             log.warning("%s", warning)
         return service
     except BaseException:

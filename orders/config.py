@@ -165,6 +165,7 @@ class Settings:
         check_count("sql_max_overflow", self.sql_max_overflow, 0, 1000)
         for name in ("sql_pool_timeout_s", "sql_statement_timeout_s", "sql_busy_timeout_s"):
             _check_seconds(name, getattr(self, name), allow_zero=True)
+        check_handler_paths("on_closed", self.on_closed)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
 
@@ -204,6 +205,18 @@ def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         qualifier = "0 or more" if allow_zero else "positive"
         raise InvalidInput(name, f"must be a finite number of seconds, {qualifier}")
+
+
+#: ``package.module:function`` or ``package.module.function``, as the scheduler loads it.
+_HANDLER_PATH = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*[:.][^\W\d]\w*")
+
+
+def check_handler_paths(name: str, value: object) -> None:
+    """Only the shape: whether each handler imports is known when the scheduler loads it."""
+    if not isinstance(value, str) or not all(
+        _HANDLER_PATH.fullmatch(part.strip()) for part in value.split(",") if part.strip()
+    ):
+        raise InvalidInput(name, "must name handlers as package.module:function, comma-separated")
 
 
 def _parse(name: str, type_name: object, raw: str) -> Any:

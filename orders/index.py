@@ -229,11 +229,12 @@ class UnpaidIndex:
             replies: list[Any] = pipe.execute(raise_on_error=False)
         found: dict[str, dict[str, int]] = {}
         for user_id, pairs in zip(user_ids, replies, strict=True):
-            if isinstance(pairs, redis.ResponseError):
+            if isinstance(pairs, redis.ResponseError) and str(pairs).startswith("WRONGTYPE"):
                 self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "not a sorted set")
                 continue
-            if isinstance(pairs, Exception):
-                raise pairs
+            if isinstance(pairs, Exception):  # NOPERM, OOM, ...: the store failed, not the data
+                with redis_errors("members_of"):
+                    raise pairs
             found[user_id] = self._decode(user_id, pairs)
         return found
 

@@ -82,19 +82,33 @@ class OrdersGroup(click.Group):
         command: click.Command = getattr(importlib.import_module(module_name), attr)
         return command
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # The group's own options (ORDERS_LOG_FORMAT, say) are parsed here, before invoke:
+        # without this, click prints its multi-line usage text with the raw value.
+        try:
+            return super().parse_args(ctx, args)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as error:
+            click.echo(usage_error_line(error), err=True)
+            ctx.exit(2)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except OrdersError as error:
             click.echo(f"error: {error}", err=True)
             ctx.exit(exit_code(error))
-        except click.BadParameter as error:
-            click.echo(parameter_error_line(error), err=True)
-            ctx.exit(2)
         except click.UsageError as error:
-            first = error.format_message().splitlines()[0][:200]
-            click.echo(f"error: {first}", err=True)
+            click.echo(usage_error_line(error), err=True)
             ctx.exit(2)
+
+
+def usage_error_line(error: click.UsageError) -> str:
+    if isinstance(error, click.BadParameter):
+        return parameter_error_line(error)
+    first = error.format_message().splitlines()[0][:200]
+    return f"error: {first}"
 
 
 class CliState:
@@ -108,11 +122,13 @@ class CliState:
     def settings(self) -> Settings:
         return Settings.from_env(**self.overrides)
 
-    def service(self) -> OrderService:
+    def service(self, *, long_running: bool = False) -> OrderService:
+        """The service; only a long-running one warns about the Redis server's settings
+        (every one-shot command would repeat it, and its stderr is for one error line)."""
         if self._service is None:
             from orders.bootstrap import build_service  # noqa: PLC0415
 
-            self._service = build_service(self.settings)
+            self._service = build_service(self.settings, startup_warnings=long_running)
         return self._service
 
     def close(self) -> None:

@@ -108,7 +108,7 @@ def scheduler(
         )
 
     run_scheduler(
-        cli_state(ctx).service(),
+        cli_state(ctx).service(long_running=True),
         interval_s=interval_s,
         lease_ttl_s=lease_ttl_s,
         batch_size=batch_size,
