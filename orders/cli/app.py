@@ -43,9 +43,14 @@ EXIT_CODES: dict[type[OrdersError], int] = {
     StoreUnavailable: 8,
 }
 
-#: Commands whose module is imported only when the command runs: "name" -> "module:attr".
-#: The benchmark is a large module that no other command needs.
-LAZY_COMMANDS = {"bench": "orders.bench:bench"}
+#: Commands whose module is imported only when the command runs: name -> ("module:attr",
+#: the one line ``orders --help`` shows). The benchmark is a package no other command needs.
+LAZY_COMMANDS = {
+    "bench": (
+        "orders.bench:bench",
+        "Measure the service on the configured stores against raw floors and the naive way.",
+    ),
+}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,12 +80,22 @@ class OrdersGroup(click.Group):
         return sorted([*super().list_commands(ctx), *LAZY_COMMANDS])
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        target = LAZY_COMMANDS.get(cmd_name)
-        if target is None:
+        lazy = LAZY_COMMANDS.get(cmd_name)
+        if lazy is None:
             return super().get_command(ctx, cmd_name)
+        target, summary = lazy
+        if ctx.meta.get("orders.listing"):  # --help lists it: the summary is enough
+            return click.Command(cmd_name, short_help=summary)
         module_name, attr = target.split(":")
         command: click.Command = getattr(importlib.import_module(module_name), attr)
         return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        ctx.meta["orders.listing"] = True
+        try:
+            super().format_commands(ctx, formatter)
+        finally:
+            ctx.meta.pop("orders.listing", None)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         # The group's own options (ORDERS_LOG_FORMAT, say) are parsed here, before invoke:
