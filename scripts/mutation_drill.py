@@ -699,7 +699,16 @@ def commit_label() -> str:
 
 
 def cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Plain text for a table cell: no column breaks, no HTML."""
+    return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;").replace("\n", " ")
+
+
+def failure_cell(failed: Sequence[str]) -> str:
+    """The first failed node id as code, then its reason."""
+    if not failed:
+        return "-"
+    node, _, reason = failed[0].partition(" (")
+    return f"`{node}`" + (f" ({cell(reason)}" if reason else "")
 
 
 def write_markdown(
@@ -733,7 +742,7 @@ def write_markdown(
         m = o.mutation
         assert m is not None
         where = f"`{m.path}:{line_of(m, REPO)}`"
-        first = "<br>".join(cell(f) for f in o.failed[:1]) or "-"
+        first = failure_cell(o.failed)
         lines.append(
             f"| {m.name} | {where} | {cell(m.rule)} | {o.status} | {first} | {o.seconds:.1f} |"
         )
