@@ -182,6 +182,8 @@ def test_retry_with_the_same_order_id_returns_the_same_order_and_takes_no_second
     assert len(sql_rows(engine)) == 1
     assert event_kinds(engine, "ord-1") == ["created"]
     assert redis_client.zcard("UnpaidOrder-u1") == 1
+    # The retry leaves the member's score alone: the slot frees when the order expires.
+    assert service.index.members("u1") == {"ord-1": first.expires_at_ms}
 
 
 def test_retry_of_an_order_already_paid_returns_it_even_at_the_limit(

@@ -22,7 +22,7 @@ from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.domain import Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.models import events_table
+from orders.models import events_table, orders_table
 from orders.service import OrderService
 from tests.conftest import ManualClock
 from tests.helpers import closed_event_counts, create_orders, sql_rows
@@ -247,6 +247,32 @@ def test_batch_that_fails_midway_leaves_its_orders_unpaid_for_the_next_sweep(
     assert closed_event_counts(engine) == Counter({o.id: 1 for o in orders})
 
 
+def test_batch_whose_event_insert_fails_leaves_its_orders_unpaid(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    # The closes and their events are one transaction (an outbox): a batch whose events
+    # cannot be written must not close anything, or a consumer would never hear of it.
+    orders = create_orders(service, [1, 2, 3], users=["a", "b"])
+    clock.advance(s=10)
+
+    def fail_on_closed_events(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        # PostgreSQL writes them in the closing statement itself; SQLite in one of its own.
+        if "INSERT INTO order_events" in statement:
+            raise OperationalError(statement[:40], {}, Exception("disk I/O error"))
+
+    event.listen(engine, "after_cursor_execute", fail_on_closed_events)
+    try:
+        with pytest.raises(StoreUnavailable):
+            service.sweep_expired()
+    finally:
+        event.remove(engine, "after_cursor_execute", fail_on_closed_events)
+
+    assert ids_with_status(engine, "unpaid") == {o.id for o in orders}
+    assert closed_events(engine) == []
+    assert service.sweep_expired().closed == len(orders)
+    assert closed_event_counts(engine) == Counter({o.id: 1 for o in orders})
+
+
 def test_sweep_with_redis_down_closes_everything_in_sql_and_counts_redis_errors(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
@@ -300,6 +326,33 @@ def test_four_concurrent_sweepers_close_each_of_200_orders_exactly_once(
     assert ids_with_status(engine, "closed") == {o.id for o in orders}
     assert closed_event_counts(engine) == Counter({o.id: 1 for o in orders})
     assert redis_client.dbsize() == 0
+
+
+def test_sweep_skips_a_due_order_locked_by_another_transaction(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite has no row locks: a sweep takes the database's write lock")
+    locked, *others = create_orders(service, [1, 2, 3], users=["a", "b"])
+    clock.advance(s=10)
+
+    # Another transaction (a payment in flight, another sweeper) holds one due row: the
+    # sweep closes the others without waiting for it (FOR UPDATE SKIP LOCKED).
+    with engine.connect() as holder, ThreadPoolExecutor(max_workers=1) as pool:
+        holder.execute(
+            select(orders_table.c.id).where(orders_table.c.id == locked.id).with_for_update()
+        )
+        sweep = pool.submit(service.sweep_expired)
+        try:
+            result = sweep.result(timeout=10)
+        finally:
+            holder.rollback()
+
+    assert result.closed == len(others)
+    assert ids_with_status(engine, "closed") == {o.id for o in others}
+    assert ids_with_status(engine, "unpaid") == {locked.id}
+    assert service.sweep_expired().closed == 1
+    assert closed_event_counts(engine) == Counter({o.id: 1 for o in [locked, *others]})
 
 
 # --- result fields and stopping --------------------------------------------------------------

@@ -248,6 +248,26 @@ def test_strict_expiry_accepts_a_payment_one_ms_before_expiry(
     assert service.index.members("u1") == {}
 
 
+def test_strict_expiry_repeat_payment_after_expiry_returns_the_paid_order_and_closes_nothing(
+    make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
+) -> None:
+    # The provider repeats its callback after the expiry: the refused-payment close applies
+    # to unpaid orders only, never to one this very payment already paid.
+    service = make_service(strict_expiry=True)
+    order = service.create_unpaid_order("u1", ttl_s=TTL_S)
+    paid = service.mark_paid(order.id, payment_ref="psp-1")
+    clock.advance(s=TTL_S + 1)
+
+    again = service.mark_paid(order.id, payment_ref="psp-1")
+
+    assert again.status is OrderStatus.PAID
+    assert again.paid_at_ms == paid.paid_at_ms
+    row = sql_row(engine, order.id)
+    assert (row.status, row.closed_at_ms, row.close_reason) == ("paid", None, None)
+    assert len(sql_events(engine, order.id, "paid")) == 1
+    assert sql_events(engine, order.id, "closed") == []
+
+
 def test_successful_payment_costs_one_sql_transaction_and_one_redis_command(
     service: OrderService, engine: Engine, redis_client: redis.Redis, sql_statements: Any
 ) -> None:
