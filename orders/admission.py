@@ -25,12 +25,10 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy.exc import IntegrityError
-
 from orders.domain import Order, same_order
 from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
 from orders.index import Admission, AdmitResult, UnpaidIndex
-from orders.records import LimitReachedInSql, OrderRecords
+from orders.records import InsertConflict, LimitReachedInSql, OrderRecords
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +106,7 @@ class Admitter:
             raise UnpaidOrderLimitReached(
                 uid, limit, refused.open_count, wait_s, source="sql"
             ) from None
-        except IntegrityError:
+        except InsertConflict:
             # The id exists in SQL: a concurrent twin of this create won the insert, an
             # earlier create with this id has since been paid or closed, or another user
             # owns the id.

@@ -38,9 +38,8 @@ from orders.events import (
     check_consumer_name,
     commit_order,
     events_after,
-    store_errors,
 )
-from orders.models import events_table, retries_table
+from orders.models import events_table, retries_table, sql_errors
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +75,7 @@ def list_consumers(engine: Engine, *, clock: Clock | None = None) -> list[Consum
         func.count().filter(RETRYING).label("retrying"),
         func.count().filter(PARKED).label("parked"),
     ).group_by(RC.consumer)
-    with store_errors(), engine.connect() as conn:
+    with sql_errors(), engine.connect() as conn:
         positions = {
             row.name: EventPosition(row.txid, row.event_id)
             for row in conn.execute(select(CC.name, CC.txid, CC.event_id))
@@ -132,7 +131,7 @@ def list_parked(
     )
     if consumer is not None:
         query = query.where(RC.consumer == check_consumer_name("consumer", consumer))
-    with store_errors(), engine.connect() as conn:
+    with sql_errors(), engine.connect() as conn:
         if consumer is not None and not _known(conn, consumer):
             raise InvalidInput("consumer", "no consumer with that name")
         return [
@@ -160,7 +159,7 @@ def requeue_parked(
         .where(_parked_entry(consumer, event_id))
         .values(parked_at_ms=None, attempts=0, next_at_ms=now_ms)
     )
-    with store_errors(), engine.begin() as conn:
+    with sql_errors(), engine.begin() as conn:
         if conn.execute(requeue).rowcount == 0:
             _refuse(conn, consumer, event_id)
 
@@ -168,7 +167,7 @@ def requeue_parked(
 def discard_parked(engine: Engine, consumer: str, event_id: int) -> None:
     """Forget a parked event for this consumer; the event itself stays in order_events."""
     discard = delete(retries_table).where(_parked_entry(consumer, event_id))
-    with store_errors(), engine.begin() as conn:
+    with sql_errors(), engine.begin() as conn:
         if conn.execute(discard).rowcount == 0:
             _refuse(conn, consumer, event_id)
 

@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
 
 from orders.domain import Clock, EventKind, system_clock
-from orders.errors import InvalidInput, StoreUnavailable
+from orders.errors import InvalidInput
 from orders.models import (
     TEXT_COLUMN_LENGTH,
     cursors_table,
@@ -108,7 +106,7 @@ def read_events(
         horizon = func.txid_snapshot_xmin(func.txid_current_snapshot())
         query = query.where(EC.txid < horizon)
     query = query.order_by(*commit_order(engine)).limit(limit)
-    with store_errors(), engine.connect() as conn:
+    with sql_errors(), engine.connect() as conn:
         return [_event(row) for row in conn.execute(query)]
 
 
@@ -121,20 +119,6 @@ def events_after(engine: Engine, after: EventPosition) -> ColumnElement[bool]:
 
 def commit_order(engine: Engine) -> tuple[Any, ...]:
     return (EC.txid, EC.id) if engine.dialect.name == "postgresql" else (EC.id,)
-
-
-@contextmanager
-def store_errors() -> Iterator[None]:
-    """``sql_errors``, with a conflict too: nothing but an OrdersError leaves this module.
-
-    The writes below are upserts, so a conflict is not expected; if one comes all the same
-    (a schema the code does not know), it is a store failure like any other.
-    """
-    with sql_errors():
-        try:
-            yield
-        except IntegrityError as exc:
-            raise StoreUnavailable("sql", "conflicting write to the event tables") from exc
 
 
 def upsert(
@@ -222,7 +206,7 @@ class EventConsumer:
         self.max_backoff_ms = round(max_backoff_s * 1000)
 
     def position(self) -> EventPosition:
-        with store_errors(), self.engine.connect() as conn:
+        with sql_errors(), self.engine.connect() as conn:
             row = conn.execute(
                 select(CC.txid, CC.event_id).where(CC.name == self.name)
             ).one_or_none()
@@ -241,7 +225,7 @@ class EventConsumer:
                     result.failed += 1
             else:
                 error = None
-            with store_errors(), self.engine.begin() as conn:
+            with sql_errors(), self.engine.begin() as conn:
                 parked = error is not None and self._fail(conn, event.id, 1, error)
                 self._save_position(conn, event.position)
             self._count_parked(parked, event.id, 1, result)
@@ -269,7 +253,7 @@ class EventConsumer:
             .order_by(RC.next_at_ms)
             .limit(limit)
         )
-        with store_errors(), self.engine.connect() as conn:
+        with sql_errors(), self.engine.connect() as conn:
             due = conn.execute(query).all()
             ids = [row.event_id for row in due]
             events = {
@@ -280,7 +264,7 @@ class EventConsumer:
             event = events.get(event_id)
             error = None if event is None else self._call(event)
             parked = False
-            with store_errors(), self.engine.begin() as conn:
+            with sql_errors(), self.engine.begin() as conn:
                 if error is None:
                     conn.execute(
                         delete(retries_table).where(
@@ -343,5 +327,5 @@ class EventConsumer:
     def pending_retries(self) -> int:
         """Events of this consumer still being retried (parked ones not counted)."""
         query = select(func.count()).where(RC.consumer == self.name, RETRYING)
-        with store_errors(), self.engine.connect() as conn:
+        with sql_errors(), self.engine.connect() as conn:
             return int(conn.scalar(query) or 0)

@@ -196,19 +196,24 @@ def due_at(cutoff_ms: int | ColumnElement[Any]) -> ColumnElement[bool]:
 
 @contextmanager
 def sql_errors() -> Iterator[None]:
-    """Translate SQLAlchemy errors into StoreUnavailable (IntegrityError passes through).
+    """Translate SQLAlchemy errors into StoreUnavailable, a missing table or column into
+    SchemaNotReady. A constraint that refuses a write is a store failure too: the one place
+    that expects a conflict (a create's insert) catches it inside its own transaction.
 
     The detail is the driver's own first line, never the statement or its parameters.
     """
     try:
         yield
-    except IntegrityError:
-        raise
     except SQLAlchemyError as exc:
         metrics.STORE_ERRORS.labels("sql").inc()
         orig = getattr(exc, "orig", None)
         reason = str(orig).strip().splitlines()[0][:160] if orig is not None and str(orig) else ""
-        if "no such table" in reason or getattr(orig, "sqlstate", None) == "42P01":
+        sqlstate = getattr(orig, "sqlstate", None)
+        if "no such table" in reason or sqlstate == "42P01":
             raise SchemaNotReady("the orders tables are missing") from exc
+        if "no such column" in reason or sqlstate == "42703":
+            raise SchemaNotReady("the orders tables are older than this code") from exc
+        if isinstance(exc, IntegrityError):
+            raise StoreUnavailable("sql", "a constraint refused the write") from exc
         detail = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
         raise StoreUnavailable("sql", detail) from exc

@@ -31,6 +31,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.exc import IntegrityError
 
 from orders.domain import EventKind, Order, OrderStatus, is_open
 from orders.errors import OrderNotFound
@@ -51,6 +52,10 @@ _SELECT_ORDER = select(*orders_table.c).where(ORDER.id == bindparam("oid"))
 
 #: The maximum number of ids per ``IN (...)`` list.
 _IN_CHUNK = 500
+
+
+class InsertConflict(Exception):
+    """The database refused a create's insert (a duplicate id, or another constraint)."""
 
 
 class LimitReachedInSql(Exception):
@@ -299,14 +304,18 @@ class OrderRecords:
     def insert_guarded(self, values: Mapping[str, Any], limit: int, now_ms: int) -> Order:
         """Insert the order and its ``created`` event unless the SQL guard refuses.
 
-        Raises LimitReachedInSql, or IntegrityError (not translated) on a duplicate id.
+        Raises LimitReachedInSql, or InsertConflict when a constraint refuses the row (the
+        caller finds out whether the id exists).
         """
         uid = values["user_id"]
         with self.tx.write(user_lock=uid) as conn:
             self.check_room(conn, uid, limit, now_ms, values["id"])
-            row = conn.execute(_INSERT_ORDER, dict(values)).one()
-            self.record(conn, [(values["id"], uid)], EventKind.CREATED, now_ms, None)
-            conn.commit()
+            try:
+                row = conn.execute(_INSERT_ORDER, dict(values)).one()
+                self.record(conn, [(values["id"], uid)], EventKind.CREATED, now_ms, None)
+                conn.commit()
+            except IntegrityError as exc:
+                raise InsertConflict(values["id"]) from exc
         return to_order(row, now_ms)
 
     # --- the sweep -----------------------------------------------------------------------

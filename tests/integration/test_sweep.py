@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from sqlalchemy import Engine, event, select
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from orders.bootstrap import build_redis
 from orders.config import Settings
@@ -271,6 +271,40 @@ def test_batch_whose_event_insert_fails_leaves_its_orders_unpaid(
     assert closed_events(engine) == []
     assert service.sweep_expired().closed == len(orders)
     assert closed_event_counts(engine) == Counter({o.id: 1 for o in orders})
+
+
+@pytest.mark.parametrize("action", ["sweep", "pay", "cancel", "extend"])
+def test_a_constraint_refusing_a_transition_is_a_store_failure_and_changes_nothing(
+    service: OrderService, engine: Engine, clock: ManualClock, action: str
+) -> None:
+    """A check or trigger refusing the event row (an IntegrityError from the driver) must
+    reach the caller as StoreUnavailable, never as a SQLAlchemy exception."""
+    order = create_orders(service, [1])[0]
+    if action == "sweep":
+        clock.advance(s=10)
+    run = {
+        "sweep": service.sweep_expired,
+        "pay": lambda: service.mark_paid(order.id),
+        "cancel": lambda: service.cancel_order(order.id),
+        "extend": lambda: service.extend_order(order.id, 5),
+    }[action]
+
+    def refuse_events(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "INSERT INTO order_events" in statement:
+            raise IntegrityError(statement[:40], {}, Exception("check constraint failed"))
+
+    event.listen(engine, "after_cursor_execute", refuse_events)
+    try:
+        with pytest.raises(StoreUnavailable):
+            run()
+    finally:
+        event.remove(engine, "after_cursor_execute", refuse_events)
+
+    row = sql_rows(engine)[order.id]
+    assert (row.status, row.expires_at_ms) == ("unpaid", order.expires_at_ms)
+    with engine.connect() as conn:
+        kinds = conn.execute(select(events_table.c.kind)).scalars().all()
+    assert kinds == ["created"]
 
 
 def test_sweep_with_redis_down_closes_everything_in_sql_and_counts_redis_errors(
