@@ -1,7 +1,8 @@
 """orders: at most a few unpaid orders per user, each closing on its own when its time is up.
 
 Two ways to use it. Module-level functions bound to a default service that is configured
-from ``ORDERS_*`` environment variables on first use (nothing connects at import)::
+from ``ORDERS_*`` environment variables on first use (nothing connects at import, and
+SQLAlchemy and redis-py load only with the service)::
 
     import orders
     order = orders.create_unpaid_order("user-7", amount="19.90", currency="EUR")
@@ -18,7 +19,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping
 from decimal import Decimal
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
@@ -34,11 +34,13 @@ from orders.errors import (
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
-from orders.service import OrderService
 
 if TYPE_CHECKING:
     from orders.events import EventPosition, OrderEvent
     from orders.reconciler import ReconcileReport
+    from orders.service import OrderService
+
+    __version__: str
 
 __all__ = [
     "InvalidInput",
@@ -68,10 +70,37 @@ __all__ = [
     "sweep_expired",
 ]
 
-try:
-    __version__ = version("orders")
-except PackageNotFoundError:  # imported from a source tree that was never pip-installed
-    __version__ = "0+unknown"
+
+def __getattr__(name: str) -> Any:
+    """Load on first use what importing ``orders`` need not pay for (PEP 562).
+
+    ``OrderService`` pulls in SQLAlchemy, redis-py and the rest of the service, and
+    ``__version__`` the package metadata; a command such as ``orders --help`` needs neither.
+    """
+    if name == "OrderService":
+        from orders.service import OrderService  # noqa: PLC0415
+
+        value: Any = OrderService
+    elif name == "__version__":
+        value = _installed_version()
+    else:
+        raise AttributeError(f"module 'orders' has no attribute {name!r}")
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, "__version__"})
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version("orders")
+    except PackageNotFoundError:  # imported from a source tree that was never pip-installed
+        return "0+unknown"
+
 
 _default: OrderService | None = None
 _default_lock = threading.Lock()

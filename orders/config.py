@@ -1,7 +1,9 @@
 """Settings: one frozen value, read from ``ORDERS_*`` environment variables or built in code.
 
 Nothing here connects to anything; :func:`orders.bootstrap.build_service` does that. The
-connection URLs are held as :class:`SecretUrl`, which cannot print its password.
+connection URLs are held as :class:`SecretUrl`, which cannot print its password. redis-py
+and SQLAlchemy are imported only to check a URL that was given, so reading settings (and
+``orders --help``) costs neither.
 """
 
 from __future__ import annotations
@@ -12,15 +14,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 from urllib.parse import SplitResult, parse_qsl, urlsplit
-
-import redis.connection
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from orders.errors import InvalidInput
 from orders.validation import check_count
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -256,6 +257,8 @@ def check_redis_url(raw: str) -> None:
     scheme, sep, _ = raw.partition("://")
     if not sep or scheme not in REDIS_SCHEMES:
         raise InvalidInput("redis_url", "must start with redis://, rediss:// or unix://")
+    import redis.connection  # noqa: PLC0415
+
     try:
         redis.connection.parse_url(raw)  # type: ignore[no-untyped-call]
     except ValueError:
@@ -267,6 +270,9 @@ def check_database_url(raw: str) -> URL:
 
     Whether the driver's module is installed is only known when the engine is built.
     """
+    from sqlalchemy.engine import make_url  # noqa: PLC0415
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError  # noqa: PLC0415
+
     try:
         url = make_url(raw)
     except (ArgumentError, ValueError):

@@ -3,51 +3,125 @@
 They live in the process's default registry, so a host application that already serves
 ``/metrics`` exposes them with its own; ``orders scheduler --metrics-port`` serves them on
 its own. This module imports nothing else from the package, so any module may count.
+
+prometheus-client is imported, and the metrics registered, when one of them is first used
+(``metrics.CREATES``...) or by :func:`register`: a command that counts nothing, such as
+``orders show``, does not pay for it. A host application that wants the metrics listed
+before the service first counts calls :func:`register` at start; :func:`serve` does.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import threading
+from typing import TYPE_CHECKING, Any
 
-CREATES = Counter(
-    "orders_creates_total",
-    "create_unpaid_order calls by result",
-    ["result"],  # admitted, retry (same order again), refused_redis, refused_sql, conflict
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    CREATES: Counter
+    PAYMENTS: Counter
+    CANCELS: Counter
+    EXTENSIONS: Counter
+    CLOSES: Counter
+    SWEEP_SECONDS: Histogram
+    CLOSE_LAG_SECONDS: Histogram
+    BACKLOG: Gauge
+    RECONCILE_FIXES: Counter
+    FOREIGN_KEYS: Counter
+    STORE_ERRORS: Counter
+
+#: Every metric this module defines, by the name it is read as (``metrics.CREATES``).
+METRIC_NAMES = frozenset(
+    {
+        "CREATES",
+        "PAYMENTS",
+        "CANCELS",
+        "EXTENSIONS",
+        "CLOSES",
+        "SWEEP_SECONDS",
+        "CLOSE_LAG_SECONDS",
+        "BACKLOG",
+        "RECONCILE_FIXES",
+        "FOREIGN_KEYS",
+        "STORE_ERRORS",
+    }
 )
-PAYMENTS = Counter(
-    "orders_payments_total",
-    "mark_paid calls by outcome",
-    # on_time, late_before_close (after expires_at, before the sweep), refused_after_close,
-    # refused_strict (strict_expiry), repeat (idempotent retry), other_ref
-    ["outcome"],
-)
-CANCELS = Counter("orders_cancels_total", "orders cancelled")
-EXTENSIONS = Counter("orders_extensions_total", "expiries moved", ["trigger"])
-CLOSES = Counter("orders_closes_total", "orders closed by the sweep")
-SWEEP_SECONDS = Histogram(
-    "orders_sweep_duration_seconds",
-    "duration of sweeps that closed something",
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-)
-CLOSE_LAG_SECONDS = Histogram(
-    "orders_close_lag_seconds",
-    "closed_at - expires_at of each closed order",
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-)
-BACKLOG = Gauge("orders_backlog", "unpaid orders due but not yet closed, after the last tick")
-RECONCILE_FIXES = Counter(
-    "orders_reconcile_fixes_total",
-    "index members reconcile fixed, by kind",
-    ["kind"],  # added, rescored, removed_terminal, removed_expired
-)
-FOREIGN_KEYS = Counter(
-    "orders_foreign_keys_total",
-    "keys or members under the key prefix that the service did not write, skipped",
-)
-STORE_ERRORS = Counter("orders_store_errors_total", "failed Redis or SQL calls", ["store"])
+
+_registering = threading.Lock()
+_defined: dict[str, Any] = {}
+
+
+def _define() -> dict[str, Any]:
+    from prometheus_client import Counter, Gauge, Histogram  # noqa: PLC0415
+
+    return {
+        "CREATES": Counter(
+            "orders_creates_total",
+            "create_unpaid_order calls by result",
+            ["result"],  # admitted, retry (same order again), refused_redis, refused_sql, conflict
+        ),
+        "PAYMENTS": Counter(
+            "orders_payments_total",
+            "mark_paid calls by outcome",
+            # on_time, late_before_close (after expires_at, before the sweep),
+            # refused_after_close, refused_strict (strict_expiry), repeat (idempotent retry),
+            # other_ref
+            ["outcome"],
+        ),
+        "CANCELS": Counter("orders_cancels_total", "orders cancelled"),
+        "EXTENSIONS": Counter("orders_extensions_total", "expiries moved", ["trigger"]),
+        "CLOSES": Counter("orders_closes_total", "orders closed by the sweep"),
+        "SWEEP_SECONDS": Histogram(
+            "orders_sweep_duration_seconds",
+            "duration of sweeps that closed something",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        ),
+        "CLOSE_LAG_SECONDS": Histogram(
+            "orders_close_lag_seconds",
+            "closed_at - expires_at of each closed order",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        ),
+        "BACKLOG": Gauge(
+            "orders_backlog", "unpaid orders due but not yet closed, after the last tick"
+        ),
+        "RECONCILE_FIXES": Counter(
+            "orders_reconcile_fixes_total",
+            "index members reconcile fixed, by kind",
+            ["kind"],  # added, rescored, removed_terminal, removed_expired
+        ),
+        "FOREIGN_KEYS": Counter(
+            "orders_foreign_keys_total",
+            "keys or members under the key prefix that the service did not write, skipped",
+        ),
+        "STORE_ERRORS": Counter(
+            "orders_store_errors_total", "failed Redis or SQL calls", ["store"]
+        ),
+    }
+
+
+def register() -> None:
+    """Import prometheus-client and register every metric in the default registry, once."""
+    with _registering:
+        if not _defined:
+            defined = _define()
+            if defined.keys() != METRIC_NAMES:  # pragma: no cover - a slip when adding one
+                raise RuntimeError("orders.metrics: METRIC_NAMES and _define() disagree")
+            _defined.update(defined)
+            globals().update(defined)  # later reads are plain attribute lookups
+
+
+def __getattr__(name: str) -> Any:
+    """The first read of a metric registers them all (PEP 562)."""
+    if name not in METRIC_NAMES:
+        raise AttributeError(f"module 'orders.metrics' has no attribute {name!r}")
+    register()
+    return _defined[name]
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> int:
     """Serve /metrics on ``addr:port`` from a daemon thread; returns the port (0: any free)."""
+    from prometheus_client import start_http_server  # noqa: PLC0415
+
+    register()
     server, _thread = start_http_server(port, addr=addr)
     return int(server.server_port)

@@ -6,12 +6,15 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import click
-from sqlalchemy import Engine
 
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import dataclass_json
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 #: The last error as shown in the parked table (the stored text is one line already).
 ERROR_WIDTH = 60

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from orders.domain import Order
 
 if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
     from orders.stats import Stats
+else:
+    # rich is imported by the first table printed, not with this module: the commands that
+    # print one line (``orders show``...) never load it. Each name builds rich's class.
+
+    def _deferred(module: str, name: str) -> Callable[..., Any]:
+        def build(*args: Any, **kwargs: Any) -> Any:
+            return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+        return build
+
+    Console = _deferred("rich.console", "Console")
+    Table = _deferred("rich.table", "Table")
 
 
 def amount_text(order: Order) -> str:
