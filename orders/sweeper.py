@@ -233,9 +233,9 @@ class Sweeper:
             reason = "index_lost"
         else:
             reason = "scheduled" if self._reconcile_at is not None else "startup"
-        started = time.monotonic()
         try:
             self._wait_for_tick()
+            started = time.monotonic()
             report = self.service.reconcile(on_progress=self._between_chunks)
         except _RebuildStopped:
             self._log(logging.DEBUG, "reconcile_stopped", reason=reason)
