@@ -30,8 +30,8 @@ from sqlalchemy import Engine, func, insert, select
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
 from orders.domain import SweepResult
-from orders.errors import InvalidInput
-from orders.events import OrderEvent
+from orders.errors import InvalidInput, StoreUnavailable
+from orders.events import ConsumeResult, EventConsumer, OrderEvent
 from orders.lease import SweeperLease
 from orders.models import events_table, orders_table
 from orders.scheduling import JOB_ID, RECONCILE_CHECK_S, build_scheduler
@@ -544,19 +544,25 @@ def test_summary_comes_at_most_once_per_period_with_the_totals_since_the_last_on
         sweeper.tick()
     assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
 
-    # What is left when the sweeper closes is written then.
+    # After a quiet spell a close is summed up at once; what is left at close, then.
     create_orders(service, [1, 1], users=["w"])
     clock.advance(s=2)
+    sweeper.tick()
+    create_orders(service, [1], users=["w"])
+    clock.advance(s=2)
+    mono.advance(1)
     sweeper.tick()
     sweeper.close()
     lines = sweeper_records(caplog, logging.INFO)
     assert [(r["event"], r.get("closed")) for r in lines] == [
         ("summary", 2),
+        ("summary", 1),
         ("lease_released", None),
     ]
     # Each sweep that closed something had its own line, at DEBUG.
     assert [r.levelno for r in caplog.records if '"event": "sweep"' in r.getMessage()] == [
-        logging.DEBUG
+        logging.DEBUG,
+        logging.DEBUG,
     ]
 
 
@@ -861,13 +867,15 @@ def test_a_slow_rebuild_is_never_warned_about_and_the_sweep_goes_on_meanwhile(
     assert warnings == []
 
 
-def test_handler_runs_are_debug_lines_counted_in_the_summary(
+def test_handler_runs_are_debug_lines_counted_in_the_summary_and_a_slow_one_is_not_warned_about(
     engine: Engine, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     service = real_clock_service(engine, redis_client)
     handled: list[str] = []
 
     def remember(event: OrderEvent) -> None:
+        if not handled:
+            time.sleep(1.2)  # a slow handler: the job runs over two of its intervals
         handled.append(event.order_id)
 
     service.on_closed(remember)
@@ -895,6 +903,43 @@ def test_handler_runs_are_debug_lines_counted_in_the_summary(
     debug = sweeper_records(caplog, logging.DEBUG)
     assert sum(line["handled"] for line in debug if line["event"] == "handlers") == 3
     assert sum(line["closed"] for line in debug if line["event"] == "sweep") == 3
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_handlers_outage_is_warned_about_once_and_its_end_once(
+    engine: Engine,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service = real_clock_service(engine, redis_client)
+    service.on_closed(lambda event: None)
+    sweeper = Sweeper(service, interval_s=0.2)
+    runs: list[str] = []
+    real_run_once = EventConsumer.run_once
+
+    def unavailable(self: EventConsumer) -> ConsumeResult:
+        runs.append("failed")
+        raise StoreUnavailable("sql", "the database is restarting")
+
+    def counted(self: EventConsumer) -> ConsumeResult:
+        runs.append("ran")
+        return real_run_once(self)
+
+    monkeypatch.setattr(EventConsumer, "run_once", unavailable)
+    scheduler = build_scheduler(sweeper, blocking=False)
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    scheduler.start()
+    try:
+        wait_until(lambda: runs.count("failed") >= 4, "four failed handler runs", check=noop)
+        monkeypatch.setattr(EventConsumer, "run_once", counted)
+        wait_until(lambda: runs.count("ran") >= 3, "three handler runs after", check=noop)
+    finally:
+        scheduler.shutdown(wait=True)
+        sweeper.close()
+
+    events = [r["event"] for r in sweeper_records(caplog, logging.INFO)]
+    assert [e for e in events if e.startswith("handlers")] == ["handlers_failed", "handlers_back"]
 
 
 # --- real scheduler processes ------------------------------------------------------------------
