@@ -101,10 +101,10 @@ class _Script:
 
 
 class _SweepLog(logging.Handler):
-    """Shows the scheduler's sweep lines in the demo's own log instead of on stderr."""
+    """Shows the scheduler's sweep lines (DEBUG) in the demo's own log instead of on stderr."""
 
     def __init__(self, script: _Script) -> None:
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.script = script
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -233,6 +233,8 @@ def _run(service: OrderService, console: Console, scale: float) -> int:
     handler = _SweepLog(script)
     sweep_log.addHandler(handler)
     sweep_log.propagate = False
+    level = sweep_log.level
+    sweep_log.setLevel(logging.DEBUG)
     sweeper = Sweeper(service)
     scheduler = build_scheduler(sweeper, blocking=False)
     scheduler.start()
@@ -257,6 +259,7 @@ def _run(service: OrderService, console: Console, scale: float) -> int:
         sweeper.close()
         sweep_log.removeHandler(handler)
         sweep_log.propagate = True
+        sweep_log.setLevel(level)
     problems = _check(script)
     console.print()
     console.print(_summary(script, problems))

@@ -12,7 +12,7 @@ from types import FrameType
 
 from orders.scheduling import build_scheduler
 from orders.service import OrderService
-from orders.sweeper import Sweeper, log_event
+from orders.sweeper import SUMMARY_PERIOD_S, Sweeper, log_event
 
 
 def run_scheduler(
@@ -21,6 +21,7 @@ def run_scheduler(
     interval_s: float | None = None,
     lease_ttl_s: float | None = None,
     batch_size: int | None = None,
+    summary_period_s: float = SUMMARY_PERIOD_S,
 ) -> None:
     """Sweep until SIGTERM or SIGINT, then finish the batch in hand, release the lease and
     return. Call it from the main thread (signal handlers are installed there).
@@ -28,9 +29,16 @@ def run_scheduler(
     The handlers only set the sweeper's stop flag: the job notices it after its batch (or
     at its next run, within one cadence) and ends the scheduler from an ordinary thread,
     so no lock is ever taken inside a signal handler.
+
+    The sweeper's ``summary`` line comes at most every ``summary_period_s``, and once more
+    on the way out.
     """
     sweeper = Sweeper(
-        service, interval_s=interval_s, lease_ttl_s=lease_ttl_s, batch_size=batch_size
+        service,
+        interval_s=interval_s,
+        lease_ttl_s=lease_ttl_s,
+        batch_size=batch_size,
+        summary_period_s=summary_period_s,
     )
     scheduler = build_scheduler(sweeper, blocking=True)
 

@@ -51,38 +51,51 @@ RECONCILE_JOB_ID = "orders-reconcile"
 RECONCILE_CHECK_S = 1.0
 
 
-class _SweepJob:
-    """What APScheduler runs: one tick, then the job moves its own next run to the answer.
+class _PausingJob:
+    """What APScheduler runs for each of our jobs: ``step`` with the job paused meanwhile,
+    then the job's next run moved to the seconds ``step`` returned.
 
-    The job is paused while a tick runs, so a sweep longer than the interval never makes
-    the scheduler skip a run with a "maximum number of running instances" warning; the
-    ``finally`` always sets the next run again. ``lock`` is held for a whole run, the
-    rescheduling included, which lets shutdown wait for a run to finish *before* it takes
-    the scheduler's locks (shutting down holds them while joining the worker thread, and
-    a rescheduling run needs them: waiting inside would deadlock).
+    Paused while it runs, a job longer than its interval (a big sweep, a long index
+    rebuild, a slow handler) is never due again meanwhile, so the scheduler never skips a
+    run with a "maximum number of running instances" warning; the ``finally`` always sets
+    the next run again. ``lock`` is held for a whole run, the rescheduling included, which
+    lets shutdown wait for a run to finish *before* it takes the scheduler's locks
+    (shutting down holds them while joining the worker threads, and a rescheduling run
+    needs them: waiting inside would deadlock).
+
+    Once the sweeper stops, the job is not rescheduled and ``on_stop`` (if any) is called.
     """
 
-    def __init__(self, sweeper: Sweeper, *, exit_when_stopped: bool) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        sweeper: Sweeper,
+        step: Callable[[], float],
+        *,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.job_id = job_id
         self.sweeper = sweeper
-        self.exit_when_stopped = exit_when_stopped
+        self.step = step
+        self.on_stop = on_stop
         self.lock = threading.Lock()
         self.scheduler: Any = None
 
     def __call__(self) -> None:
         with self.lock:
             if self.sweeper.stopping:
-                self._exit()
+                self._stopped()
                 return
             self._move(None)
             delay_s = self.sweeper.cadence_s
             try:
-                delay_s = self.sweeper.tick()
+                delay_s = self.step()
             finally:
-                self._after_tick(delay_s)
+                self._after(delay_s)
 
-    def _after_tick(self, delay_s: float) -> None:
+    def _after(self, delay_s: float) -> None:
         if self.sweeper.stopping:
-            self._exit()
+            self._stopped()
         else:
             self._move(delay_s)
 
@@ -90,37 +103,44 @@ class _SweepJob:
         """Set the job's next run ``delay_s`` from now (None: pause it)."""
         at = None if delay_s is None else datetime.now(UTC) + timedelta(seconds=delay_s)
         try:
-            self.scheduler.modify_job(JOB_ID, next_run_time=at)
+            self.scheduler.modify_job(self.job_id, next_run_time=at)
         except JobLookupError:
-            log.debug("the sweep job is gone; not rescheduled")
+            log.debug("the job %s is gone; not rescheduled", self.job_id)
 
-    def _exit(self) -> None:
-        """A blocking scheduler ends once the sweeper stops: start() returns to its caller."""
-        if self.exit_when_stopped:
-            with contextlib.suppress(SchedulerNotRunningError):
-                self.scheduler.shutdown(wait=False)
+    def _stopped(self) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
 
 
-def _stop_job(job: _SweepJob, *, wait: bool) -> None:
-    job.sweeper.request_stop()
+def _exit(scheduler: BaseScheduler) -> None:
+    """A blocking scheduler ends once the sweeper stops: start() returns to its caller."""
+    with contextlib.suppress(SchedulerNotRunningError):
+        scheduler.shutdown(wait=False)
+
+
+def _stop_jobs(scheduler: _BlockingSweepScheduler | _BackgroundSweepScheduler, wait: bool) -> None:
+    scheduler.sweeper.request_stop()
     if wait:
-        with job.lock:
-            pass
+        for job in scheduler.pausing_jobs:
+            with job.lock:
+                pass
 
 
 class _BlockingSweepScheduler(BlockingScheduler):  # type: ignore[misc]
-    sweep_job: _SweepJob
+    sweeper: Sweeper
+    pausing_jobs: list[_PausingJob]
 
     def shutdown(self, wait: bool = True) -> None:
-        _stop_job(self.sweep_job, wait=wait)
+        _stop_jobs(self, wait)
         super().shutdown(wait)
 
 
 class _BackgroundSweepScheduler(BackgroundScheduler):  # type: ignore[misc]
-    sweep_job: _SweepJob
+    sweeper: Sweeper
+    pausing_jobs: list[_PausingJob]
 
     def shutdown(self, wait: bool = True) -> None:
-        _stop_job(self.sweep_job, wait=wait)
+        _stop_jobs(self, wait)
         super().shutdown(wait)
 
 
@@ -129,7 +149,10 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
 
     The job: ``max_instances=1``, ``coalesce=True``, ``misfire_grace_time=None`` (a late run
     is run, never dropped), an interval trigger of ``sweeper.cadence_s`` as the fallback,
-    and after each tick its next run moved to what the tick returned.
+    and after each tick its next run moved to what the tick returned. The index rebuild
+    and the handlers run in jobs of their own, every ``RECONCILE_CHECK_S`` and
+    ``EVENTS_INTERVAL_S`` after the end of the last run. Each job is paused while it runs
+    (:class:`_PausingJob`), so none is ever skipped with a warning, however long it takes.
 
     ``shutdown(wait=...)`` asks the sweeper to stop after the batch in hand, and with
     ``wait=True`` waits for it. It does not release the lease: call ``sweeper.close()``.
@@ -137,33 +160,42 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     from a signal handler): its ``start()`` returns within one cadence, or after the batch
     in hand.
     """
-    job = _SweepJob(sweeper, exit_when_stopped=blocking)
     scheduler_class = _BlockingSweepScheduler if blocking else _BackgroundSweepScheduler
     scheduler = scheduler_class(
         timezone=UTC, executors={"default": ThreadPoolExecutor(max_workers=3)}
     )
-    scheduler.sweep_job = job
-    job.scheduler = scheduler
-    _add_job(
-        scheduler, job, sweeper.cadence_s, JOB_ID, "orders sweep", next_run_time=datetime.now(UTC)
+    scheduler.sweeper = sweeper
+    sweep = _PausingJob(
+        JOB_ID,
+        sweeper,
+        lambda: _tick(sweeper),
+        on_stop=(lambda: _exit(scheduler)) if blocking else None,
     )
+    rebuild = _PausingJob(RECONCILE_JOB_ID, sweeper, lambda: _reconcile(sweeper))
+    scheduler.pausing_jobs = [sweep, rebuild]
     _add_job(
-        scheduler,
-        sweeper.reconcile_if_due,
-        RECONCILE_CHECK_S,
-        RECONCILE_JOB_ID,
-        "orders index rebuild",
+        scheduler, sweep, sweeper.cadence_s, JOB_ID, "orders sweep", next_run_time=datetime.now(UTC)
     )
+    _add_job(scheduler, rebuild, RECONCILE_CHECK_S, RECONCILE_JOB_ID, "orders index rebuild")
     consumers = closed_order_consumers(sweeper.service)
     if consumers:
+        handlers = _PausingJob(EVENTS_JOB_ID, sweeper, _EventsJob(sweeper, consumers))
+        scheduler.pausing_jobs.append(handlers)
         _add_job(
-            scheduler,
-            _EventsJob(sweeper, consumers),
-            EVENTS_INTERVAL_S,
-            EVENTS_JOB_ID,
-            "orders closed-order handlers",
+            scheduler, handlers, EVENTS_INTERVAL_S, EVENTS_JOB_ID, "orders closed-order handlers"
         )
+    for job in scheduler.pausing_jobs:
+        job.scheduler = scheduler
     return scheduler
+
+
+def _tick(sweeper: Sweeper) -> float:
+    return sweeper.tick()  # looked up at each run: a test may wrap it
+
+
+def _reconcile(sweeper: Sweeper) -> float:
+    sweeper.reconcile_if_due()
+    return RECONCILE_CHECK_S
 
 
 def _add_job(
@@ -237,34 +269,33 @@ def closed_order_consumers(service: OrderService) -> list[EventConsumer]:
 
 
 class _EventsJob:
-    """Runs the closed-order handlers; only the active scheduler does (the lease holder)."""
+    """Runs the closed-order handlers; only the active scheduler does (the lease holder).
+
+    A consumer whose store fails logs ``handlers_failed`` once, and ``handlers_back`` once
+    it runs again, not once per run. Its runs are counted in the sweeper's summary line.
+    """
 
     def __init__(self, sweeper: Sweeper, consumers: list[EventConsumer]) -> None:
         self.sweeper = sweeper
         self.consumers = consumers
+        self._failing: set[str] = set()
 
-    def __call__(self) -> None:
+    def __call__(self) -> float:
         if self.sweeper.stopping or not self.sweeper.holds_lease:
-            return
+            return EVENTS_INTERVAL_S
         for consumer in self.consumers:
             try:
                 result = consumer.run_once()
             except StoreUnavailable as exc:
-                log_event(
-                    logging.WARNING,
-                    "handlers_failed",
-                    owner=self.sweeper.owner,
-                    consumer=consumer.name,
-                    detail=str(exc),
-                )
+                if consumer.name not in self._failing:
+                    self._failing.add(consumer.name)
+                    self._log(logging.WARNING, "handlers_failed", consumer.name, detail=str(exc))
                 continue
-            if result.handled or result.failed or result.retried_ok:
-                log_event(
-                    logging.INFO,
-                    "handlers",
-                    owner=self.sweeper.owner,
-                    consumer=consumer.name,
-                    handled=result.handled,
-                    failed=result.failed,
-                    retried_ok=result.retried_ok,
-                )
+            if consumer.name in self._failing:
+                self._failing.discard(consumer.name)
+                self._log(logging.INFO, "handlers_back", consumer.name)
+            self.sweeper.add_handler_run(consumer.name, result)
+        return EVENTS_INTERVAL_S
+
+    def _log(self, level: int, event: str, consumer: str, **fields: Any) -> None:
+        log_event(level, event, owner=self.sweeper.owner, consumer=consumer, **fields)

@@ -13,9 +13,18 @@ compare-and-set is what keeps an order from being closed twice, so when Redis is
 process sweeps SQL regardless.
 
 Log lines of the ``orders.sweeper`` logger (:data:`LOGGER_NAME`, shared by the scheduling
-and process modules) are JSON objects. A sweep that closed something logs one
-``{"event": "sweep", ...}`` line at INFO; one that closed nothing logs nothing. Lease changes
-(taken, lost, released) and store outages (once each, not once per tick) are logged too.
+and process modules) are JSON objects, few enough at INFO to keep:
+
+* ``summary``, at most once per ``summary_period_s`` (10 s) and only when something happened:
+  totals since the last one (sweeps that closed something, closed, batches, max_lag_ms;
+  closed-order handlers' handled, failed, retried_ok; ``over_s``, the time they cover). The
+  last one is written by :meth:`Sweeper.close`. Each sweep's own ``sweep`` line is DEBUG.
+* at once, each time it happens: ``backlog`` (WARNING) when an order is closed, or left
+  due, more than ``backlog_lag_s`` (5 s) after its expiry, and ``backlog_cleared`` when
+  both are back under half that (:mod:`orders.sweep_log`); the lease's changes
+  (``lease_acquired``, ``lease_lost``, ``lease_released``); a store outage
+  (``store_unavailable``, WARNING) and its end (``store_back``), once each, not every tick;
+  an index rebuild that fixed something (``reconcile``).
 """
 
 from __future__ import annotations
@@ -29,13 +38,16 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from orders import metrics
 from orders.domain import SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.events import ConsumeResult
 from orders.lease import SweeperLease
 from orders.service import OrderService
+from orders.sweep_log import BacklogWatch, LogSummary
 from orders.validation import check_count
 
 #: The scheduler process's one logger, documented by that name (README, operators' filters).
@@ -44,6 +56,16 @@ log = logging.getLogger(LOGGER_NAME)
 
 #: The soonest a next round is asked for (when due orders are left after a sweep).
 MIN_DELAY_S = 0.001
+#: How often, at most, the summary line is written.
+SUMMARY_PERIOD_S = 10.0
+#: A close lag (or a due order's age) beyond this is a backlog.
+BACKLOG_LAG_S = 5.0
+#: While a sweep runs, how often a waiting index rebuild looks for a stop request.
+REBUILD_WAIT_S = 0.1
+
+
+class _RebuildStopped(Exception):
+    """Raised between two chunks of a rebuild when the sweeper is asked to stop."""
 
 
 def default_owner() -> str:
@@ -63,6 +85,9 @@ class Sweeper:
     then every ``reconcile_interval_s``; ``reconcile_at_start=False`` skips the first
     rebuild (the next comes one interval after construction, or at once if the index's
     epoch marker is gone).
+
+    ``summary_period_s`` and ``backlog_lag_s`` shape the log (see the module docstring);
+    ``monotonic`` is the clock, in seconds, of those two (tests inject one).
     """
 
     def __init__(
@@ -74,6 +99,9 @@ class Sweeper:
         batch_size: int | None = None,
         owner: str | None = None,
         reconcile_at_start: bool = True,
+        summary_period_s: float = SUMMARY_PERIOD_S,
+        backlog_lag_s: float = BACKLOG_LAG_S,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         s = service.settings
         self.service = service
@@ -97,6 +125,14 @@ class Sweeper:
         # A plain attribute: request_stop() may be called from a signal handler.
         self._stop_requested = False
         self._tick_lock = threading.Lock()
+        # Clear while a tick runs: an index rebuild waits for it between chunks.
+        self._not_ticking = threading.Event()
+        self._not_ticking.set()
+        #: Totals for the periodic summary line; the events job adds the handlers' runs.
+        self.summary = LogSummary(
+            _seconds("summary_period_s", summary_period_s), monotonic=monotonic
+        )
+        self._backlog = BacklogWatch(_seconds("backlog_lag_s", backlog_lag_s), monotonic=monotonic)
         self._holds_lease = False
         self._renewed_at = 0.0
         self._lost_lease = False
@@ -130,9 +166,14 @@ class Sweeper:
         time until the earliest open expiry when that comes sooner, else the cadence.
         """
         with self._tick_lock:
-            if self._stop_requested or not self._take_lease():
-                return self.cadence_s
-            return self._sweep()
+            self._not_ticking.clear()
+            try:
+                if self._stop_requested or not self._take_lease():
+                    return self.cadence_s
+                return self._sweep()
+            finally:
+                self._not_ticking.set()
+                self.log_summary_if_due()
 
     def close(self) -> None:
         """Stop, wait for a tick in progress to finish its batch, and release the lease.
@@ -141,6 +182,7 @@ class Sweeper:
         """
         self.request_stop()
         with self._tick_lock:
+            self.log_summary_if_due(force=True)
             try:
                 released = self.lease.release(self.owner)
             except StoreUnavailable as exc:
@@ -173,8 +215,11 @@ class Sweeper:
         """Rebuild the Redis index from SQL when this sweeper becomes active, on schedule,
         and at once when the epoch marker is gone (Redis lost its data).
 
-        Only the lease holder does it. The scheduler runs it as a job of its own, beside
-        the sweep, so a long rebuild never holds back the closing of expired orders.
+        Only the lease holder does it. The scheduler runs it as a job of its own, so a long
+        rebuild never holds back the closing of expired orders, and the sweep goes first:
+        the rebuild waits for a tick in progress before it starts and between its chunks
+        of users. A stop request ends it between two chunks (the marker is then left as it
+        was, so the next active sweeper rebuilds again).
         """
         if self._stop_requested or not self._holds_lease:
             return
@@ -188,9 +233,13 @@ class Sweeper:
             reason = "index_lost"
         else:
             reason = "scheduled" if self._reconcile_at is not None else "startup"
-        started = time.monotonic()
         try:
-            report = self.service.reconcile()
+            self._wait_for_tick()
+            started = time.monotonic()
+            report = self.service.reconcile(on_progress=self._between_chunks)
+        except _RebuildStopped:
+            self._log(logging.DEBUG, "reconcile_stopped", reason=reason)
+            return
         except StoreUnavailable as exc:
             self._store_down(exc.store, exc, "reconcile retried in a second")
             return
@@ -203,6 +252,17 @@ class Sweeper:
             duration_ms=round((time.monotonic() - started) * 1000),
             **report.as_dict(),
         )
+
+    def _between_chunks(self, users: int) -> None:
+        self._wait_for_tick()
+
+    def _wait_for_tick(self) -> None:
+        """Return once no tick runs; raise _RebuildStopped when asked to stop meanwhile."""
+        while True:
+            if self._stop_requested:
+                raise _RebuildStopped
+            if self._not_ticking.wait(REBUILD_WAIT_S):
+                return
 
     def _sweep(self) -> float:
         self._lost_lease = False
@@ -220,7 +280,7 @@ class Sweeper:
         self._store_up("sql")
         if result.closed:
             self._log(
-                logging.INFO,
+                logging.DEBUG,
                 "sweep",
                 closed=result.closed,
                 batches=result.batches,
@@ -228,11 +288,24 @@ class Sweeper:
                 max_lag_ms=result.max_lag_ms,
                 duration_ms=duration_ms,
             )
+        self.summary.add_sweep(result)
+        due: int | None = None
         with contextlib.suppress(StoreUnavailable):
-            metrics.BACKLOG.set(self.service.count_due())
+            due = self.service.count_due()
+            metrics.BACKLOG.set(due)
         if self._stop_requested or self._lost_lease:
-            return self.cadence_s
+            return self.cadence_s  # the backlog is no longer ours to judge
+        self._watch_backlog(result, earliest_ms, now_ms, due)
         return self._next_delay_s(result, earliest_ms, now_ms)
+
+    def _watch_backlog(
+        self, result: SweepResult, earliest_ms: int | None, now_ms: int, due: int | None
+    ) -> None:
+        oldest_due_ms = 0 if earliest_ms is None else max(0, now_ms - earliest_ms)
+        edge = self._backlog.after_sweep(result, oldest_due_ms, due)
+        if edge is not None:
+            event, fields = edge
+            self._log(logging.WARNING if self._backlog.behind else logging.INFO, event, **fields)
 
     def _next_delay_s(self, result: SweepResult, earliest_ms: int | None, now_ms: int) -> float:
         if earliest_ms is None:
@@ -259,6 +332,28 @@ class Sweeper:
         self._set_holds(held)
         self._lost_lease = not held
         return not held
+
+    # --- what is logged -----------------------------------------------------------------
+
+    def add_handler_run(self, consumer: str, result: ConsumeResult) -> None:
+        """Count a closed-order handlers' run in the summary (its own line is DEBUG)."""
+        if result.handled or result.failed or result.retried_ok:
+            self._log(
+                logging.DEBUG,
+                "handlers",
+                consumer=consumer,
+                handled=result.handled,
+                failed=result.failed,
+                retried_ok=result.retried_ok,
+            )
+            self.summary.add_handlers(result)
+        self.log_summary_if_due()
+
+    def log_summary_if_due(self, *, force: bool = False) -> None:
+        """Write the summary line if its period has passed and there is something in it."""
+        fields = self.summary.take(force=force)
+        if fields is not None:
+            self._log(logging.INFO, "summary", **fields)
 
     # --- state changes, each logged once ---------------------------------------------
 

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -28,10 +29,12 @@ from sqlalchemy import Engine, func, insert, select
 
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
-from orders.errors import InvalidInput
+from orders.domain import SweepResult
+from orders.errors import InvalidInput, StoreUnavailable
+from orders.events import ConsumeResult, EventConsumer, OrderEvent
 from orders.lease import SweeperLease
 from orders.models import events_table, orders_table
-from orders.scheduling import JOB_ID, build_scheduler
+from orders.scheduling import JOB_ID, RECONCILE_CHECK_S, build_scheduler
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 from orders.validation import check_user_id
@@ -92,6 +95,37 @@ def lease_of(service: OrderService) -> SweeperLease:
 def real_clock_service(engine: Engine, redis_client: redis.Redis) -> OrderService:
     """A service on the test's stores and the real clock, like the scheduler processes."""
     return OrderService(engine, redis_client, Settings())
+
+
+class Monotonic:
+    """A monotonic clock in seconds for a sweeper's log periods, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
+def record_sweeps(service: OrderService, monkeypatch: pytest.MonkeyPatch) -> list[SweepResult]:
+    """Every SweepResult the service returns from now on, in order."""
+    results: list[SweepResult] = []
+    original = service.sweep_expired
+
+    def recorded(**kwargs: Any) -> SweepResult:
+        result = original(**kwargs)
+        results.append(result)
+        return result
+
+    monkeypatch.setattr(service, "sweep_expired", recorded)
+    return results
+
+
+def events_of(caplog: pytest.LogCaptureFixture, level: int) -> list[tuple[str, str]]:
+    return [(r["event"], r["owner"]) for r in sweeper_records(caplog, level)]
 
 
 # --- the lease -------------------------------------------------------------------------------
@@ -230,19 +264,20 @@ def test_tick_after_a_sweep_that_left_due_orders_asks_to_run_again_at_once(
     assert service.count_due() == 2
 
 
-def test_sweep_that_closed_orders_logs_one_json_line_with_its_counts(
+def test_sweep_that_closed_orders_logs_one_json_line_with_its_counts_at_debug(
     service: OrderService, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     sweeper = Sweeper(service, batch_size=2, owner="host:123:cafe")
     sweeper.tick()
     create_orders(service, [1, 1, 1], users=["u1", "u2"])
     clock.advance(s=1.5)
-    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    caplog.set_level(logging.DEBUG, logger="orders.sweeper")
     caplog.clear()
 
     sweeper.tick()
 
-    records = sweeper_records(caplog, logging.INFO)
+    assert sweeper_records(caplog, logging.INFO) == []  # the summary comes later
+    records = sweeper_records(caplog, logging.DEBUG)
     assert len(records) == 1
     line = records[0]
     assert isinstance(line.pop("duration_ms"), int)
@@ -325,7 +360,6 @@ def test_tick_with_sql_down_sweeps_nothing_warns_once_and_recovers(
         {"event": "lease_acquired"},
         {"event": "store_unavailable", "store": "sql"},
         {"event": "store_back", "store": "sql"},
-        {"event": "sweep"},
     ]
     assert closed_event_counts(engine) == Counter({order.id: 1})
 
@@ -405,7 +439,7 @@ def test_sweeper_whose_lease_was_taken_over_stops_after_the_batch_in_hand(
     assert not slow.holds_lease
     assert lease_of(service).owner() == other.owner
     events = [r["event"] for r in sweeper_records(caplog, logging.INFO)]
-    assert events == ["lease_acquired", "lease_lost", "sweep"]
+    assert events == ["lease_acquired", "lease_lost"]  # the lag is the new holder's to judge
 
 
 def test_close_releases_our_lease_and_never_another_owners(service: OrderService) -> None:
@@ -454,6 +488,272 @@ def test_sweeper_rebuilds_the_index_once_active_unless_told_to_skip_the_startup_
     assert service.index.get_epoch() != "before"
     assert service.index.members("u1") == {order.id: order.expires_at_ms}
     default.close()
+
+
+# --- what the scheduler logs -------------------------------------------------------------------
+
+
+def test_summary_comes_at_most_once_per_period_with_the_totals_since_the_last_one(
+    service: OrderService,
+    engine: Engine,
+    clock: ManualClock,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mono = Monotonic()
+    sweeper = Sweeper(service, batch_size=2, summary_period_s=10, monotonic=mono)
+    sweeps = record_sweeps(service, monkeypatch)
+    caplog.set_level(logging.DEBUG, logger="orders.sweeper")
+    caplog.clear()
+    summaries: list[tuple[float, int, dict[str, Any]]] = []  # (when, sweeps before it, line)
+    created = 0
+    for n in range(12):  # a tick every 3 s; before each, 1 to 3 orders fall due 1 s late
+        created += len(create_orders(service, [1] * (n % 3 + 1), users=[f"u{n}", "v"]))
+        clock.advance(s=2)
+        mono.advance(3)
+        caplog.clear()
+        sweeper.tick()
+        for line in sweeper_records(caplog, logging.INFO):
+            if line["event"] == "summary":
+                summaries.append((mono.now, len(sweeps), line))
+
+    assert [when for when, _, _ in summaries] == [1012, 1024, 1036]
+    start = 0
+    for _, end, line in summaries:
+        window = [r for r in sweeps[start:end] if r.closed]
+        start = end
+        assert line == {
+            "event": "summary",
+            "sweeps": len(window),
+            "closed": sum(r.closed for r in window),
+            "batches": sum(r.batches for r in window),
+            "max_lag_ms": max(r.max_lag_ms or 0 for r in window),
+            "handled": 0,
+            "failed": 0,
+            "retried_ok": 0,
+            "over_s": 12.0,
+            "owner": sweeper.owner,
+        }
+    assert sum(line["closed"] for _, _, line in summaries) == created
+    assert count_closed_events(engine) == created
+
+    # Nothing closed: however long it is quiet, no summary.
+    caplog.clear()
+    for _ in range(5):
+        mono.advance(30)
+        sweeper.tick()
+    assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+    # After a quiet spell a close is summed up at once; what is left at close, then.
+    create_orders(service, [1, 1], users=["w"])
+    clock.advance(s=2)
+    sweeper.tick()
+    create_orders(service, [1], users=["w"])
+    clock.advance(s=2)
+    mono.advance(1)
+    sweeper.tick()
+    sweeper.close()
+    lines = sweeper_records(caplog, logging.INFO)
+    assert [(r["event"], r.get("closed")) for r in lines] == [
+        ("summary", 2),
+        ("summary", 1),
+        ("lease_released", None),
+    ]
+    # Each sweep that closed something had its own line, at DEBUG.
+    assert [r.levelno for r in caplog.records if '"event": "sweep"' in r.getMessage()] == [
+        logging.DEBUG,
+        logging.DEBUG,
+    ]
+
+
+def test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears(
+    service: OrderService,
+    clock: ManualClock,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    mono = Monotonic()
+    sweeper = Sweeper(service, batch_size=2, backlog_lag_s=5, monotonic=mono)
+    sweeper.tick()
+    original = service.sweep_expired
+
+    def one_batch(**kwargs: Any) -> SweepResult:
+        return original(**kwargs, max_batches=1)
+
+    monkeypatch.setattr(service, "sweep_expired", one_batch)
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    caplog.clear()
+    create_orders(service, [1] * 5, users=["u1", "u2", "u3"])
+    clock.advance(s=61)  # the scheduler was away for a minute
+
+    sweeper.tick()  # closes 2 a minute late, leaves 3 as old
+
+    assert [(r.levelno, json.loads(r.getMessage())) for r in caplog.records] == [
+        (
+            logging.WARNING,
+            {
+                "event": "backlog",
+                "max_lag_ms": 60_000,
+                "oldest_due_ms": 60_000,
+                "due": 3,
+                "threshold_ms": 5000,
+                "owner": sweeper.owner,
+            },
+        )
+    ]
+    caplog.clear()
+    for _ in range(2):  # still behind: nothing more
+        mono.advance(1)
+        sweeper.tick()
+    create_orders(service, [1])
+    clock.advance(s=4)  # 3 s late: under the threshold, yet over half of it
+    mono.advance(1)
+    sweeper.tick()
+    assert sweeper_records(caplog, logging.INFO) == []
+
+    mono.advance(1)
+    sweeper.tick()  # nothing due any more
+    for _ in range(3):
+        mono.advance(1)
+        sweeper.tick()
+
+    assert sweeper_records(caplog, logging.INFO) == [
+        {"event": "backlog_cleared", "lasted_s": 4.0, "owner": sweeper.owner}
+    ]
+    assert service.count_due() == 0
+
+
+def test_lease_changes_are_logged_at_once_by_both_sweepers(
+    service: OrderService, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    mono = Monotonic()  # never moves: no summary is due until close
+    a = Sweeper(service, owner="host:1:a", monotonic=mono)
+    b = Sweeper(service, owner="host:2:b", monotonic=mono)
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    caplog.clear()
+
+    a.tick()
+    b.tick()
+    assert events_of(caplog, logging.INFO) == [("lease_acquired", "host:1:a")]
+    create_orders(service, [1, 1])
+    clock.advance(s=2)
+    a.tick()  # closes 2; the summary waits for its period
+    assert events_of(caplog, logging.INFO) == [("lease_acquired", "host:1:a")]
+
+    caplog.clear()
+    service.index.client.delete(lease_of(service).key)  # a's lease lapsed (a stalled)
+    b.tick()
+    assert events_of(caplog, logging.INFO) == [("lease_acquired", "host:2:b")]
+    a.tick()
+    assert events_of(caplog, logging.INFO)[1:] == [("lease_lost", "host:1:a")]
+
+    caplog.clear()
+    a.close()
+    b.close()
+    assert events_of(caplog, logging.INFO) == [
+        ("summary", "host:1:a"),
+        ("lease_released", "host:2:b"),
+    ]
+
+
+def test_rebuild_waits_for_a_running_tick_before_it_starts_and_between_its_chunks(
+    service: OrderService, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for user in ("u1", "u2", "u3"):
+        service.create_unpaid_order(user, ttl_s=60)
+        service.index.client.delete(service.index.key(user))  # the rebuild has work
+    sweeper = Sweeper(service)
+    sweeper.tick()  # takes the lease
+    steps: list[str] = []
+    in_sweep, release_sweep, chunk_one = threading.Event(), threading.Event(), threading.Event()
+    original_sweep, original_reconcile = service.sweep_expired, service.reconcile
+
+    def blocking_sweep(**kwargs: Any) -> SweepResult:
+        in_sweep.set()
+        assert release_sweep.wait(10)
+        steps.append("sweep ends")
+        return original_sweep(**kwargs)
+
+    def reconcile_in_chunks_of_one(**kwargs: Any) -> Any:
+        steps.append("rebuild starts")
+        inner = kwargs.pop("on_progress")
+
+        def on_progress(users: int) -> None:
+            if users == 1:
+                chunk_one.set()
+                assert in_sweep.wait(10)  # a tick is now in the middle of its sweep
+            inner(users)
+            steps.append(f"after chunk {users}")
+
+        return original_reconcile(**kwargs, chunk_size=1, on_progress=on_progress)
+
+    monkeypatch.setattr(service, "sweep_expired", blocking_sweep)
+    monkeypatch.setattr(service, "reconcile", reconcile_in_chunks_of_one)
+
+    def run(target: Callable[[], object]) -> threading.Thread:
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        return thread
+
+    # 1. A tick is sweeping: the rebuild does not start until it ends.
+    ticking = run(sweeper.tick)
+    assert in_sweep.wait(10)
+    in_sweep.clear()
+    rebuilding = run(sweeper.reconcile_if_due)
+    time.sleep(0.3)  # time enough for a rebuild that does not wait to start
+    steps.append("released")
+    release_sweep.set()
+    ticking.join(10)
+    release_sweep.clear()
+    assert chunk_one.wait(10)
+    assert steps[:3] == ["released", "sweep ends", "rebuild starts"]
+
+    # 2. A tick starts after the rebuild's first chunk: the next chunk waits for it.
+    ticking = run(sweeper.tick)
+    assert in_sweep.wait(10)
+    time.sleep(0.3)  # time enough for a rebuild that does not wait to go on
+    steps.append("released")
+    release_sweep.set()
+    ticking.join(10)
+    rebuilding.join(10)
+    assert not rebuilding.is_alive()
+    assert steps[3:6] == ["released", "sweep ends", "after chunk 1"]
+    assert "after chunk 3" in steps
+    assert all(service.index.members(u) != {} for u in ("u1", "u2", "u3"))
+    sweeper.close()
+
+
+def test_a_stop_request_ends_a_rebuild_between_two_chunks(
+    service: OrderService, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    for user in ("u1", "u2", "u3"):
+        service.create_unpaid_order(user, ttl_s=60)
+    service.index.client.flushdb()
+    sweeper = Sweeper(service)
+    sweeper.tick()
+    chunks: list[int] = []
+    original = service.reconcile
+
+    def reconcile_in_chunks_of_one(**kwargs: Any) -> Any:
+        inner = kwargs.pop("on_progress")
+
+        def on_progress(users: int) -> None:
+            chunks.append(users)
+            sweeper.request_stop()  # SIGTERM arrives during the first chunk
+            inner(users)
+
+        return original(**kwargs, chunk_size=1, on_progress=on_progress)
+
+    monkeypatch.setattr(service, "reconcile", reconcile_in_chunks_of_one)
+    caplog.set_level(logging.DEBUG, logger="orders.sweeper")
+    caplog.clear()
+
+    sweeper.reconcile_if_due()
+
+    assert chunks == [1]
+    assert service.index.get_epoch() is None  # not a whole rebuild: no marker
+    assert [r["event"] for r in sweeper_records(caplog, logging.DEBUG)] == ["reconcile_stopped"]
+    sweeper.close()
 
 
 # --- the APScheduler job, in this process ------------------------------------------------------
@@ -521,13 +821,137 @@ def test_a_tick_longer_than_the_interval_is_never_run_twice_at_once_nor_warned_a
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
+def test_a_slow_rebuild_is_never_warned_about_and_the_sweep_goes_on_meanwhile(
+    engine: Engine,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service = real_clock_service(engine, redis_client)
+    sweeper = Sweeper(service, interval_s=0.2)
+    started: list[float] = []
+    release = threading.Event()
+    original = service.reconcile
+
+    def slow_reconcile(**kwargs: Any) -> Any:
+        started.append(time.monotonic())
+        assert release.wait(30)
+        return original(**kwargs)
+
+    monkeypatch.setattr(service, "reconcile", slow_reconcile)
+    scheduler = build_scheduler(sweeper, blocking=False)
+    caplog.set_level(logging.WARNING)
+    scheduler.start()
+    try:
+        wait_until(lambda: started, "the startup rebuild to start", check=noop)
+        ids = {o.id for o in create_orders(service, [0.2, 0.4, 0.6], users=["u1", "u2"])}
+        wait_until(
+            lambda: closed_event_counts(engine).keys() >= ids, "the sweep to close", check=noop
+        )
+        wait_until(
+            lambda: time.monotonic() - started[0] > 4 * RECONCILE_CHECK_S,
+            "four check intervals into the rebuild",
+            check=noop,
+        )
+        assert len(started) == 1
+        release.set()
+        wait_until(service.index.get_epoch, "the rebuild to end", check=noop)
+    finally:
+        release.set()
+        scheduler.shutdown(wait=True)
+        sweeper.close()
+
+    assert len(started) == 1
+    assert closed_event_counts(engine) == Counter(dict.fromkeys(ids, 1))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == []
+
+
+def test_handler_runs_are_debug_lines_counted_in_the_summary_and_a_slow_one_is_not_warned_about(
+    engine: Engine, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = real_clock_service(engine, redis_client)
+    handled: list[str] = []
+
+    def remember(event: OrderEvent) -> None:
+        if not handled:
+            time.sleep(1.2)  # a slow handler: the job runs over two of its intervals
+        handled.append(event.order_id)
+
+    service.on_closed(remember)
+    sweeper = Sweeper(service, interval_s=0.2)
+    scheduler = build_scheduler(sweeper, blocking=False)
+    caplog.set_level(logging.DEBUG, logger="orders.sweeper")
+    scheduler.start()
+    try:
+        ids = {o.id for o in create_orders(service, [0.2, 0.3, 0.4], users=["u1", "u2"])}
+        wait_until(lambda: set(handled) >= ids, "the handler to see the closes", check=noop)
+    finally:
+        scheduler.shutdown(wait=True)
+        sweeper.close()
+
+    info = sweeper_records(caplog, logging.INFO)
+    summaries = [line for line in info if line["event"] == "summary"]
+    assert len(summaries) == 1  # the run was shorter than the period: written at close
+    assert {k: summaries[0][k] for k in ("closed", "handled", "failed", "retried_ok")} == {
+        "closed": 3,
+        "handled": 3,
+        "failed": 0,
+        "retried_ok": 0,
+    }
+    assert not {line["event"] for line in info} & {"sweep", "handlers"}
+    debug = sweeper_records(caplog, logging.DEBUG)
+    assert sum(line["handled"] for line in debug if line["event"] == "handlers") == 3
+    assert sum(line["closed"] for line in debug if line["event"] == "sweep") == 3
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_handlers_outage_is_warned_about_once_and_its_end_once(
+    engine: Engine,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service = real_clock_service(engine, redis_client)
+    service.on_closed(lambda event: None)
+    sweeper = Sweeper(service, interval_s=0.2)
+    runs: list[str] = []
+    real_run_once = EventConsumer.run_once
+
+    def unavailable(self: EventConsumer) -> ConsumeResult:
+        runs.append("failed")
+        raise StoreUnavailable("sql", "the database is restarting")
+
+    def counted(self: EventConsumer) -> ConsumeResult:
+        runs.append("ran")
+        return real_run_once(self)
+
+    monkeypatch.setattr(EventConsumer, "run_once", unavailable)
+    scheduler = build_scheduler(sweeper, blocking=False)
+    caplog.set_level(logging.INFO, logger="orders.sweeper")
+    scheduler.start()
+    try:
+        wait_until(lambda: runs.count("failed") >= 4, "four failed handler runs", check=noop)
+        monkeypatch.setattr(EventConsumer, "run_once", counted)
+        wait_until(lambda: runs.count("ran") >= 3, "three handler runs after", check=noop)
+    finally:
+        scheduler.shutdown(wait=True)
+        sweeper.close()
+
+    events = [r["event"] for r in sweeper_records(caplog, logging.INFO)]
+    assert [e for e in events if e.startswith("handlers")] == ["handlers_failed", "handlers_back"]
+
+
 # --- real scheduler processes ------------------------------------------------------------------
 
+# A summary after every tick that closed something (a 1 ms period), so a process killed with
+# SIGKILL has logged all it closed but what its last tick did.
 SCHEDULER_CODE = (
     "import logging; logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s'); "
     "from orders.scheduler_process import run_scheduler; "
     "from orders.bootstrap import build_service; "
-    "from orders.config import Settings; run_scheduler(build_service(Settings.from_env()))"
+    "from orders.config import Settings; "
+    "run_scheduler(build_service(Settings.from_env()), summary_period_s=0.001)"
 )
 
 
@@ -559,13 +983,13 @@ class Schedulers:
     def log(self, name: str) -> str:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
 
-    def sweep_lines(self, name: str) -> list[dict[str, Any]]:
+    def summary_lines(self, name: str) -> list[dict[str, Any]]:
         prefix = "orders.sweeper "
         lines = [line[len(prefix) :] for line in self.log(name).splitlines()]
         return [
             json.loads(line)
             for line in lines
-            if line.startswith('{"event": "sweep"')  # only our JSON lines
+            if line.startswith('{"event": "summary"')  # only our JSON lines
         ]
 
     def check_running(self, *names: str) -> None:
@@ -643,9 +1067,8 @@ def test_two_scheduler_processes_close_each_order_once_and_fail_over_on_kill(
     os.kill(survivor.pid, signal.SIGTERM)
     assert survivor.wait(10) == 0, schedulers.log(survivor_name)
     assert lease.owner() is None
-    # One JSON line per sweep that closed something, and together they account for each
-    # order once: the standby closed nothing twice.
-    logged = [line for name in ("a", "b") for line in schedulers.sweep_lines(name)]
+    # The summary lines account for each order once: the standby closed nothing twice.
+    logged = [line for name in ("a", "b") for line in schedulers.summary_lines(name)]
     assert sum(line["closed"] for line in logged) == len(first_ids | second_ids)
     assert {pid_of(line["owner"]) for line in logged} <= {a.pid, b.pid}
 
