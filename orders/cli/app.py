@@ -163,8 +163,9 @@ def json_option(func: F) -> F:
 
 
 def configure_logging(verbose: int, log_format: str) -> None:
-    # The service's own INFO lines (one per sweep that closed something) always show;
-    # -v adds everyone else's INFO, -vv debug.
+    # The service's own INFO lines (the scheduler's summary every 10 s at most, lease
+    # changes, outages) always show; -v adds everyone else's INFO, -vv debug (the
+    # per-sweep lines among them).
     level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
     handler = logging.StreamHandler()
     if log_format == "json":
