@@ -23,7 +23,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, Connection, case, func, literal_column, select
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Connection,
+    and_,
+    case,
+    func,
+    literal_column,
+    select,
+)
 
 from orders.domain import OrderStatus
 from orders.models import UNPAID_PREDICATE, open_at, orders_table, sql_errors
@@ -61,8 +70,8 @@ class Window:
         """The last ``seconds`` up to and including ``until_ms``."""
         return cls(until_ms - seconds * 1000, until_ms)
 
-    def holds(self, column: Any) -> ColumnElement[bool]:
-        return (column > self.since_ms) & (column <= self.until_ms)
+    def holds(self, column: ColumnElement[Any]) -> ColumnElement[bool]:
+        return and_(column > self.since_ms, column <= self.until_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +196,14 @@ def expiries_ahead(
     check_count("horizon_s", horizon_s, 1, 31 * 86_400)
     check_count("buckets", buckets, 1, 100)
     step_ms = max(1, horizon_s * 1000 // buckets)
-    slot = (OC.expires_at_ms - now_ms) // step_ms
-    query = (
-        select(slot, func.count())
+    # The slot computed once, in a subquery: grouping by the expression itself would repeat
+    # its parameters, which PostgreSQL cannot prove the same in a prepared statement.
+    slots = (
+        select(((OC.expires_at_ms - now_ms) // step_ms).label("slot"))
         .where(open_at(now_ms), OC.expires_at_ms < now_ms + step_ms * buckets)
-        .group_by(slot)
+        .subquery()
     )
+    query = select(slots.c.slot, func.count()).group_by(slots.c.slot)
     with sql_errors():
         per_slot = {int(k): int(v) for k, v in conn.execute(query).all()}
     return [(i * step_ms // 1000, per_slot.get(i, 0)) for i in range(buckets)]
