@@ -146,9 +146,13 @@ def close_lag(conn: Connection, window: Window) -> CloseLag:
     """The close lags of the orders closed in ``window``, summed up in SQL (one index range
     read: ``ix_orders_closed_closed_at_ms_expires_at_ms``)."""
     lag = OC.closed_at_ms - OC.expires_at_ms
+    # OFFSET 0 keeps the subquery from being merged into the grouping query: merged,
+    # PostgreSQL would guess one group per row from the columns' statistics and sort every
+    # lag of the window (on disk beyond work_mem) instead of hashing into a few hundred.
     lags = (
         select(lag_bucket(lag).label("upper_ms"), lag.label("lag"))
         .where(_status_is(OrderStatus.CLOSED), window.holds(OC.closed_at_ms))
+        .offset(0)
         .subquery()
     )
     query = select(lags.c.upper_ms, func.count(), func.max(lags.c.lag)).group_by(lags.c.upper_ms)
