@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, insert
+from sqlalchemy import Connection, Engine, create_engine, insert
 
+from orders.errors import SchemaNotReady
 from orders.models import orders_table
 from orders.stats import (
     LAG_BUCKETS_MAX,
@@ -23,6 +26,7 @@ from orders.stats import (
     close_lag,
     count_paid_and_cancelled,
     count_unpaid,
+    expiries_ahead,
     read_stats,
 )
 
@@ -236,3 +240,29 @@ def test_an_unpaid_order_is_open_before_its_expiry_and_backlog_from_it_on(engine
         found = count_unpaid(conn, NOW)
 
     assert (found.open, found.backlog) == (2, 2)
+
+
+# --- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        pytest.param(lambda conn: close_lag(conn, Window(NOW - 1, NOW)), id="close_lag"),
+        pytest.param(lambda conn: count_unpaid(conn, NOW), id="count_unpaid"),
+        pytest.param(
+            lambda conn: count_paid_and_cancelled(conn, Window(NOW - 1, NOW)),
+            id="count_paid_and_cancelled",
+        ),
+        pytest.param(lambda conn: expiries_ahead(conn, NOW, 600, 10), id="expiries_ahead"),
+    ],
+)
+def test_each_read_on_a_database_without_the_schema_raises_schema_not_ready(
+    tmp_path: Path, read: Callable[[Connection], object]
+) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'empty.db'}")
+    try:
+        with engine.connect() as conn, pytest.raises(SchemaNotReady):
+            read(conn)
+    finally:
+        engine.dispose()
