@@ -122,7 +122,7 @@ def scheduler(
     type=int,
     default=3600,
     show_default=True,
-    help="Close-lag percentiles over the orders closed in the last SECONDS.",
+    help="Paid, cancelled and closed counts and close-lag percentiles over the last SECONDS.",
 )
 @click.option(
     "--ahead",
@@ -135,7 +135,7 @@ def scheduler(
 @json_option
 @click.pass_context
 def stats(ctx: click.Context, window_s: int, horizon_s: int, as_json: bool) -> None:
-    """Counts by status, open orders, backlog, close lag and the expiries ahead."""
+    """Unpaid orders now; paid, cancelled, closed and the close lag in a window; expiries ahead."""
     from orders.stats import collect_stats  # noqa: PLC0415
 
     found = collect_stats(cli_state(ctx).service(), window_s=window_s, horizon_s=horizon_s)

@@ -9,7 +9,7 @@ import urllib.request
 from orders import OrderClosed, UnpaidOrderLimitReached
 from orders.metrics import serve
 from orders.service import OrderService
-from orders.stats import collect_stats, percentile
+from orders.stats import CloseLag, LagBucket, collect_stats
 from tests.conftest import ManualClock
 
 
@@ -84,8 +84,14 @@ def test_stats_count_by_status_backlog_lag_and_the_expiries_ahead(
     assert backlog_order.id
 
 
-def test_percentile_is_nearest_rank() -> None:
-    assert percentile([], 0.5) is None
-    assert percentile([1, 2, 3, 4], 0.5) == 2
-    assert percentile(list(range(1, 101)), 0.99) == 99
-    assert percentile([7], 0.99) == 7
+def test_percentile_is_nearest_rank_read_off_the_cumulative_counts() -> None:
+    """The histogram's percentile is the largest lag of the bucket holding the rank."""
+    lags = CloseLag((LagBucket(0, 1, -5), LagBucket(7, 2, 7), LagBucket(110, 1, 104)))
+
+    assert CloseLag(()).percentile(0.5) is None
+    assert CloseLag(()).max_ms is None
+    assert lags.count == 4
+    assert lags.percentile(0.25) == -5  # rank 1
+    assert lags.percentile(0.5) == 7  # rank 2
+    assert lags.percentile(0.75) == 7  # rank 3
+    assert lags.percentile(0.99) == lags.max_ms == 104  # rank 4

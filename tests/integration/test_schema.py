@@ -24,6 +24,7 @@ from orders.config import Settings
 from orders.errors import SchemaNotReady, StoreUnavailable
 from orders.models import Base, orders_table
 from orders.service import OrderService
+from orders.stats import collect_stats
 from tests.conftest import ENGINES, ManualClock
 from tests.helpers import child_env, run_python
 from tests.plans import explain_sql
@@ -33,6 +34,12 @@ TABLES = {"orders", "order_events"}
 ORDERS_INDEXES = {
     "ix_orders_unpaid_expires_at_ms": ["expires_at_ms"],
     "ix_orders_unpaid_user_id_expires_at_ms": ["user_id", "expires_at_ms"],
+}
+#: The partial indexes over one terminal status each (migration 0005), for the stats.
+TERMINAL_INDEXES = {
+    "ix_orders_paid_paid_at_ms": (["paid_at_ms"], "paid"),
+    "ix_orders_cancelled_closed_at_ms": (["closed_at_ms"], "cancelled"),
+    "ix_orders_closed_closed_at_ms_expires_at_ms": (["closed_at_ms", "expires_at_ms"], "closed"),
 }
 
 
@@ -156,6 +163,28 @@ def test_the_sweep_and_limit_guard_indexes_are_partial_over_unpaid_orders(engine
         assert "unpaid" in where
 
 
+def test_the_stats_indexes_are_partial_over_one_terminal_status_each(engine: Engine) -> None:
+    indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("orders")}
+
+    for name, (columns, status) in TERMINAL_INDEXES.items():
+        assert indexes[name]["column_names"] == columns
+        where = str(indexes[name].get("dialect_options", {}).get(f"{engine.dialect.name}_where"))
+        assert "status" in where
+        assert status in where
+
+
+def test_downgrade_from_head_to_0004_drops_only_the_stats_indexes(empty_engine: Engine) -> None:
+    migrate.upgrade(empty_engine)
+    migrate.downgrade(empty_engine, "0004")
+
+    names = {ix["name"] for ix in inspect(empty_engine).get_indexes("orders")}
+    assert not names & set(TERMINAL_INDEXES)
+    assert names >= set(ORDERS_INDEXES)
+
+    migrate.upgrade(empty_engine)
+    assert schema_differences(empty_engine) == []
+
+
 def statements_run_by(engine: Engine, action: Callable[[], object]) -> list[tuple[str, Any]]:
     """Every (SQL, parameters) pair the driver is handed while ``action`` runs."""
     seen: list[tuple[str, Any]] = []
@@ -195,6 +224,52 @@ def test_the_services_own_sweep_and_limit_guard_use_the_partial_indexes(
 
     assert "ix_orders_unpaid_user_id_expires_at_ms" in explain_sql(engine, guard_sql, guard_params)
     assert "ix_orders_unpaid_expires_at_ms" in explain_sql(engine, sweep_sql, sweep_params)
+
+
+def full_scans_of_orders(engine: Engine, plan: str) -> list[str]:
+    """The plan's lines that read the orders table without an index."""
+    if engine.dialect.name == "sqlite":
+        return [line for line in plan.splitlines() if "orders" in line and "INDEX" not in line]
+    return [line for line in plan.splitlines() if "Seq Scan" in line]
+
+
+def test_every_stats_query_is_served_by_an_index(
+    engine: Engine, service: OrderService, clock: Any
+) -> None:
+    """Plans the statements ``orders stats`` sends, captured from the driver: a stats query
+    that needs the whole table (a predicate no index serves, a status as a bound parameter
+    that a partial index cannot match in a generic plan) fails here."""
+    paid = service.create_unpaid_order("u0", ttl_s=60)
+    service.mark_paid(paid.id)
+    service.cancel_order(service.create_unpaid_order("u1", ttl_s=60).id)
+    service.create_unpaid_order("u2", ttl_s=1)
+    service.create_unpaid_order("u3", ttl_s=300)
+    clock.advance(s=2)
+    service.sweep_expired()
+    statements = statements_run_by(engine, lambda: collect_stats(service))
+    assert len(statements) == 4, [sql for sql, _ in statements]
+
+    plans = {
+        "unpaid": the_one(statements, "filter (where"),
+        "paid and cancelled": the_one(statements, "paid_at_ms"),
+        "close lag": the_one(statements, "case when"),
+        "expiries ahead": the_one(statements, "slot"),
+    }
+    planned = {what: explain_sql(engine, *statement) for what, statement in plans.items()}
+
+    for what, plan in planned.items():
+        assert full_scans_of_orders(engine, plan) == [], (what, plan)
+    assert "ix_orders_unpaid_" in planned["unpaid"]
+    assert "ix_orders_paid_paid_at_ms" in planned["paid and cancelled"]
+    assert "ix_orders_cancelled_closed_at_ms" in planned["paid and cancelled"]
+    assert "ix_orders_closed_closed_at_ms_expires_at_ms" in planned["close lag"]
+    # Either partial index over unpaid orders will do (on a small table PostgreSQL may read
+    # the one led by user_id whole): both hold unpaid orders only.
+    assert "ix_orders_unpaid_" in planned["expiries ahead"]
+    if engine.dialect.name == "postgresql":
+        # The lag is read from the index alone, never from the table's rows. (SQLite 3.40
+        # still visits the rows, for the status the partial index already implies.)
+        assert "Index Only Scan" in planned["close lag"]
 
 
 # --- the service on a database without the schema -------------------------------------------
