@@ -133,7 +133,9 @@ def fill(engine: Engine, users: int, seed: int = 7) -> int:
     return len(rows)
 
 
-def measure(engine: Engine, redis_url: str, users: int, repeat: int, label: str) -> None:
+def measure(
+    engine: Engine, redis_url: str, users: int, repeat: int, label: str, chunk: int | None
+) -> None:
     orders = fill(engine, users)
     client = redis.Redis.from_url(redis_url)
     service = OrderService(engine, client, Settings(), clock=lambda: NOW_MS)
@@ -143,7 +145,7 @@ def measure(engine: Engine, redis_url: str, users: int, repeat: int, label: str)
                 if kind == "rebuild":
                     client.flushall()
                 started = time.perf_counter()
-                report = service.reconcile()
+                report = service.reconcile(**({} if chunk is None else {"chunk_size": chunk}))
                 elapsed = time.perf_counter() - started
                 expect = orders if kind == "rebuild" else 0
                 if report.users != users or report.added != expect or report.rescored:
@@ -163,6 +165,7 @@ def main() -> int:
     parser.add_argument("--users", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--engines", default="sqlite,postgresql")
+    parser.add_argument("--chunk-size", type=int, default=None, help="[default: the service's]")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="orders-reconcile-rate-", dir="/tmp"))
     try:
@@ -171,7 +174,7 @@ def main() -> int:
                 if name == "sqlite":
                     engine = build_engine(Settings(), f"sqlite:///{folder / 'orders.db'}")
                     migrate.upgrade(engine)
-                    measure(engine, redis_url, args.users, args.repeat, "sqlite")
+                    measure(engine, redis_url, args.users, args.repeat, "sqlite", args.chunk_size)
                     engine.dispose()
                 elif name == "postgresql":
                     # Its own folder: the server's user cannot enter ours (mode 700).
@@ -180,7 +183,14 @@ def main() -> int:
                         with postgres_server(pg_folder) as url:
                             engine = build_engine(Settings(), url)
                             migrate.upgrade(engine)
-                            measure(engine, redis_url, args.users, args.repeat, "postgresql")
+                            measure(
+                                engine,
+                                redis_url,
+                                args.users,
+                                args.repeat,
+                                "postgresql",
+                                args.chunk_size,
+                            )
                             engine.dispose()
                     finally:
                         shutil.rmtree(pg_folder, ignore_errors=True)

@@ -139,14 +139,14 @@ def test_an_add_that_races_a_payment_does_not_leave_a_stale_member(
 ) -> None:
     order = service.create_unpaid_order("u1", ttl_s=60)
     redis_client.flushdb()
-    read_open = service.records.open_by_user
+    read_open = service.records.reads.open_by_user
 
     def read_then_pay(*args: Any) -> dict[str, dict[str, int]]:
         stale = read_open(*args)
         service.mark_paid(order.id)  # commits and removes its (absent) member now
         return stale
 
-    monkeypatch.setattr(service.records, "open_by_user", read_then_pay)
+    monkeypatch.setattr(service.records.reads, "open_by_user", read_then_pay)
 
     service.reconcile(user_id="u1")
 
