@@ -26,8 +26,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import redis
 from sqlalchemy import Engine, insert, text
@@ -82,6 +82,11 @@ def redis_server(folder: Path) -> Iterator[str]:
         stop(proc)
 
 
+def connects(engine: Engine) -> bool:
+    with engine.connect():
+        return True
+
+
 @contextlib.contextmanager
 def postgres_server(folder: Path) -> Iterator[str]:
     data = folder / "data"
@@ -100,7 +105,7 @@ def postgres_server(folder: Path) -> Iterator[str]:
     try:
         probe = build_engine(Settings(), url)
         try:
-            wait_until(lambda: probe.connect().close() is None, proc, "postgres")
+            wait_until(lambda: connects(probe), proc, "postgres")
         finally:
             probe.dispose()
         yield url
@@ -133,6 +138,11 @@ def fill(engine: Engine, users: int, seed: int = 7) -> int:
     return len(rows)
 
 
+def server_cpu_s(client: redis.Redis) -> float:
+    cpu: dict[str, float] = client.info("cpu")
+    return cpu["used_cpu_user"] + cpu["used_cpu_sys"]
+
+
 def measure(
     engine: Engine, redis_url: str, users: int, repeat: int, label: str, chunk: int | None
 ) -> None:
@@ -144,16 +154,22 @@ def measure(
             for kind in ("rebuild", "verify"):
                 if kind == "rebuild":
                     client.flushall()
-                started = time.perf_counter()
-                report = service.reconcile(**({} if chunk is None else {"chunk_size": chunk}))
+                redis_cpu = server_cpu_s(client)
+                cpu, started = time.process_time(), time.perf_counter()
+                report = (
+                    service.reconcile() if chunk is None else service.reconcile(chunk_size=chunk)
+                )
                 elapsed = time.perf_counter() - started
+                cpu = time.process_time() - cpu
+                redis_cpu = server_cpu_s(client) - redis_cpu
                 expect = orders if kind == "rebuild" else 0
                 if report.users != users or report.added != expect or report.rescored:
                     raise RuntimeError(f"{label} {kind}: unexpected report {report.as_dict()}")
                 print(
                     f"{label:10} {kind:7} run {run + 1}: {report.users} users, "
                     f"{report.added} added in {elapsed:.2f} s = {report.users / elapsed:,.0f} "
-                    "users/s",
+                    f"users/s (CPU: this process {cpu:.2f} s, redis-server {redis_cpu:.2f} s; "
+                    f"load average {os.getloadavg()[0]:.1f})",
                     flush=True,
                 )
     finally:
