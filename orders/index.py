@@ -23,10 +23,10 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.script_pipeline import Call, run_script_on_keys
 from orders.validation import USER_ID_MAX_LENGTH, check_user_id
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,8 @@ class UnpaidIndex:
         self._foreign_logged: set[bytes] = set()
         self._admit: Script = client.register_script(load_script("admit"))
         self._repair: Script = client.register_script(load_script("repair"))
-        # Run by hand in pipelines (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's pipelined
-        # scripts would also send SCRIPT EXISTS, one more round trip and one more ACL grant.
+        # Run through orders.script_pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
+        # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
         self._reconcile: Script = client.register_script(load_script("reconcile"))
 
     def key(self, user_id: str) -> str:
@@ -314,13 +314,15 @@ class UnpaidIndex:
         :meth:`foreign`; such a key is left out of the answer.
         """
         users = list(wanted)
-        calls = []
+        head = [b"%d" % now_ms, b"%d" % self.key_margin_ms, b"1" if dry_run else b"0"]
+        calls: list[Call] = []
         for user_id in users:
-            args: list[str | int] = [now_ms, self.key_margin_ms, 1 if dry_run else 0]
+            args = head.copy()
             for order_id, score in wanted[user_id].items():
-                args += [score, order_id]
-            calls.append((self.key(user_id), args))
-        replies = self._evalsha_all(calls)
+                args += (b"%d" % score, order_id.encode())
+            calls.append((self.key(user_id).encode(), args))
+        with redis_errors("reconcile"):
+            replies = run_script_on_keys(self.client, self._reconcile, calls)
         found: dict[str, KeyCheck] = {}
         for user_id, reply in zip(users, replies, strict=True):
             if reply == 0:  # the key was right already
@@ -333,43 +335,13 @@ class UnpaidIndex:
                 with redis_errors("reconcile"):
                     raise reply
             extras = []
-            for member in reply[3:]:
+            for member in reply[3:]:  # rare: most fixed keys have none
                 try:
                     extras.append(_text(member))
                 except UnicodeDecodeError:
                     self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "member")
-            found[user_id] = KeyCheck(int(reply[0]), int(reply[1]), int(reply[2]), extras)
+            found[user_id] = KeyCheck(reply[0], reply[1], reply[2], extras)
         return found
-
-    def _evalsha_all(self, calls: list[tuple[str, list[str | int]]]) -> list[Any]:
-        """EVALSHA the reconcile script once per (key, args), pipelined; on NOSCRIPT (a
-        restarted server) load it and run the calls that did not run, once more."""
-        sha = self._reconcile.sha.encode()
-        with redis_errors("reconcile"):
-            replies = self._pipelined(_pack_evalsha(sha, calls), len(calls))
-            missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
-            if missing:
-                self.client.script_load(self._reconcile.script)
-                again = [calls[i] for i in missing]
-                for i, reply in zip(
-                    missing, self._pipelined(_pack_evalsha(sha, again), len(again)), strict=True
-                ):
-                    replies[i] = reply
-        return replies
-
-    def _pipelined(self, packed: bytes, count: int) -> list[Any]:
-        """Send ``count`` commands packed as one buffer, then read their replies (error
-        replies as values): a pipeline without redis-py's per-command packing and reply
-        handling, which cost the client more than a short script costs the server."""
-        pool = self.client.connection_pool
-        conn: Any = pool.get_connection()
-        try:
-            replies: list[Any] = conn.retry.call_with_retry(
-                lambda: _send_and_read(conn, packed, count), lambda _error: conn.disconnect()
-            )
-        finally:
-            pool.release(conn)
-        return replies
 
     def remove_members(self, members: list[tuple[str, str]]) -> None:
         """ZREM each (user id, order id), in one pipelined round trip."""
@@ -380,32 +352,6 @@ class UnpaidIndex:
             for user_id, order_id in members:
                 pipe.zrem(self.key(user_id), order_id)
             pipe.execute()
-
-
-def _pack_evalsha(sha: bytes, calls: list[tuple[str, list[str | int]]]) -> bytes:
-    """``EVALSHA sha 1 key args...`` for each call, in the Redis protocol (RESP)."""
-    out = bytearray()
-    for key, args in calls:
-        parts = [b"EVALSHA", sha, b"1", key.encode(), *(str(a).encode() for a in args)]
-        out += b"*%d\r\n" % len(parts)
-        for part in parts:
-            out += b"$%d\r\n%b\r\n" % (len(part), part)
-    return bytes(out)
-
-
-def _send_and_read(conn: Any, packed: bytes, count: int) -> list[Any]:
-    try:
-        conn.send_packed_command([packed])
-        replies: list[Any] = []
-        for _ in range(count):
-            try:
-                replies.append(conn.read_response())
-            except redis.ResponseError as exc:  # one command's error: the rest still come
-                replies.append(exc)
-    except BaseException:
-        conn.disconnect()  # replies may be left unread: never hand this socket out again
-        raise
-    return replies
 
 
 def _glob_escape(text: str) -> str:
