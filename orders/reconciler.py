@@ -85,8 +85,8 @@ class Reconciler:
         """Make the Redis index equal to SQL, for one user or for everyone.
 
         ``chunk_size`` is the number of order rows per SQL page and of keys asked of each
-        SCAN call (one SQL query per batch). ``on_progress`` is called
-        with the number of users handled so far after each page and each SCAN batch.
+        SCAN call (one SQL query per batch). ``on_progress`` is called with the number of
+        users handled so far after each page and each SCAN batch: keep it cheap.
         """
         check_count("chunk_size", chunk_size, 1, 10_000)
         now_ms = self.clock()
