@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from redis.commands.core import Script
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.script_pipeline import Call, run_script_on_keys
 from orders.validation import USER_ID_MAX_LENGTH, check_user_id
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,20 @@ class Admission(enum.IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class KeyCheck:
+    """What the reconcile script found in one user's key (and fixed, unless a dry run)."""
+
+    expired: int
+    added: int
+    rescored: int
+    #: Live members SQL did not list for the user, left in place (the caller decides).
+    extras: list[str]
+
+
+_KEY_RIGHT = KeyCheck(0, 0, 0, [])
+
+
+@dataclass(frozen=True, slots=True)
 class AdmitResult:
     outcome: Admission
     #: Open orders of the user after the call (including this one unless refused).
@@ -56,13 +72,18 @@ def _text(value: bytes | str) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else value
 
 
+#: Printable ASCII but space and ``{}*?[]``: ids made only of these pass check_user_id
+#: (short enough), so a SCAN of millions of keys need not check them character by character.
+_PLAIN_USER_ID = re.compile(rf"[!-)+->@-Z\\^-z|~]{{1,{USER_ID_MAX_LENGTH}}}")
+
+
 def _user_of(key: bytes | str, prefix_length: int) -> str | None:
     """The user id a key names, or None when no valid user id can be read from it."""
     try:
         user = _text(key)[prefix_length:]
     except UnicodeDecodeError:
         return None
-    if user.startswith("["):
+    if user.startswith("[") or _PLAIN_USER_ID.fullmatch(user):
         return user
     try:
         return check_user_id(user, USER_ID_MAX_LENGTH)
@@ -103,6 +124,9 @@ class UnpaidIndex:
         self._foreign_logged: set[bytes] = set()
         self._admit: Script = client.register_script(load_script("admit"))
         self._repair: Script = client.register_script(load_script("repair"))
+        # Run through orders.script_pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
+        # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
+        self._reconcile: Script = client.register_script(load_script("reconcile"))
 
     def key(self, user_id: str) -> str:
         """The one place a user's key name is built."""
@@ -276,6 +300,58 @@ class UnpaidIndex:
             reply: list[Any] = self._repair(keys=[self.key(user_id)], args=args)
         dropped, removed, changed = (int(x) for x in reply)
         return dropped, removed, changed
+
+    def reconcile_keys(
+        self, wanted: dict[str, dict[str, int]], *, now_ms: int, dry_run: bool
+    ) -> dict[str, KeyCheck]:
+        """Make each user's set hold exactly ``wanted[user]`` (order id -> expiry) plus its
+        extras; one script per user, all in one pipelined round trip (``reconcile.lua``).
+
+        Expired members go, wanted ones are added or re-scored, the key's expiry follows its
+        latest member; live members not wanted come back as extras, untouched. Listed in
+        expiry order, a key that is right already costs least. A dry run writes nothing.
+        Foreign data (a key of another type, a member that is not UTF-8) is reported through
+        :meth:`foreign`; such a key is left out of the answer.
+        """
+        users = list(wanted)
+        head = [b"%d" % now_ms, b"%d" % self.key_margin_ms, b"1" if dry_run else b"0"]
+        calls: list[Call] = []
+        for user_id in users:
+            args = head.copy()
+            for order_id, score in wanted[user_id].items():
+                args += (b"%d" % score, order_id.encode())
+            calls.append((self.key(user_id).encode(), args))
+        with redis_errors("reconcile"):
+            replies = run_script_on_keys(self.client, self._reconcile, calls)
+        found: dict[str, KeyCheck] = {}
+        for user_id, reply in zip(users, replies, strict=True):
+            if reply == 0:  # the key was right already
+                found[user_id] = _KEY_RIGHT
+                continue
+            if isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
+                self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "not a sorted set")
+                continue
+            if isinstance(reply, Exception):  # NOPERM, OOM, ...: the store failed, not the data
+                with redis_errors("reconcile"):
+                    raise reply
+            extras = []
+            for member in reply[3:]:  # rare: most fixed keys have none
+                try:
+                    extras.append(_text(member))
+                except UnicodeDecodeError:
+                    self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "member")
+            found[user_id] = KeyCheck(reply[0], reply[1], reply[2], extras)
+        return found
+
+    def remove_members(self, members: list[tuple[str, str]]) -> None:
+        """ZREM each (user id, order id), in one pipelined round trip."""
+        if not members:
+            return
+        with redis_errors("remove_members"):
+            pipe = self.client.pipeline(transaction=False)
+            for user_id, order_id in members:
+                pipe.zrem(self.key(user_id), order_id)
+            pipe.execute()
 
 
 def _glob_escape(text: str) -> str:

@@ -11,8 +11,10 @@ user's set equal to SQL's view:
   until its own expiry drops it;
 * a key left with no members disappears (Redis deletes empty sets).
 
-It walks users in chunks, first the users SQL says have open orders, then every key that
-SCAN finds, so memory stays bounded by the chunk size, however many orders there are.
+It reads SQL's open orders once, in (user, order id) order, a page at a time, and sends
+each page to Redis as one pipelined round trip (a ``reconcile.lua`` script per user); then
+it SCANs for keys of users with no open order left. SQL and Redis round trips grow with
+the number of pages, not of users, and memory stays bounded by the page size.
 A full run finishes by writing the index epoch marker: its absence tells the scheduler
 that Redis lost its data and a rebuild is due. Data under the key prefix that the service
 did not write (a key that names no user, a member that is not UTF-8, a key of another type)
@@ -21,6 +23,8 @@ is skipped, counted in the report and logged once: it never stops a rebuild.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 
@@ -29,6 +33,11 @@ from orders.domain import Clock
 from orders.index import UnpaidIndex
 from orders.records import OrderRecords
 from orders.validation import check_count, check_user_id
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two progress lines of a long rebuild.
+PROGRESS_LOG_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -60,7 +69,7 @@ class Reconciler:
     def __init__(
         self, records: OrderRecords, index: UnpaidIndex, clock: Clock, *, max_user_id_length: int
     ) -> None:
-        self.records = records
+        self.reads = records.reads
         self.index = index
         self.clock = clock
         self.max_user_id_length = max_user_id_length
@@ -75,104 +84,138 @@ class Reconciler:
     ) -> ReconcileReport:
         """Make the Redis index equal to SQL, for one user or for everyone.
 
-        ``on_progress`` is called with the number of users handled after each chunk.
+        ``chunk_size`` is the number of order rows per SQL page and of keys asked of each
+        SCAN call (one SQL query per batch). ``on_progress`` is called with the number of
+        users handled so far after each page and each SCAN batch: keep it cheap.
         """
         check_count("chunk_size", chunk_size, 1, 10_000)
         now_ms = self.clock()
         report = ReconcileReport(dry_run=dry_run)
         foreign_before = self.index.foreign_seen
+        progress = _Progress(on_progress, logged=user_id is None)
         if user_id is not None:
             uid = check_user_id(user_id, self.max_user_id_length)
-            chunks: Iterator[tuple[list[str], bool]] = iter([([uid], False)])
+            self._fix(self.reads.open_by_user([uid], now_ms), now_ms, dry_run, report)
+            progress.step(report.users)
         else:
-            # Then every key SCAN finds, less the users the first pass already covered.
-            chunks = _chain(
-                ((users, False) for users in self._sql_users(now_ms, chunk_size)),
-                ((users, True) for users in self.index.scan_users(chunk=chunk_size)),
-            )
-        for users, skip_open in chunks:
-            self._reconcile_users(users, now_ms, dry_run, report, skip_open=skip_open)
-            if on_progress is not None:
-                on_progress(report.users)
+            for wanted in self._open_pages(now_ms, chunk_size):
+                self._fix(wanted, now_ms, dry_run, report)
+                progress.step(report.users)
+            # Then the keys of users SQL has no open order for (a user only just given one
+            # is indexed by its create: skipped here).
+            for users in self.index.scan_users(chunk=chunk_size):
+                listed = self.reads.users_with_open_among(users, now_ms)
+                rest: dict[str, dict[str, int]] = {user: {} for user in users if user not in listed}
+                if rest:
+                    self._fix(rest, now_ms, dry_run, report)
+                progress.step(report.users)
         report.foreign_skipped = self.index.foreign_seen - foreign_before
         if user_id is None and not dry_run:
             self.index.set_epoch(str(now_ms))
         if not dry_run:
             for kind in ("added", "rescored", "removed_terminal", "removed_expired"):
                 metrics.RECONCILE_FIXES.labels(kind).inc(getattr(report, kind))
+        progress.done(report)
         return report
 
-    def _sql_users(self, now_ms: int, chunk_size: int) -> Iterator[list[str]]:
-        """Users with open unpaid orders, in user-id order, a chunk per query."""
-        after = ""
-        while users := self.records.users_with_open(now_ms, after, chunk_size):
-            yield users
-            after = users[-1]
-
-    def _reconcile_users(
-        self,
-        users: list[str],
-        now_ms: int,
-        dry_run: bool,
-        report: ReconcileReport,
-        *,
-        skip_open: bool,
-    ) -> None:
-        """Repair these users' keys. ``skip_open``: leave out users SQL has open orders for
-        (the pass over SQL's users handled them; a user only just given one is indexed)."""
-        wanted = self.records.open_by_user(users, now_ms)
-        if skip_open:
-            users = [user for user in users if not wanted[user]]
-            if not users:
+    def _open_pages(self, now_ms: int, size: int) -> Iterator[dict[str, dict[str, int]]]:
+        """SQL's open orders as {user: {order id: expiry}}, a page of ``size`` rows per
+        query, in user order (each user's orders by expiry, as in the set). A user whose
+        orders run past a page's end is held over to the next page, so each page holds
+        every open order of its users."""
+        wanted: dict[str, dict[str, int]] = {}
+        after: tuple[str, str, int] | None = None
+        while True:
+            rows = self.reads.open_page(now_ms, after, size)
+            for user, order_id, expires_at_ms in rows:
+                wanted.setdefault(user, {})[order_id] = expires_at_ms
+            if len(rows) < size:
+                if wanted:
+                    yield wanted
                 return
-        present = self.index.members_of(users)
-        users = [user for user in users if user in present]  # foreign keys are left out
-        extra = [
-            order_id
-            for user in users
-            for order_id, score in present[user].items()
-            if order_id not in wanted[user] and score > now_ms
-        ]
-        owners = self.records.open_owners(extra, now_ms)
-        added: list[tuple[str, str]] = []
-        for user in users:
-            have, want = present[user], wanted[user]
-            expired = sum(1 for score in have.values() if score <= now_ms)
-            remove = [
-                o
-                for o, s in have.items()
-                if o not in want and s > now_ms and o in owners and owners[o] != user
-            ]
-            in_flight = sum(
-                1 for o, s in have.items() if o not in want and s > now_ms and o not in owners
-            )
-            add = {o: exp for o, exp in want.items() if have.get(o) != exp}
+            after = rows[-1]
+            last_user = after[0]
+            held = wanted.pop(last_user)
+            if wanted:
+                yield wanted
+            wanted = {last_user: held}
+
+    def _fix(
+        self, wanted: dict[str, dict[str, int]], now_ms: int, dry_run: bool, report: ReconcileReport
+    ) -> None:
+        """Make these users' keys hold ``wanted`` (users in SQL's order); one round trip,
+        plus one SQL read and one round trip each for extras and for what was written."""
+        checks = self.index.reconcile_keys(wanted, now_ms=now_ms, dry_run=dry_run)
+        extras: list[tuple[str, str]] = []
+        written: list[str] = []
+        for user, check in checks.items():  # foreign keys are left out
             report.users += 1
-            report.removed_expired += expired
-            report.removed_terminal += len(remove)
-            report.kept_in_flight += in_flight
-            report.added += sum(1 for o in add if o not in have)
-            report.rescored += sum(1 for o in add if o in have)
-            if dry_run or not (expired or remove or add):
-                continue
-            self.index.repair(user, now_ms=now_ms, remove=remove, add=add)
-            added += [(user, o) for o in add]
-        if added:
+            report.removed_expired += check.expired
+            report.added += check.added
+            report.rescored += check.rescored
+            extras += [(user, order_id) for order_id in check.extras]
+            if check.added or check.rescored:
+                written.append(user)
+        if extras:
+            self._settle_extras(extras, now_ms, dry_run, report)
+        if written and not dry_run:
+            added = [(user, order_id) for user in written for order_id in wanted[user]]
             self._undo_stale_adds(added, now_ms)
+
+    def _settle_extras(
+        self, extras: list[tuple[str, str]], now_ms: int, dry_run: bool, report: ReconcileReport
+    ) -> None:
+        """Live members SQL did not list for their user: one whose order is open for another
+        user or no longer open goes; one with no SQL row stays (a create may be between its
+        Redis and SQL steps) until its own expiry; one just opened for its user stays."""
+        owners = self.reads.open_owners([order_id for _, order_id in extras], now_ms)
+        remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]
+        report.removed_terminal += len(remove)
+        report.kept_in_flight += sum(1 for _, o in extras if o not in owners)
+        if not dry_run:
+            self.index.remove_members(remove)
 
     def _undo_stale_adds(self, added: list[tuple[str, str]], now_ms: int) -> None:
         """Remove what we just added if its order stopped being open meanwhile.
 
         A payment commits, then removes its member; if our add landed after that removal,
         it would linger until expiry. Reading SQL after the add closes the gap: whichever
-        order the two happen in, one of the removals comes last.
+        order the two happen in, one of the removals comes last. One read of the users'
+        range (``added`` is in SQL's user order) covers the whole page.
         """
-        owners = self.records.open_owners([order_id for _, order_id in added], now_ms)
-        for user, order_id in added:
-            if owners.get(order_id) != user:
-                self.index.release(user, order_id)
+        still_open = self.reads.open_in_range(added[0][0], added[-1][0], now_ms)
+        self.index.remove_members([(u, o) for u, o in added if o not in still_open])
 
 
-def _chain(*parts: Iterator[tuple[list[str], bool]]) -> Iterator[tuple[list[str], bool]]:
-    for part in parts:
-        yield from part
+class _Progress:
+    """Reports a run's progress: ``on_progress`` after each step and, for a full run, a log
+    line at most every :data:`PROGRESS_LOG_INTERVAL_S` seconds and one at the end."""
+
+    def __init__(self, on_progress: Callable[[int], None] | None, *, logged: bool) -> None:
+        self.on_progress = on_progress
+        self.logged = logged
+        self.started = self.last_line = time.monotonic()
+
+    def step(self, users: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(users)
+        now = time.monotonic()
+        if self.logged and now - self.last_line >= PROGRESS_LOG_INTERVAL_S:
+            self.last_line = now
+            log.info("reconcile: %d users so far, %.0f users/s", users, self._rate(users, now))
+
+    def done(self, report: ReconcileReport) -> None:
+        if not self.logged:
+            return
+        now = time.monotonic()
+        log.info(
+            "reconcile done%s: %d users in %.1f s (%.0f users/s); %d fixes",
+            " (dry run)" if report.dry_run else "",
+            report.users,
+            now - self.started,
+            self._rate(report.users, now),
+            report.fixes,
+        )
+
+    def _rate(self, users: int, now: float) -> float:
+        return users / max(now - self.started, 1e-9)

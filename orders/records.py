@@ -33,9 +33,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
-from orders.domain import EventKind, Order, OrderStatus, is_open
+from orders.domain import EventKind, Order, OrderStatus
 from orders.errors import OrderNotFound
 from orders.models import UNPAID_PREDICATE, due_at, events_table, open_at, orders_table
+from orders.record_reads import ReconcileReads
 from orders.transactions import Transactions
 
 ORDER = orders_table.c
@@ -49,9 +50,6 @@ _GUARD_COUNT = select(func.count(), func.min(ORDER.expires_at_ms)).where(
 _INSERT_ORDER = insert(orders_table).returning(*orders_table.c)
 _INSERT_EVENT = insert(events_table)
 _SELECT_ORDER = select(*orders_table.c).where(ORDER.id == bindparam("oid"))
-
-#: The maximum number of ids per ``IN (...)`` list.
-_IN_CHUNK = 500
 
 
 class InsertConflict(Exception):
@@ -95,6 +93,8 @@ class OrderRecords:
     def __init__(self, engine: Engine, *, lock_users: bool = True) -> None:
         self.tx = Transactions(engine, lock_users=lock_users)
         self.dialect = self.tx.dialect
+        #: The read-only queries of reconcile.
+        self.reads = ReconcileReads(self.tx)
 
     @property
     def engine(self) -> Engine:
@@ -353,43 +353,16 @@ class OrderRecords:
             conn.commit()
         return rows
 
-    # --- reconcile -------------------------------------------------------------------------
+    # --- reconcile (read-only: orders.record_reads) -------------------------------------
 
     def users_with_open(self, now_ms: int, after: str, limit: int) -> list[str]:
-        """Up to ``limit`` users with open orders whose id sorts after ``after`` (keyset)."""
-        query = (
-            select(ORDER.user_id)
-            .where(open_at(now_ms), ORDER.user_id > after)
-            .group_by(ORDER.user_id)
-            .order_by(ORDER.user_id)
-            .limit(limit)
-        )
-        with self.tx.read() as conn:
-            return list(conn.scalars(query))
+        return self.reads.users_with_open(now_ms, after, limit)
 
     def open_by_user(self, user_ids: Sequence[str], now_ms: int) -> dict[str, dict[str, int]]:
-        """For each user: open order id -> expiry."""
-        query = select(ORDER.user_id, ORDER.id, ORDER.expires_at_ms).where(
-            ORDER.user_id.in_(user_ids), open_at(now_ms)
-        )
-        wanted: dict[str, dict[str, int]] = {user: {} for user in user_ids}
-        with self.tx.read() as conn:
-            for user, order_id, expires_at_ms in conn.execute(query):
-                wanted[user][order_id] = expires_at_ms
-        return wanted
+        return self.reads.open_by_user(user_ids, now_ms)
 
     def open_owners(self, order_ids: Sequence[str], now_ms: int) -> dict[str, str | None]:
-        """For each id that has a row: its user if the order is open, else None."""
-        found: dict[str, str | None] = {}
-        for start in range(0, len(order_ids), _IN_CHUNK):
-            chunk = order_ids[start : start + _IN_CHUNK]
-            query = select(ORDER.id, ORDER.user_id, ORDER.status, ORDER.expires_at_ms).where(
-                ORDER.id.in_(chunk)
-            )
-            with self.tx.read() as conn:
-                for order_id, user, status, expires_at_ms in conn.execute(query):
-                    found[order_id] = user if is_open(status, expires_at_ms, now_ms) else None
-        return found
+        return self.reads.open_owners(order_ids, now_ms)
 
 
 def _closed_with_events(close: Any, closed_at_ms: int) -> Any:

