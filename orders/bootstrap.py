@@ -91,28 +91,23 @@ def build_redis(settings: Settings) -> redis.Redis:
     options: dict[str, Any] = {
         "socket_connect_timeout": settings.redis_socket_timeout_s,
         "health_check_interval": 30,
+        # One quick retry covers a connection the server dropped (for the embedded server,
+        # the retry's reconnect is what starts it again); more would only stretch an
+        # outage past the socket timeout the caller chose.
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 1),
     }
-    backoff = ExponentialWithJitterBackoff(base=0.01, cap=0.1)
     if settings.redis_url is None:
-        from orders.embedded_client import EMBEDDED_RETRIES, embedded_client  # noqa: PLC0415
+        from orders.embedded_client import embedded_client  # noqa: PLC0415
 
         log.debug("redis client for the embedded server of %s", settings.home)
         return embedded_client(
-            settings.home,
-            socket_timeout=settings.redis_socket_timeout_s,
-            retry=Retry(backoff, EMBEDDED_RETRIES),
-            **options,
+            settings.home, socket_timeout=settings.redis_socket_timeout_s, **options
         )
     url: SecretUrl = settings.redis_url
     log.debug("redis client for %s", url)
     try:
         return redis.Redis.from_url(
-            url.reveal(),
-            socket_timeout=settings.redis_socket_timeout_s,
-            # One quick retry covers a connection the server dropped; more would only
-            # stretch an outage past the socket timeout the caller chose.
-            retry=Retry(backoff, 1),
-            **options,
+            url.reveal(), socket_timeout=settings.redis_socket_timeout_s, **options
         )
     except ValueError:
         # Settings checked the URL already; from None: redis-py's message may quote it.

@@ -37,11 +37,6 @@ logger = logging.getLogger(__name__)
 #: A process starts the server at most once in this many seconds.
 MIN_RESTART_INTERVAL_S = 1.0
 
-#: Retries of a command after a connection error. Two, not the one a configured URL gets:
-#: the first retry may still reach the dying server's listening socket (a connect queued
-#: before the kernel closed it is then reset); the second is refused and restarts it.
-EMBEDDED_RETRIES = 2
-
 
 class ServerRestarter:
     """Starts the embedded server of one home again, for one process, at most once a second.
