@@ -28,9 +28,11 @@ from typing import Any
 
 import redis
 from redis.connection import UnixDomainSocketConnection
+from redis.exceptions import BusyLoadingError
 
 from orders.embedded import ensure_redis
 from orders.errors import StoreUnavailable
+from orders.host import POLL_S
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +112,8 @@ class RestartingConnection(UnixDomainSocketConnection):
 
     redis-py's extension point (``connection_class`` of a pool); the pool passes
     ``restarter`` with the other connection arguments. Only a refused connect or a missing
-    socket restart the server: a timeout means a server that is alive but slow.
+    socket restart the server: a timeout means a server that is alive but slow. A server
+    still loading its data (just restarted, by this process or another) is waited for.
     """
 
     def __init__(self, *, restarter: ServerRestarter, **kwargs: Any) -> None:
@@ -126,6 +129,29 @@ class RestartingConnection(UnixDomainSocketConnection):
                 raise
             sock = connect()  # type: ignore[no-untyped-call]
         return sock
+
+    def on_connect_check_health(self, check_health: bool = True) -> None:
+        # The handshake's commands (CLIENT, SELECT) are served while loading; PING is not.
+        super().on_connect_check_health(check_health=check_health)
+        self._wait_until_loaded()
+
+    def _wait_until_loaded(self) -> None:
+        """PING until the server stops answering LOADING, for at most the restart timeout.
+
+        Without it, a call landing while a restarted server replays its append-only file
+        would fail (twice, with its one retry) though the server is about to serve it.
+        """
+        deadline = time.monotonic() + self.restarter.timeout_s
+        while True:
+            self.send_command("PING", check_health=False)  # type: ignore[no-untyped-call]
+            try:
+                self.read_response()
+            except BusyLoadingError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(POLL_S)
+            else:
+                return
 
 
 def embedded_client(home: Path, *, socket_timeout: float, **options: Any) -> redis.Redis:

@@ -29,6 +29,7 @@ from sqlalchemy import Engine, func, select
 from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.embedded import redis_status, stop_redis
+from orders.lease import SweeperLease
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 from tests.helpers import REPO, child_env, stop_process
@@ -129,7 +130,9 @@ def wait_for(what: str, condition: object, timeout_s: float, *procs: subprocess.
     deadline = time.monotonic() + timeout_s
     while not condition():
         for proc in procs:
-            assert proc.poll() is None, f"a child exited ({proc.returncode}) before: {what}"
+            if proc.poll() is not None:
+                stderr = proc.communicate()[1]
+                pytest.fail(f"a child exited ({proc.returncode}) before: {what}\n{stderr}")
         assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
         time.sleep(0.02)
 
@@ -286,11 +289,15 @@ def test_the_scheduler_restarts_its_dead_server_within_its_next_ticks(home: Path
             "the scheduler starts the server", lambda: redis_status(home) is not None, 60, proc
         )
         service = OrderService(engine, client, settings)
-        wait_for("the schema", lambda: _has_schema(engine), 60, proc)
+        # It has started (not still starting the server) once it holds the sweep lease.
+        lease = SweeperLease(client, key_prefix=service.index.key_prefix)
+        wait_for("the scheduler's first tick", lambda: lease.owner() is not None, 60, proc)
         before = service.create_unpaid_order("u1", ttl_s=2)  # expires after the kill
-        old_pid, _ = kill_server(home)
+        old_pid, killed_at = kill_server(home)
 
         wait_for("a new server", lambda: new_server(home, old_pid), 20, proc)
+        back_s = time.monotonic() - killed_at
+        print(f"\nthe scheduler's new server answered {back_s:.2f} s after the kill")
         assert client.ping() is True  # the new server answers on the socket
         after = service.create_unpaid_order("u2", ttl_s=0.5)
         wait_for(
@@ -355,12 +362,3 @@ def test_two_processes_that_find_it_dead_at_once_start_one_server(home: Path) ->
     read = [HostLog.read(log) for log in logs]
     assert [r.errors for r in read] == [[], []], stderrs
     assert_stores_agree(home, read, ["a", "b"])
-
-
-def _has_schema(engine: Engine) -> bool:
-    from orders import migrate  # noqa: PLC0415
-
-    try:
-        return migrate.is_current(engine)
-    except Exception:
-        return False

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from orders.bootstrap import build_redis
 from orders.config import Settings
@@ -444,6 +446,48 @@ def test_a_command_in_flight_when_the_server_dies_completes_on_a_restarted_one(
     assert servers_under(home) == [second.pid]
     assert client.get("kept") == b"1"  # reloaded from its append-only file
     assert restarter_of(client).attempts == 1
+    client.close()
+
+
+def test_a_server_another_process_restarted_is_waited_for_while_it_loads(home: Path) -> None:
+    client = build_redis(Settings(home=home, redis_socket_timeout_s=5))
+    first = redis_status(home)
+    assert first is not None
+    client.set("kept", b"1")
+    with redis.Redis.from_url(first.url, socket_timeout=30) as admin:
+        # Enough data, as plain commands, for the restarted server to load a while.
+        admin.execute_command("DEBUG", "POPULATE", 500_000)
+        admin.config_set("aof-use-rdb-preamble", "no")
+        admin.bgrewriteaof()
+        deadline = time.monotonic() + 60
+        while any(
+            admin.info("persistence")[k]
+            for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")
+        ):
+            assert time.monotonic() < deadline, "the AOF rewrite did not finish"
+            time.sleep(0.02)
+    kill_server(home)
+    other = threading.Thread(target=ensure_redis, args=(home,), kwargs={"timeout_s": 60})
+    other.start()  # another process restarts it
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "never saw the server loading"
+            try:
+                with redis.Redis.from_url(first.url, retry=Retry(NoBackoff(), 0)) as probe:
+                    probe.ping()
+            except redis.BusyLoadingError:
+                break
+            except redis.ConnectionError:
+                pass
+            else:
+                pytest.fail("the server finished loading before the test saw it loading")
+            time.sleep(0.002)
+
+        assert client.get("kept") == b"1"  # waited for the load instead of failing
+        assert restarter_of(client).attempts == 0  # it found the server, started none
+    finally:
+        other.join(60)
     client.close()
 
 
