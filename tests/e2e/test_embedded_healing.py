@@ -66,12 +66,12 @@ with log_path.open("a", buffering=1) as log:
                 oldest = orders.list_unpaid(user)[0]
                 orders.cancel_order(oldest.id)
             except OrdersError as exc:
-                log.write(f"err {type(exc).__name__} {time.monotonic()}\\n")
+                log.write(f"err {type(exc).__name__} {time.monotonic()} {exc} {exc.__cause__!r}\\n")
             else:
                 log.write(f"cancel {oldest.id} {time.monotonic()}\\n")
             continue
         except OrdersError as exc:
-            log.write(f"err {type(exc).__name__} {time.monotonic()}\\n")
+            log.write(f"err {type(exc).__name__} {time.monotonic()} {exc} {exc.__cause__!r}\\n")
             time.sleep(0.01)
             continue
         log.write(f"ok {order.id} {started} {time.monotonic()}\\n")
@@ -84,20 +84,20 @@ class HostLog:
 
     created: list[tuple[str, float, float]]  # id, called at, returned at
     cancelled: list[str]
-    errors: list[tuple[str, float]]
+    errors: list[tuple[str, float, str]]  # error type, when, what it says
 
     @classmethod
     def read(cls, path: Path) -> HostLog:
         created, cancelled, errors = [], [], []
         text = path.read_text() if path.exists() else ""
         for line in text.split("\n")[:-1]:  # not a last line still being written
-            kind, what, *times = line.split()
+            kind, what, *times = line.split(" ", 3)
             if kind == "ok":
                 created.append((what, float(times[0]), float(times[1])))
             elif kind == "cancel":
                 cancelled.append(what)
             else:
-                errors.append((what, float(times[0])))
+                errors.append((what, float(times[0]), times[1]))
         return cls(created, cancelled, errors)
 
     def created_after(self, at: float) -> list[float]:
