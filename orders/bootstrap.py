@@ -83,23 +83,31 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None
 
 
 def build_redis(settings: Settings) -> redis.Redis:
-    """A redis-py client for the configured URL, or for the embedded server of ``home``."""
-    if settings.redis_url is not None:
-        url = settings.redis_url
-    else:
-        from orders.embedded import ensure_redis  # noqa: PLC0415
+    """A redis-py client for the configured URL, or for the embedded server of ``home``.
 
-        url = SecretUrl(ensure_redis(settings.home).url)
+    The embedded one also starts its server again when it finds it gone
+    (:mod:`orders.embedded_client`); a configured server is never started by us.
+    """
+    options: dict[str, Any] = {
+        "socket_connect_timeout": settings.redis_socket_timeout_s,
+        "health_check_interval": 30,
+        # One quick retry covers a connection the server dropped (for the embedded server,
+        # the retry's reconnect is what starts it again); more would only stretch an
+        # outage past the socket timeout the caller chose.
+        "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 1),
+    }
+    if settings.redis_url is None:
+        from orders.embedded_client import embedded_client  # noqa: PLC0415
+
+        log.debug("redis client for the embedded server of %s", settings.home)
+        return embedded_client(
+            settings.home, socket_timeout=settings.redis_socket_timeout_s, **options
+        )
+    url: SecretUrl = settings.redis_url
     log.debug("redis client for %s", url)
     try:
         return redis.Redis.from_url(
-            url.reveal(),
-            socket_timeout=settings.redis_socket_timeout_s,
-            socket_connect_timeout=settings.redis_socket_timeout_s,
-            health_check_interval=30,
-            # One quick retry covers a connection the server dropped; more would only
-            # stretch an outage past the socket timeout the caller chose.
-            retry=Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 1),
+            url.reveal(), socket_timeout=settings.redis_socket_timeout_s, **options
         )
     except ValueError:
         # Settings checked the URL already; from None: redis-py's message may quote it.

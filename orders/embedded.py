@@ -11,6 +11,7 @@ for its home folder and talks to it over a unix socket only (never TCP)::
     <home>/orders.db    the SQLite file (see :func:`sqlite_url`)
 
 The server daemonises, so it outlives the process that started it; :func:`stop_redis` ends it.
+A long-lived process's client (:mod:`orders.embedded_client`) starts it again if it dies.
 
 Which server is "the one for this home" is decided by the socket: a server that answers PING
 on ``<home>/redis.sock`` is it, and its pid is the one it reports (``INFO server``). The

@@ -1,4 +1,5 @@
-"""The embedded redis-server: a real one, started, shared, persisted and stopped per home.
+"""The embedded redis-server: a real one, started, shared, persisted and stopped per home,
+and started again by a client that finds it dead.
 
 Self-contained: every test gets a short home under /tmp (unix socket paths are short) and
 the fixture stops, by pid, every redis-server whose working dir is under that home.
@@ -14,13 +15,18 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from orders.bootstrap import build_redis
+from orders.config import Settings
 from orders.embedded import (
     EmbeddedRedis,
     ensure_redis,
@@ -28,7 +34,9 @@ from orders.embedded import (
     sqlite_url,
     stop_redis,
 )
+from orders.embedded_client import MIN_RESTART_INTERVAL_S, ServerRestarter
 from orders.errors import StoreUnavailable
+from orders.index import UnpaidIndex
 from tests.helpers import child_env, run_python, stop_process
 
 pytestmark = pytest.mark.skipif(
@@ -386,3 +394,164 @@ def test_startup_failure_shows_the_log(home: Path) -> None:
 def test_sqlite_url(base: Path) -> None:
     assert sqlite_url(base) == f"sqlite:///{base}/orders.db"
     assert sqlite_url(base / "a b").endswith("/a%20b/orders.db")
+
+
+# --- a client that starts its dead server again (orders.embedded_client) ---------------------
+
+
+def restarter_of(client: redis.Redis) -> ServerRestarter:
+    restarter = client.connection_pool.connection_kwargs["restarter"]
+    assert isinstance(restarter, ServerRestarter)
+    return restarter
+
+
+def kill_server(home: Path) -> int:
+    running = redis_status(home)
+    assert running is not None
+    os.kill(running.pid, signal.SIGKILL)
+    assert wait_dead(running.pid)
+    return running.pid
+
+
+def test_a_command_in_flight_when_the_server_dies_completes_on_a_restarted_one(
+    home: Path,
+) -> None:
+    client = build_redis(Settings(home=home))
+    first = redis_status(home)
+    assert first is not None
+    client.set("kept", b"1")
+    results: list[object] = []
+
+    def slow_command() -> None:
+        # BLPOP blocks this client only: the server stays free to answer CLIENT LIST.
+        try:
+            results.append(client.blpop(["nothing"], timeout=0.3))
+        except Exception as exc:
+            results.append(exc)
+
+    thread = threading.Thread(target=slow_command)
+    with redis.Redis.from_url(first.url, socket_timeout=2) as watcher:
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not any(c.get("cmd") == "blpop" for c in watcher.client_list()):
+            assert time.monotonic() < deadline, "the command never reached the server"
+            time.sleep(0.005)
+    os.kill(first.pid, signal.SIGKILL)  # while the command is in flight
+    thread.join(30)
+
+    assert results == [None]  # timed out, retried once, on a server the reconnect started
+    second = redis_status(home)
+    assert second is not None
+    assert second.pid != first.pid
+    assert servers_under(home) == [second.pid]
+    assert client.get("kept") == b"1"  # reloaded from its append-only file
+    assert restarter_of(client).attempts == 1
+    client.close()
+
+
+def test_a_server_another_process_restarted_is_waited_for_while_it_loads(home: Path) -> None:
+    client = build_redis(Settings(home=home, redis_socket_timeout_s=5))
+    first = redis_status(home)
+    assert first is not None
+    client.set("kept", b"1")
+    with redis.Redis.from_url(first.url, socket_timeout=30) as admin:
+        # Enough data, as plain commands, for the restarted server to load a while.
+        admin.execute_command("DEBUG", "POPULATE", 500_000)
+        admin.config_set("aof-use-rdb-preamble", "no")
+        admin.bgrewriteaof()
+        deadline = time.monotonic() + 60
+        while any(
+            admin.info("persistence")[k]
+            for k in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")
+        ):
+            assert time.monotonic() < deadline, "the AOF rewrite did not finish"
+            time.sleep(0.02)
+    kill_server(home)
+    other = threading.Thread(target=ensure_redis, args=(home,), kwargs={"timeout_s": 60})
+    other.start()  # another process restarts it
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "never saw the server loading"
+            try:
+                with redis.Redis.from_url(first.url, retry=Retry(NoBackoff(), 0)) as probe:
+                    probe.ping()
+            except redis.BusyLoadingError:
+                break
+            except redis.ConnectionError:
+                pass
+            else:
+                pytest.fail("the server finished loading before the test saw it loading")
+            time.sleep(0.002)
+
+        assert client.get("kept") == b"1"  # waited for the load instead of failing
+        assert restarter_of(client).attempts == 0  # it found the server, started none
+    finally:
+        other.join(60)
+    client.close()
+
+
+def test_a_failed_restart_raises_promptly_and_is_tried_at_most_once_a_second(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings(home=home, redis_socket_timeout_s=0.5)
+    client = build_redis(settings)
+    index = UnpaidIndex(client, key_prefix="UnpaidOrder-", key_margin_ms=0)
+    restarter = restarter_of(client)
+    kill_server(home)
+    bogus = home.parent / "bogus-redis-server"
+    bogus.write_text("#!/bin/sh\nexit 1\n")
+    bogus.chmod(0o755)
+    monkeypatch.setenv("ORDERS_REDIS_SERVER", str(bogus))
+
+    for _ in range(5):
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            index.members("u1")
+        # Bounded by the timeouts (a lock wait and a start of 0.5 s each), with slack.
+        assert time.monotonic() - started < 2 * settings.redis_socket_timeout_s + 2
+    assert restarter.attempts == 1  # five calls within a second: one start tried
+    assert redis_status(home) is None
+
+    # The same restarter on a clock the test moves: one attempt per interval.
+    now = [0.0]
+    paced = ServerRestarter(home, timeout_s=0.5, clock=lambda: now[0])
+    assert paced.restart() is False
+    assert paced.restart() is False
+    assert paced.attempts == 1
+    now[0] += MIN_RESTART_INTERVAL_S
+    monkeypatch.delenv("ORDERS_REDIS_SERVER")
+    assert paced.restart() is True
+    assert paced.attempts == 2
+    assert redis_status(home) is not None
+    client.close()
+
+
+def test_a_configured_url_never_gets_its_server_started(home: Path) -> None:
+    server = ensure_redis(home)
+    client = build_redis(Settings(home=home / "other", redis_url=server.url))
+    assert client.ping() is True
+    kill_server(home)
+
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+    assert redis_status(home) is None
+    assert servers_under(home.parent) == []
+    client.close()
+
+
+def test_a_stopped_server_comes_back_but_not_in_a_removed_home(home: Path) -> None:
+    client = build_redis(Settings(home=home))
+    assert client.ping() is True
+    assert stop_redis(home) is True  # `orders server stop` with a long-lived client left
+    assert client.ping() is True  # it started it again
+    assert redis_status(home) is not None
+
+    stop_redis(home)
+    shutil.rmtree(home)
+    restarter_of(client).min_interval_s = 0  # not paced: the refusal is the home's absence
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+    assert not home.exists()  # not recreated
+    assert servers_under(home.parent) == []
+    client.close()
