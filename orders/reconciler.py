@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 
 from orders import metrics
 from orders.domain import Clock
-from orders.index import UnpaidIndex
+from orders.index import PendingReconcile, UnpaidIndex
 from orders.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
@@ -98,17 +98,8 @@ class Reconciler:
             self._fix(self.reads.open_by_user([uid], now_ms), now_ms, dry_run, report)
             progress.step(report.users)
         else:
-            for wanted in self._open_pages(now_ms, chunk_size):
-                self._fix(wanted, now_ms, dry_run, report)
-                progress.step(report.users)
-            # Then the keys of users SQL has no open order for (a user only just given one
-            # is indexed by its create: skipped here).
-            for users in self.index.scan_users(chunk=chunk_size):
-                listed = self.reads.users_with_open_among(users, now_ms)
-                rest: dict[str, dict[str, int]] = {user: {} for user in users if user not in listed}
-                if rest:
-                    self._fix(rest, now_ms, dry_run, report)
-                progress.step(report.users)
+            self._scan_pass(now_ms, chunk_size, dry_run, report, progress)
+            self._sql_pass(now_ms, chunk_size, dry_run, report, progress)
         report.foreign_skipped = self.index.foreign_seen - foreign_before
         if user_id is None and not dry_run:
             self.index.set_epoch(str(now_ms))
@@ -117,6 +108,35 @@ class Reconciler:
                 metrics.RECONCILE_FIXES.labels(kind).inc(getattr(report, kind))
         progress.done(report)
         return report
+
+    def _scan_pass(
+        self, now_ms: int, size: int, dry_run: bool, report: ReconcileReport, progress: _Progress
+    ) -> None:
+        """The keys of users SQL has no open order for, a SCAN batch at a time; a user with
+        one is left to the SQL pass."""
+        for users in self.index.scan_users(chunk=size):
+            idle = self.reads.users_without_open(users, now_ms)
+            if idle:
+                self._fix({user: {} for user in idle}, now_ms, dry_run, report)
+            progress.step(report.users)
+
+    def _sql_pass(
+        self, now_ms: int, size: int, dry_run: bool, report: ReconcileReport, progress: _Progress
+    ) -> None:
+        """SQL's open orders, a page at a time: while Redis runs a page's scripts, the next
+        page is read from SQL."""
+        pages = self._open_pages(now_ms, size)
+        wanted = next(pages, None)
+        while wanted is not None:
+            pending = self.index.send_reconcile(wanted, now_ms=now_ms, dry_run=dry_run)
+            try:
+                following = next(pages, None)
+            except BaseException:
+                pending.abandon()
+                raise
+            self._settle(pending, wanted, now_ms, dry_run, report)
+            progress.step(report.users)
+            wanted = following
 
     def _open_pages(self, now_ms: int, size: int) -> Iterator[dict[str, dict[str, int]]]:
         """SQL's open orders as {user: {order id: expiry}}, a page of ``size`` rows per
@@ -143,23 +163,29 @@ class Reconciler:
     def _fix(
         self, wanted: dict[str, dict[str, int]], now_ms: int, dry_run: bool, report: ReconcileReport
     ) -> None:
-        """Make these users' keys hold ``wanted`` (users in SQL's order); one round trip,
-        plus one SQL read and one round trip each for extras and for what was written."""
-        checks = self.index.reconcile_keys(wanted, now_ms=now_ms, dry_run=dry_run)
-        extras: list[tuple[str, str]] = []
-        written: list[str] = []
-        for user, check in checks.items():  # foreign keys are left out
-            report.users += 1
-            report.removed_expired += check.expired
-            report.added += check.added
-            report.rescored += check.rescored
-            extras += [(user, order_id) for order_id in check.extras]
-            if check.added or check.rescored:
-                written.append(user)
-        if extras:
-            self._settle_extras(extras, now_ms, dry_run, report)
-        if written and not dry_run:
-            added = [(user, order_id) for user in written for order_id in wanted[user]]
+        """Make these users' keys hold ``wanted`` (users in SQL's order)."""
+        pending = self.index.send_reconcile(wanted, now_ms=now_ms, dry_run=dry_run)
+        self._settle(pending, wanted, now_ms, dry_run, report)
+
+    def _settle(
+        self,
+        pending: PendingReconcile,
+        wanted: dict[str, dict[str, int]],
+        now_ms: int,
+        dry_run: bool,
+        report: ReconcileReport,
+    ) -> None:
+        """Read the scripts' outcome into the report; then one SQL read and one round trip
+        each for extras and for what was written."""
+        found = pending.read()
+        report.users += found.users
+        report.removed_expired += found.expired
+        report.added += found.added
+        report.rescored += found.rescored
+        if found.extras:
+            self._settle_extras(found.extras, now_ms, dry_run, report)
+        if found.written and not dry_run:
+            added = [(user, order_id) for user in found.written for order_id in wanted[user]]
             self._undo_stale_adds(added, now_ms)
 
     def _settle_extras(
