@@ -302,13 +302,12 @@ class UnpaidIndex:
         dropped, removed, changed = (int(x) for x in reply)
         return dropped, removed, changed
 
-    def send_reconcile(
+    def reconcile_batch(
         self, wanted: dict[str, dict[str, int]], *, now_ms: int, dry_run: bool
-    ) -> PendingReconcile:
-        """Start making each user's set hold exactly ``wanted[user]`` (order id -> expiry,
-        best in expiry order: a right key then costs least) plus its extras: one
-        ``reconcile.lua`` per user, all written at once. Collect the outcome with
-        :meth:`PendingReconcile.read` (or give it up with ``abandon``).
+    ) -> ReconcileBatch:
+        """The calls that make each user's set hold exactly ``wanted[user]`` (order id ->
+        expiry, best in expiry order: a right key then costs least) plus its extras: one
+        ``reconcile.lua`` per user, packed, to be sent at once (see :class:`ReconcileBatch`).
 
         Expired members go, wanted ones are added or re-scored, the key's expiry follows its
         latest member; live members not wanted come back as extras, untouched. A dry run
@@ -322,8 +321,7 @@ class UnpaidIndex:
             for order_id, score in orders.items():
                 args += (b"%d" % score, order_id.encode())
             packer.add(prefix + user_id.encode(), args)
-        with redis_errors("reconcile"):
-            return PendingReconcile(self, list(wanted), send_calls(self.client, packer))
+        return ReconcileBatch(self, list(wanted), packer)
 
     def remove_members(self, members: list[tuple[str, str]]) -> None:
         """ZREM each (user id, order id), in one pipelined round trip."""
@@ -340,20 +338,32 @@ def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
-class PendingReconcile:
-    """The reconcile scripts of a batch of users, sent; their replies not read yet."""
+class ReconcileBatch:
+    """The reconcile scripts of a batch of users: :meth:`send` writes them all and returns
+    at once, :meth:`read` collects the outcome (sending first if need be). Once sent, read
+    or :meth:`abandon` must follow, so no reply is left on a pooled connection."""
 
-    def __init__(self, index: UnpaidIndex, users: list[str], sent: SentCalls) -> None:
+    def __init__(self, index: UnpaidIndex, users: list[str], packer: CallPacker) -> None:
         self.index = index
         self.users = users
-        self.sent = sent
+        self.packer = packer
+        self.sent: SentCalls | None = None
+
+    def send(self) -> None:
+        with redis_errors("reconcile"):
+            self.sent = send_calls(self.index.client, self.packer)
 
     def abandon(self) -> None:
-        self.sent.abandon()
+        """Give up replies not read yet (closes their connection); else nothing."""
+        if self.sent is not None:
+            self.sent.abandon()
 
     def read(self) -> KeysChecked:
         """Collect the replies. Foreign data (a key of another type, a member that is not
         UTF-8) is reported through :meth:`UnpaidIndex.foreign` and left out."""
+        if self.sent is None:
+            self.send()
+        assert self.sent is not None
         with redis_errors("reconcile"):
             replies = self.sent.read()
         found = KeysChecked(users=len(self.users))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 
 from orders import metrics
 from orders.domain import Clock
-from orders.index import PendingReconcile, UnpaidIndex
+from orders.index import KeysChecked, ReconcileBatch, UnpaidIndex
 from orders.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
@@ -123,20 +123,31 @@ class Reconciler:
     def _sql_pass(
         self, now_ms: int, size: int, dry_run: bool, report: ReconcileReport, progress: _Progress
     ) -> None:
-        """SQL's open orders, a page at a time: while Redis runs a page's scripts, the next
-        page is read from SQL."""
+        """SQL's open orders, a page at a time, the two stores kept busy together: while
+        Redis runs a page's scripts, the next page is read from SQL and packed; once the
+        replies are in, that page goes out and the first one's extras and adds are settled.
+        At most one page's replies are outstanding; whatever ends the pass early (an error,
+        ``on_progress`` raising) closes the connection they would come back on."""
         pages = self._open_pages(now_ms, size)
         wanted = next(pages, None)
-        while wanted is not None:
-            pending = self.index.send_reconcile(wanted, now_ms=now_ms, dry_run=dry_run)
-            try:
+        in_flight: ReconcileBatch | None = None
+        try:
+            if wanted is not None:
+                in_flight = self._batch(wanted, now_ms, dry_run)
+                in_flight.send()
+            while wanted is not None and in_flight is not None:
                 following = next(pages, None)
-            except BaseException:
-                pending.abandon()
-                raise
-            self._settle(pending, wanted, now_ms, dry_run, report)
-            progress.step(report.users)
-            wanted = following
+                upcoming = None if following is None else self._batch(following, now_ms, dry_run)
+                found = in_flight.read()
+                if upcoming is not None:
+                    upcoming.send()
+                in_flight = upcoming
+                self._record(found, wanted, now_ms, dry_run, report)
+                progress.step(report.users)
+                wanted = following
+        finally:
+            if in_flight is not None:
+                in_flight.abandon()  # nothing when its replies were read
 
     def _open_pages(self, now_ms: int, size: int) -> Iterator[dict[str, dict[str, int]]]:
         """SQL's open orders as {user: {order id: expiry}}, a page of ``size`` rows per
@@ -160,24 +171,28 @@ class Reconciler:
                 yield wanted
             wanted = {last_user: held}
 
+    def _batch(
+        self, wanted: dict[str, dict[str, int]], now_ms: int, dry_run: bool
+    ) -> ReconcileBatch:
+        return self.index.reconcile_batch(wanted, now_ms=now_ms, dry_run=dry_run)
+
     def _fix(
         self, wanted: dict[str, dict[str, int]], now_ms: int, dry_run: bool, report: ReconcileReport
     ) -> None:
-        """Make these users' keys hold ``wanted`` (users in SQL's order)."""
-        pending = self.index.send_reconcile(wanted, now_ms=now_ms, dry_run=dry_run)
-        self._settle(pending, wanted, now_ms, dry_run, report)
+        """Make these users' keys hold ``wanted`` (users in SQL's order), in one go."""
+        found = self._batch(wanted, now_ms, dry_run).read()
+        self._record(found, wanted, now_ms, dry_run, report)
 
-    def _settle(
+    def _record(
         self,
-        pending: PendingReconcile,
+        found: KeysChecked,
         wanted: dict[str, dict[str, int]],
         now_ms: int,
         dry_run: bool,
         report: ReconcileReport,
     ) -> None:
-        """Read the scripts' outcome into the report; then one SQL read and one round trip
-        each for extras and for what was written."""
-        found = pending.read()
+        """Count what the scripts found; then one SQL read and one round trip each for
+        extras and for what was written."""
         report.users += found.users
         report.removed_expired += found.expired
         report.added += found.added

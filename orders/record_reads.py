@@ -68,7 +68,9 @@ _OPEN_IN_RANGE = select(ORDER.id).where(
 # SQLite, an array on PostgreSQL), each user is one probe of the index, and only the users
 # without an open order come back (on a right index, hardly any).
 _SQLITE_BATCH = func.json_each(bindparam("users", type_=String)).table_valued("value")
-_PG_BATCH = func.unnest(bindparam("users", type_=postgresql.ARRAY(String))).column_valued("batch_user")
+_PG_BATCH = func.unnest(bindparam("users", type_=postgresql.ARRAY(String))).column_valued(
+    "batch_user"
+)
 
 
 def _idle_users(user: ColumnElement[str]) -> Select[Any]:
@@ -113,8 +115,7 @@ class ReconcileReads:
         if self.tx.dialect != "postgresql":
             query, users = _SQLITE_IDLE, json.dumps(users)
         with self.tx.read() as conn:
-            found = list(conn.scalars(query, {"users": users, "now_ms": now_ms}).all())
-        return found
+            return list(conn.scalars(query, {"users": users, "now_ms": now_ms}).all())
 
     def users_with_open(self, now_ms: int, after: str, limit: int) -> list[str]:
         """Up to ``limit`` users with open orders whose id sorts after ``after`` (keyset)."""
