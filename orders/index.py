@@ -14,8 +14,8 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Generator, Iterable, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib import resources
@@ -26,7 +26,7 @@ from redis.commands.core import Script
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.script_pipeline import CallPacker, SentCalls, send_calls
+from orders.script_pipeline import CallPacker, SentCalls, scan_ahead, send_calls
 from orders.validation import USER_ID_MAX_LENGTH, check_user_id
 
 log = logging.getLogger(__name__)
@@ -217,18 +217,21 @@ class UnpaidIndex:
         with redis_errors("set_epoch"):
             self.client.set(self.epoch_key(), value)
 
-    def scan_users(self, *, chunk: int = 500) -> Iterator[list[str]]:
-        """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking).
+    def scan_users(self, *, chunk: int = 500) -> Generator[list[str]]:
+        """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking); the
+        next SCAN call runs on the server while the caller works on a batch, so close the
+        iterator when stopping early (``contextlib.closing``).
 
         A key under the prefix that no user id can name (not UTF-8, not a valid id) is
         foreign: it is skipped and reported through :meth:`foreign`, never an error.
         """
         pattern = _glob_escape(self.key_prefix) + "*"
         start = len(self.key_prefix)
-        with redis_errors("scan_users"):
-            cursor: int = 0
-            while True:
-                cursor, keys = self.client.scan(cursor, match=pattern, count=chunk)
+        with (
+            redis_errors("scan_users"),
+            closing(scan_ahead(self.client, pattern, chunk)) as batches,
+        ):
+            for keys in batches:
                 users = []
                 for key in keys:
                     user = _user_of(key, start)
@@ -238,8 +241,6 @@ class UnpaidIndex:
                         users.append(user)
                 if users:
                     yield users
-                if cursor == 0:
-                    return
 
     def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
         """Every member with its score for each user, in one pipelined round trip.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, fields
 
 from orders import metrics
@@ -114,11 +115,12 @@ class Reconciler:
     ) -> None:
         """The keys of users SQL has no open order for, a SCAN batch at a time; a user with
         one is left to the SQL pass."""
-        for users in self.index.scan_users(chunk=size):
-            idle = self.reads.users_without_open(users, now_ms)
-            if idle:
-                self._fix({user: {} for user in idle}, now_ms, dry_run, report)
-            progress.step(report.users)
+        with closing(self.index.scan_users(chunk=size)) as batches:
+            for users in batches:
+                idle = self.reads.users_without_open(users, now_ms)
+                if idle:
+                    self._fix({user: {} for user in idle}, now_ms, dry_run, report)
+                progress.step(report.users)
 
     def _sql_pass(
         self, now_ms: int, size: int, dry_run: bool, report: ReconcileReport, progress: _Progress

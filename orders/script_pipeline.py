@@ -13,7 +13,7 @@ changes on Redis Cluster but the connection a key's calls go to.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import redis
@@ -140,3 +140,60 @@ def _read_replies(conn: Any, count: int) -> list[Any]:
         conn.disconnect()  # replies may be left unread: never hand this socket out again
         raise
     return replies
+
+
+def scan_ahead(client: redis.Redis, pattern: str, count: int) -> Generator[list[bytes]]:
+    """The keys matching ``pattern``, a SCAN call's worth at a time (empty lists left out),
+    with the next call sent before a batch is handed out: the server works on it while the
+    caller works on the batch. Close the iterator when stopping early (the connection is
+    then closed, its reply unread). A failed connection is retried from the last cursor,
+    as the client's Retry allows."""
+    pool = client.connection_pool
+    conn: Any = pool.get_connection()
+    args = ("MATCH", pattern, "COUNT", count)
+    try:
+        cursor = 0
+        sent = _send_quietly(conn, ("SCAN", cursor, *args))
+        while True:
+            cursor, keys = _scan_reply(conn, ("SCAN", cursor, *args), sent=sent)
+            if cursor:
+                sent = _send_quietly(conn, ("SCAN", cursor, *args))
+            if keys:
+                yield keys
+            if not cursor:
+                return
+    except BaseException:
+        conn.disconnect()  # a reply may be left unread: never hand this socket out again
+        raise
+    finally:
+        pool.release(conn)
+
+
+def _send_quietly(conn: Any, command: tuple[Any, ...]) -> bool:
+    """Send ``command``; False when that failed (the connection is closed; the read sends
+    again)."""
+    try:
+        conn.send_command(*command)
+    except redis.RedisError:
+        conn.disconnect()
+        return False
+    return True
+
+
+def _scan_reply(conn: Any, command: tuple[Any, ...], *, sent: bool) -> tuple[int, list[bytes]]:
+    """The reply of ``command`` (sent already unless ``sent`` is False); it is sent again
+    after a connection failure."""
+    attempts = 0
+
+    def attempt() -> tuple[int, list[bytes]]:
+        nonlocal attempts
+        attempts += 1
+        if attempts > 1 or not sent:
+            conn.send_command(*command)
+        cursor, keys = conn.read_response()
+        return int(cursor), keys
+
+    result: tuple[int, list[bytes]] = conn.retry.call_with_retry(
+        attempt, lambda _error: conn.disconnect()
+    )
+    return result
