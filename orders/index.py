@@ -318,10 +318,7 @@ class UnpaidIndex:
         packer = CallPacker(self._reconcile, head)
         prefix = self.key_prefix.encode()
         for user_id, orders in wanted.items():
-            args: list[bytes] = []
-            for order_id, score in orders.items():
-                args += (b"%d" % score, order_id.encode())
-            packer.add(prefix + user_id.encode(), args)
+            packer.add_pairs(prefix + user_id.encode(), orders)
         return ReconcileBatch(self, list(wanted), packer)
 
     def remove_members(self, members: list[tuple[str, str]]) -> None:

@@ -11,10 +11,31 @@ user's set equal to SQL's view:
   until its own expiry drops it;
 * a key left with no members disappears (Redis deletes empty sets).
 
-It reads SQL's open orders once, in (user, order id) order, a page at a time, and sends
-each page to Redis as one pipelined round trip (a ``reconcile.lua`` script per user); then
-it SCANs for keys of users with no open order left. SQL and Redis round trips grow with
-the number of pages, not of users, and memory stays bounded by the page size.
+A full run makes two passes; ``now`` is read once at the start, and every SCAN batch and
+every page reads SQL afresh.
+
+1. SCAN pass: the keys of users SQL has no open order for (one SQL query per SCAN batch;
+   users with one are left to the SQL pass). All their members are extras. After a flush
+   it finds nothing, so a rebuild costs the SQL pass alone.
+2. SQL pass: SQL's open orders once, in (user, expiry, id) order, a page at a time, each
+   page one pipelined round trip (a ``reconcile.lua`` script per user); while Redis runs a
+   page, the next one is read and packed.
+
+SQL and Redis round trips grow with the number of pages and SCAN batches, not of users,
+and memory stays bounded by the page size. Writes landing during the run:
+
+* A create writes its member itself. If its row is committed when its user's page is read,
+  the SQL pass lists it; if not, the member is an extra without a row and stays.
+* A payment or cancel commits, then removes its member. If the user still has an open
+  order when its page is read, the SQL pass fixes the whole key (a removal that failed
+  included); if the page listed the order and our add lands after that removal, the
+  stale-add check (SQL read after the add) takes it out again.
+* Not promised by one run: a user whose last open order closes after its SCAN batch and
+  before its page (or whose first one opens between the passes) may be fixed by neither
+  pass (or counted twice). Members it held before the run then wait for the next run or
+  their own expiry; the run itself never leaves a wrong member behind. The passes the
+  other way round had the mirror case.
+
 A full run finishes by writing the index epoch marker: its absence tells the scheduler
 that Redis lost its data and a rebuild is due. Data under the key prefix that the service
 did not write (a key that names no user, a member that is not UTF-8, a key of another type)
@@ -87,7 +108,8 @@ class Reconciler:
 
         ``chunk_size`` is the number of order rows per SQL page and of keys asked of each
         SCAN call (one SQL query per batch). ``on_progress`` is called with the number of
-        users handled so far after each page and each SCAN batch: keep it cheap.
+        users handled so far after each SCAN batch and each page: keep it cheap. What it
+        raises ends the run (the SCAN call or page in flight is given up) and propagates.
         """
         check_count("chunk_size", chunk_size, 1, 10_000)
         now_ms = self.clock()

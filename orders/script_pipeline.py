@@ -1,4 +1,6 @@
-"""One Lua script run on many keys in one round trip, packed by hand and read later.
+"""Reconcile's bulk Redis traffic on a raw connection, so the server works while we do.
+
+One Lua script run on many keys in one round trip, packed by hand and read later:
 
 redis-py's pipeline packs each command and handles each reply in Python, which costs the
 client more than a short script costs the server. :class:`CallPacker` writes each
@@ -9,6 +11,9 @@ replies off that connection. On NOSCRIPT (a restarted server, SCRIPT FLUSH) it l
 script and runs again only the calls that did not run. A connection whose replies were not
 all read is disconnected, never handed out again. Each call touches one key, so nothing here
 changes on Redis Cluster but the connection a key's calls go to.
+
+:func:`scan_ahead` is SCAN one call ahead: the next call runs on the server while the
+caller works on the keys of the last.
 """
 
 from __future__ import annotations
@@ -38,17 +43,20 @@ class CallPacker:
         #: One packed command per call, in the order added.
         self.calls: list[bytes] = []
 
-    def add(self, key: bytes, args: Sequence[bytes]) -> None:
-        """Queue ``EVALSHA sha 1 key *head *args``."""
+    def add_pairs(self, key: bytes, pairs: dict[str, int]) -> None:
+        """Queue ``EVALSHA sha 1 key *head`` then ``score member`` for each member (the
+        shape of ZADD's arguments), encoded on the way."""
         call = b"*%d\r\n%b$%d\r\n%b\r\n%b" % (
-            self._fixed + len(args),
+            self._fixed + 2 * len(pairs),
             self._prefix,
             len(key),
             key,
             self._head,
         )
-        for arg in args:
-            call += b"$%d\r\n%b\r\n" % (len(arg), arg)
+        for member, score in pairs.items():
+            number = b"%d" % score
+            text = member.encode()
+            call += b"$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(number), number, len(text), text)
         self.calls.append(call)
 
 
