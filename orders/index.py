@@ -347,9 +347,10 @@ class ReconcileBatch:
         self.packer = packer
         self.sent: SentCalls | None = None
 
-    def send(self) -> None:
+    def send(self) -> SentCalls:
         with redis_errors("reconcile"):
             self.sent = send_calls(self.index.client, self.packer)
+        return self.sent
 
     def abandon(self) -> None:
         """Give up replies not read yet (closes their connection); else nothing."""
@@ -359,11 +360,9 @@ class ReconcileBatch:
     def read(self) -> KeysChecked:
         """Collect the replies. Foreign data (a key of another type, a member that is not
         UTF-8) is reported through :meth:`UnpaidIndex.foreign` and left out."""
-        if self.sent is None:
-            self.send()
-        assert self.sent is not None
+        sent = self.send() if self.sent is None else self.sent
         with redis_errors("reconcile"):
-            replies = self.sent.read()
+            replies = sent.read()
         found = KeysChecked(users=len(self.users))
         for user_id, reply in zip(self.users, replies, strict=True):
             if reply == 0:  # the key was right already

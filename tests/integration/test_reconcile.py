@@ -16,13 +16,14 @@ import pytest
 import redis
 from sqlalchemy import insert
 
-from orders import reconciler
+from orders import reconciler, record_reads
 from orders.models import orders_table
 from orders.scheduling import build_scheduler
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 from tests.conftest import ManualClock
 from tests.helpers import child_env, run_orders, stop_process
+from tests.plans import explain, explain_sql
 
 
 def index_state(service: OrderService, users: list[str]) -> dict[str, dict[str, int]]:
@@ -452,6 +453,18 @@ def test_a_full_rebuild_racing_a_payment_leaves_no_stale_member(
     assert service.index.members("u1") == {still_open.id: still_open.expires_at_ms}
     assert service.index.members("u0") == {orders[0].id: orders[0].expires_at_ms}
     assert service.index.members("u2") == {orders[2].id: orders[2].expires_at_ms}
+
+
+def test_the_scan_batch_check_is_served_by_the_partial_index(engine: Any) -> None:
+    if engine.dialect.name == "sqlite":
+        plan = explain(engine, record_reads.IDLE_USERS_SQLITE.params(users='["a", "b"]', now_ms=5))
+        assert "SEARCH orders USING INDEX ix_orders_unpaid_user_id_expires_at_ms (user_id=?" in plan
+    else:
+        # tests.plans spells parameters as literals: the array goes as a string split in SQL.
+        sql = str(record_reads.IDLE_USERS_POSTGRESQL.compile(engine))
+        sql = sql.replace("%(users)s::VARCHAR[]", "string_to_array(%(users)s, ',')")
+        plan = explain_sql(engine, sql, {"users": "a,b", "now_ms": 5})
+        assert "Index Only Scan using ix_orders_unpaid_user_id_expires_at_ms" in plan, plan
 
 
 def test_a_create_and_a_payment_that_miss_redis_between_the_passes_are_fixed(
