@@ -546,6 +546,42 @@ def test_a_rebuild_stopped_with_replies_outstanding_closes_their_connection(
     assert service.reconcile(chunk_size=5).fixes == 0
 
 
+@pytest.mark.parametrize("stall_in", ["scan pass", "sql pass"])
+def test_a_read_that_times_out_with_replies_outstanding_is_retried(
+    service: OrderService,
+    engine: Any,
+    clock: ManualClock,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    stall_in: str,
+) -> None:
+    insert_open_orders(engine, clock, 40, per_user=1)
+    service.reconcile(chunk_size=5)  # the SCAN pass now has 40 keys to go through
+    redis_client.delete(*[service.index.key(f"bulk{u:05d}") for u in range(0, 40, 2)])
+    reads = service.records.reads
+    hooked = "users_without_open" if stall_in == "scan pass" else "open_page"
+    read = getattr(reads, hooked)
+    timeout_ms = int(service.settings.redis_socket_timeout_s * 1000)
+    stalled: list[bool] = []
+
+    def stall_then_read(*args: Any) -> Any:
+        # Called while a SCAN (or, from the second page on, a page's scripts) is in flight:
+        # the server stops answering for longer than a read waits, so the next read of a
+        # reply times out, and the call goes again (the client's one retry) and succeeds.
+        if not stalled and (stall_in == "scan pass" or args[1] is not None):
+            stalled.append(redis_client.client_pause(timeout_ms + 300, all=True))
+        return read(*args)
+
+    monkeypatch.setattr(reads, hooked, stall_then_read)
+
+    report = service.reconcile(chunk_size=5)
+
+    assert stalled == [True]
+    assert report.users == 40
+    for u in range(40):
+        assert service.index.members(f"bulk{u:05d}") == {f"o{u:05d}-0": clock() + 60_000 + u * 10}
+
+
 def test_a_user_whose_orders_span_pages_is_one_user_with_all_its_members(
     service: OrderService, redis_client: redis.Redis
 ) -> None:
