@@ -148,9 +148,9 @@ class Reconciler:
         self, now_ms: int, size: int, dry_run: bool, report: ReconcileReport, progress: _Progress
     ) -> None:
         """SQL's open orders, a page at a time, the two stores kept busy together: while
-        Redis runs a page's scripts, the next page is read from SQL and packed; once the
-        replies are in, that page goes out and the first one's extras and adds are settled.
-        At most one page's replies are outstanding; whatever ends the pass early (an error,
+        Redis runs page N's scripts, page N+1 is read from SQL and packed; once N's replies
+        are in, N+1 goes out, and N's extras and adds are settled while Redis runs it. At
+        most one page's replies are outstanding; whatever ends the pass early (an error,
         ``on_progress`` raising) closes the connection they would come back on."""
         pages = self._open_pages(now_ms, size)
         wanted = next(pages, None)
