@@ -14,9 +14,9 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Generator, Iterable, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib import resources
 from typing import Any
@@ -26,7 +26,7 @@ from redis.commands.core import Script
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.script_pipeline import Call, run_script_on_keys
+from orders.script_pipeline import CallPacker, SentCalls, scan_ahead, send_calls
 from orders.validation import USER_ID_MAX_LENGTH, check_user_id
 
 log = logging.getLogger(__name__)
@@ -45,18 +45,19 @@ class Admission(enum.IntEnum):
     REFUSED = -1
 
 
-@dataclass(frozen=True, slots=True)
-class KeyCheck:
-    """What the reconcile script found in one user's key (and fixed, unless a dry run)."""
+@dataclass(slots=True)
+class KeysChecked:
+    """What the reconcile script found in a batch of users' keys (and fixed, unless a dry
+    run); a key of another type is foreign and left out."""
 
-    expired: int
-    added: int
-    rescored: int
-    #: Live members SQL did not list for the user, left in place (the caller decides).
-    extras: list[str]
-
-
-_KEY_RIGHT = KeyCheck(0, 0, 0, [])
+    users: int = 0
+    expired: int = 0
+    added: int = 0
+    rescored: int = 0
+    #: Live members SQL did not list for their user, left in place: (user id, order id).
+    extras: list[tuple[str, str]] = field(default_factory=list)
+    #: Users whose key had members added or re-scored, in the order sent.
+    written: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,18 +217,21 @@ class UnpaidIndex:
         with redis_errors("set_epoch"):
             self.client.set(self.epoch_key(), value)
 
-    def scan_users(self, *, chunk: int = 500) -> Iterator[list[str]]:
-        """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking).
+    def scan_users(self, *, chunk: int = 500) -> Generator[list[str]]:
+        """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking); the
+        next SCAN call runs on the server while the caller works on a batch, so close the
+        iterator when stopping early (``contextlib.closing``).
 
         A key under the prefix that no user id can name (not UTF-8, not a valid id) is
         foreign: it is skipped and reported through :meth:`foreign`, never an error.
         """
         pattern = _glob_escape(self.key_prefix) + "*"
         start = len(self.key_prefix)
-        with redis_errors("scan_users"):
-            cursor: int = 0
-            while True:
-                cursor, keys = self.client.scan(cursor, match=pattern, count=chunk)
+        with (
+            redis_errors("scan_users"),
+            closing(scan_ahead(self.client, pattern, chunk)) as batches,
+        ):
+            for keys in batches:
                 users = []
                 for key in keys:
                     user = _user_of(key, start)
@@ -237,8 +241,6 @@ class UnpaidIndex:
                         users.append(user)
                 if users:
                     yield users
-                if cursor == 0:
-                    return
 
     def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
         """Every member with its score for each user, in one pipelined round trip.
@@ -301,47 +303,23 @@ class UnpaidIndex:
         dropped, removed, changed = (int(x) for x in reply)
         return dropped, removed, changed
 
-    def reconcile_keys(
+    def reconcile_batch(
         self, wanted: dict[str, dict[str, int]], *, now_ms: int, dry_run: bool
-    ) -> dict[str, KeyCheck]:
-        """Make each user's set hold exactly ``wanted[user]`` (order id -> expiry) plus its
-        extras; one script per user, all in one pipelined round trip (``reconcile.lua``).
+    ) -> ReconcileBatch:
+        """The calls that make each user's set hold exactly ``wanted[user]`` (order id ->
+        expiry, best in expiry order: a right key then costs least) plus its extras: one
+        ``reconcile.lua`` per user, packed, to be sent at once (see :class:`ReconcileBatch`).
 
         Expired members go, wanted ones are added or re-scored, the key's expiry follows its
-        latest member; live members not wanted come back as extras, untouched. Listed in
-        expiry order, a key that is right already costs least. A dry run writes nothing.
-        Foreign data (a key of another type, a member that is not UTF-8) is reported through
-        :meth:`foreign`; such a key is left out of the answer.
+        latest member; live members not wanted come back as extras, untouched. A dry run
+        writes nothing.
         """
-        users = list(wanted)
-        head = [b"%d" % now_ms, b"%d" % self.key_margin_ms, b"1" if dry_run else b"0"]
-        calls: list[Call] = []
-        for user_id in users:
-            args = head.copy()
-            for order_id, score in wanted[user_id].items():
-                args += (b"%d" % score, order_id.encode())
-            calls.append((self.key(user_id).encode(), args))
-        with redis_errors("reconcile"):
-            replies = run_script_on_keys(self.client, self._reconcile, calls)
-        found: dict[str, KeyCheck] = {}
-        for user_id, reply in zip(users, replies, strict=True):
-            if reply == 0:  # the key was right already
-                found[user_id] = _KEY_RIGHT
-                continue
-            if isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
-                self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "not a sorted set")
-                continue
-            if isinstance(reply, Exception):  # NOPERM, OOM, ...: the store failed, not the data
-                with redis_errors("reconcile"):
-                    raise reply
-            extras = []
-            for member in reply[3:]:  # rare: most fixed keys have none
-                try:
-                    extras.append(_text(member))
-                except UnicodeDecodeError:
-                    self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "member")
-            found[user_id] = KeyCheck(reply[0], reply[1], reply[2], extras)
-        return found
+        head = (b"%d" % now_ms, b"%d" % self.key_margin_ms, b"1" if dry_run else b"0")
+        packer = CallPacker(self._reconcile, head)
+        prefix = self.key_prefix.encode()
+        for user_id, orders in wanted.items():
+            packer.add_pairs(prefix + user_id.encode(), orders)
+        return ReconcileBatch(self, list(wanted), packer)
 
     def remove_members(self, members: list[tuple[str, str]]) -> None:
         """ZREM each (user id, order id), in one pipelined round trip."""
@@ -356,3 +334,61 @@ class UnpaidIndex:
 
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class ReconcileBatch:
+    """The reconcile scripts of a batch of users: :meth:`send` writes them all and returns
+    at once, :meth:`read` collects the outcome (sending first if need be). Once sent, read
+    or :meth:`abandon` must follow, so no reply is left on a pooled connection."""
+
+    def __init__(self, index: UnpaidIndex, users: list[str], packer: CallPacker) -> None:
+        self.index = index
+        self.users = users
+        self.packer = packer
+        self.sent: SentCalls | None = None
+
+    def send(self) -> SentCalls:
+        with redis_errors("reconcile"):
+            self.sent = send_calls(self.index.client, self.packer)
+        return self.sent
+
+    def abandon(self) -> None:
+        """Give up replies not read yet (closes their connection); else nothing."""
+        if self.sent is not None:
+            self.sent.abandon()
+
+    def read(self) -> KeysChecked:
+        """Collect the replies. Foreign data (a key of another type, a member that is not
+        UTF-8) is reported through :meth:`UnpaidIndex.foreign` and left out."""
+        sent = self.send() if self.sent is None else self.sent
+        with redis_errors("reconcile"):
+            replies = sent.read()
+        found = KeysChecked(users=len(self.users))
+        for user_id, reply in zip(self.users, replies, strict=True):
+            if reply == 0:  # the key was right already
+                continue
+            if type(reply) is not list:
+                self._failed(user_id, reply, found)
+                continue
+            found.expired += reply[0]
+            found.added += reply[1]
+            found.rescored += reply[2]
+            if reply[1] or reply[2]:
+                found.written.append(user_id)
+            for member in reply[3:]:  # rare: most fixed keys have none
+                try:
+                    found.extras.append((user_id, _text(member)))
+                except UnicodeDecodeError:
+                    self.index.foreign(self._key(user_id), "member")
+        return found
+
+    def _failed(self, user_id: str, reply: Any, found: KeysChecked) -> None:
+        if isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
+            self.index.foreign(self._key(user_id), "not a sorted set")
+            found.users -= 1
+            return
+        with redis_errors("reconcile"):  # NOPERM, OOM, ...: the store failed, not the data
+            raise reply
+
+    def _key(self, user_id: str) -> bytes:
+        return self.index.key(user_id).encode("utf-8", "surrogatepass")

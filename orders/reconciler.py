@@ -11,10 +11,31 @@ user's set equal to SQL's view:
   until its own expiry drops it;
 * a key left with no members disappears (Redis deletes empty sets).
 
-It reads SQL's open orders once, in (user, order id) order, a page at a time, and sends
-each page to Redis as one pipelined round trip (a ``reconcile.lua`` script per user); then
-it SCANs for keys of users with no open order left. SQL and Redis round trips grow with
-the number of pages, not of users, and memory stays bounded by the page size.
+A full run makes two passes; ``now`` is read once at the start, and every SCAN batch and
+every page reads SQL afresh.
+
+1. SCAN pass: the keys of users SQL has no open order for (one SQL query per SCAN batch;
+   users with one are left to the SQL pass). All their members are extras. After a flush
+   it finds nothing, so a rebuild costs the SQL pass alone.
+2. SQL pass: SQL's open orders once, in (user, expiry, id) order, a page at a time, each
+   page one pipelined round trip (a ``reconcile.lua`` script per user); while Redis runs a
+   page, the next one is read and packed.
+
+SQL and Redis round trips grow with the number of pages and SCAN batches, not of users,
+and memory stays bounded by the page size. Writes landing during the run:
+
+* A create writes its member itself. If its row is committed when its user's page is read,
+  the SQL pass lists it; if not, the member is an extra without a row and stays.
+* A payment or cancel commits, then removes its member. If the user still has an open
+  order when its page is read, the SQL pass fixes the whole key (a removal that failed
+  included); if the page listed the order and our add lands after that removal, the
+  stale-add check (SQL read after the add) takes it out again.
+* Not promised by one run: a user whose last open order closes after its SCAN batch and
+  before its page (or whose first one opens between the passes) may be fixed by neither
+  pass (or counted twice). Members it held before the run then wait for the next run or
+  their own expiry; the run itself never leaves a wrong member behind. The passes the
+  other way round had the mirror case.
+
 A full run finishes by writing the index epoch marker: its absence tells the scheduler
 that Redis lost its data and a rebuild is due. Data under the key prefix that the service
 did not write (a key that names no user, a member that is not UTF-8, a key of another type)
@@ -26,11 +47,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, fields
 
 from orders import metrics
 from orders.domain import Clock
-from orders.index import UnpaidIndex
+from orders.index import KeysChecked, ReconcileBatch, UnpaidIndex
 from orders.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
@@ -86,7 +108,8 @@ class Reconciler:
 
         ``chunk_size`` is the number of order rows per SQL page and of keys asked of each
         SCAN call (one SQL query per batch). ``on_progress`` is called with the number of
-        users handled so far after each page and each SCAN batch: keep it cheap.
+        users handled so far after each SCAN batch and each page: keep it cheap. What it
+        raises ends the run (the SCAN call or page in flight is given up) and propagates.
         """
         check_count("chunk_size", chunk_size, 1, 10_000)
         now_ms = self.clock()
@@ -98,17 +121,8 @@ class Reconciler:
             self._fix(self.reads.open_by_user([uid], now_ms), now_ms, dry_run, report)
             progress.step(report.users)
         else:
-            for wanted in self._open_pages(now_ms, chunk_size):
-                self._fix(wanted, now_ms, dry_run, report)
-                progress.step(report.users)
-            # Then the keys of users SQL has no open order for (a user only just given one
-            # is indexed by its create: skipped here).
-            for users in self.index.scan_users(chunk=chunk_size):
-                listed = self.reads.users_with_open_among(users, now_ms)
-                rest: dict[str, dict[str, int]] = {user: {} for user in users if user not in listed}
-                if rest:
-                    self._fix(rest, now_ms, dry_run, report)
-                progress.step(report.users)
+            self._scan_pass(now_ms, chunk_size, dry_run, report, progress)
+            self._sql_pass(now_ms, chunk_size, dry_run, report, progress)
         report.foreign_skipped = self.index.foreign_seen - foreign_before
         if user_id is None and not dry_run:
             self.index.set_epoch(str(now_ms))
@@ -117,6 +131,47 @@ class Reconciler:
                 metrics.RECONCILE_FIXES.labels(kind).inc(getattr(report, kind))
         progress.done(report)
         return report
+
+    def _scan_pass(
+        self, now_ms: int, size: int, dry_run: bool, report: ReconcileReport, progress: _Progress
+    ) -> None:
+        """The keys of users SQL has no open order for, a SCAN batch at a time; a user with
+        one is left to the SQL pass."""
+        with closing(self.index.scan_users(chunk=size)) as batches:
+            for users in batches:
+                idle = self.reads.users_without_open(users, now_ms)
+                if idle:
+                    self._fix({user: {} for user in idle}, now_ms, dry_run, report)
+                progress.step(report.users)
+
+    def _sql_pass(
+        self, now_ms: int, size: int, dry_run: bool, report: ReconcileReport, progress: _Progress
+    ) -> None:
+        """SQL's open orders, a page at a time, the two stores kept busy together: while
+        Redis runs page N's scripts, page N+1 is read from SQL and packed; once N's replies
+        are in, N+1 goes out, and N's extras and adds are settled while Redis runs it. At
+        most one page's replies are outstanding; whatever ends the pass early (an error,
+        ``on_progress`` raising) closes the connection they would come back on."""
+        pages = self._open_pages(now_ms, size)
+        wanted = next(pages, None)
+        in_flight: ReconcileBatch | None = None
+        try:
+            if wanted is not None:
+                in_flight = self._batch(wanted, now_ms, dry_run)
+                in_flight.send()
+            while wanted is not None and in_flight is not None:
+                following = next(pages, None)
+                upcoming = None if following is None else self._batch(following, now_ms, dry_run)
+                found = in_flight.read()
+                if upcoming is not None:
+                    upcoming.send()
+                in_flight = upcoming
+                self._record(found, wanted, now_ms, dry_run, report)
+                progress.step(report.users)
+                wanted = following
+        finally:
+            if in_flight is not None:
+                in_flight.abandon()  # nothing when its replies were read
 
     def _open_pages(self, now_ms: int, size: int) -> Iterator[dict[str, dict[str, int]]]:
         """SQL's open orders as {user: {order id: expiry}}, a page of ``size`` rows per
@@ -140,26 +195,36 @@ class Reconciler:
                 yield wanted
             wanted = {last_user: held}
 
+    def _batch(
+        self, wanted: dict[str, dict[str, int]], now_ms: int, dry_run: bool
+    ) -> ReconcileBatch:
+        return self.index.reconcile_batch(wanted, now_ms=now_ms, dry_run=dry_run)
+
     def _fix(
         self, wanted: dict[str, dict[str, int]], now_ms: int, dry_run: bool, report: ReconcileReport
     ) -> None:
-        """Make these users' keys hold ``wanted`` (users in SQL's order); one round trip,
-        plus one SQL read and one round trip each for extras and for what was written."""
-        checks = self.index.reconcile_keys(wanted, now_ms=now_ms, dry_run=dry_run)
-        extras: list[tuple[str, str]] = []
-        written: list[str] = []
-        for user, check in checks.items():  # foreign keys are left out
-            report.users += 1
-            report.removed_expired += check.expired
-            report.added += check.added
-            report.rescored += check.rescored
-            extras += [(user, order_id) for order_id in check.extras]
-            if check.added or check.rescored:
-                written.append(user)
-        if extras:
-            self._settle_extras(extras, now_ms, dry_run, report)
-        if written and not dry_run:
-            added = [(user, order_id) for user in written for order_id in wanted[user]]
+        """Make these users' keys hold ``wanted`` (users in SQL's order), in one go."""
+        found = self._batch(wanted, now_ms, dry_run).read()
+        self._record(found, wanted, now_ms, dry_run, report)
+
+    def _record(
+        self,
+        found: KeysChecked,
+        wanted: dict[str, dict[str, int]],
+        now_ms: int,
+        dry_run: bool,
+        report: ReconcileReport,
+    ) -> None:
+        """Count what the scripts found; then one SQL read and one round trip each for
+        extras and for what was written."""
+        report.users += found.users
+        report.removed_expired += found.expired
+        report.added += found.added
+        report.rescored += found.rescored
+        if found.extras:
+            self._settle_extras(found.extras, now_ms, dry_run, report)
+        if found.written and not dry_run:
+            added = [(user, order_id) for user in found.written for order_id in wanted[user]]
             self._undo_stale_adds(added, now_ms)
 
     def _settle_extras(

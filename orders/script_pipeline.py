@@ -1,75 +1,144 @@
-"""One Lua script run on many keys in one round trip, packed by hand.
+"""Reconcile's bulk Redis traffic on a raw connection, so the server works while we do.
+
+One Lua script run on many keys in one round trip, packed by hand and read later:
 
 redis-py's pipeline packs each command and handles each reply in Python, which costs the
-client more than a short script costs the server. :func:`run_script_on_keys` writes every
-``EVALSHA sha 1 key args...`` into one buffer (the Redis protocol, RESP) and reads the
-replies straight off the connection; on NOSCRIPT (a restarted server, SCRIPT FLUSH) it
-loads the script and runs again only the calls that did not run. Each call touches one key,
-so nothing here changes on Redis Cluster but the connection a key's calls go to.
+client more than a short script costs the server. :class:`CallPacker` writes each
+``EVALSHA sha 1 key args...`` in the Redis protocol (RESP); :func:`send_calls` writes them
+all at once on a connection it keeps checked out and returns at once, so the caller can do
+other work (read SQL) while the server runs them; :meth:`SentCalls.read` then collects the
+replies off that connection. On NOSCRIPT (a restarted server, SCRIPT FLUSH) it loads the
+script and runs again only the calls that did not run. A connection whose replies were not
+all read is disconnected, never handed out again. Each call touches one key, so nothing here
+changes on Redis Cluster but the connection a key's calls go to.
+
+:func:`scan_ahead` is SCAN one call ahead: the next call runs on the server while the
+caller works on the keys of the last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-#: One call: the key and the script's arguments, already encoded.
-Call = tuple[bytes, Sequence[bytes]]
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
-def run_script_on_keys(client: redis.Redis, script: Script, calls: list[Call]) -> list[Any]:
-    """The reply of each call, in order; an error reply comes back as its exception.
+class CallPacker:
+    """Packs calls of one script, each on one key, all starting with the same ``head``
+    arguments (already encoded)."""
 
-    Raises redis.RedisError when the connection fails.
-    """
-    sha = script.sha.encode()
-    replies = _pipelined(client, _pack(sha, calls), len(calls))
-    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
-    if missing:
-        client.script_load(script.script)
-        again = _pipelined(client, _pack(sha, [calls[i] for i in missing]), len(missing))
-        for i, reply in zip(missing, again, strict=True):
-            replies[i] = reply
-    return replies
+    def __init__(self, script: Script, head: Sequence[bytes]) -> None:
+        self.script = script
+        sha = script.sha.encode()
+        self._fixed = len(head) + 4  # EVALSHA, sha, numkeys, key
+        self._prefix = b"$7\r\nEVALSHA\r\n%b$1\r\n1\r\n" % _bulk(sha)
+        self._head = b"".join(_bulk(arg) for arg in head)
+        #: One packed command per call, in the order added.
+        self.calls: list[bytes] = []
 
-
-def _pack(sha: bytes, calls: list[Call]) -> bytes:
-    out = bytearray()
-    for key, args in calls:
-        out += b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%b\r\n$1\r\n1\r\n$%d\r\n%b\r\n" % (
-            len(args) + 4,
-            len(sha),
-            sha,
+    def add_pairs(self, key: bytes, pairs: dict[str, int]) -> None:
+        """Queue ``EVALSHA sha 1 key *head`` then ``score member`` for each member (the
+        shape of ZADD's arguments), encoded on the way."""
+        call = b"*%d\r\n%b$%d\r\n%b\r\n%b" % (
+            self._fixed + 2 * len(pairs),
+            self._prefix,
             len(key),
             key,
+            self._head,
         )
-        for arg in args:
-            out += b"$%d\r\n%b\r\n" % (len(arg), arg)
-    return bytes(out)
+        for member, score in pairs.items():
+            number = b"%d" % score
+            text = member.encode()
+            call += b"$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(number), number, len(text), text)
+        self.calls.append(call)
 
 
-def _pipelined(client: redis.Redis, packed: bytes, count: int) -> list[Any]:
-    """Send ``count`` packed commands at once, then read their replies; a connection that
-    fails is retried as redis-py's own pipelines are (the client's Retry)."""
-    pool = client.connection_pool
-    conn: Any = pool.get_connection()
+def send_calls(client: redis.Redis, packer: CallPacker) -> SentCalls:
+    """Write every queued call now; read the replies with :meth:`SentCalls.read`, or give
+    them up with :meth:`SentCalls.abandon` (one of the two must follow)."""
+    return SentCalls(client, packer.script, packer.calls)
+
+
+class SentCalls:
+    """Calls written on a checked-out connection, their replies not read yet."""
+
+    def __init__(self, client: redis.Redis, script: Script, calls: list[bytes]) -> None:
+        self._client = client
+        self._script = script
+        self._calls = calls
+        self._packed = b"".join(calls)
+        self._pool = client.connection_pool
+        conn: Any = self._pool.get_connection()
+        self._conn: Any = conn
+        self._send_error: redis.RedisError | None = None
+        try:
+            conn.send_packed_command([self._packed])
+        except redis.RedisError as exc:  # retried by read(), as the client's Retry allows
+            conn.disconnect()
+            self._send_error = exc
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Give the replies up: the connection is closed, so none is left on the socket."""
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            conn.disconnect()
+            self._pool.release(conn)
+
+    def read(self) -> list[Any]:
+        """The reply of each call, in order; an error reply comes back as its exception.
+
+        Raises redis.RedisError when the connection fails (after the client's Retry: the
+        whole batch is sent again, as redis-py's own pipelines do).
+        """
+        replies = self._collect()
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            self._client.script_load(self._script.script)
+            again = SentCalls(self._client, self._script, [self._calls[i] for i in missing])
+            for i, reply in zip(missing, again._collect(), strict=True):
+                replies[i] = reply
+        return replies
+
+    def _collect(self) -> list[Any]:
+        conn = self._conn
+        if conn is None:
+            raise RuntimeError("these replies were read or abandoned already")
+        attempts = 0
+
+        def attempt() -> list[Any]:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:  # the first attempt's commands went out in __init__
+                conn.send_packed_command([self._packed])
+            elif self._send_error is not None:
+                raise self._send_error
+            return _read_replies(conn, len(self._calls))
+
+        try:
+            replies: list[Any] = conn.retry.call_with_retry(
+                attempt, lambda _error: conn.disconnect()
+            )
+        except BaseException:
+            self.abandon()
+            raise
+        self._conn = None
+        self._pool.release(conn)
+        return replies
+
+
+def _read_replies(conn: Any, count: int) -> list[Any]:
+    replies: list[Any] = []
     try:
-        replies: list[Any] = conn.retry.call_with_retry(
-            lambda: _send_and_read(conn, packed, count), lambda _error: conn.disconnect()
-        )
-    finally:
-        pool.release(conn)
-    return replies
-
-
-def _send_and_read(conn: Any, packed: bytes, count: int) -> list[Any]:
-    try:
-        conn.send_packed_command([packed])
-        replies: list[Any] = []
         for _ in range(count):
             try:
                 replies.append(conn.read_response())
@@ -79,3 +148,60 @@ def _send_and_read(conn: Any, packed: bytes, count: int) -> list[Any]:
         conn.disconnect()  # replies may be left unread: never hand this socket out again
         raise
     return replies
+
+
+def scan_ahead(client: redis.Redis, pattern: str, count: int) -> Generator[list[bytes]]:
+    """The keys matching ``pattern``, a SCAN call's worth at a time (empty lists left out),
+    with the next call sent before a batch is handed out: the server works on it while the
+    caller works on the batch. Close the iterator when stopping early (the connection is
+    then closed, its reply unread). A failed connection is retried from the last cursor,
+    as the client's Retry allows."""
+    pool = client.connection_pool
+    conn: Any = pool.get_connection()
+    args = ("MATCH", pattern, "COUNT", count)
+    try:
+        cursor = 0
+        sent = _send_quietly(conn, ("SCAN", cursor, *args))
+        while True:
+            cursor, keys = _scan_reply(conn, ("SCAN", cursor, *args), sent=sent)
+            if cursor:
+                sent = _send_quietly(conn, ("SCAN", cursor, *args))
+            if keys:
+                yield keys
+            if not cursor:
+                return
+    except BaseException:
+        conn.disconnect()  # a reply may be left unread: never hand this socket out again
+        raise
+    finally:
+        pool.release(conn)
+
+
+def _send_quietly(conn: Any, command: tuple[Any, ...]) -> bool:
+    """Send ``command``; False when that failed (the connection is closed; the read sends
+    again)."""
+    try:
+        conn.send_command(*command)
+    except redis.RedisError:
+        conn.disconnect()
+        return False
+    return True
+
+
+def _scan_reply(conn: Any, command: tuple[Any, ...], *, sent: bool) -> tuple[int, list[bytes]]:
+    """The reply of ``command`` (sent already unless ``sent`` is False); it is sent again
+    after a connection failure."""
+    attempts = 0
+
+    def attempt() -> tuple[int, list[bytes]]:
+        nonlocal attempts
+        attempts += 1
+        if attempts > 1 or not sent:
+            conn.send_command(*command)
+        cursor, keys = conn.read_response()
+        return int(cursor), keys
+
+    result: tuple[int, list[bytes]] = conn.retry.call_with_retry(
+        attempt, lambda _error: conn.disconnect()
+    )
+    return result

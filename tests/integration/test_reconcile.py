@@ -9,19 +9,21 @@ import pty
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from sqlalchemy import insert
 
-from orders import reconciler
+from orders import reconciler, record_reads
 from orders.models import orders_table
 from orders.scheduling import build_scheduler
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 from tests.conftest import ManualClock
 from tests.helpers import child_env, run_orders, stop_process
+from tests.plans import explain, explain_sql
 
 
 def index_state(service: OrderService, users: list[str]) -> dict[str, dict[str, int]]:
@@ -334,12 +336,12 @@ def test_a_rebuild_costs_round_trips_and_statements_per_page_not_per_user(
 
     assert (report.users, report.added) == (users, rows)
     pages = rows // page + 1
-    scans = users // page + 5  # SCAN's COUNT is a hint: allow a few more calls
-    # Per page: the scripts' pipeline (+ a SCRIPT LOAD and a re-run once after a flush of
-    # the script cache); per SCAN batch: the SCAN; then the epoch marker.
-    assert redis_round_trips.count <= pages + scans + 3, redis_round_trips.count
-    # Per page: the page and the stale-add check; per SCAN batch: one query.
-    assert sql_statements.count <= 2 * pages + scans, sql_statements.count
+    # The SCAN pass runs first and finds an empty keyspace: one SCAN, no SQL. Per page: the
+    # scripts' pipeline (+ a SCRIPT LOAD and a re-run once after a flush of the script
+    # cache); then the epoch marker.
+    assert redis_round_trips.count <= 1 + pages + 2 + 1, redis_round_trips.count
+    # Per page: the page and the stale-add check; nothing for the SCAN pass.
+    assert sql_statements.count <= 2 * pages, sql_statements.count
     assert service.index.members("bulk01999") == {
         "o01999-0": clock() + 60_000 + 19_990,
         "o01999-1": clock() + 60_000 + 19_991,
@@ -451,6 +453,133 @@ def test_a_full_rebuild_racing_a_payment_leaves_no_stale_member(
     assert service.index.members("u1") == {still_open.id: still_open.expires_at_ms}
     assert service.index.members("u0") == {orders[0].id: orders[0].expires_at_ms}
     assert service.index.members("u2") == {orders[2].id: orders[2].expires_at_ms}
+
+
+def test_the_scan_batch_check_is_served_by_the_partial_index(engine: Any) -> None:
+    if engine.dialect.name == "sqlite":
+        plan = explain(engine, record_reads.IDLE_USERS_SQLITE.params(users='["a", "b"]', now_ms=5))
+        assert "SEARCH orders USING INDEX ix_orders_unpaid_user_id_expires_at_ms (user_id=?" in plan
+    else:
+        # tests.plans spells parameters as literals: the array goes as a string split in SQL.
+        sql = str(record_reads.IDLE_USERS_POSTGRESQL.compile(engine))
+        sql = sql.replace("%(users)s::VARCHAR[]", "string_to_array(%(users)s, ',')")
+        plan = explain_sql(engine, sql, {"users": "a,b", "now_ms": 5})
+        assert "Index Only Scan using ix_orders_unpaid_user_id_expires_at_ms" in plan, plan
+
+
+def test_a_create_and_a_payment_that_miss_redis_between_the_passes_are_fixed(
+    service: OrderService, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paid = service.create_unpaid_order("payer", ttl_s=60)
+    kept = service.create_unpaid_order("payer", ttl_s=90)
+    for i in range(4):
+        service.create_unpaid_order(f"other{i}", ttl_s=60)
+    late: list[Any] = []
+    scan_users = service.index.scan_users
+
+    def scan_then_write(**kwargs: Any) -> Iterator[list[str]]:
+        yield from scan_users(**kwargs)
+        # The SCAN pass is over (it left "payer" to the SQL pass: an open order).
+        service.mark_paid(paid.id)
+        # As if Redis had been unreachable when the payment tried to remove the member:
+        redis_client.zadd(service.index.key("payer"), {paid.id: paid.expires_at_ms})
+        late.append(service.create_unpaid_order("late", ttl_s=60))
+        redis_client.zrem(service.index.key("late"), late[0].id)  # its Redis write lost
+
+    monkeypatch.setattr(service.index, "scan_users", scan_then_write)
+
+    report = service.reconcile(chunk_size=2)
+
+    users = ["payer", "late", *[f"other{i}" for i in range(4)]]
+    assert len(late) == 1
+    assert index_state(service, users) == sql_open(service, users)
+    assert service.index.members("payer") == {kept.id: kept.expires_at_ms}
+    assert service.index.members("late") == {late[0].id: late[0].expires_at_ms}
+    assert (report.added, report.removed_terminal) == (1, 1)
+
+
+@pytest.mark.parametrize("stop_in", ["scan pass", "sql pass"])
+def test_a_rebuild_stopped_with_replies_outstanding_closes_their_connection(
+    service: OrderService,
+    engine: Any,
+    clock: ManualClock,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    stop_in: str,
+) -> None:
+    insert_open_orders(engine, clock, 40, per_user=1)
+    service.reconcile(chunk_size=5)  # the index is right: the SCAN pass finds 40 keys
+    connection = redis.connection.AbstractConnection
+    sent_on: list[Any] = []
+    closed: list[Any] = []
+    send, disconnect = connection.send_packed_command, connection.disconnect
+
+    def sending(self: Any, command: Any, check_health: bool = True) -> None:
+        sent_on.append(self)
+        send(self, command, check_health)
+
+    def disconnecting(self: Any, *args: Any) -> None:
+        closed.append(self)
+        disconnect(self, *args)
+
+    monkeypatch.setattr(connection, "send_packed_command", sending)
+    monkeypatch.setattr(connection, "disconnect", disconnecting)
+
+    class Stop(Exception):
+        pass
+
+    def stop(users: int) -> None:
+        # Nobody is counted during the SCAN pass. When this is called, the next SCAN (or,
+        # in the SQL pass, the next page's scripts) was the last thing sent.
+        if (users == 0) == (stop_in == "scan pass"):
+            raise Stop
+
+    with pytest.raises(Stop):
+        service.reconcile(chunk_size=5, on_progress=stop)
+
+    # Its replies unread, that connection must be closed rather than go back to the pool
+    # (checked before any other command: redis-py would close it too if data had arrived).
+    assert sent_on[-1] in closed
+    for u in range(40):
+        assert service.index.members(f"bulk{u:05d}") == {f"o{u:05d}-0": clock() + 60_000 + u * 10}
+    assert redis_client.ping() is True
+    assert service.reconcile(chunk_size=5).fixes == 0
+
+
+@pytest.mark.parametrize("stall_in", ["scan pass", "sql pass"])
+def test_a_read_that_times_out_with_replies_outstanding_is_retried(
+    service: OrderService,
+    engine: Any,
+    clock: ManualClock,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    stall_in: str,
+) -> None:
+    insert_open_orders(engine, clock, 40, per_user=1)
+    service.reconcile(chunk_size=5)  # the SCAN pass now has 40 keys to go through
+    redis_client.delete(*[service.index.key(f"bulk{u:05d}") for u in range(0, 40, 2)])
+    reads = service.records.reads
+    hooked = "users_without_open" if stall_in == "scan pass" else "open_page"
+    read = getattr(reads, hooked)
+    timeout_ms = int(service.settings.redis_socket_timeout_s * 1000)
+    stalled: list[bool] = []
+
+    def stall_then_read(*args: Any) -> Any:
+        # Called while a SCAN (or, from the second page on, a page's scripts) is in flight:
+        # the server stops answering for longer than a read waits, so the next read of a
+        # reply times out, and the call goes again (the client's one retry) and succeeds.
+        if not stalled and (stall_in == "scan pass" or args[1] is not None):
+            stalled.append(redis_client.client_pause(timeout_ms + 300, all=True))
+        return read(*args)
+
+    monkeypatch.setattr(reads, hooked, stall_then_read)
+
+    report = service.reconcile(chunk_size=5)
+
+    assert stalled == [True]
+    assert report.users == 40
+    for u in range(40):
+        assert service.index.members(f"bulk{u:05d}") == {f"o{u:05d}-0": clock() + 60_000 + u * 10}
 
 
 def test_a_user_whose_orders_span_pages_is_one_user_with_all_its_members(
