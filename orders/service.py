@@ -46,7 +46,7 @@ from orders.errors import (
 from orders.events import EventPosition, OrderEvent, read_events
 from orders.index import UnpaidIndex
 from orders.models import TEXT_COLUMN_LENGTH
-from orders.reconciler import Reconciler, ReconcileReport
+from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.records import OrderRecords
 from orders.sweep import PreCloseCheck, Sweep
 from orders.validation import (
@@ -349,7 +349,7 @@ class OrderService:
         *,
         user_id: str | None = None,
         dry_run: bool = False,
-        chunk_size: int = 500,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
         """Make the Redis index equal to SQL (see :mod:`orders.reconciler`)."""

@@ -363,8 +363,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m(
         "reconcile-removes-in-flight-members",
         "orders/reconciler.py",
-        "if o not in want and s > now_ms and o in owners and owners[o] != user",
-        "if o not in want and s > now_ms and owners.get(o) != user",
+        "remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]",
+        "remove = [(u, o) for u, o in extras if owners.get(o) != u]",
         "a member without a SQL row (a create in flight) stays until its expiry",
         "tests/integration/test_reconcile.py::test_a_member_without_a_sql_row_is_kept_until_its_own_expiry",
     ),
