@@ -104,6 +104,23 @@ def kill_embedded_redis(home: Path) -> None:
         os.kill(running.pid, signal.SIGKILL)
 
 
+def servers_under(base: Path) -> list[int]:
+    """Live processes (not zombies) whose working dir is under ``base``: redis-server chdirs
+    to its --dir, so these are the embedded servers of homes under ``base``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue
+        if cwd.is_relative_to(base) and state not in {"Z", "X"}:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
 # --- logs -------------------------------------------------------------------------------------
 
 

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +14,7 @@ from click.testing import CliRunner, Result
 from orders.cli import main
 from orders.embedded import redis_status
 from orders.migrate import head_revision
-from tests.helpers import child_env, kill_embedded_redis, run_orders, run_python
+from tests.helpers import child_env, run_orders, run_python
 
 
 @pytest.fixture
@@ -171,17 +168,6 @@ def test_help_names_the_environment_variables() -> None:
 
 
 # --- real processes on the embedded default --------------------------------------------
-
-
-@pytest.fixture
-def home() -> Iterator[Path]:
-    """A short home folder (unix socket paths are limited); its server is stopped after."""
-    folder = Path(tempfile.mkdtemp(prefix="oh", dir="/tmp"))
-    try:
-        yield folder
-    finally:
-        kill_embedded_redis(folder)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def orders_process(

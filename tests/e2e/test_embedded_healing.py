@@ -33,7 +33,7 @@ from orders.embedded import redis_status, stop_redis
 from orders.lease import SweeperLease
 from orders.models import events_table, orders_table
 from orders.service import OrderService
-from tests.helpers import REPO, child_env, stop_process
+from tests.helpers import REPO, child_env, servers_under, stop_process
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/cwd").exists(), reason="finds servers through /proc (Linux)"
@@ -113,22 +113,6 @@ class HostLog:
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-def servers_under(base: Path) -> list[int]:
-    """Live processes whose working dir is under ``base`` (redis-server chdirs to --dir)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cwd = Path(os.readlink(entry / "cwd"))
-            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):
-            continue
-        if cwd.is_relative_to(base) and state not in {"Z", "X"}:
-            found.append(int(entry.name))
-    return sorted(found)
 
 
 def wait_for(what: str, condition: object, timeout_s: float, *procs: subprocess.Popen[str]) -> None:

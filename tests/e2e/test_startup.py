@@ -9,9 +9,6 @@ How long start-up takes is measured for the README, never asserted here.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ import pytest
 from sqlalchemy import Engine
 
 from orders import migrate
-from tests.helpers import child_env, kill_embedded_redis, run_orders, run_python
+from tests.helpers import child_env, run_orders, run_python
 
 #: Libraries that cost tens to hundreds of milliseconds to import.
 HEAVY = ("sqlalchemy", "redis", "apscheduler", "rich", "prometheus_client", "alembic")
@@ -57,17 +54,6 @@ def test_help_imports_none_of_the_heavy_libraries(args: tuple[str, ...]) -> None
 
     assert report == {"code": 0, "loaded": []}
     assert "Usage: orders" in output
-
-
-@pytest.fixture
-def home() -> Iterator[Path]:
-    """A short home folder (unix socket paths are limited); its server is stopped after."""
-    folder = Path(tempfile.mkdtemp(prefix="oh", dir="/tmp"))
-    try:
-        yield folder
-    finally:
-        kill_embedded_redis(folder)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_show(env: dict[str, str]) -> None:

@@ -37,7 +37,7 @@ from orders.embedded import (
 from orders.embedded_client import MIN_RESTART_INTERVAL_S, ServerRestarter
 from orders.errors import StoreUnavailable
 from orders.index import UnpaidIndex
-from tests.helpers import child_env, run_python, stop_process
+from tests.helpers import child_env, run_python, servers_under, stop_process
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/cwd").exists(), reason="finds servers through /proc (Linux)"
@@ -82,21 +82,6 @@ def wait_dead(pid: int, timeout_s: float = 15.0) -> bool:
             return False
         time.sleep(0.02)
     return True
-
-
-def servers_under(base: Path) -> list[int]:
-    """Live processes whose working dir is under ``base`` (redis-server chdirs to --dir)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cwd = Path(os.readlink(entry / "cwd"))
-        except OSError:
-            continue
-        if cwd.is_relative_to(base) and alive(int(entry.name)):
-            found.append(int(entry.name))
-    return sorted(found)
 
 
 def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
