@@ -445,6 +445,49 @@ MUTATIONS: tuple[Mutation, ...] = (
         "PostgreSQL: readers never pass an event of a transaction still running",
         "tests/integration/test_events.py::test_postgresql_readers_never_pass_an_event_of_a_transaction_still_running[postgresql]",
     ),
+    # --- what the scheduler logs, and its rebuild beside the sweep ---------------------------
+    _m(
+        "summary-every-tick",
+        "orders/sweep_log.py",
+        "(not force and now - self._since < self.period_s)",
+        "(not force and False)",
+        "the scheduler's summary comes at most once per period",
+        "tests/integration/test_sweeper.py::test_summary_comes_at_most_once_per_period_with_the_totals_since_the_last_one",
+    ),
+    _m(
+        "backlog-clears-at-the-threshold",
+        "orders/sweep_log.py",
+        "if self._since is not None and lag_ms <= self.lag_ms // 2:",
+        "if self._since is not None and lag_ms <= self.lag_ms:",
+        "a backlog clears only well under its threshold (no line every tick near it)",
+        "tests/integration/test_sweeper.py::test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears",
+    ),
+    _m(
+        "rebuild-does-not-yield-to-the-sweep",
+        "orders/sweeper.py",
+        "            if self._not_ticking.wait(REBUILD_WAIT_S):",
+        "            if True:",
+        "the index rebuild waits for a running sweep",
+        "tests/integration/test_sweeper.py::test_rebuild_waits_for_a_running_tick_before_it_starts_and_between_its_chunks",
+    ),
+    # --- bounded stats, the self-healing embedded server ----------------------------------------
+    _m(
+        "stats-window-start-inclusive",
+        "orders/stats.py",
+        "return and_(column > self.since_ms, column <= self.until_ms)",
+        "return and_(column >= self.since_ms, column <= self.until_ms)",
+        "a stats window is open at its start and closed at its end",
+        "tests/integration/test_stats.py::test_the_window_is_open_at_its_start_and_closed_at_its_end",
+    ),
+    _m(
+        "embedded-server-not-restarted",
+        "orders/embedded_client.py",
+        "            if not self.restarter.restart():",
+        "            if True:",
+        "a process that finds its embedded redis-server dead starts it again",
+        "tests/integration/test_embedded.py::test_a_command_in_flight_when_the_server_dies_completes_on_a_restarted_one",
+        "tests/integration/test_embedded.py::test_a_stopped_server_comes_back_but_not_in_a_removed_home",
+    ),
 )
 
 
