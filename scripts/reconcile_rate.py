@@ -35,8 +35,8 @@ from sqlalchemy import Engine, insert, text
 from orders import migrate
 from orders.bootstrap import build_engine
 from orders.config import Settings
-from orders.embedded import find_redis_server
 from orders.models import orders_table
+from orders.redis_server import find_redis_server
 from orders.service import OrderService
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")

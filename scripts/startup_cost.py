@@ -46,8 +46,8 @@ from sqlalchemy import insert  # noqa: E402
 from orders import migrate  # noqa: E402
 from orders.bootstrap import build_engine, build_redis  # noqa: E402
 from orders.config import Settings  # noqa: E402
-from orders.embedded import find_redis_server  # noqa: E402
 from orders.models import orders_table  # noqa: E402
+from orders.redis_server import find_redis_server  # noqa: E402
 from orders.scheduling import build_scheduler  # noqa: E402
 from orders.service import OrderService  # noqa: E402
 from orders.sweeper import Sweeper  # noqa: E402

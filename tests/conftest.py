@@ -28,7 +28,7 @@ from sqlalchemy.engine import make_url
 from orders import migrate
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
-from orders.embedded import find_redis_server
+from orders.redis_server import find_redis_server
 from orders.service import OrderService
 from tests.helpers import stop_process
 from tests.postgres import PostgresServer, find_postgres_bin
