@@ -39,9 +39,10 @@ from orders.models import orders_table
 from orders.redis_server import find_redis_server
 from orders.service import OrderService
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server
+from tests.postgres import PostgresServer, find_postgres_bin
+
 NOW_MS = 1_800_000_000_000
-UNPRIVILEGED = "nobody"
 
 
 def stop(proc: subprocess.Popen[bytes], signum: int = signal.SIGTERM) -> None:
@@ -82,35 +83,17 @@ def redis_server(folder: Path) -> Iterator[str]:
         stop(proc)
 
 
-def connects(engine: Engine) -> bool:
-    with engine.connect():
-        return True
-
-
 @contextlib.contextmanager
-def postgres_server(folder: Path) -> Iterator[str]:
-    data = folder / "data"
-    as_user = {"user": UNPRIVILEGED} if os.geteuid() == 0 else {}
-    if as_user:
-        shutil.chown(folder, user=UNPRIVILEGED)
-    os.chmod(folder, 0o700)
-    initdb = [str(PG_BIN / "initdb"), "-D", str(data), "-U", "orders", "--auth=trust"]
-    initdb += ["-E", "UTF8", "--locale=C"]
-    subprocess.run(initdb, check=True, capture_output=True, cwd=folder, **as_user)  # type: ignore[call-overload]
-    args = [str(PG_BIN / "postgres"), "-D", str(data), "-k", str(folder)]
-    args += ["-c", "listen_addresses=", "-c", "shared_buffers=128MB"]  # fsync stays on
-    with open(folder / "postgres.log", "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=folder, **as_user)  # type: ignore[call-overload]
-    url = f"postgresql+psycopg://orders@/postgres?host={folder}"
+def postgres_server() -> Iterator[str]:
+    """A throwaway PostgreSQL (the tests' server, durable: fsync on), stopped by its PID."""
+    bindir = find_postgres_bin()
+    if bindir is None:
+        raise SystemExit("no PostgreSQL server binaries (initdb) found")
+    server = PostgresServer(bindir, durable=True).start()
     try:
-        probe = build_engine(Settings(), url)
-        try:
-            wait_until(lambda: connects(probe), proc, "postgres")
-        finally:
-            probe.dispose()
-        yield url
+        yield server.url("postgres")
     finally:
-        stop(proc, signal.SIGINT)  # "fast" shutdown
+        server.stop()
 
 
 def fill(engine: Engine, users: int, seed: int = 7) -> int:
@@ -193,23 +176,18 @@ def main() -> int:
                     measure(engine, redis_url, args.users, args.repeat, "sqlite", args.chunk_size)
                     engine.dispose()
                 elif name == "postgresql":
-                    # Its own folder: the server's user cannot enter ours (mode 700).
-                    pg_folder = Path(tempfile.mkdtemp(prefix="orders-reconcile-pg-", dir="/tmp"))
-                    try:
-                        with postgres_server(pg_folder) as url:
-                            engine = build_engine(Settings(), url)
-                            migrate.upgrade(engine)
-                            measure(
-                                engine,
-                                redis_url,
-                                args.users,
-                                args.repeat,
-                                "postgresql",
-                                args.chunk_size,
-                            )
-                            engine.dispose()
-                    finally:
-                        shutil.rmtree(pg_folder, ignore_errors=True)
+                    with postgres_server() as url:
+                        engine = build_engine(Settings(), url)
+                        migrate.upgrade(engine)
+                        measure(
+                            engine,
+                            redis_url,
+                            args.users,
+                            args.repeat,
+                            "postgresql",
+                            args.chunk_size,
+                        )
+                        engine.dispose()
                 else:
                     raise SystemExit(f"unknown engine {name!r}")
     finally:

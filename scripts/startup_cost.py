@@ -311,7 +311,7 @@ def _measure_postgres(sizes: dict[str, int], redis_url: str, pairs: int) -> None
     if bindir is None:
         print("postgresql: skipped, no server binaries (initdb) found")
         return
-    server = PostgresServer(bindir).start()
+    server = PostgresServer(bindir, durable=True).start()
     try:
         measure("postgresql", PostgresCopies(server, sizes), redis_url, pairs)
     finally:

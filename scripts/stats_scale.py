@@ -22,12 +22,10 @@ Needs about 6 GB free in /tmp for 10**7 orders; the script checks before it fill
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +41,9 @@ from orders import migrate
 from orders.domain import OrderStatus
 from orders.models import UNPAID_PREDICATE, orders_table
 from orders.stats import Window, close_lag, read_stats
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server
+from tests.postgres import PostgresServer, find_postgres_bin
 
 OC = orders_table.c
 HOUR_MS = 3_600_000
@@ -220,59 +221,18 @@ def fill(engine: Engine, total: int, recent: int, now_ms: int) -> None:
 
 @contextmanager
 def own_postgres() -> Iterator[str]:
-    """A PostgreSQL server of our own, fsync on; yields a database URL, stops it by PID."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if not found:
-        raise SystemExit("no /usr/lib/postgresql/*/bin/initdb; set ORDERS_SCALE_DATABASE_URL")
-    bindir = Path(found[-1]).parent
-    folder = Path(tempfile.mkdtemp(prefix="orders-stats-scale-", dir="/tmp"))
-    as_user: dict[str, Any] = {"user": "nobody"} if os.geteuid() == 0 else {}
-    if as_user:
-        shutil.chown(folder, user="nobody")
-    proc: subprocess.Popen[bytes] | None = None
+    """A PostgreSQL server of our own (the tests' server, durable: fsync on, no autovacuum so
+    the VACUUM step is ours), yielding the URL of its ``postgres`` database; stopped by PID."""
+    bindir = find_postgres_bin()
+    if bindir is None:
+        raise SystemExit("no PostgreSQL server binaries (initdb); set ORDERS_SCALE_DATABASE_URL")
+    server = PostgresServer(
+        bindir, durable=True, settings={"max_wal_size": "4GB", "autovacuum": "off"}
+    ).start()
     try:
-        subprocess.run(
-            [str(bindir / "initdb"), "-D", str(folder / "data"), "-U", "orders",
-             "--auth=trust", "-E", "UTF8", "--locale=C"],
-            check=True, capture_output=True, cwd=folder, **as_user,
-        )  # fmt: skip
-        with open(folder / "postgres.log", "wb") as log:
-            proc = subprocess.Popen(
-                [str(bindir / "postgres"), "-D", str(folder / "data"), "-k", str(folder),
-                 "-c", "listen_addresses=", "-c", "fsync=on", "-c", "max_wal_size=4GB",
-                 "-c", "autovacuum=off"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=folder, **as_user,
-            )  # fmt: skip
-        url = f"postgresql+psycopg://orders@/postgres?host={folder}"
-        wait_for(url, proc)
-        yield url
+        yield server.url("postgres")
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)  # fast shutdown
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def wait_for(url: str, proc: subprocess.Popen[bytes]) -> None:
-    engine = create_engine(url)
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit("postgres exited at start")
-            try:
-                with engine.connect():
-                    return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-    finally:
-        engine.dispose()
+        server.stop()
 
 
 @contextmanager

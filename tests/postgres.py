@@ -37,8 +37,17 @@ def find_postgres_bin() -> Path | None:
 class PostgresServer:
     """``start()`` then ``url(dbname)``; ``stop()`` ends the server and removes its files."""
 
-    def __init__(self, bindir: Path) -> None:
+    #: What a test server gives up for speed: the tests never outlive a crash of it.
+    FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+    #: As production runs it: every commit reaches the disk (benchmarks, soak).
+    DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
+
+    def __init__(
+        self, bindir: Path, *, durable: bool = False, settings: dict[str, str] | None = None
+    ) -> None:
+        """``durable``: fsync and synchronous commits on; ``settings``: more ``-c`` options."""
         self.bindir = bindir
+        self.settings = {**(self.DURABLE if durable else self.FAST), **(settings or {})}
         self.folder = Path(tempfile.mkdtemp(prefix="orders-pg-", dir="/tmp"))
         self.data = self.folder / "data"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -74,11 +83,9 @@ class PostgresServer:
                     "-D", str(self.data),
                     "-k", str(self.folder),
                     "-c", "listen_addresses=",
-                    "-c", "fsync=off",
-                    "-c", "synchronous_commit=off",
-                    "-c", "full_page_writes=off",
                     "-c", "max_connections=300",
                     "-c", "shared_buffers=128MB",
+                    *(a for n, v in self.settings.items() for a in ("-c", f"{n}={v}")),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -1,0 +1,481 @@
+"""The mutation drill's list: each named one-line break of a rule, and the tests that must
+catch it (the runner is ``scripts/mutation_drill.py``).
+
+A mutation names a file, an exact fragment of it, its replacement, the rule it breaks and the
+tests that must fail. :func:`check_mutations` refuses a list whose fragment no longer occurs
+exactly once, so moved code makes the drill stop and say so instead of testing nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Mutation:
+    """One named break: ``original`` (exactly once in ``path``) becomes ``replacement``."""
+
+    name: str
+    path: str
+    original: str
+    replacement: str
+    #: pytest arguments: node ids or files, possibly ``-k EXPR``.
+    tests: tuple[str, ...]
+    #: The rule the break violates, in a few words.
+    rule: str
+    #: The drill's own check that the copy is what the tests import: must be caught.
+    sanity: bool = False
+
+
+def _m(name: str, path: str, original: str, replacement: str, rule: str, *tests: str) -> Mutation:
+    return Mutation(name, path, original, replacement, tuple(tests), rule)
+
+
+SANITY = Mutation(
+    name="sanity-copy-is-imported",
+    path="orders/validation.py",
+    original='    return _check_text("user_id", value, max_length, key_safe=True)',
+    replacement='    raise InvalidInput("user_id", "mutation drill sanity check")',
+    tests=("tests/unit/test_domain.py::test_int_user_id_becomes_its_decimal_string",),
+    rule="(the drill's own check: the tests import the mutated copy)",
+    sanity=True,
+)
+
+MUTATIONS: tuple[Mutation, ...] = (
+    SANITY,
+    # --- admission in Redis (admit.lua) ------------------------------------------------------
+    _m(
+        "admit-limit-off-by-one",
+        "orders/lua/admit.lua",
+        "if count >= limit then",
+        "if count > limit then",
+        "Redis refuses at the limit, not one past it",
+        "tests/integration/test_create.py::test_refusal_at_the_limit_carries_count_and_retry_after_and_costs_one_redis_call_no_sql",
+    ),
+    _m(
+        "admit-keeps-expired-members",
+        "orders/lua/admit.lua",
+        "redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])",
+        "-- expired members kept",
+        "expired orders stop counting in Redis without a sweep",
+        "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",
+    ),
+    _m(
+        "admit-retry-takes-a-second-slot",
+        "orders/lua/admit.lua",
+        "if existing then",
+        "if false then",
+        "a retry of the same order id takes no second slot",
+        "tests/integration/test_create.py::test_retry_with_the_same_order_id_returns_the_same_order_and_takes_no_second_slot",
+    ),
+    _m(
+        "admit-key-never-expires",
+        "orders/lua/admit.lua",
+        "redis.call('PEXPIREAT', key, string.format('%d', tonumber(last[2]) + margin))",
+        "-- the key lives forever",
+        "an abandoned user key expires a margin after its latest member",
+        "tests/integration/test_create.py::test_the_users_key_expires_a_margin_after_its_latest_member",
+    ),
+    # --- the SQL guard -----------------------------------------------------------------------
+    _m(
+        "sql-guard-dropped",
+        "orders/records.py",
+        '            self.check_room(conn, uid, limit, now_ms, values["id"])',
+        "            pass",
+        "SQL counts again under the user's lock (Redis may have lost members)",
+        "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",
+    ),
+    _m(
+        "sql-guard-off-by-one",
+        "orders/records.py",
+        "if open_count >= limit:",
+        "if open_count > limit:",
+        "the SQL guard refuses at the limit, not one past it",
+        "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",
+    ),
+    _m(
+        "pg-user-lock-dropped",
+        "orders/transactions.py",
+        '                conn.execute(_PG_USER_LOCK, {"key": user_lock})',
+        "                pass",
+        "PostgreSQL: the guard's count-then-insert runs under a per-user advisory lock",
+        "tests/concurrency/test_limit_under_contention.py::test_sql_guard_needs_the_per_user_lock_on_postgresql[postgresql]",
+    ),
+    _m(
+        "open-at-includes-the-expiry-instant",
+        "orders/models.py",
+        "orders_table.c.expires_at_ms > now_ms",
+        "orders_table.c.expires_at_ms >= now_ms",
+        "an order stops being open at its expiry instant (strict pay at expires_at refused)",
+        "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_payment_at_exactly_expires_at",
+    ),
+    # --- admission: compensation, retries, conflicts, outage policy ---------------------------
+    _m(
+        "compensation-keeps-the-member",
+        "orders/admission.py",
+        "            self.release_after_commit(user_id, order_id)",
+        "            pass",
+        "a failed insert removes the member it admitted",
+        "tests/integration/test_create.py::test_sql_failure_on_insert_removes_the_member_again",
+        "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",
+    ),
+    _m(
+        "outage-policy-ignored",
+        "orders/admission.py",
+        "            if not self.create_without_redis:",
+        "            if False:",
+        "Redis down refuses a create unless create_without_redis",
+        "tests/integration/test_create.py::test_redis_down_refuses_creation_with_store_unavailable_and_writes_no_row",
+    ),
+    _m(
+        "retry-after-computed-wrong",
+        "orders/admission.py",
+        "return max(0, earliest_ms - now_ms) / 1000",
+        "return max(0, earliest_ms) / 1000",
+        "retry_after_s is the time until the earliest open order frees its slot",
+        "tests/integration/test_create.py::test_refusal_at_the_limit_carries_count_and_retry_after_and_costs_one_redis_call_no_sql",
+    ),
+    _m(
+        "idempotent-retry-refused-at-the-limit",
+        "orders/admission.py",
+        "earlier = self.records.find(oid, now_ms) if caller_id else None",
+        "earlier = None",
+        "a retry of a known order id returns it, even at the limit",
+        "tests/integration/test_create.py::test_retry_of_an_order_already_paid_returns_it_even_at_the_limit",
+        "tests/integration/test_create.py::test_a_retry_at_the_limit_returns_the_order_it_retries",
+    ),
+    _m(
+        "retry-ignores-the-redis-expiry",
+        "orders/admission.py",
+        'values = {**values, "expires_at_ms": admitted.score_ms}',
+        "values = {**values}",
+        "a retry after a crash finishes the order with the expiry Redis holds",
+        "tests/integration/test_create.py::test_a_retry_after_a_crash_between_redis_and_sql_finishes_the_order_with_the_redis_expiry",
+    ),
+    _m(
+        "conflict-not-raised-for-another-user",
+        "orders/domain.py",
+        "    if order.user_id != user_id:",
+        "    if False:",
+        "an order id of another user is an OrderConflict",
+        "tests/integration/test_create.py::test_the_same_order_id_for_another_user_is_a_conflict_and_leaves_no_member",
+    ),
+    # --- transitions: compare-and-set and the outbox ------------------------------------------
+    _m(
+        "pay-cas-dropped",
+        "orders/records.py",
+        "conditions=[ORDER.id == order_id, open_at(now_ms) if strict else UNPAID_PREDICATE],",
+        "conditions=[ORDER.id == order_id],",
+        "pay is a compare-and-set on status = 'unpaid'",
+        "tests/integration/test_transitions.py::test_paying_a_swept_order_raises_order_closed_with_status_closed",
+        "tests/integration/test_transitions.py::test_cancel_then_pay_leaves_the_cancel_as_the_only_winner",
+    ),
+    _m(
+        "cancel-cas-dropped",
+        "orders/records.py",
+        "conditions=[ORDER.id == order_id, UNPAID_PREDICATE],",
+        "conditions=[ORDER.id == order_id],",
+        "cancel is a compare-and-set on status = 'unpaid'",
+        "tests/integration/test_transitions.py::test_cancelling_a_paid_order_raises_already_paid",
+        "tests/integration/test_transitions.py::test_pay_then_cancel_leaves_the_payment_as_the_only_winner",
+    ),
+    _m(
+        "strict-expiry-ignored",
+        "orders/records.py",
+        "open_at(now_ms) if strict else UNPAID_PREDICATE",
+        "UNPAID_PREDICATE",
+        "under strict_expiry a payment after expires_at is refused",
+        "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
+    ),
+    _m(
+        "strict-close-cas-dropped",
+        "orders/records.py",
+        "conditions=[ORDER.id == order_id, due_at(now_ms)],",
+        "conditions=[ORDER.id == order_id],",
+        "a refused strict payment closes only an unpaid, due order",
+        "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
+        "tests/integration/test_transitions.py::test_strict_expiry_repeat_payment_after_expiry_returns_the_paid_order_and_closes_nothing",
+    ),
+    _m(
+        "late-payment-ref-dropped",
+        "orders/service.py",
+        'data = {"trigger": "late_payment", "payment_ref": ref}',
+        'data = {"trigger": "late_payment"}',
+        "the late-payment close event carries the payment_ref, for the refund",
+        "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
+    ),
+    _m(
+        "repeat-payment-with-same-ref-refused",
+        "orders/service.py",
+        "if order.status is OrderStatus.PAID and ref in (None, order.payment_ref):",
+        "if order.status is OrderStatus.PAID and ref is None:",
+        "paying again with the stored reference returns the order",
+        "tests/integration/test_transitions.py::test_second_payment_with_same_ref_returns_the_order_without_a_second_event",
+    ),
+    _m(
+        "transition-event-dropped",
+        "orders/records.py",
+        "            self.record(conn, [(row.id, row.user_id)], kind, now_ms, event_data)",
+        "            pass",
+        "every transition writes its event (outbox)",
+        "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
+    ),
+    _m(
+        "created-event-dropped",
+        "orders/records.py",
+        '            self.record(conn, [(values["id"], uid)], EventKind.CREATED, now_ms, None)',
+        "            pass",
+        "a create writes its created event (outbox)",
+        "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
+    ),
+    _m(
+        "created-event-outside-the-transaction",
+        "orders/records.py",
+        "            row = conn.execute(_INSERT_ORDER, dict(values)).one()",
+        "            row = conn.execute(_INSERT_ORDER, dict(values)).one(); conn.commit()",
+        "the order row and its event commit together",
+        "tests/crash/test_crashes.py",
+        "-k",
+        "connection_dropped_during_the_create_transaction and order_events",
+    ),
+    _m(
+        "sweep-events-outside-the-transaction",
+        "orders/records.py",
+        "                rows = conn.execute(close).all()",
+        "                rows = conn.execute(close).all(); conn.commit()",
+        "a sweep batch's closes and their events commit together",
+        "tests/integration/test_sweep.py::test_batch_whose_event_insert_fails_leaves_its_orders_unpaid",
+    ),
+    _m(
+        "member-kept-after-payment",
+        "orders/service.py",
+        "                self.admitter.release_after_commit(order.user_id, order.id)",
+        "                pass",
+        "a payment removes the order's member after the commit",
+        "tests/integration/test_transitions.py::test_mark_paid_moves_unpaid_to_paid_in_sql_and_removes_the_redis_member",
+    ),
+    _m(
+        "extend-an-expired-order",
+        "orders/records.py",
+        "                open_at(now_ms),\n",
+        "                UNPAID_PREDICATE,\n",
+        "extend_order refuses an order whose time is up",
+        "tests/integration/test_events.py::test_extend_refuses_closed_paid_expired_and_too_long",
+    ),
+    _m(
+        "extend-past-the-max-lifetime",
+        "orders/records.py",
+        "ORDER.expires_at_ms + extra_ms - ORDER.created_at_ms <= max_life_ms,",
+        "ORDER.expires_at_ms + extra_ms - ORDER.created_at_ms <= 2 * max_life_ms,",
+        "no extension moves an expiry past created_at + max_lifetime_s",
+        "tests/integration/test_events.py::test_extend_refuses_closed_paid_expired_and_too_long",
+    ),
+    # --- the sweep ---------------------------------------------------------------------------
+    _m(
+        "sweep-skips-orders-due-exactly-now",
+        "orders/models.py",
+        "orders_table.c.expires_at_ms <= cutoff_ms",
+        "orders_table.c.expires_at_ms < cutoff_ms",
+        "an order is due at its expiry instant",
+        "tests/integration/test_sweep.py::test_sweep_closes_orders_due_at_or_before_now_and_keeps_later_ones",
+    ),
+    _m(
+        "sweep-closes-orders-not-yet-due",
+        "orders/sweep.py",
+        "        cutoff = self.cutoff(now_ms)",
+        "        cutoff = self.cutoff(now_ms) + 1",
+        "the sweep never closes an order before its expiry",
+        "tests/integration/test_sweep.py::test_sweep_closes_orders_due_at_or_before_now_and_keeps_later_ones",
+    ),
+    _m(
+        "sweep-cutoff-ahead-of-the-clock",
+        "orders/validation.py",
+        "    if now_ms > clock_now:",
+        "    if False:",
+        "a sweep cutoff ahead of the clock is refused",
+        "tests/integration/test_sweep.py::test_sweep_with_a_cutoff_ahead_of_the_clock_raises_and_closes_nothing",
+    ),
+    _m(
+        "sweep-redis-cleanup-skipped",
+        "orders/index.py",
+        '                pipe.zremrangebyscore(self.key(user_id), "-inf", now_ms)',
+        "                pass",
+        "the sweep drops the closed orders' expired members",
+        "tests/integration/test_sweep.py::test_sweep_closes_ten_due_orders_in_four_batches_of_three",
+    ),
+    _m(
+        "sweep-skip-locked-removed",
+        "orders/records.py",
+        "due = due.with_for_update(skip_locked=True)",
+        "due = due.with_for_update()",
+        "PostgreSQL: a sweeper skips rows another holds, never waits on them",
+        "tests/integration/test_sweep.py::test_sweep_skips_a_due_order_locked_by_another_transaction[postgresql]",
+    ),
+    # --- reconcile ---------------------------------------------------------------------------
+    _m(
+        "reconcile-removes-in-flight-members",
+        "orders/reconciler.py",
+        "remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]",
+        "remove = [(u, o) for u, o in extras if owners.get(o) != u]",
+        "a member without a SQL row (a create in flight) stays until its expiry",
+        "tests/integration/test_reconcile.py::test_a_member_without_a_sql_row_is_kept_until_its_own_expiry",
+    ),
+    _m(
+        "reconcile-leaves-a-stale-add",
+        "orders/reconciler.py",
+        "            self._undo_stale_adds(added, now_ms)",
+        "            pass",
+        "an add racing a payment does not leave a stale member",
+        "tests/integration/test_reconcile.py::test_an_add_that_races_a_payment_does_not_leave_a_stale_member",
+    ),
+    # --- the scheduler's lease ---------------------------------------------------------------
+    _m(
+        "lease-released-by-another-owner",
+        "orders/lua/lease_release.lua",
+        "if redis.call('GET', key) == ARGV[1] then",
+        "if true then",
+        "only the lease's owner can release it",
+        "tests/integration/test_sweeper.py::test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it",
+        "tests/integration/test_sweeper.py::test_close_releases_our_lease_and_never_another_owners",
+    ),
+    _m(
+        "lease-renewed-by-another-owner",
+        "orders/lua/lease.lua",
+        "if redis.call('GET', key) == owner then",
+        "if true then",
+        "only the lease's owner can renew it",
+        "tests/integration/test_sweeper.py::test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it",
+    ),
+    # --- input validation --------------------------------------------------------------------
+    _m(
+        "ttl-maximum-unchecked",
+        "orders/validation.py",
+        "    if ttl_s > max_ttl_ms / 1000:",
+        "    if False:",
+        "a TTL above the maximum (milliseconds by mistake) is refused",
+        "tests/unit/test_domain.py::test_a_ttl_given_in_milliseconds_by_mistake_is_caught_by_the_maximum",
+    ),
+    _m(
+        "user-id-key-unsafe-characters-allowed",
+        "orders/validation.py",
+        "        if key_safe and ch in KEY_UNSAFE:",
+        "        if False:",
+        "user ids may not contain {}*?[] (hash tags, glob patterns)",
+        "tests/unit/test_domain.py::test_bad_user_ids_are_refused_without_echoing_them",
+    ),
+    # --- event consumers ---------------------------------------------------------------------
+    _m(
+        "consumer-cursor-not-saved",
+        "orders/events.py",
+        "                self._save_position(conn, event.position)",
+        "                pass",
+        "a consumer saves its position after each event",
+        "tests/integration/test_event_retries.py::test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_again",
+        "tests/integration/test_events.py::test_a_consumer_killed_mid_stream_resumes_without_losing_or_skipping_an_event",
+    ),
+    _m(
+        "parked-events-retried",
+        "orders/events.py",
+        ".where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= now_ms)",
+        ".where(RC.consumer == self.name, RC.next_at_ms <= now_ms)",
+        "a parked event is never retried until requeued",
+        "tests/integration/test_event_retries.py::test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_again",
+    ),
+    _m(
+        "park-one-attempt-late",
+        "orders/events.py",
+        "park = attempts >= self.max_attempts",
+        "park = attempts > self.max_attempts",
+        "an event is parked after max_attempts tries, not one more",
+        "tests/integration/test_event_retries.py::test_max_attempts_one_parks_at_the_first_failure",
+    ),
+    _m(
+        "pg-reader-passes-a-running-transaction",
+        "orders/events.py",
+        "        query = query.where(EC.txid < horizon)",
+        "        query = query",
+        "PostgreSQL: readers never pass an event of a transaction still running",
+        "tests/integration/test_events.py::test_postgresql_readers_never_pass_an_event_of_a_transaction_still_running[postgresql]",
+    ),
+    # --- what the scheduler logs, and its rebuild beside the sweep ---------------------------
+    _m(
+        "summary-every-tick",
+        "orders/sweep_log.py",
+        "(not force and now - self._since < self.period_s)",
+        "(not force and False)",
+        "the scheduler's summary comes at most once per period",
+        "tests/integration/test_sweeper.py::test_summary_comes_at_most_once_per_period_with_the_totals_since_the_last_one",
+    ),
+    _m(
+        "backlog-clears-at-the-threshold",
+        "orders/sweep_log.py",
+        "if self._since is not None and lag_ms <= self.lag_ms // 2:",
+        "if self._since is not None and lag_ms <= self.lag_ms:",
+        "a backlog clears only well under its threshold (no line every tick near it)",
+        "tests/integration/test_sweeper.py::test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears",
+    ),
+    _m(
+        "rebuild-does-not-yield-to-the-sweep",
+        "orders/sweeper.py",
+        "            if self._not_ticking.wait(REBUILD_WAIT_S):",
+        "            if True:",
+        "the index rebuild waits for a running sweep",
+        "tests/integration/test_sweeper.py::test_rebuild_waits_for_a_running_tick_before_it_starts_and_between_its_chunks",
+    ),
+    # --- bounded stats, the self-healing embedded server ----------------------------------------
+    _m(
+        "stats-window-start-inclusive",
+        "orders/stats.py",
+        "return and_(column > self.since_ms, column <= self.until_ms)",
+        "return and_(column >= self.since_ms, column <= self.until_ms)",
+        "a stats window is open at its start and closed at its end",
+        "tests/integration/test_stats.py::test_the_window_is_open_at_its_start_and_closed_at_its_end",
+    ),
+    _m(
+        "embedded-server-not-restarted",
+        "orders/embedded_client.py",
+        "            if not self.restarter.restart():",
+        "            if True:",
+        "a process that finds its embedded redis-server dead starts it again",
+        "tests/integration/test_embedded.py::test_a_command_in_flight_when_the_server_dies_completes_on_a_restarted_one",
+        "tests/integration/test_embedded.py::test_a_stopped_server_comes_back_but_not_in_a_removed_home",
+    ),
+)
+
+
+# --- checking the list against the source -------------------------------------------------------
+
+
+def check_mutations(mutations: Sequence[Mutation], root: Path) -> list[str]:
+    """Every reason the list cannot run as it stands (empty when it can)."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    for m in mutations:
+        if m.name in seen:
+            problems.append(f"{m.name}: the name is used twice")
+        seen.add(m.name)
+        if not m.tests:
+            problems.append(f"{m.name}: no tests named")
+        if m.original == m.replacement:
+            problems.append(f"{m.name}: the replacement equals the original")
+        for arg in m.tests:
+            if arg.startswith("tests/") and not (root / arg.split("::")[0]).is_file():
+                problems.append(f"{m.name}: no test file {arg.split('::')[0]}")
+        source = root / m.path
+        if not source.is_file():
+            problems.append(f"{m.name}: no file {m.path}")
+            continue
+        found = source.read_text("utf-8").count(m.original)
+        if found != 1:
+            problems.append(
+                f"{m.name}: {m.original.strip()!r} occurs {found} times in {m.path} "
+                "(it must occur exactly once; update the mutation)"
+            )
+    return problems
+
+
+def line_of(m: Mutation, root: Path) -> int:
+    text = (root / m.path).read_text("utf-8")
+    return text[: text.index(m.original)].count("\n") + 1
