@@ -20,6 +20,10 @@ from pathlib import Path
 import psycopg
 
 UNPRIVILEGED_USER = "nobody"
+#: What a test server gives up for speed: the tests never outlive a crash of it.
+FAST_SETTINGS = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+#: As production runs it: every commit reaches the disk (benchmarks, soak).
+DURABLE_SETTINGS = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 
 
 def find_postgres_bin() -> Path | None:
@@ -37,17 +41,12 @@ def find_postgres_bin() -> Path | None:
 class PostgresServer:
     """``start()`` then ``url(dbname)``; ``stop()`` ends the server and removes its files."""
 
-    #: What a test server gives up for speed: the tests never outlive a crash of it.
-    FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
-    #: As production runs it: every commit reaches the disk (benchmarks, soak).
-    DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
-
     def __init__(
         self, bindir: Path, *, durable: bool = False, settings: dict[str, str] | None = None
     ) -> None:
         """``durable``: fsync and synchronous commits on; ``settings``: more ``-c`` options."""
         self.bindir = bindir
-        self.settings = {**(self.DURABLE if durable else self.FAST), **(settings or {})}
+        self.settings = {**(DURABLE_SETTINGS if durable else FAST_SETTINGS), **(settings or {})}
         self.folder = Path(tempfile.mkdtemp(prefix="orders-pg-", dir="/tmp"))
         self.data = self.folder / "data"
         self.proc: subprocess.Popen[bytes] | None = None
