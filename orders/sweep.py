@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from orders import metrics
 from orders.admission import Admitter
+from orders.closing import DueCloser
 from orders.config import Settings
 from orders.domain import Clock, Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
@@ -34,6 +35,7 @@ class Sweep:
         self, records: OrderRecords, admitter: Admitter, settings: Settings, clock: Clock
     ) -> None:
         self.records = records
+        self.closer = DueCloser(records)
         self.admitter = admitter
         self.settings = settings
         self.clock = clock
@@ -80,7 +82,7 @@ class Sweep:
         if self.pre_close is not None:
             self._run_pre_close(self.pre_close, cutoff, size)
         closed_at_ms = self.clock()
-        rows = self.records.close_due(cutoff, size, closed_at_ms)
+        rows = self.closer.close_due(cutoff, size, closed_at_ms)
         if not rows:
             return 0
         metrics.CLOSES.inc(len(rows))

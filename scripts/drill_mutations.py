@@ -242,7 +242,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     _m(
         "sweep-events-outside-the-transaction",
-        "orders/records.py",
+        "orders/closing.py",
         "                rows = conn.execute(close).all()",
         "                rows = conn.execute(close).all(); conn.commit()",
         "a sweep batch's closes and their events commit together",
@@ -307,7 +307,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     _m(
         "sweep-skip-locked-removed",
-        "orders/records.py",
+        "orders/closing.py",
         "due = due.with_for_update(skip_locked=True)",
         "due = due.with_for_update()",
         "PostgreSQL: a sweeper skips rows another holds, never waits on them",
