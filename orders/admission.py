@@ -5,9 +5,11 @@ and the pre-close check's extension of an expired order (which no longer held a 
 
 1. The Redis script (``admit.lua``) drops expired members, counts, and refuses at the limit
    or adds the member, atomically: a refusal costs one round trip and no SQL.
-2. SQL counts again under the user's lock (:meth:`OrderRecords.check_room`) in the
-   transaction that writes the row and its event. Redis may have lost members; SQL has not.
+2. SQL inserts the order and its event into a free slot of the user (``orders.slots``):
+   a unique index, not a count, so Redis may have lost members and the limit still holds.
 3. If SQL refuses or fails, the member this call added is removed again (compensation).
+   A refusal by SQL after Redis admitted means Redis had lost the user's members: they are
+   written back from SQL's holders, so the next create is refused by Redis alone.
 
 The outage policy, once: when Redis cannot be reached, admission fails with
 :class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
@@ -102,6 +104,7 @@ class Admitter:
         except LimitReachedInSql as refused:
             if ours:
                 self._compensate(uid, oid, now_ms)
+            self._restore(uid, refused.holders, now_ms, limit)
             wait_s = retry_after_s(refused.earliest_ms, now_ms)
             raise UnpaidOrderLimitReached(
                 uid, limit, refused.open_count, wait_s, source="sql"
@@ -124,8 +127,9 @@ class Admitter:
     ) -> bool:
         """Give an expired, unclosed order a new expiry, if its user has room for it.
 
-        The expired order no longer holds a slot, so this is an admission like a create's:
-        a refusal (or Redis down, under the outage policy) leaves the order to be closed.
+        The expired order no longer counts in Redis, so this is an admission like a
+        create's: a refusal (or Redis down, under the outage policy) leaves the order to be
+        closed. In SQL it still holds its slot, which no create can take while it is unpaid.
         """
         try:
             admitted = self.reserve(
@@ -135,13 +139,9 @@ class Admitter:
             return False
         if admitted.outcome is Admission.REFUSED:
             return False
-        with self.records.tx.write(user_lock=order.user_id) as conn:
-            try:
-                self.records.check_room(conn, order.user_id, limit, now_ms, order.id)
-            except LimitReachedInSql:
-                row = None
-            else:
-                row = self.records.reopen_expired(conn, order.id, expires_at_ms, now_ms, extra_ms)
+        # The order still holds its SQL slot (it is unpaid): only Redis needed the check.
+        with self.records.tx.write() as conn:
+            row = self.records.reopen_expired(conn, order.id, expires_at_ms, now_ms, extra_ms)
             conn.commit()
         if row is None and admitted.outcome is Admission.ADMITTED:
             self.release_after_commit(order.user_id, order.id)
@@ -160,6 +160,22 @@ class Admitter:
         if not (existing is not None and existing.user_id == user_id and existing.is_open):
             self.release_after_commit(user_id, order_id)
         return existing
+
+    def _restore(self, user_id: str, holders: Mapping[str, int], now_ms: int, limit: int) -> None:
+        """Write SQL's live orders of the user back into the index (Redis had lost them).
+
+        Through the admission script, soonest expiry first: the index never holds more than
+        ``limit`` members, also while other creates of the user are in flight.
+        """
+        try:
+            for order_id, expires_at_ms in sorted(holders.items(), key=lambda h: h[1]):
+                admitted = self.index.admit(
+                    user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                )
+                if admitted.outcome is Admission.REFUSED:
+                    return
+        except StoreUnavailable:
+            log.warning("redis repair failed; reconcile will fix it", extra={"user_id": user_id})
 
     def release_after_commit(self, user_id: str, order_id: str) -> None:
         """Remove a member after SQL decided; a Redis failure only delays the cleanup."""

@@ -51,7 +51,9 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
             pool_size=settings.sql_pool_size,
             max_overflow=settings.sql_max_overflow,
             pool_timeout=settings.sql_pool_timeout_s,
-            pool_pre_ping=True,
+            # A server may have dropped a pooled connection (a restart, an idle timeout):
+            # one cheap round trip at checkout finds out. A SQLite file has no far end.
+            pool_pre_ping=backend != "sqlite",
         )
     if backend == "postgresql" and target.get_driver_name() in ("psycopg", "psycopg2"):
         timeout_ms = round(settings.sql_statement_timeout_s * 1000)

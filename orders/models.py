@@ -84,6 +84,8 @@ class OrderRow(Base):
     order_metadata: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
     #: How often the expiry was moved (extend_order, the pre-close check).
     extensions: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    #: While unpaid: which of its user's ``limit`` slots the order holds (the SQL guard).
+    slot: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         CheckConstraint(f"status IN ({_in(OrderStatus)})", name="status"),
@@ -101,6 +103,16 @@ class OrderRow(Base):
             "ix_orders_unpaid_user_id_expires_at_ms",
             "user_id",
             "expires_at_ms",
+            postgresql_where=text(UNPAID_SQL),
+            sqlite_where=text(UNPAID_SQL),
+        ),
+        # The SQL side of the unpaid limit: an unpaid order holds one of its user's slots
+        # 1..limit, and no two unpaid orders of a user hold the same one.
+        Index(
+            "ix_orders_unpaid_user_id_slot",
+            "user_id",
+            "slot",
+            unique=True,
             postgresql_where=text(UNPAID_SQL),
             sqlite_where=text(UNPAID_SQL),
         ),

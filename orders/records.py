@@ -3,7 +3,7 @@
 Rules that hold for every method here:
 
 * a transition out of ``unpaid`` is one compare-and-set ``UPDATE ... WHERE status =
-  'unpaid'`` (:meth:`OrderRecords.transition`) that writes its ``order_events`` row in the
+  'unpaid'`` (:mod:`orders.compare_and_set`) that writes its ``order_events`` row in the
   same transaction, so an event exists exactly when its transition committed (an outbox);
 * methods taking a ``conn`` run inside the caller's transaction and never commit; the
   others open and commit their own (``orders.transactions``);
@@ -27,41 +27,33 @@ from sqlalchemy import (
     func,
     insert,
     select,
-    update,
 )
-from sqlalchemy.exc import IntegrityError
 
+from orders.compare_and_set import (
+    CANCEL,
+    CLOSE_EXPIRED,
+    EXPIRED_REASON,
+    EXTEND_OPEN,
+    PAY,
+    PAY_STRICT,
+    REOPEN_EXPIRED,
+)
 from orders.domain import EventKind, Order, OrderStatus
 from orders.errors import OrderNotFound
 from orders.models import UNPAID_PREDICATE, due_at, events_table, open_at, orders_table
 from orders.record_reads import ReconcileReads
+from orders.slots import InsertConflict, LimitReachedInSql, SlotGuard
 from orders.transactions import Transactions
 
-ORDER = orders_table.c
-EXPIRED_REASON = "expired"
+__all__ = ["EXPIRED_REASON", "InsertConflict", "LimitReachedInSql", "OrderRecords", "to_order"]
 
-_GUARD_COUNT = select(func.count(), func.min(ORDER.expires_at_ms)).where(
-    ORDER.user_id == bindparam("uid"),
-    open_at(bindparam("now_ms")),
-    ORDER.id != bindparam("oid"),  # a retry must not count its own order
-)
+ORDER = orders_table.c
+#: Creates that find their slot taken by a racing create try again, a few times at most.
+SLOT_RACE_RETRIES = 3
+
 _INSERT_ORDER = insert(orders_table).returning(*orders_table.c)
 _INSERT_EVENT = insert(events_table)
 _SELECT_ORDER = select(*orders_table.c).where(ORDER.id == bindparam("oid"))
-
-
-class InsertConflict(Exception):
-    """The database refused a create's insert (a duplicate id, or another constraint)."""
-
-
-class LimitReachedInSql(Exception):
-    """The SQL guard counted ``limit`` open orders for the user (the caller turns this into
-    :class:`~orders.errors.UnpaidOrderLimitReached`)."""
-
-    def __init__(self, open_count: int, earliest_ms: int | None) -> None:
-        super().__init__(open_count, earliest_ms)
-        self.open_count = open_count
-        self.earliest_ms = earliest_ms
 
 
 def to_order(row: Row[Any], read_at_ms: int) -> Order:
@@ -88,11 +80,13 @@ def to_order(row: Row[Any], read_at_ms: int) -> Order:
 class OrderRecords:
     """The orders table and its event outbox, over one engine."""
 
-    def __init__(self, engine: Engine, *, lock_users: bool = True) -> None:
-        self.tx = Transactions(engine, lock_users=lock_users)
+    def __init__(self, engine: Engine) -> None:
+        self.tx = Transactions(engine)
         self.dialect = self.tx.dialect
         #: The read-only queries of reconcile.
         self.reads = ReconcileReads(self.tx)
+        #: The SQL limit guard.
+        self.slots = SlotGuard(self)
 
     @property
     def engine(self) -> Engine:
@@ -163,41 +157,18 @@ class OrderRecords:
         elif rows:
             conn.execute(_INSERT_EVENT, rows)
 
-    def transition(
-        self,
-        conn: Connection,
-        *,
-        conditions: Sequence[Any],
-        kind: EventKind,
-        now_ms: int,
-        values: Mapping[str, Any],
-        event_data: dict[str, Any] | None,
-    ) -> Row[Any] | None:
-        """One compare-and-set UPDATE; records the event if it won. None if it lost."""
-        row = conn.execute(
-            update(orders_table)
-            .where(*conditions)
-            .values(updated_at_ms=now_ms, **values)
-            .returning(*orders_table.c)
-        ).one_or_none()
-        if row is not None:
-            self.record(conn, [(row.id, row.user_id)], kind, now_ms, event_data)
-        return row
-
     def transition_or_current(
         self,
         order_id: str,
         now_ms: int,
         attempt: Callable[[Connection], Row[Any] | None],
-        *,
-        user_lock: str | None = None,
     ) -> tuple[Order, bool]:
         """Run ``attempt`` (compare-and-sets) in one transaction and commit.
 
         Returns the order after it and whether ``attempt`` won; when it lost, the order as
         it stands, for the caller to decide what the loss means. Raises OrderNotFound.
         """
-        with self.tx.write(user_lock=user_lock) as conn:
+        with self.tx.statements() as conn:
             row = attempt(conn)
             current = row or conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
             conn.commit()
@@ -209,112 +180,59 @@ class OrderRecords:
         self, conn: Connection, order_id: str, now_ms: int, ref: str | None, *, strict: bool
     ) -> Row[Any] | None:
         """Unpaid -> paid; under ``strict``, only while the expiry is still ahead."""
-        return self.transition(
-            conn,
-            conditions=[ORDER.id == order_id, open_at(now_ms) if strict else UNPAID_PREDICATE],
-            kind=EventKind.PAID,
-            now_ms=now_ms,
-            values={"status": OrderStatus.PAID.value, "paid_at_ms": now_ms, "payment_ref": ref},
-            event_data={"payment_ref": ref},
-        )
+        params = {"oid": order_id, "now_ms": now_ms, "ref": ref}
+        return (PAY_STRICT if strict else PAY).run(conn, params, {"payment_ref": ref})
 
     def cancel(
         self, conn: Connection, order_id: str, now_ms: int, reason: str | None
     ) -> Row[Any] | None:
         """Unpaid -> cancelled."""
-        return self.transition(
-            conn,
-            conditions=[ORDER.id == order_id, UNPAID_PREDICATE],
-            kind=EventKind.CANCELLED,
-            now_ms=now_ms,
-            values={
-                "status": OrderStatus.CANCELLED.value,
-                "closed_at_ms": now_ms,
-                "close_reason": reason or "cancelled",
-            },
-            event_data={"reason": reason} if reason else None,
-        )
+        params = {"oid": order_id, "now_ms": now_ms, "reason": reason or "cancelled"}
+        return CANCEL.run(conn, params, {"reason": reason} if reason else None)
 
     def extend_open(
         self, conn: Connection, order_id: str, now_ms: int, extra_ms: int, max_life_ms: int
     ) -> Row[Any] | None:
         """Move an open order's expiry ``extra_ms`` later, within its maximum lifetime."""
-        return self.transition(
-            conn,
-            conditions=[
-                ORDER.id == order_id,
-                open_at(now_ms),
-                ORDER.expires_at_ms + extra_ms - ORDER.created_at_ms <= max_life_ms,
-            ],
-            kind=EventKind.EXTENDED,
-            now_ms=now_ms,
-            values={
-                "expires_at_ms": ORDER.expires_at_ms + extra_ms,
-                "extensions": ORDER.extensions + 1,
-            },
-            event_data={"extra_ms": extra_ms},
-        )
+        params = {
+            "oid": order_id,
+            "now_ms": now_ms,
+            "extra_ms": extra_ms,
+            "max_life_ms": max_life_ms,
+        }
+        return EXTEND_OPEN.run(conn, params, {"extra_ms": extra_ms})
 
     def reopen_expired(
         self, conn: Connection, order_id: str, expires_at_ms: int, now_ms: int, extra_ms: int
     ) -> Row[Any] | None:
         """Give an unpaid order never extended before a new expiry (the pre-close check)."""
-        return self.transition(
-            conn,
-            conditions=[ORDER.id == order_id, UNPAID_PREDICATE, ORDER.extensions == 0],
-            kind=EventKind.EXTENDED,
-            now_ms=now_ms,
-            values={"expires_at_ms": expires_at_ms, "extensions": ORDER.extensions + 1},
-            event_data={"extra_ms": extra_ms, "trigger": "pre_close_check"},
-        )
+        params = {"oid": order_id, "now_ms": now_ms, "expires_at_ms": expires_at_ms}
+        data = {"extra_ms": extra_ms, "trigger": "pre_close_check"}
+        return REOPEN_EXPIRED.run(conn, params, data)
 
     def close_expired(
         self, conn: Connection, order_id: str, now_ms: int, data: dict[str, Any]
     ) -> Row[Any] | None:
         """Close one expired unpaid order in the caller's transaction (strict expiry)."""
-        return self.transition(
-            conn,
-            conditions=[ORDER.id == order_id, due_at(now_ms)],
-            kind=EventKind.CLOSED,
-            now_ms=now_ms,
-            values={
-                "status": OrderStatus.CLOSED.value,
-                "closed_at_ms": now_ms,
-                "close_reason": EXPIRED_REASON,
-            },
-            event_data=data,
-        )
+        return CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, data)
 
-    # --- the SQL limit guard -------------------------------------------------------------
-
-    def check_room(
-        self, conn: Connection, user_id: str, limit: int, now_ms: int, order_id: str
-    ) -> None:
-        """Raise LimitReachedInSql if the user holds ``limit`` open orders besides this one.
-
-        Exact only inside a transaction opened with ``user_lock=user_id``.
-        """
-        params = {"uid": user_id, "now_ms": now_ms, "oid": order_id}
-        open_count, earliest = conn.execute(_GUARD_COUNT, params).one()
-        if open_count >= limit:
-            raise LimitReachedInSql(open_count, earliest)
+    # --- the SQL limit guard (orders.slots) --------------------------------------------
 
     def insert_guarded(self, values: Mapping[str, Any], limit: int, now_ms: int) -> Order:
-        """Insert the order and its ``created`` event unless the SQL guard refuses.
+        """Insert the order and its ``created`` event into a free slot of its user.
 
-        Raises LimitReachedInSql, or InsertConflict when a constraint refuses the row (the
-        caller finds out whether the id exists).
+        Raises LimitReachedInSql when live orders hold all ``limit`` slots, or
+        InsertConflict when a constraint refuses the row (the caller finds out whether the
+        id exists).
         """
-        uid = values["user_id"]
-        with self.tx.write(user_lock=uid) as conn:
-            self.check_room(conn, uid, limit, now_ms, values["id"])
-            try:
-                row = conn.execute(_INSERT_ORDER, dict(values)).one()
-                self.record(conn, [(values["id"], uid)], EventKind.CREATED, now_ms, None)
-                conn.commit()
-            except IntegrityError as exc:
-                raise InsertConflict(values["id"]) from exc
-        return to_order(row, now_ms)
+        live: dict[str, int] = {}
+        # Each retry follows a slot freed or taken by someone else meanwhile: a few suffice.
+        for _attempt in range(limit + SLOT_RACE_RETRIES):
+            row = self.slots.insert(values, limit)
+            if row is not None:
+                return to_order(row, now_ms)
+            live = self.slots.make_room(values, limit, now_ms)
+        raise LimitReachedInSql(live)
 
     # --- reconcile (read-only: orders.record_reads) -------------------------------------
 

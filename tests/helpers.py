@@ -50,6 +50,26 @@ def closed_event_counts(engine: Engine) -> Counter[str]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def refuse_inserts(engine: Engine, table: str, message: str) -> None:
+    """Install a trigger that makes every later INSERT into ``table`` fail with an
+    IntegrityError (a check violation) carrying ``message``, on either engine."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            conn.exec_driver_sql(
+                f"CREATE TRIGGER refuse_{table} BEFORE INSERT ON {table} "
+                f"BEGIN SELECT RAISE(ABORT, '{message}'); END"
+            )
+            return
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION refuse_{table}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"RAISE EXCEPTION '{message}' USING ERRCODE = 'check_violation'; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER refuse_{table} BEFORE INSERT ON {table} "
+            f"FOR EACH ROW EXECUTE FUNCTION refuse_{table}()"
+        )
+
+
 def child_env(**orders_env: str) -> dict[str, str]:
     """A child's environment: ours without any ORDERS_* variable (a developer's own settings
     never leak in), with this checkout first on PYTHONPATH, plus ``orders_env``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -16,6 +17,16 @@ def explain(engine: Engine, statement: Any) -> str:
     else:
         params = compiled.params
     return explain_sql(engine, str(compiled), params)
+
+
+def _sql_literal(value: Any) -> str:
+    value = getattr(value, "obj", value)  # psycopg's Json wrapper around a JSON value
+    if value is None:
+        return "NULL"
+    if isinstance(value, int):
+        return str(value)
+    text = value if isinstance(value, str) else json.dumps(value)
+    return "'" + text.replace("'", "''") + "'"
 
 
 def explain_sql(engine: Engine, sql: str, params: Any) -> str:
@@ -36,10 +47,7 @@ def explain_sql(engine: Engine, sql: str, params: Any) -> str:
                 return f"${len(names)}"
 
             generic = re.sub(r"%\((\w+)\)s(::\w+)?", placeholder, sql)
-            values = ", ".join(
-                str(v) if isinstance(v, int) else "'" + str(v).replace("'", "''") + "'"
-                for v in (params[name] for name in names)
-            )
+            values = ", ".join(_sql_literal(params[name]) for name in names)
             conn.exec_driver_sql("SET enable_seqscan = off")
             conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
             conn.exec_driver_sql(f"PREPARE planned AS {generic}")

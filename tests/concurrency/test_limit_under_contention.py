@@ -6,22 +6,20 @@ canceller and a sweeper thread in each process free slots. A monitor thread in t
 process samples both stores throughout; in the ``flushed`` runs another thread wipes the
 Redis index several times, so only the SQL guard stands between the users and a breach.
 
-What a sample measures, and why it is exact. One SQL statement reads the expiries of the
-user's unpaid rows that expire after ``t0`` (wall clock read just before the statement);
-``t1`` is read just after it. Every create whose row the statement sees committed before
-the statement's snapshot, so its guard ran, under the per-user lock, with a clock reading
-before ``t1``; the last of them counted every other row still unpaid and expiring after
-its own now, hence after ``t1``. So the rows expiring after ``t1`` are at most ``limit``:
-that is the asserted measure. Counting the rows after ``t0`` instead (the statement's own
-count) is not exact: a create that read its clock after ``t0`` and committed before the
-snapshot may rightly have ignored a row expiring between the two readings. Such samples
-are counted and reported (``t0_artefacts``), not asserted. In Redis, ``ZCARD`` never
-exceeds the limit (only the admit script adds, and it drops expired members and refuses at
-the limit first), so both ``ZCOUNT (now +inf`` and ``ZCARD`` are asserted.
+What a sample measures. One SQL statement reads the expiries of the user's unpaid rows
+that expire after ``t0`` (wall clock read just before the statement); ``t1`` is read just
+after it. The SQL guard is a unique index on the slots 1..limit of a user's unpaid orders,
+so a snapshot never holds more than ``limit`` unpaid rows of the user, expired or not: the
+rows expiring after ``t1`` (the asserted measure) and even after ``t0`` are at most
+``limit``. Samples where the ``t0`` count alone is over the limit are still counted and
+reported (``t0_artefacts``); with the slot index there should be none. In Redis, ``ZCARD``
+never exceeds the limit (only the admit script adds, and it drops expired members and
+refuses at the limit first), so both ``ZCOUNT (now +inf`` and ``ZCARD`` are asserted.
 
-The negative control calls the SQL guard itself from 32 threads with the PostgreSQL
-per-user lock off, and shows that a plain count-then-insert at READ COMMITTED lets
-several creates through; with the lock on, none do.
+The negative control races 32 threads through the SQL guard for one user, and through what
+the slot index replaced, a count then an insert without a lock: on both engines the second
+lets several creates through in some round (the detector can see a breach); the guard
+lets exactly one through in every round.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
 from orders.models import events_table, orders_table
-from orders.records import LimitReachedInSql, OrderRecords
+from orders.records import LimitReachedInSql
 from orders.service import OrderService
 from tests.concurrency.worker import now_ms, split, started
 
@@ -177,6 +176,13 @@ def events_of(engine: Engine, user_id: str) -> dict[str, list[str]]:
     return out
 
 
+def closes_by_creates(engine: Engine, user_id: str) -> int:
+    """Closed events written by creates that took the slot of an expired, unswept order."""
+    with engine.connect() as conn:
+        data = conn.scalars(select(EC.data).where(EC.user_id == user_id, EC.kind == "closed"))
+        return sum(d == {"trigger": "slot_reuse"} for d in data)
+
+
 def unpaid_count(engine: Engine, user_id: str) -> int:
     with engine.connect() as conn:
         return int(
@@ -295,7 +301,9 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     assert set(rows) == set(admitted_ids)
     assert {oid: row.payment_ref for oid, row in rows.items() if row.status == "paid"} == paid_refs
     assert {oid for oid, row in rows.items() if row.status == "cancelled"} == set(cancelled_ids)
-    assert by_status["closed"] == total["closed"]  # only the workers' sweepers closed
+    # The workers' sweepers closed orders, and so did creates that found every slot held
+    # and one of the holders expired.
+    assert by_status["closed"] == total["closed"] + closes_by_creates(engine, user)
     still_unpaid = {oid for oid, row in rows.items() if row.status == UNPAID}
     assert total["admitted"] == (
         by_status["paid"] + by_status["cancelled"] + by_status["closed"] + len(still_unpaid)
@@ -322,7 +330,7 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     rows_after = orders_of(engine, user)
     after = Counter(row.status for row in rows_after.values())
     assert unpaid_count(engine, user) == 0
-    closed_in_all = total["closed"] + last_sweep.closed
+    closed_in_all = total["closed"] + last_sweep.closed + closes_by_creates(engine, user)
     assert after["closed"] == closed_in_all == by_status["closed"] + len(still_unpaid)
     assert redis_client.zcard(key) == 0
     events = events_of(engine, user)
@@ -352,7 +360,7 @@ GUARD_ROUNDS = 20
 
 
 def race_the_guard(
-    service: OrderService, records: OrderRecords, user: str, limit: int
+    service: OrderService, guard: Callable[[dict[str, Any], int], object], user: str, limit: int
 ) -> tuple[int, int]:
     """GUARD_THREADS threads call the SQL guard at once for ``user``; (inserted, refused)."""
     barrier = threading.Barrier(GUARD_THREADS, timeout=30)
@@ -378,7 +386,7 @@ def race_the_guard(
             }
             barrier.wait()
             try:
-                records.insert_guarded(values, limit, now)
+                guard(values, limit)
             except LimitReachedInSql:
                 outcome = "refused"
             else:
@@ -400,15 +408,26 @@ def race_the_guard(
     return outcomes.count("inserted"), outcomes.count("refused")
 
 
+def count_then_insert(engine: Engine, values: dict[str, Any], limit: int) -> None:
+    """The naive SQL guard the slot index replaced: count, then insert, no lock between."""
+    with engine.connect() as conn:
+        open_count = conn.execute(
+            select(func.count()).where(
+                OC.user_id == values["user_id"],
+                OC.status == UNPAID,
+                OC.expires_at_ms > values["created_at_ms"],
+            )
+        ).scalar_one()
+    if open_count >= limit:
+        raise LimitReachedInSql({})
+    with engine.begin() as conn:
+        conn.execute(orders_table.insert(), values)
+
+
 @pytest.mark.timeout(300)
-def test_sql_guard_needs_the_per_user_lock_on_postgresql(
+def test_sql_guard_holds_where_a_count_then_insert_does_not(
     engine: Engine, redis_client: redis.Redis, database_url: str, redis_url: str
 ) -> None:
-    if engine.dialect.name == "sqlite":
-        pytest.skip(
-            "SQLite serialises the guard with BEGIN IMMEDIATE, which cannot be turned off: "
-            "there is no unlocked variant to show"
-        )
     service = OrderService(
         engine, redis_client, Settings(database_url=database_url, redis_url=redis_url)
     )
@@ -417,28 +436,31 @@ def test_sql_guard_needs_the_per_user_lock_on_postgresql(
     for conn in conns:
         conn.close()
 
-    results: dict[bool, list[tuple[int, int]]] = {}
-    for lock_users in (False, True):
-        records = OrderRecords(engine, lock_users=lock_users)
+    guards = {
+        "naive": lambda values, limit: count_then_insert(engine, values, limit),
+        "slots": lambda values, limit: service.records.insert_guarded(
+            values, limit, values["created_at_ms"]
+        ),
+    }
+    results: dict[str, list[tuple[int, int]]] = {}
+    for name, guard in guards.items():
         rounds = []
         for n in range(GUARD_ROUNDS):
-            user = f"guard-{'locked' if lock_users else 'unlocked'}-{n}"
-            inserted, refused = race_the_guard(service, records, user, limit=1)
+            user = f"guard-{name}-{n}"
+            inserted, refused = race_the_guard(service, guard, user, limit=1)
             assert inserted + refused == GUARD_THREADS
             assert unpaid_count(engine, user) == inserted
             rounds.append((inserted, refused))
-        results[lock_users] = rounds
+        results[name] = rounds
 
-    unlocked_bad = [r for r in results[False] if r[0] > 1]
-    locked_bad = [r for r in results[True] if r[0] > 1]
+    naive_bad = [r for r in results["naive"] if r[0] > 1]
+    slots_bad = [r for r in results["slots"] if r[0] > 1]
     print(
-        f"\n[guard, postgresql] {GUARD_THREADS} threads x {GUARD_ROUNDS} rounds, limit 1: "
-        f"without the lock {len(unlocked_bad)} rounds broke the limit "
-        f"(inserted per round {[r[0] for r in results[False]]}); "
-        f"with the lock {len(locked_bad)} (inserted per round {[r[0] for r in results[True]]})"
+        f"\n[guard, {engine.dialect.name}] {GUARD_THREADS} threads x {GUARD_ROUNDS} rounds, "
+        f"limit 1: count-then-insert broke the limit in {len(naive_bad)} rounds "
+        f"(inserted per round {[r[0] for r in results['naive']]}); the slot guard in "
+        f"{len(slots_bad)} (inserted per round {[r[0] for r in results['slots']]})"
     )
-    assert unlocked_bad, (
-        "without the per-user lock no round broke the limit: the detector proves nothing"
-    )
-    assert locked_bad == []
-    assert all(r == (1, GUARD_THREADS - 1) for r in results[True])
+    assert naive_bad, "count-then-insert never broke the limit: the detector proves nothing"
+    assert slots_bad == []
+    assert all(r == (1, GUARD_THREADS - 1) for r in results["slots"])

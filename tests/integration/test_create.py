@@ -23,6 +23,7 @@ from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.models import events_table, orders_table
 from tests.conftest import ManualClock, RoundTripCounter, StatementCounter
+from tests.helpers import refuse_inserts
 
 
 def sql_rows(engine: Engine) -> list[Any]:
@@ -129,17 +130,26 @@ def test_admission_costs_one_redis_call_and_one_sql_transaction(
 
     event.remove(engine, "commit", on_commit)
     assert redis_round_trips.count - trips_before == 1
-    statements = sql_statements.statements[statements_before:]
-    # The per-user lock opens the transaction: the write lock on SQLite, an advisory lock on
-    # the user on PostgreSQL.
-    lock = "BEGIN IMMEDIATE" if engine.dialect.name == "sqlite" else "SELECT pg_advisory_xact_lock"
-    assert statements[0].startswith(lock)
-    assert sum(s.startswith(lock) for s in statements) == 1
-    assert len(commits) == 1
+    statements = [" ".join(s.split()) for s in sql_statements.statements[statements_before:]]
+    if engine.dialect.name == "sqlite":
+        # The write lock, the order into its slot, its event, one commit.
+        assert [s.split(" (")[0] for s in statements] == [
+            "BEGIN IMMEDIATE",
+            "INSERT INTO orders",
+            "INSERT INTO order_events",
+        ]
+        assert len(commits) == 1
+    else:
+        # One statement in autocommit: the slot, the order and its event, one transaction.
+        assert len(statements) == 1
+        assert statements[0].startswith("WITH created AS (INSERT INTO orders")
+        assert "INSERT INTO order_events" in statements[0]
+        assert "ON CONFLICT (user_id, slot) WHERE status = 'unpaid' DO NOTHING" in statements[0]
+        assert commits == []
 
 
 def test_expired_orders_stop_counting_without_any_sweep(
-    service: OrderService, redis_client: redis.Redis, clock: ManualClock
+    service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
     old = [service.create_unpaid_order("u1", ttl_s=5) for _ in range(3)]
     with pytest.raises(UnpaidOrderLimitReached):
@@ -150,8 +160,19 @@ def test_expired_orders_stop_counting_without_any_sweep(
 
     members = service.index.members("u1")
     assert set(members) == {new.id}
-    assert all(service.get_order(o.id).status is OrderStatus.UNPAID for o in old)
     assert [o.id for o in service.list_unpaid("u1")] == [new.id]
+    # Their SQL slots were still held: the create closed them (as the sweep would have,
+    # with a closed event each) to take one.
+    for order in old:
+        closed = service.get_order(order.id)
+        assert (closed.status, closed.close_reason) == (OrderStatus.CLOSED, "expired")
+    with engine.connect() as conn:
+        events = conn.execute(
+            select(events_table.c.order_id, events_table.c.data).where(
+                events_table.c.kind == "closed"
+            )
+        ).all()
+    assert sorted(events) == sorted((o.id, {"trigger": "slot_reuse"}) for o in old)
 
 
 def test_a_per_call_limit_overrides_the_setting(service: OrderService) -> None:
@@ -261,29 +282,19 @@ def test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom(
 
     assert info.value.open_count == 3
     assert info.value.retry_after_s == (first.expires_at_ms - clock()) / 1000
-    assert redis_client.exists("UnpaidOrder-u1") == 0
     assert len(sql_rows(engine)) == 3
+    # No phantom of the refused create; the members Redis lost are back, from SQL.
+    assert service.index.members("u1") == {r.id: r.expires_at_ms for r in sql_rows(engine)}
+    with pytest.raises(UnpaidOrderLimitReached) as again:
+        service.create_unpaid_order("u1")
+    assert again.value.source == "redis"
 
 
 def test_sql_failure_on_insert_removes_the_member_again(
     service: OrderService, engine: Engine, redis_client: redis.Redis
 ) -> None:
     service.create_unpaid_order("u1", order_id="kept")
-    with engine.begin() as conn:
-        if engine.dialect.name == "sqlite":
-            conn.exec_driver_sql(
-                "CREATE TRIGGER refuse_inserts BEFORE INSERT ON orders "
-                "BEGIN SELECT RAISE(ABORT, 'disk on fire'); END"
-            )
-        else:
-            conn.exec_driver_sql(
-                "CREATE FUNCTION disk_on_fire() RETURNS trigger LANGUAGE plpgsql "
-                "AS $$ BEGIN RAISE EXCEPTION 'disk on fire'; END $$"
-            )
-            conn.exec_driver_sql(
-                "CREATE TRIGGER refuse_inserts BEFORE INSERT ON orders "
-                "FOR EACH ROW EXECUTE FUNCTION disk_on_fire()"
-            )
+    refuse_inserts(engine, "orders", "disk on fire")
 
     with pytest.raises(StoreUnavailable) as info:
         service.create_unpaid_order("u1", order_id="doomed")

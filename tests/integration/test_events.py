@@ -396,7 +396,9 @@ def test_a_pre_close_extension_is_refused_when_the_user_has_reached_the_limit(
     service = make_service(unpaid_limit=1)
     old = service.create_unpaid_order("u1", ttl_s=5)
     clock.advance(s=5)
-    new = service.create_unpaid_order("u1", ttl_s=60)  # the expired order's slot, reused
+    # Under a per-call limit of 2 the new order takes the free slot 2 and leaves the
+    # expired one be (with the setting's limit 1 the create would close it to take slot 1).
+    new = service.create_unpaid_order("u1", ttl_s=60, limit=2)
     service.set_pre_close_check(lambda o: 30)
 
     assert service.sweep_expired().closed == 1

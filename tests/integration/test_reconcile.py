@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pty
+import re
 import subprocess
 import sys
 import time
@@ -464,7 +465,10 @@ def test_the_scan_batch_check_is_served_by_the_partial_index(engine: Any) -> Non
         sql = str(record_reads.IDLE_USERS_POSTGRESQL.compile(engine))
         sql = sql.replace("%(users)s::VARCHAR[]", "string_to_array(%(users)s, ',')")
         plan = explain_sql(engine, sql, {"users": "a,b", "now_ms": 5})
-        assert "Index Only Scan using ix_orders_unpaid_user_id_expires_at_ms" in plan, plan
+        # Either per-user partial index over unpaid orders serves it (the planner picks by
+        # cost: on a small table the slot index may win); never the whole table.
+        assert re.search(r"Index (Only )?Scan using ix_orders_unpaid_user_id_\w+", plan), plan
+        assert "Seq Scan on orders" not in plan, plan
 
 
 def test_a_create_and_a_payment_that_miss_redis_between_the_passes_are_fixed(

@@ -216,13 +216,13 @@ def test_the_services_own_sweep_and_limit_guard_use_the_partial_indexes(
     clock.advance(s=2)
     guard_sql, guard_params = the_one(
         statements_run_by(engine, lambda: service.create_unpaid_order("u1", ttl_s=60)),
-        "count(*)",
+        "insert into orders",
     )
     sweep_sql, sweep_params = the_one(
         statements_run_by(engine, service.sweep_expired), "with due as"
     )
 
-    assert "ix_orders_unpaid_user_id_expires_at_ms" in explain_sql(engine, guard_sql, guard_params)
+    assert "ix_orders_unpaid_user_id_slot" in explain_sql(engine, guard_sql, guard_params)
     assert "ix_orders_unpaid_expires_at_ms" in explain_sql(engine, sweep_sql, sweep_params)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from sqlalchemy import Engine, event, select
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import OperationalError
 
 from orders.bootstrap import build_redis
 from orders.config import Settings
@@ -25,7 +25,7 @@ from orders.errors import InvalidInput, StoreUnavailable
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 from tests.conftest import ManualClock
-from tests.helpers import closed_event_counts, create_orders, sql_rows
+from tests.helpers import closed_event_counts, create_orders, refuse_inserts, sql_rows
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
 
@@ -278,8 +278,10 @@ def test_a_constraint_refusing_a_transition_is_a_store_failure_and_changes_nothi
     service: OrderService, engine: Engine, clock: ManualClock, action: str
 ) -> None:
     """A check or trigger refusing the event row (an IntegrityError from the driver) must
-    reach the caller as StoreUnavailable, never as a SQLAlchemy exception."""
+    reach the caller as StoreUnavailable, never as a SQLAlchemy exception, and the
+    transition must not commit without its event (on PostgreSQL both are one statement)."""
     order = create_orders(service, [1])[0]
+    refuse_inserts(engine, "order_events", "check constraint failed")
     if action == "sweep":
         clock.advance(s=10)
     run = {
@@ -289,16 +291,8 @@ def test_a_constraint_refusing_a_transition_is_a_store_failure_and_changes_nothi
         "extend": lambda: service.extend_order(order.id, 5),
     }[action]
 
-    def refuse_events(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        if "INSERT INTO order_events" in statement:
-            raise IntegrityError(statement[:40], {}, Exception("check constraint failed"))
-
-    event.listen(engine, "after_cursor_execute", refuse_events)
-    try:
-        with pytest.raises(StoreUnavailable):
-            run()
-    finally:
-        event.remove(engine, "after_cursor_execute", refuse_events)
+    with pytest.raises(StoreUnavailable):
+        run()
 
     row = sql_rows(engine)[order.id]
     assert (row.status, row.expires_at_ms) == ("unpaid", order.expires_at_ms)

@@ -273,11 +273,16 @@ def test_successful_payment_costs_one_sql_transaction_and_one_redis_command(
 ) -> None:
     order = service.create_unpaid_order("u1")
     commits: list[object] = []
+    autocommit: list[bool] = []
 
     def on_commit(conn: object) -> None:
         commits.append(conn)
 
+    def on_execute(conn: Any, *_args: object) -> None:
+        autocommit.append(bool(getattr(conn.connection.dbapi_connection, "autocommit", False)))
+
     event.listen(engine, "commit", on_commit)
+    event.listen(engine, "before_cursor_execute", on_execute)
     try:
         sql_statements.statements.clear()
         before = redis_commands(redis_client)
@@ -285,14 +290,19 @@ def test_successful_payment_costs_one_sql_transaction_and_one_redis_command(
         after = redis_commands(redis_client)
     finally:
         event.remove(engine, "commit", on_commit)
+        event.remove(engine, "before_cursor_execute", on_execute)
 
     statements = sql_statements.statements
     writes = [s.split()[0] for s in statements]
     if engine.dialect.name == "sqlite":
         assert writes == ["BEGIN", "UPDATE", "INSERT"]  # BEGIN IMMEDIATE takes the write lock
+        assert len(commits) == 1
     else:
-        assert writes == ["UPDATE", "INSERT"]  # the row lock of the UPDATE is enough
-    assert len(commits) == 1
+        # One statement in autocommit: the compare-and-set and its event, one transaction.
+        assert writes == ["WITH"]
+        assert " ".join(statements[0].split()).startswith("WITH changed AS (UPDATE orders")
+        assert "INSERT INTO order_events" in statements[0]
+        assert autocommit == [True]  # SQLAlchemy's commit() then sends nothing
     # One ZREM, plus the second INFO call itself.
     assert after - before == 2
     assert service.index.members("u1") == {}
