@@ -93,7 +93,8 @@ class Settings:
     ttl_s: float = 1800.0
     max_ttl_s: float = 7 * 24 * 3600.0
     key_prefix: str = DEFAULT_KEY_PREFIX
-    #: A user's key lives this long past its latest expiry, so abandoned keys free themselves.
+    #: Deprecated, unused: users' keys no longer expire (reconcile removes strays). Still
+    #: accepted and checked, so deployments and code that set it keep working.
     key_margin_s: float = 60.0
     max_user_id_length: int = 128
     max_order_id_length: int = 64
@@ -180,6 +181,7 @@ class Settings:
 
     @property
     def key_margin_ms(self) -> int:
+        """Deprecated, unused (see ``key_margin_s``)."""
         return round(self.key_margin_s * 1000)
 
     @classmethod

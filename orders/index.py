@@ -1,10 +1,12 @@
 """UnpaidIndex: the Redis admission index, the only module that talks to Redis for it.
 
 One sorted set per user, ``<prefix><user_id>``: member = order id, score = expiry in integer
-milliseconds. The service's own keys sit under the same prefix in brackets (the index
-epoch here, the scheduler's lease in :mod:`orders.lease`; ``[`` never occurs in a user id).
-Every script and command touches exactly one key, so the scripts need no change on Redis
-Cluster. Every redis-py exception becomes :class:`StoreUnavailable`
+milliseconds. The keys carry no expiry (its expires entry would cost about 45 bytes a user):
+a set emptied of its last member vanishes, and reconcile drops any member left behind
+(expired, or no longer open in SQL). The service's own keys sit under the same prefix in
+brackets (the index epoch here, the scheduler's lease in :mod:`orders.lease`; ``[`` never
+occurs in a user id). Every script and command touches exactly one key, so the scripts need
+no change on Redis Cluster. Every redis-py exception becomes :class:`StoreUnavailable`
 (:func:`redis_errors`, which the lease shares). Data under the prefix that the service did
 not write is skipped and reported, never an error (:meth:`UnpaidIndex.foreign`).
 """
@@ -112,10 +114,9 @@ def redis_errors(action: str) -> Iterator[None]:
 class UnpaidIndex:
     """Per-user sorted sets of open unpaid orders, kept on a redis-py client."""
 
-    def __init__(self, client: redis.Redis, *, key_prefix: str, key_margin_ms: int) -> None:
+    def __init__(self, client: redis.Redis, *, key_prefix: str) -> None:
         self.client = client
         self.key_prefix = key_prefix
-        self.key_margin_ms = key_margin_ms
         pool = getattr(client, "connection_pool", None)
         if getattr(pool, "connection_kwargs", {}).get("decode_responses"):
             raise InvalidInput("redis_client", "must not decode responses (ids are read as bytes)")
@@ -140,7 +141,7 @@ class UnpaidIndex:
         with redis_errors("admit"):
             reply: list[Any] = self._admit(
                 keys=[self.key(user_id)],
-                args=[order_id, expires_at_ms, now_ms, limit, self.key_margin_ms],
+                args=[order_id, expires_at_ms, now_ms, limit],
             )
         code, count, score = reply
         return AdmitResult(Admission(int(code)), int(count), _score(score))
@@ -295,7 +296,7 @@ class UnpaidIndex:
 
         Returns (expired dropped, removed, added or re-scored).
         """
-        args: list[str | int] = [now_ms, self.key_margin_ms, len(remove), *remove]
+        args: list[str | int] = [now_ms, len(remove), *remove]
         for order_id, score in add.items():
             args += [score, order_id]
         with redis_errors("repair"):
@@ -310,11 +311,10 @@ class UnpaidIndex:
         expiry, best in expiry order: a right key then costs least) plus its extras: one
         ``reconcile.lua`` per user, packed, to be sent at once (see :class:`ReconcileBatch`).
 
-        Expired members go, wanted ones are added or re-scored, the key's expiry follows its
-        latest member; live members not wanted come back as extras, untouched. A dry run
-        writes nothing.
+        Expired members go, wanted ones are added or re-scored; live members not wanted come
+        back as extras, untouched. A dry run writes nothing.
         """
-        head = (b"%d" % now_ms, b"%d" % self.key_margin_ms, b"1" if dry_run else b"0")
+        head = (b"%d" % now_ms, b"1" if dry_run else b"0")
         packer = CallPacker(self._reconcile, head)
         prefix = self.key_prefix.encode()
         for user_id, orders in wanted.items():

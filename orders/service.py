@@ -90,9 +90,7 @@ class OrderService:
         self.settings = s = settings or Settings()
         self.engine = engine
         self.clock: Clock = clock or system_clock
-        self.index = index or UnpaidIndex(
-            redis_client, key_prefix=s.key_prefix, key_margin_ms=s.key_margin_ms
-        )
+        self.index = index or UnpaidIndex(redis_client, key_prefix=s.key_prefix)
         self.records = records or OrderRecords(engine)
         self.admitter = Admitter(
             self.index, self.records, create_without_redis=s.create_without_redis

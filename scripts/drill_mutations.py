@@ -71,12 +71,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_create.py::test_retry_with_the_same_order_id_returns_the_same_order_and_takes_no_second_slot",
     ),
     _m(
-        "admit-key-never-expires",
+        "admit-keeps-an-old-key-expiry",
         "orders/lua/admit.lua",
-        "redis.call('PEXPIREAT', key, string.format('%d', tonumber(last[2]) + margin))",
-        "-- the key lives forever",
-        "an abandoned user key expires a margin after its latest member",
-        "tests/integration/test_create.py::test_the_users_key_expires_a_margin_after_its_latest_member",
+        "redis.call('PERSIST', key)",
+        "-- an expiry set before is kept",
+        "a key expiry left from before is cleared when a member is added (it would take it)",
+        "tests/integration/test_index_keys.py::test_an_expiry_left_from_before_is_cleared_when_a_member_is_added",
     ),
     # --- the SQL guard -----------------------------------------------------------------------
     _m(

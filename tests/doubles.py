@@ -14,7 +14,7 @@ class PausingIndex(UnpaidIndex):
     step of a create has run and before its SQL insert."""
 
     def __init__(self, base: UnpaidIndex, after_admit: Callable[[str, str], None]) -> None:
-        super().__init__(base.client, key_prefix=base.key_prefix, key_margin_ms=base.key_margin_ms)
+        super().__init__(base.client, key_prefix=base.key_prefix)
         self.after_admit = after_admit
 
     def admit(

@@ -5,17 +5,19 @@
 -- ARGV[2]  its expiry, integer ms since the epoch
 -- ARGV[3]  now, integer ms since the epoch (the caller's clock, never the server's)
 -- ARGV[4]  the limit: how many open orders the user may hold
--- ARGV[5]  margin in ms: the key expires this long after its latest member
 --
 -- Returns {code, open_count, score} where code is
 --   1  admitted: the order was added; score is its expiry
 --   0  exists:   the order was already a member (a retry); score is its stored expiry
 --  -1  refused:  open_count >= limit; score is the earliest open expiry
 -- Scores are returned as strings; they are exact integers below 2^53.
+--
+-- The key has no expiry of its own (an expires entry costs ~45 bytes a user): an emptied
+-- set vanishes by itself, the sweep drops the members it closes, and reconcile any stray
+-- (expired, or no longer open in SQL).
 local key = KEYS[1]
 local order_id = ARGV[1]
 local limit = tonumber(ARGV[4])
-local margin = tonumber(ARGV[5])
 
 -- An order whose expiry is not ahead of now no longer counts. ARGV[3] is passed on as the
 -- string it came in as: a Lua number would be printed with 14 digits and lose precision.
@@ -32,6 +34,7 @@ if count >= limit then
 end
 
 redis.call('ZADD', key, ARGV[2], order_id)
-local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-redis.call('PEXPIREAT', key, string.format('%d', tonumber(last[2]) + margin))
+-- A key written before expiries were dropped may still carry one, set for its members of
+-- then: it would take this later order with it.
+redis.call('PERSIST', key)
 return {1, count + 1, ARGV[2]}

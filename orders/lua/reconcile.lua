@@ -2,9 +2,8 @@
 --
 -- KEYS[1]  the user's sorted set (member = order id, score = expiry in integer ms)
 -- ARGV[1]  now, integer ms since the epoch: members at or before it are dropped
--- ARGV[2]  margin in ms: the key expires this long after its latest member
--- ARGV[3]  '1' for a dry run: count what would change, write nothing
--- ARGV[4 ..] pairs of (expiry ms, order id): the orders SQL has open for the user, best
+-- ARGV[2]  '1' for a dry run: count what would change, write nothing
+-- ARGV[3 ..] pairs of (expiry ms, order id): the orders SQL has open for the user, best
 --          in the set's own order (expiry, then id), which lets a right key be seen at once
 --
 -- Returns 0 when the set already holds exactly the wanted members with their scores and
@@ -22,10 +21,10 @@ end
 
 -- The common case on a right index: same members, same scores, same order, none expired.
 -- Scores compare as the strings Redis and the caller both print for integers.
-if #all == #ARGV - 3 and (#all == 0 or tonumber(all[2]) > now) then
+if #all == #ARGV - 2 and (#all == 0 or tonumber(all[2]) > now) then
   local same = true
   for i = 1, #all, 2 do
-    if all[i] ~= ARGV[i + 4] or all[i + 1] ~= ARGV[i + 3] then
+    if all[i] ~= ARGV[i + 3] or all[i + 1] ~= ARGV[i + 2] then
       same = false
       break
     end
@@ -48,8 +47,7 @@ end
 local wanted = {}
 local changes = {}
 local added, rescored = 0, 0
-local latest = nil -- the highest score the set holds after the changes
-for i = 4, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   local member, score = ARGV[i + 1], tonumber(ARGV[i])
   wanted[member] = true
   local current = have[member]
@@ -62,9 +60,6 @@ for i = 4, #ARGV, 2 do
     changes[#changes + 1] = ARGV[i]
     changes[#changes + 1] = member
   end
-  if latest == nil or score > latest then
-    latest = score
-  end
 end
 
 local reply = {expired, added, rescored}
@@ -72,12 +67,9 @@ for i = 1, #all, 2 do
   local score = have[all[i]]
   if not wanted[all[i]] and score > now then
     reply[#reply + 1] = all[i]
-    if latest == nil or score > latest then
-      latest = score
-    end
   end
 end
-if ARGV[3] == '1' or (expired == 0 and #changes == 0) then
+if ARGV[2] == '1' or (expired == 0 and #changes == 0) then
   return reply
 end
 
@@ -88,8 +80,8 @@ end
 for i = 1, #changes, 2000 do -- unpack has a stack limit: a thousand pairs at a time
   redis.call('ZADD', key, unpack(changes, i, math.min(i + 1999, #changes)))
 end
--- As in admit: the key lives a margin past its latest member, so it frees itself.
-if latest ~= nil then
-  redis.call('PEXPIREAT', key, string.format('%d', latest + tonumber(ARGV[2])))
+-- As in admit: no expiry on the key, and none left from before that could take these.
+if #changes > 0 then
+  redis.call('PERSIST', key)
 end
 return reply

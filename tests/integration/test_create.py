@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -58,17 +57,17 @@ def test_admitted_order_is_in_sql_and_in_the_users_sorted_set_with_the_same_inte
     assert service.get_order(order.id) == order
 
 
-def test_the_users_key_expires_a_margin_after_its_latest_member(
-    make_service: Callable[..., OrderService], redis_client: redis.Redis, clock: ManualClock
+def test_the_users_key_has_no_expiry_and_goes_with_its_last_member(
+    service: OrderService, redis_client: redis.Redis
 ) -> None:
-    service = make_service(key_margin_s=60)
-    service.create_unpaid_order("u1", ttl_s=100)
-    latest = service.create_unpaid_order("u1", ttl_s=300)
-    service.create_unpaid_order("u1", ttl_s=200)
+    paid = service.create_unpaid_order("u1", ttl_s=100)
+    cancelled = service.create_unpaid_order("u1", ttl_s=300)
+    assert redis_client.pttl("UnpaidOrder-u1") == -1  # exists, no expiry
 
-    # PEXPIREAT is absolute wall-clock time on the server: compare with it, not the fake clock.
-    expected_pttl = latest.expires_at_ms + 60_000 - time.time() * 1000
-    assert abs(redis_client.pttl("UnpaidOrder-u1") - expected_pttl) < 5_000
+    service.mark_paid(paid.id)
+    assert redis_client.pttl("UnpaidOrder-u1") == -1
+    service.cancel_order(cancelled.id)
+    assert redis_client.exists("UnpaidOrder-u1") == 0
 
 
 def test_default_ttl_and_limit_come_from_settings(

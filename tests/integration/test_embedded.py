@@ -481,7 +481,7 @@ def test_a_failed_restart_raises_promptly_and_is_tried_at_most_once_a_second(
 ) -> None:
     settings = Settings(home=home, redis_socket_timeout_s=0.5)
     client = build_redis(settings)
-    index = UnpaidIndex(client, key_prefix="UnpaidOrder-", key_margin_ms=0)
+    index = UnpaidIndex(client, key_prefix="UnpaidOrder-")
     restarter = restarter_of(client)
     kill_server(home)
     bogus = home.parent / "bogus-redis-server"

@@ -541,7 +541,7 @@ def test_index_keeps_the_largest_exact_score_to_the_millisecond(service: OrderSe
     raw = service.index.client.zscore(service.index.key("edge"), "o-top")
     assert raw is not None
     assert int(raw) == top
-    assert service.index.client.pttl(service.index.key("edge")) > 0
+    assert service.index.client.pttl(service.index.key("edge")) == -1  # no key expiry
 
 
 def test_service_accepts_expiry_at_two_to_the_53_minus_one_and_refuses_one_ms_more(

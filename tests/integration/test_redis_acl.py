@@ -5,7 +5,7 @@ The commands, found in ``orders/index.py`` and ``orders/lua/*.lua``:
 
 * redis-py ``Script`` objects send EVALSHA, and SCRIPT LOAD when the server answers
   NOSCRIPT; never EVAL;
-* inside the scripts: ZREMRANGEBYSCORE, ZSCORE, ZCARD, ZRANGE, ZADD, PEXPIREAT (admit,
+* inside the scripts: ZREMRANGEBYSCORE, ZSCORE, ZCARD, ZRANGE, ZADD, PERSIST (admit,
   repair: reconcile and extend_order), ZREM (repair), SET, GET, PEXPIRE, DEL (lease, lease_release);
 * outside them: ZREM (release), ZREMRANGEBYSCORE pipelines (sweep), ZRANGE (members,
   reconcile), GET/SET (index epoch, lease owner), SCAN (reconcile);
@@ -61,7 +61,7 @@ SERVICE_COMMANDS = (
     "zcard",
     "zrange",
     "zadd",
-    "pexpireat",
+    "persist",
     "zrem",
     "set",
     "get",
@@ -243,7 +243,7 @@ def test_every_use_case_works_through_the_restricted_user_and_needs_every_grant(
         try:
             # The startup warnings need CONFIG GET, which this user may not run: none, quietly.
             assert service.index.server_warnings() == []
-            admin_view = UnpaidIndex(admin, key_prefix=PREFIX, key_margin_ms=0)
+            admin_view = UnpaidIndex(admin, key_prefix=PREFIX)
             assert any("persistence" in w for w in admin_view.server_warnings())
 
             paid = service.create_unpaid_order("u1", ttl_s=60)
@@ -312,7 +312,7 @@ def test_unix_socket_urls_carry_the_user_and_password_either_way(
     settings = Settings(redis_url=url)
     client = build_redis(settings)
     try:
-        index = UnpaidIndex(client, key_prefix=PREFIX, key_margin_ms=1000)
+        index = UnpaidIndex(client, key_prefix=PREFIX)
         now = ManualClock()()
         admitted = index.admit("u1", "o1", expires_at_ms=now + 60_000, now_ms=now, limit=3)
         assert admitted.outcome is Admission.ADMITTED
