@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import click
@@ -18,8 +19,10 @@ from rich.progress import (
 )
 from sqlalchemy import select
 
+from orders.bench.compare import compare_lines, load_report
 from orders.bench.figures import FIGURES
 from orders.bench.measure import Sizes
+from orders.bench.plot import require_matplotlib, write_plots
 from orders.bench.report import progress_units, run_bench
 from orders.bench.tables import results_table, targets_table
 from orders.errors import OrdersError
@@ -110,7 +113,24 @@ def _parse_batches(text: str) -> tuple[int, ...]:
     help="Users of the Redis memory figure. [default: 10000; quick 1000]",
 )
 @click.option("--only", help=f"Comma-separated figures to run, of: {', '.join(FIGURES)}.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (docs/bench.md).")
+@click.option(
+    "--report",
+    "saved",
+    metavar="REPORT.json",
+    help="Do not run: show (or --compare, or --plot) this saved --json report instead.",
+)
+@click.option(
+    "--compare",
+    metavar="OLD.json",
+    help="Then print each headline figure of this earlier --json report beside the new one.",
+)
+@click.option(
+    "--plot",
+    metavar="DIR",
+    help="Then draw the figures into DIR (needs the extra: pip install 'orders[plot]').",
+)
+@click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True)
 @click.pass_context
 def bench(
     ctx: click.Context,
@@ -127,15 +147,48 @@ def bench(
     memory_users: int | None,
     only: str | None,
     as_json: bool,
+    saved: str | None,
+    compare: str | None,
+    plot: str | None,
+    plot_format: str,
 ) -> None:
     """Measure the service on the configured stores against raw floors and the naive way.
 
     The bench adds users bench-<random>-..., their orders and Redis keys, and removes them
-    all at the end. It refuses a database that already holds orders unless --yes.
+    all at the end. It refuses a database that already holds orders unless --yes. With
+    --report it runs nothing (the run options are then ignored).
     """
-    from orders.cli.app import cli_state  # noqa: PLC0415
+    if plot is not None:
+        require_matplotlib()  # before a run of minutes, not after it
+    old = None if compare is None else load_report(compare, "--compare")
+    if saved is not None:
+        report = load_report(saved, "--report")
+    else:
+        report = _run(ctx, _sizes(quick, threads, reps, ops, sweep_rows, sweep_due, batch_sizes,
+                                  lag_rate, lag_seconds, memory_users),
+                      _parse_figures(only), yes)  # fmt: skip
+    # With --json, stdout holds the one JSON document; what follows it goes to stderr.
+    _show(report, as_json)
+    if old is not None:
+        for line in compare_lines(old, report):
+            click.echo(line, err=as_json)
+    if plot is not None:
+        for path in write_plots(report, Path(plot), plot_format):
+            click.echo(f"wrote {path}", err=as_json)
 
-    figures = _parse_figures(only)
+
+def _sizes(
+    quick: bool,
+    threads: int,
+    reps: int | None,
+    ops: int | None,
+    sweep_rows: int | None,
+    sweep_due: int | None,
+    batch_sizes: str,
+    lag_rate: float | None,
+    lag_seconds: float | None,
+    memory_users: int | None,
+) -> Sizes:
     base = Sizes.quick() if quick else Sizes()
     sizes = replace(
         base,
@@ -149,7 +202,12 @@ def bench(
         lag_seconds=base.lag_seconds if lag_seconds is None else lag_seconds,
         memory_users=base.memory_users if memory_users is None else memory_users,
     )
-    sizes = replace(sizes, warmup=min(sizes.warmup, sizes.ops))
+    return replace(sizes, warmup=min(sizes.warmup, sizes.ops))
+
+
+def _run(ctx: click.Context, sizes: Sizes, figures: list[str], yes: bool) -> dict[str, Any]:
+    from orders.cli.app import cli_state  # noqa: PLC0415
+
     state = cli_state(ctx)
     if not yes and _database_holds_orders(state.settings):
         click.echo(
@@ -168,16 +226,20 @@ def bench(
         console=Console(stderr=True),
         transient=True,
     )
+    engine = service.engine.dialect.name
     with progress:
-        total = sum(progress_units(sizes, name) for name in figures)
+        total = sum(progress_units(sizes, name, engine) for name in figures)
         task = progress.add_task("starting", total=total)
-        report = run_bench(
+        return run_bench(
             service,
             sizes,
             figures,
             step=lambda units: progress.advance(task, units),
             status=lambda text: progress.update(task, description=text),
         )
+
+
+def _show(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
