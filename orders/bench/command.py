@@ -76,7 +76,7 @@ def _parse_batches(text: str) -> tuple[int, ...]:
     type=click.IntRange(1, 64),
     default=4,
     show_default=True,
-    help="Threads of the multi-threaded create figure.",
+    help="Threads of the multi-threaded create figure (on PostgreSQL also 8).",
 )
 @click.option("--reps", type=click.IntRange(1, 100), help="Repetitions. [default: 5; quick 3]")
 @click.option(
@@ -164,9 +164,7 @@ def bench(
     if saved is not None:
         report = load_report(saved, "--report")
     else:
-        report = _run(ctx, _sizes(quick, threads, reps, ops, sweep_rows, sweep_due, batch_sizes,
-                                  lag_rate, lag_seconds, memory_users),
-                      _parse_figures(only), yes)  # fmt: skip
+        report = _run(ctx, _sizes(ctx.params), _parse_figures(only), yes)
     # With --json, stdout holds the one JSON document; what follows it goes to stderr.
     _show(report, as_json)
     if old is not None:
@@ -177,30 +175,21 @@ def bench(
             click.echo(f"wrote {path}", err=as_json)
 
 
-def _sizes(
-    quick: bool,
-    threads: int,
-    reps: int | None,
-    ops: int | None,
-    sweep_rows: int | None,
-    sweep_due: int | None,
-    batch_sizes: str,
-    lag_rate: float | None,
-    lag_seconds: float | None,
-    memory_users: int | None,
-) -> Sizes:
-    base = Sizes.quick() if quick else Sizes()
+#: The size options that default to the full or the --quick size.
+_SIZE_OPTIONS = (
+    "reps", "ops", "sweep_rows", "sweep_due", "lag_rate", "lag_seconds", "memory_users"
+)  # fmt: skip
+
+
+def _sizes(params: dict[str, Any]) -> Sizes:
+    """The run's sizes from the command's options."""
+    base = Sizes.quick() if params["quick"] else Sizes()
+    given = {name: params[name] for name in _SIZE_OPTIONS if params[name] is not None}
     sizes = replace(
         base,
-        threads=threads,
-        batch_sizes=_parse_batches(batch_sizes),
-        reps=base.reps if reps is None else reps,
-        ops=base.ops if ops is None else ops,
-        sweep_rows=base.sweep_rows if sweep_rows is None else sweep_rows,
-        sweep_due=base.sweep_due if sweep_due is None else sweep_due,
-        lag_rate=base.lag_rate if lag_rate is None else lag_rate,
-        lag_seconds=base.lag_seconds if lag_seconds is None else lag_seconds,
-        memory_users=base.memory_users if memory_users is None else memory_users,
+        threads=params["threads"],
+        batch_sizes=_parse_batches(params["batch_sizes"]),
+        **given,
     )
     return replace(sizes, warmup=min(sizes.warmup, sizes.ops))
 

@@ -43,49 +43,51 @@ def _admit(w: Workload) -> Callable[[str, str, int], None]:
     return admit
 
 
-def floor(w: Workload, threads: int = 1) -> Variant:
-    """The honest floor of a create: one EVALSHA of the admission script, then the raw
-    driver writing the order row and its ``created`` event in one committed transaction."""
+def _admitted(
+    w: Workload,
+    kind: str,
+    threads: int,
+    write: Callable[[str, str, int, int], None],
+    after_run: Callable[[], None] = lambda: None,
+) -> Variant:
+    """A raw EVALSHA that admits, then ``write(order_id, user_id, now_ms, expires_at_ms)``."""
     admit, clock, ttl = _admit(w), w.service.clock, w.service.settings.ttl_ms
-    driver = RawDriver(w.engine)
 
     def variant(n: int) -> Run:
-        users, ids = w.users("f", n), w.order_ids(n)
+        users, ids = w.users(kind, n), w.order_ids(n)
         keys = [w.key(u) for u in users]
 
         def op(i: int) -> None:
             now = clock()
             admit(keys[i], ids[i], now)
-            driver.create(ids[i], users[i], now, now + ttl)
+            write(ids[i], users[i], now, now + ttl)
 
         try:
             return run_ops(op, n, threads)
         finally:
-            driver.release()
+            after_run()
 
     return variant
+
+
+def floor(w: Workload, threads: int = 1) -> Variant:
+    """The honest floor of a create: one EVALSHA of the admission script, then the raw
+    driver writing the order row and its ``created`` event in one committed transaction."""
+    driver = RawDriver(w.engine)
+    return _admitted(w, "f", threads, driver.create, driver.release)
 
 
 def floor_core(w: Workload, threads: int = 1) -> Variant:
     """The same work as :func:`floor` through SQLAlchemy Core: ``engine.begin()`` (a pooled
     connection) and two compiled-once INSERTs (on SQLite, queued as the floor's are)."""
-    admit, clock, ttl, engine = _admit(w), w.service.clock, w.service.settings.ttl_ms, w.engine
-    writer = writer_queue(engine)
+    engine, writer = w.engine, writer_queue(w.engine)
 
-    def variant(n: int) -> Run:
-        users, ids = w.users("k", n), w.order_ids(n)
-        keys = [w.key(u) for u in users]
+    def write(order_id: str, user_id: str, now: int, expires_at_ms: int) -> None:
+        with writer, engine.begin() as conn:
+            conn.execute(_INSERT_ORDER, w.minimal_row(order_id, user_id, now, expires_at_ms))
+            conn.execute(_INSERT_EVENT, w.created_event(order_id, user_id, now))
 
-        def op(i: int) -> None:
-            now = clock()
-            admit(keys[i], ids[i], now)
-            with writer, engine.begin() as conn:
-                conn.execute(_INSERT_ORDER, w.minimal_row(ids[i], users[i], now, now + ttl))
-                conn.execute(_INSERT_EVENT, w.created_event(ids[i], users[i], now))
-
-        return run_ops(op, n, threads)
-
-    return variant
+    return _admitted(w, "k", threads, write)
 
 
 def _insert_one(w: Workload) -> Callable[[dict[str, Any]], None]:
