@@ -9,22 +9,27 @@ taken, so a ratio holds on a noisy machine even when the absolute figures wander
 The figures, each with what it is compared with:
 
 1. ``create``: ``create_unpaid_order`` end to end (every op a new user, so every op is
-   admitted), on 1 thread and on N, against the raw floor measured in the same run (one
-   EVALSHA of the admission script alone, one Core INSERT + COMMIT of the same row alone,
-   combined as ``1 / (1/a + 1/b)``) and against the naive approach (ZCARD, then ZADD from
-   the client, then the same INSERT).
+   admitted) on 1 thread, on N and, on PostgreSQL, on 8 (commits can share an fsync),
+   against the raw floor measured in the same run (``floor``: one EVALSHA of the admission
+   script, then the raw DBAPI driver inserting the order row and its ``created`` event in
+   one committed transaction, see :mod:`orders.bench.driver`), the same work through
+   SQLAlchemy Core (``floor_core``), and the naive approach (ZCARD, then ZADD from the
+   client, then a Core INSERT of the order row).
 2. ``refusal``: a create refused at the limit, and the SQL statements it issued (should be
-   none), against one raw EVALSHA that refuses.
-3. ``mark_paid``: end to end against one raw ``UPDATE ... WHERE status = 'unpaid'`` + COMMIT.
+   none), with and without a caller-supplied ``order_id`` (which may cost one read by
+   primary key), against one raw EVALSHA that refuses.
+3. ``mark_paid`` and ``cancel``: each end to end against the raw driver's ``UPDATE ...
+   WHERE status = 'unpaid'`` plus its event row, in one committed transaction.
 4. ``sweep``: closes per second of ``sweep_expired`` per batch size, on a table of many
    unpaid orders of which a fixed number are due, then on a table ten times larger with the
    same number due (the cost should stay flat), then on the first size again: a table cannot
    grow and shrink between two sweeps, so the sizes take turns as phases (1x 10x 1x).
 5. ``close_lag``: ``closed_at - expires_at`` with a real :class:`~orders.sweeper.Sweeper` in
-   an APScheduler background scheduler while orders expire at a steady rate.
+   an APScheduler background scheduler while orders expire at a steady rate (every order's
+   lag is kept, with when it fell due, for the plot).
 6. ``redis_memory``: Redis ``used_memory`` per open order, with 1 and 3 orders per user.
-7. ``sql_admission``: the SQL guard alone (count + insert under the per-user lock, no Redis)
-   as a peer of the Redis path, for refusals and for admissions.
+7. ``sql_admission``: the SQL guard alone (``records.insert_guarded``, no Redis) as a peer
+   of the Redis path, for refusals and for admissions.
 
 Besides wall-clock figures, each variant reports the client's CPU time per operation: on a
 busy machine the wall clock of every variant suffers, the CPU time hardly.
@@ -41,10 +46,13 @@ every unpaid order of the database under that prefix.) Everything is deleted at 
 only other trace is planner statistics: the sweep figure runs ``ANALYZE`` (PostgreSQL:
 ``VACUUM (ANALYZE)``) on ``orders`` after each bulk load.
 
-The package, one job a module: ``measure`` (runs, percentiles, sizes), ``workload`` (the
-bench's namespace, rows and cleanup), ``variants`` and ``figures`` (what is timed), ``report``
-(the report, its targets and tables) and ``command`` (``orders bench``). Only the command
-imports it (lazily, see ``orders.cli.app.LAZY_COMMANDS``), and it uses public names only.
+The report's JSON shape is documented in docs/bench.md. The package, one job a module:
+``measure`` (runs, percentiles, sizes), ``workload`` (the bench's namespace, rows, cleanup
+and machine block), ``driver`` (the raw DBAPI floors), ``variants`` and ``figures`` (what
+is timed), ``report`` (the report and its targets), ``tables`` (printing it), ``compare``
+(saved reports, side by side), ``plot`` (matplotlib, optional) and ``command`` (``orders
+bench``). Only the command imports it (lazily, see ``orders.cli.app.LAZY_COMMANDS``), and
+it uses public names only.
 """
 
 from orders.bench.command import bench

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import click
@@ -18,8 +19,10 @@ from rich.progress import (
 )
 from sqlalchemy import select
 
+from orders.bench.compare import compare_lines, load_report
 from orders.bench.figures import FIGURES
 from orders.bench.measure import Sizes
+from orders.bench.plot import require_matplotlib, write_plots
 from orders.bench.report import progress_units, run_bench
 from orders.bench.tables import results_table, targets_table
 from orders.errors import OrdersError
@@ -73,7 +76,7 @@ def _parse_batches(text: str) -> tuple[int, ...]:
     type=click.IntRange(1, 64),
     default=4,
     show_default=True,
-    help="Threads of the multi-threaded create figure.",
+    help="Threads of the multi-threaded create figure (on PostgreSQL also 8).",
 )
 @click.option("--reps", type=click.IntRange(1, 100), help="Repetitions. [default: 5; quick 3]")
 @click.option(
@@ -110,7 +113,24 @@ def _parse_batches(text: str) -> tuple[int, ...]:
     help="Users of the Redis memory figure. [default: 10000; quick 1000]",
 )
 @click.option("--only", help=f"Comma-separated figures to run, of: {', '.join(FIGURES)}.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (docs/bench.md).")
+@click.option(
+    "--report",
+    "saved",
+    metavar="REPORT.json",
+    help="Do not run: show (or --compare, or --plot) this saved --json report instead.",
+)
+@click.option(
+    "--compare",
+    metavar="OLD.json",
+    help="Then print each headline figure of this earlier --json report beside the new one.",
+)
+@click.option(
+    "--plot",
+    metavar="DIR",
+    help="Then draw the figures into DIR (needs the extra: pip install 'orders[plot]').",
+)
+@click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True)
 @click.pass_context
 def bench(
     ctx: click.Context,
@@ -127,29 +147,56 @@ def bench(
     memory_users: int | None,
     only: str | None,
     as_json: bool,
+    saved: str | None,
+    compare: str | None,
+    plot: str | None,
+    plot_format: str,
 ) -> None:
     """Measure the service on the configured stores against raw floors and the naive way.
 
     The bench adds users bench-<random>-..., their orders and Redis keys, and removes them
-    all at the end. It refuses a database that already holds orders unless --yes.
+    all at the end. It refuses a database that already holds orders unless --yes. With
+    --report it runs nothing (the run options are then ignored).
     """
-    from orders.cli.app import cli_state  # noqa: PLC0415
+    if plot is not None:
+        require_matplotlib()  # before a run of minutes, not after it
+    old = None if compare is None else load_report(compare, "--compare")
+    if saved is not None:
+        report = load_report(saved, "--report")
+    else:
+        report = _run(ctx, _sizes(ctx.params), _parse_figures(only), yes)
+    # With --json, stdout holds the one JSON document; what follows it goes to stderr.
+    _show(report, as_json)
+    if old is not None:
+        for line in compare_lines(old, report):
+            click.echo(line, err=as_json)
+    if plot is not None:
+        for path in write_plots(report, Path(plot), plot_format):
+            click.echo(f"wrote {path}", err=as_json)
 
-    figures = _parse_figures(only)
-    base = Sizes.quick() if quick else Sizes()
+
+#: The size options that default to the full or the --quick size.
+_SIZE_OPTIONS = (
+    "reps", "ops", "sweep_rows", "sweep_due", "lag_rate", "lag_seconds", "memory_users"
+)  # fmt: skip
+
+
+def _sizes(params: dict[str, Any]) -> Sizes:
+    """The run's sizes from the command's options."""
+    base = Sizes.quick() if params["quick"] else Sizes()
+    given = {name: params[name] for name in _SIZE_OPTIONS if params[name] is not None}
     sizes = replace(
         base,
-        threads=threads,
-        batch_sizes=_parse_batches(batch_sizes),
-        reps=base.reps if reps is None else reps,
-        ops=base.ops if ops is None else ops,
-        sweep_rows=base.sweep_rows if sweep_rows is None else sweep_rows,
-        sweep_due=base.sweep_due if sweep_due is None else sweep_due,
-        lag_rate=base.lag_rate if lag_rate is None else lag_rate,
-        lag_seconds=base.lag_seconds if lag_seconds is None else lag_seconds,
-        memory_users=base.memory_users if memory_users is None else memory_users,
+        threads=params["threads"],
+        batch_sizes=_parse_batches(params["batch_sizes"]),
+        **given,
     )
-    sizes = replace(sizes, warmup=min(sizes.warmup, sizes.ops))
+    return replace(sizes, warmup=min(sizes.warmup, sizes.ops))
+
+
+def _run(ctx: click.Context, sizes: Sizes, figures: list[str], yes: bool) -> dict[str, Any]:
+    from orders.cli.app import cli_state  # noqa: PLC0415
+
     state = cli_state(ctx)
     if not yes and _database_holds_orders(state.settings):
         click.echo(
@@ -168,16 +215,20 @@ def bench(
         console=Console(stderr=True),
         transient=True,
     )
+    engine = service.engine.dialect.name
     with progress:
-        total = sum(progress_units(sizes, name) for name in figures)
+        total = sum(progress_units(sizes, name, engine) for name in figures)
         task = progress.add_task("starting", total=total)
-        report = run_bench(
+        return run_bench(
             service,
             sizes,
             figures,
             step=lambda units: progress.advance(task, units),
             status=lambda text: progress.update(task, description=text),
         )
+
+
+def _show(report: dict[str, Any], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

@@ -8,101 +8,108 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import func, select
 
 from orders.bench import variants
 from orders.bench.measure import (
     Run,
     Variant,
     chunks,
-    counting_statements,
+    counted,
     describe,
-    harmonic_floor,
     ns,
     percentile,
     quiet,
     ratios,
-    run_ops,
     spread,
 )
 from orders.bench.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
-from orders.domain import OrderStatus
+from orders.domain import EventKind, OrderStatus
 from orders.models import UNPAID_PREDICATE, orders_table, sql_errors
 from orders.scheduling import build_scheduler
 from orders.service import OrderService
 from orders.sweeper import Sweeper
 
+#: The variants of the create figure, at each thread count.
+CREATE_VARIANTS: dict[str, Callable[[Workload, int], Variant]] = {
+    "create": variants.create,
+    "floor": variants.floor,
+    "floor_core": variants.floor_core,
+    "naive": variants.naive,
+}
+
+
+def thread_counts(engine: str, threads: int) -> tuple[int, ...]:
+    """1 and ``--threads``; on PostgreSQL also 8, where commits can share an fsync."""
+    counts = {1, threads, *((8,) if engine == "postgresql" else ())}
+    return tuple(sorted(counts))
+
 
 def create(w: Workload) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for threads in dict.fromkeys((1, w.sizes.threads)):
-        runs = w.measure(
-            f"create, {threads} thread{'s' if threads > 1 else ''}",
-            {
-                "create": variants.create(w, threads),
-                "evalsha": variants.evalsha(w, threads),
-                "insert": variants.raw_insert(w, threads),
-                "naive": variants.naive(w, threads),
-            },
-        )
-        floor = harmonic_floor(runs["evalsha"], runs["insert"])
-        out[f"threads_{threads}"] = {
-            "threads": threads,
+    counts = thread_counts(w.engine.dialect.name, w.sizes.threads)
+    # Every thread count in one measure: the scaling ratios are side by side too.
+    chosen = {f"{name}@{t}": make(w, t) for t in counts for name, make in CREATE_VARIANTS.items()}
+    runs = w.measure(f"create, {'/'.join(map(str, counts))} threads", chosen)
+    out: dict[str, Any] = {"thread_counts": list(counts)}
+    for t in counts:
+        mine = {name: runs[f"{name}@{t}"] for name in CREATE_VARIANTS}
+        out[f"threads_{t}"] = {
+            "threads": t,
             "ops_per_rep": w.sizes.ops,
-            "variants": {name: describe(r) for name, r in runs.items()},
-            "floor_ops_s": spread(floor),
-            "create_vs_floor": spread(ratios(runs["create"], floor)),
-            "create_vs_naive": spread(ratios(runs["create"], runs["naive"])),
+            "variants": {name: describe(r) for name, r in mine.items()},
+            "create_vs_floor": spread(ratios(mine["create"], mine["floor"])),
+            "create_vs_floor_core": spread(ratios(mine["create"], mine["floor_core"])),
+            "create_vs_naive": spread(ratios(mine["create"], mine["naive"])),
         }
+    out["scaling"] = {
+        f"threads_{t}_vs_1": {
+            name: spread(ratios(runs[f"{name}@{t}"], runs[f"{name}@1"]))
+            for name in ("create", "floor")
+        }
+        for t in counts
+        if t > 1
+    }
     return out
 
 
 def refusal(w: Workload) -> dict[str, Any]:
-    refusal, evalsha = variants.refusal(w), variants.evalsha_refused(w)
-    with counting_statements(w.engine) as statements:
-        runs = w.measure("refusal", {"refusal": refusal, "evalsha": evalsha})
-    refusals = w.sizes.reps * w.sizes.ops + min(w.sizes.ops, w.sizes.warmup)
+    statements = {"refusal": [0], "refusal_given_id": [0]}
+    chosen = {
+        "refusal": counted(w.engine, variants.refusal(w), statements["refusal"]),
+        "refusal_given_id": counted(
+            w.engine, variants.refusal(w, given_id=True), statements["refusal_given_id"]
+        ),
+        "evalsha": variants.evalsha_refused(w),
+    }
+    runs = w.measure("refusal", chosen)
     return {
         "ops_per_rep": w.sizes.ops,
         "variants": {name: describe(r) for name, r in runs.items()},
-        "sql_statements": statements[0],
-        "refusals": refusals,
+        "refusals": w.sizes.reps * w.sizes.ops + min(w.sizes.ops, w.sizes.warmup),
+        "sql_statements": statements["refusal"][0],
+        "sql_statements_given_id": statements["refusal_given_id"][0],
         "refusal_vs_evalsha": spread(ratios(runs["refusal"], runs["evalsha"])),
+        "refusal_given_id_vs_evalsha": spread(ratios(runs["refusal_given_id"], runs["evalsha"])),
+    }
+
+
+def _transition(w: Workload, kind: EventKind, name: str) -> dict[str, Any]:
+    runs = w.measure(
+        name, {name: variants.transition(w, kind), "raw": variants.raw_transition(w, kind)}
+    )
+    return {
+        "ops_per_rep": w.sizes.ops,
+        "variants": {v: describe(r) for v, r in runs.items()},
+        f"{name}_vs_raw": spread(ratios(runs[name], runs["raw"])),
     }
 
 
 def mark_paid(w: Workload) -> dict[str, Any]:
-    service, engine, clock = w.service, w.engine, w.service.clock
-    statement = (
-        update(orders_table)
-        .where(OC.id == bindparam("b_id"), UNPAID_PREDICATE)
-        .values(
-            status=OrderStatus.PAID.value,
-            paid_at_ms=bindparam("b_now"),
-            updated_at_ms=bindparam("b_now"),
-        )
-    )
+    return _transition(w, EventKind.PAID, "mark_paid")
 
-    def mark_paid(n: int) -> Run:
-        ids = w.open_orders("p", n, members=True)
-        return run_ops(lambda i: service.mark_paid(ids[i]), n)
 
-    def raw_update(n: int) -> Run:
-        ids = w.open_orders("u", n, members=False)
-
-        def op(i: int) -> None:
-            with engine.connect() as conn:
-                conn.execute(statement, {"b_id": ids[i], "b_now": clock()})
-                conn.commit()
-
-        return run_ops(op, n)
-
-    runs = w.measure("mark_paid", {"mark_paid": mark_paid, "raw_update": raw_update})
-    return {
-        "ops_per_rep": w.sizes.ops,
-        "variants": {name: describe(r) for name, r in runs.items()},
-        "mark_paid_vs_raw_update": spread(ratios(runs["mark_paid"], runs["raw_update"])),
-    }
+def cancel(w: Workload) -> dict[str, Any]:
+    return _transition(w, EventKind.CANCELLED, "cancel")
 
 
 def _sweep_variant(w: Workload, sweeper: OrderService, batch: int) -> Variant:
@@ -234,12 +241,17 @@ def close_lag(w: Workload) -> dict[str, Any] | None:
         finally:
             scheduler.shutdown(wait=True)
             sweeper.close()
-    query = select(OC.closed_at_ms - OC.expires_at_ms).where(
-        OC.user_id.startswith(f"{w.tag}l", autoescape=True),
-        OC.status == OrderStatus.CLOSED.value,
+    query = (
+        select(OC.expires_at_ms, OC.closed_at_ms - OC.expires_at_ms)
+        .where(
+            OC.user_id.startswith(f"{w.tag}l", autoescape=True),
+            OC.status == OrderStatus.CLOSED.value,
+        )
+        .order_by(OC.expires_at_ms)
     )
     with sql_errors(), w.engine.connect() as conn:
-        lags = [int(x) for x in conn.scalars(query)]
+        closed = [(int(e), int(lag)) for e, lag in conn.execute(query)]
+    lags = [lag for _, lag in closed]
     if len(lags) != n:
         w.notes.append(f"close_lag: {len(lags)} of {n} orders were closed in time")
     return {
@@ -251,6 +263,10 @@ def close_lag(w: Workload) -> dict[str, Any] | None:
         "p50_ms": percentile(lags, 50),
         "p99_ms": percentile(lags, 99),
         "max_ms": float(max(lags, default=0)),
+        "samples": {
+            "due_s": [round((e - start_ms) / 1000, 3) for e, _ in closed],
+            "lag_ms": lags,
+        },
     }
 
 
@@ -302,13 +318,23 @@ def sql_admission(w: Workload) -> dict[str, Any]:
     }
 
 
-FIGURES = ("create", "refusal", "mark_paid", "sweep", "close_lag", "redis_memory", "sql_admission")
+FIGURES = (
+    "create",
+    "refusal",
+    "mark_paid",
+    "cancel",
+    "sweep",
+    "close_lag",
+    "redis_memory",
+    "sql_admission",
+)
 
 #: Each figure's function, in the order of FIGURES. None: the figure was skipped (see notes).
 MAKERS: dict[str, Callable[[Workload], dict[str, Any] | None]] = {
     "create": create,
     "refusal": refusal,
     "mark_paid": mark_paid,
+    "cancel": cancel,
     "sweep": sweep,
     "close_lag": close_lag,
     "redis_memory": redis_memory,

@@ -132,11 +132,6 @@ def ratios(a: Sequence[Run] | Sequence[float], b: Sequence[Run] | Sequence[float
     return [x / y for x, y in zip(left, right, strict=True) if y > 0]
 
 
-def harmonic_floor(a: Sequence[Run], b: Sequence[Run]) -> list[float]:
-    """Per repetition, the rate of doing one op of ``a`` then one of ``b``: 1/(1/a + 1/b)."""
-    return [1 / (1 / x.ops_s + 1 / y.ops_s) for x, y in zip(a, b, strict=True)]
-
-
 @contextlib.contextmanager
 def counting_statements(engine: Engine) -> Iterator[list[int]]:
     """Counts every statement the engine sends to the database while the block runs."""
@@ -150,6 +145,18 @@ def counting_statements(engine: Engine) -> Iterator[list[int]]:
         yield counter
     finally:
         event.remove(engine, "before_cursor_execute", on_execute)
+
+
+def counted(engine: Engine, variant: Variant, counter: list[int]) -> Variant:
+    """``variant``, adding the statements each of its runs sends to ``counter[0]``."""
+
+    def run(n: int) -> Run:
+        with counting_statements(engine) as statements:
+            result = variant(n)
+        counter[0] += statements[0]
+        return result
+
+    return run
 
 
 @contextlib.contextmanager

@@ -37,27 +37,42 @@ class _Rows:
 
 
 def _create(rows: _Rows, fig: Mapping[str, Any]) -> None:
-    for part in fig.values():
-        label = f"create, {part['threads']} thr"
+    for t in fig["thread_counts"]:
+        part = fig[f"threads_{t}"]
+        label = f"create, {t} thr"
         rows.variants(label, part)
-        rows.add(label, "raw floor ops/s", *_rate(part["floor_ops_s"]))
         rows.ratio(label, "create / floor", part["create_vs_floor"])
+        rows.ratio(label, "create / floor_core", part["create_vs_floor_core"])
         rows.ratio(label, "create / naive", part["create_vs_naive"])
+        rows.table.add_section()
+    for key, by_variant in fig["scaling"].items():
+        n = key.removeprefix("threads_").removesuffix("_vs_1")
+        for name, s in by_variant.items():
+            rows.ratio("create, scaling", f"{name}, {n} thr / 1 thr", s)
+    if fig["scaling"]:
         rows.table.add_section()
 
 
 def _refusal(rows: _Rows, part: Mapping[str, Any]) -> None:
     rows.variants("refusal", part)
     rows.ratio("refusal", "refusal / evalsha", part["refusal_vs_evalsha"])
-    rows.add("refusal", "SQL statements", f"{part['sql_statements']}",
-             f"in {part['refusals']:,} refusals")  # fmt: skip
+    rows.ratio("refusal", "refusal_given_id / evalsha", part["refusal_given_id_vs_evalsha"])
+    for name, key in (
+        ("refusal", "sql_statements"),
+        ("refusal_given_id", "sql_statements_given_id"),
+    ):
+        rows.add("refusal", f"{name}: SQL statements", f"{part[key]:,}",
+                 f"in {part['refusals']:,} refusals")  # fmt: skip
     rows.table.add_section()
 
 
-def _mark_paid(rows: _Rows, part: Mapping[str, Any]) -> None:
-    rows.variants("mark_paid", part)
-    rows.ratio("mark_paid", "mark_paid / raw update", part["mark_paid_vs_raw_update"])
-    rows.table.add_section()
+def _transition(name: str) -> Callable[[_Rows, Mapping[str, Any]], None]:
+    def section(rows: _Rows, part: Mapping[str, Any]) -> None:
+        rows.variants(name, part)
+        rows.ratio(name, f"{name} / raw", part[f"{name}_vs_raw"])
+        rows.table.add_section()
+
+    return section
 
 
 def _sweep(rows: _Rows, part: Mapping[str, Any]) -> None:
@@ -95,7 +110,8 @@ def _sql_admission(rows: _Rows, part: Mapping[str, Any]) -> None:
 _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
     "create": _create,
     "refusal": _refusal,
-    "mark_paid": _mark_paid,
+    "mark_paid": _transition("mark_paid"),
+    "cancel": _transition("cancel"),
     "sweep": _sweep,
     "close_lag": _close_lag,
     "redis_memory": _redis_memory,
@@ -105,6 +121,8 @@ _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
 
 def results_table(report: Mapping[str, Any]) -> Table:
     m = report["machine"]
+    settings = ", ".join(f"{k} {v}" for k, v in m["sql_settings"].items())
+    durable = {True: "durable", False: "NOT durable", None: "durability unknown"}[m["durable"]]
     table = Table(
         "figure",
         "measure",
@@ -114,7 +132,8 @@ def results_table(report: Mapping[str, Any]) -> Table:
         "p99 ms",
         "client CPU us/op",
         title=(
-            f"orders bench on {m['sql_engine']} {m['sql_version']} + redis {m['redis']} "
+            f"orders bench on {m['sql_engine']} {m['sql_version']} ({durable}: {settings}) "
+            f"+ redis {m['redis']} "
             f"({m['nproc']} cpus, load {m['load_average']:.1f}, python {m['python']}), "
             f"{report['elapsed_s']:.0f} s"
         ),
@@ -127,16 +146,23 @@ def results_table(report: Mapping[str, Any]) -> Table:
 
 
 def targets_table(report: Mapping[str, Any]) -> Table:
-    table = Table("target", "measured", "required", "ratio", "verdict", title="targets")
+    table = Table("target", "measured", "required", "verdict", "note", title="targets")
     for t in report["targets"]:
-        colour = "green" if t["verdict"] == "ok" else "red"
-        ratio = "" if t["ratio"] is None else f"{t['ratio']:.2f}"
-        note = f" ({t['note']})" if t["note"] else ""
+        colour = "green" if t["verdict"] == "pass" else "red"
         table.add_row(
             t["name"],
-            f"{t['measured']:,.1f}",
-            t["required"],
-            ratio,
-            f"[{colour}]{t['verdict']}[/{colour}]{note}",
+            f"{format_value(t['measured'], t['unit'])} {t['unit']}",
+            f"{t['op']} {format_value(t['required'], t['unit'])} {t['unit']}",
+            f"[{colour}]{t['verdict']}[/{colour}]",
+            t["note"],
         )
     return table
+
+
+def format_value(value: float, unit: str) -> str:
+    """A figure as the tables show it: ratios to 2 decimals, rates and counts whole."""
+    if unit == "x":
+        return f"{value:.2f}"
+    if unit == "ms":
+        return f"{value:,.1f}"
+    return f"{value:,.0f}"

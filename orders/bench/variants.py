@@ -7,15 +7,16 @@ from typing import Any
 
 from sqlalchemy import insert
 
-from orders.bench.measure import (
-    Run,
-    Variant,
-    run_ops,
-)
+from orders.bench.driver import RawDriver, writer_queue
+from orders.bench.measure import Run, Variant, run_ops
 from orders.bench.workload import Workload
+from orders.domain import EventKind
 from orders.errors import UnpaidOrderLimitReached
-from orders.models import orders_table
+from orders.models import events_table, orders_table
 from orders.records import LimitReachedInSql
+
+_INSERT_ORDER = insert(orders_table)
+_INSERT_EVENT = insert(events_table)
 
 
 def create(w: Workload, threads: int = 1) -> Variant:
@@ -28,55 +29,76 @@ def create(w: Workload, threads: int = 1) -> Variant:
     return variant
 
 
-def evalsha(w: Workload, threads: int = 1) -> Variant:
-    """One EVALSHA of the admission script that admits (a new user per op)."""
-    client, sha, clock = w.client, w.admit_sha, w.service.clock
+def _admit(w: Workload) -> Callable[[str, str, int], None]:
+    """One raw EVALSHA of the admission script that must admit (a new user each time)."""
+    client, sha = w.client, w.admit_sha
     s = w.service.settings
     ttl, limit, margin = s.ttl_ms, s.unpaid_limit, s.key_margin_ms
 
+    def admit(key: str, order_id: str, now: int) -> None:
+        reply = client.evalsha(sha, 1, key, order_id, now + ttl, now, limit, margin)
+        if int(reply[0]) == -1:
+            raise RuntimeError("raw admission refused a new user")
+
+    return admit
+
+
+def _admitted(
+    w: Workload,
+    kind: str,
+    threads: int,
+    write: Callable[[str, str, int, int], None],
+    after_run: Callable[[], None] = lambda: None,
+) -> Variant:
+    """A raw EVALSHA that admits, then ``write(order_id, user_id, now_ms, expires_at_ms)``."""
+    admit, clock, ttl = _admit(w), w.service.clock, w.service.settings.ttl_ms
+
     def variant(n: int) -> Run:
-        keys = [w.key(u) for u in w.users("e", n)]
-        ids = w.order_ids(n)
+        users, ids = w.users(kind, n), w.order_ids(n)
+        keys = [w.key(u) for u in users]
 
         def op(i: int) -> None:
             now = clock()
-            client.evalsha(sha, 1, keys[i], ids[i], now + ttl, now, limit, margin)
+            admit(keys[i], ids[i], now)
+            write(ids[i], users[i], now, now + ttl)
 
-        return run_ops(op, n, threads)
+        try:
+            return run_ops(op, n, threads)
+        finally:
+            after_run()
 
     return variant
 
 
+def floor(w: Workload, threads: int = 1) -> Variant:
+    """The honest floor of a create: one EVALSHA of the admission script, then the raw
+    driver writing the order row and its ``created`` event in one committed transaction."""
+    driver = RawDriver(w.engine)
+    return _admitted(w, "f", threads, driver.create, driver.release)
+
+
+def floor_core(w: Workload, threads: int = 1) -> Variant:
+    """The same work as :func:`floor` through SQLAlchemy Core: ``engine.begin()`` (a pooled
+    connection) and two compiled-once INSERTs (on SQLite, queued as the floor's are)."""
+    engine, writer = w.engine, writer_queue(w.engine)
+
+    def write(order_id: str, user_id: str, now: int, expires_at_ms: int) -> None:
+        with writer, engine.begin() as conn:
+            conn.execute(_INSERT_ORDER, w.minimal_row(order_id, user_id, now, expires_at_ms))
+            conn.execute(_INSERT_EVENT, w.created_event(order_id, user_id, now))
+
+    return _admitted(w, "k", threads, write)
+
+
 def _insert_one(w: Workload) -> Callable[[dict[str, Any]], None]:
-    statement = insert(orders_table)
     engine = w.engine
 
     def insert_one(row: dict[str, Any]) -> None:
         with engine.connect() as conn:
-            conn.execute(statement, row)
+            conn.execute(_INSERT_ORDER, row)
             conn.commit()
 
     return insert_one
-
-
-def raw_insert(w: Workload, threads: int = 1) -> Variant:
-    """One Core INSERT + COMMIT of a row shaped like a create's."""
-    insert_one, clock, ttl = (
-        _insert_one(w),
-        w.service.clock,
-        w.service.settings.ttl_ms,
-    )
-
-    def variant(n: int) -> Run:
-        users, ids = w.users("i", n), w.order_ids(n)
-
-        def op(i: int) -> None:
-            now = clock()
-            insert_one(w.row(ids[i], users[i], now, now + ttl))
-
-        return run_ops(op, n, threads)
-
-    return variant
 
 
 def naive(w: Workload, threads: int = 1) -> Variant:
@@ -100,18 +122,24 @@ def naive(w: Workload, threads: int = 1) -> Variant:
     return variant
 
 
-def refusal(w: Workload) -> Variant:
-    """``create_unpaid_order`` refused at the limit (users holding 1 of 1)."""
+def refusal(w: Workload, *, given_id: bool = False) -> Variant:
+    """``create_unpaid_order`` refused at the limit (users holding 1 of 1); with
+    ``given_id``, the caller supplies a new order id (a refusal may then read it by key)."""
     service, users = w.service, w.full_users()
 
-    def op(i: int) -> None:
-        try:
-            service.create_unpaid_order(users[i % len(users)], limit=1)
-        except UnpaidOrderLimitReached:
-            return
-        raise RuntimeError("a create at the limit was admitted")
+    def variant(n: int) -> Run:
+        ids: list[str | None] = list(w.order_ids(n)) if given_id else [None] * n
 
-    return lambda n: run_ops(op, n)
+        def op(i: int) -> None:
+            try:
+                service.create_unpaid_order(users[i % len(users)], order_id=ids[i], limit=1)
+            except UnpaidOrderLimitReached:
+                return
+            raise RuntimeError("a create at the limit was admitted")
+
+        return run_ops(op, n)
+
+    return variant
 
 
 def evalsha_refused(w: Workload) -> Variant:
@@ -132,6 +160,37 @@ def evalsha_refused(w: Workload) -> Variant:
                 raise RuntimeError("raw admission at the limit was not refused")
 
         return run_ops(op, n)
+
+    return variant
+
+
+def transition(w: Workload, kind: EventKind) -> Variant:
+    """``mark_paid`` or ``cancel_order`` end to end, on open orders with their members."""
+    service = w.service
+    acts: dict[EventKind, Callable[[str], object]] = {
+        EventKind.PAID: service.mark_paid,
+        EventKind.CANCELLED: service.cancel_order,
+    }
+    act = acts[kind]
+
+    def variant(n: int) -> Run:
+        ids, _users = w.open_orders(kind.value[0], n, members=True)
+        return run_ops(lambda i: act(ids[i]), n)
+
+    return variant
+
+
+def raw_transition(w: Workload, kind: EventKind) -> Variant:
+    """Its floor: the raw driver's ``UPDATE ... WHERE status = 'unpaid'`` and the event row,
+    in one committed transaction (no Redis: the orders have no members)."""
+    driver, clock = RawDriver(w.engine), w.service.clock
+
+    def variant(n: int) -> Run:
+        ids, users = w.open_orders("r", n, members=False)
+        try:
+            return run_ops(lambda i: driver.transition(kind, ids[i], users[i], clock()), n)
+        finally:
+            driver.release()
 
     return variant
 

@@ -20,13 +20,14 @@ from orders.bench.measure import (
     Variant,
     chunks,
 )
-from orders.domain import OrderIdGenerator, OrderStatus
+from orders.domain import EventKind, OrderIdGenerator, OrderStatus
 from orders.index import load_script
 from orders.models import UNPAID_PREDICATE, events_table, orders_table, sql_errors
 from orders.service import OrderService
 
 OC = orders_table.c
 UNPAID = OrderStatus.UNPAID.value
+CREATED = EventKind.CREATED.value
 
 #: "Now" of the sweep figure, and the start of the close-lag figure's shifted clock:
 #: 2001-09-09, long before any real order was created.
@@ -94,6 +95,24 @@ class Workload:
             "metadata": None,
         }
 
+    @staticmethod
+    def minimal_row(
+        order_id: str, user_id: str, created_ms: int, expires_ms: int
+    ) -> dict[str, Any]:
+        """The columns the raw floor writes (the others keep their defaults)."""
+        return {
+            "id": order_id,
+            "user_id": user_id,
+            "status": UNPAID,
+            "created_at_ms": created_ms,
+            "expires_at_ms": expires_ms,
+            "updated_at_ms": created_ms,
+        }
+
+    @staticmethod
+    def created_event(order_id: str, user_id: str, at_ms: int) -> dict[str, Any]:
+        return {"order_id": order_id, "user_id": user_id, "kind": CREATED, "at_ms": at_ms}
+
     def insert_rows(self, rows: Sequence[dict[str, Any]], chunk: int = 5000) -> None:
         """Bulk rows with Core executemany, one transaction per chunk."""
         statement = insert(orders_table)
@@ -106,9 +125,10 @@ class Workload:
             with sql_errors(), self.engine.begin() as conn:
                 conn.execute(delete(orders_table).where(OC.id.in_(list(part))))
 
-    def open_orders(self, kind: str, n: int, *, members: bool) -> list[str]:
-        """``n`` open unpaid orders of ``n`` new users, inserted directly (untimed setup);
-        with ``members``, each also gets its Redis member, as a create would have added."""
+    def open_orders(self, kind: str, n: int, *, members: bool) -> tuple[list[str], list[str]]:
+        """``n`` open unpaid orders of ``n`` new users, inserted directly (untimed setup):
+        their ids and users; with ``members``, each also gets its Redis member, as a create
+        would have added."""
         now = self.service.clock()
         expires = now + self.service.settings.ttl_ms
         ids = self.order_ids(n)
@@ -116,7 +136,7 @@ class Workload:
         self.insert_rows([self.row(o, u, now, expires) for o, u in zip(ids, users, strict=True)])
         if members:
             self.add_members(users, ids, [expires] * n)
-        return ids
+        return ids, users
 
     def add_members(self, users: Sequence[str], ids: Sequence[str], scores: Sequence[int]) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -256,7 +276,32 @@ class Workload:
             "sql_version": sql_version,
             "sqlalchemy": sqlalchemy.__version__,
             "redis_py": redis.__version__,
+            **self.durability(),
         }
+
+    def durability(self) -> dict[str, Any]:
+        """What a commit waits for: the server's settings (PostgreSQL) or the pragmas of the
+        engine's own connection (SQLite), and whether they make a commit durable."""
+        dialect = self.engine.dialect.name
+        with sql_errors(), self.engine.connect() as conn:
+            if dialect == "postgresql":
+                names = ("fsync", "synchronous_commit", "full_page_writes")
+                found = {n: str(conn.exec_driver_sql(f"SHOW {n}").scalar()) for n in names}
+                durable = found["fsync"] == "on" and found["synchronous_commit"] != "off"
+                durable = durable and found["full_page_writes"] == "on"
+            elif dialect == "sqlite":
+                mode = str(conn.exec_driver_sql("PRAGMA journal_mode").scalar()).lower()
+                level = int(conn.exec_driver_sql("PRAGMA synchronous").scalar() or 0)
+                found = {"journal_mode": mode, "synchronous": _SQLITE_SYNC.get(level, str(level))}
+                # FULL syncs every commit; under NORMAL a power cut may lose the last ones.
+                durable = level >= 2
+            else:
+                return {"sql_settings": {}, "durable": None}
+        return {"sql_settings": found, "durable": durable}
+
+
+#: PRAGMA synchronous's levels by name.
+_SQLITE_SYNC = {0: "off", 1: "normal", 2: "full", 3: "extra"}
 
 
 def _glob_escape(text: str) -> str:

@@ -55,8 +55,33 @@ def rows(engine: Engine) -> tuple[int, int]:
     return int(orders or 0), int(events or 0)
 
 
+def assert_floors_thread_counts_and_keyed_refusal(report: Any, postgres: bool) -> None:
+    create = report["figures"]["create"]
+    assert create["thread_counts"] == ([1, 4, 8] if postgres else [1, 4])
+    assert list(create["scaling"]) == [f"threads_{t}_vs_1" for t in create["thread_counts"][1:]]
+    for t in create["thread_counts"]:
+        part = create[f"threads_{t}"]
+        assert list(part["variants"]) == ["create", "floor", "floor_core", "naive"]
+        for variant in part["variants"].values():
+            assert variant["ops_s"]["min"] > 0
+        for ratio in ("create_vs_floor", "create_vs_floor_core", "create_vs_naive"):
+            assert part[ratio]["median"] > 0
+    refusal = report["figures"]["refusal"]
+    assert list(refusal["variants"]) == ["refusal", "refusal_given_id", "evalsha"]
+    assert refusal["sql_statements"] == 0
+    # At most the one read by primary key per refusal of a caller-supplied id.
+    assert 0 <= refusal["sql_statements_given_id"] <= refusal["refusals"]
+    for name in ("mark_paid", "cancel"):
+        assert list(report["figures"][name]["variants"]) == [name, "raw"]
+        assert report["figures"][name][f"{name}_vs_raw"]["min"] > 0
+    ids = [t["id"] for t in report["targets"]]
+    assert ids[:3] == ["create_vs_floor_1", "create_vs_naive_1", "create_vs_naive_4"]
+    assert ("threads_8_vs_1" in ids) == postgres
+    assert {"mark_paid_vs_raw", "cancel_vs_raw", "refusal_vs_evalsha"} <= set(ids)
+
+
 def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
-    run: Any, engine: Engine, redis_client: redis.Redis
+    run: Any, engine: Engine, redis_client: redis.Redis, database_url: str
 ) -> None:
     result = run("--quick", "--json")
 
@@ -66,14 +91,39 @@ def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
     for path, leaf in leaves(report["figures"]):
         assert is_number(leaf), f"figures{path} = {leaf!r}"
     assert report["figures"]["refusal"]["sql_statements"] == 0
-    assert report["figures"]["close_lag"]["closed"] == report["figures"]["close_lag"]["orders"]
+    lag = report["figures"]["close_lag"]
+    assert lag["closed"] == lag["orders"]
+    assert len(lag["samples"]["due_s"]) == len(lag["samples"]["lag_ms"]) == lag["closed"]
+    assert lag["samples"]["due_s"] == sorted(lag["samples"]["due_s"])
+    assert max(lag["samples"]["lag_ms"]) == lag["max_ms"]
     assert report["targets"]
     for target in report["targets"]:
-        assert target["verdict"] in ("ok", "missed")
+        assert target["verdict"] in ("pass", "miss")
         assert is_number(target["measured"])
+        assert is_number(target["required"])
+    assert report["schema_version"] == 1
+    assert_floors_thread_counts_and_keyed_refusal(report, database_url.startswith("postgresql"))
     assert report["left_behind"] == {"rows": 0, "events": 0, "keys": 0}
     assert rows(engine) == (0, 0)
     assert redis_client.keys("*") == []
+
+
+def test_the_machine_block_says_what_a_commit_waits_for(run: Any, database_url: str) -> None:
+    result = run("--quick", "--json", "--only", "refusal", "--ops", "10", "--reps", "1")
+
+    assert result.exit_code == 0, result.output
+    machine = json.loads(result.stdout)["machine"]
+    found = machine["sql_settings"]
+    if database_url.startswith("postgresql"):
+        assert set(found) == {"fsync", "synchronous_commit", "full_page_writes"}
+        durable = found["fsync"] == found["full_page_writes"] == "on"
+        durable = durable and found["synchronous_commit"] != "off"
+    else:
+        assert found["journal_mode"] == "wal"  # the engine's own connection: WAL
+        assert set(found) == {"journal_mode", "synchronous"}
+        assert found["synchronous"] in ("off", "normal", "full", "extra")
+        durable = found["synchronous"] in ("full", "extra")
+    assert machine["durable"] is durable
 
 
 def test_bench_refuses_a_database_holding_orders_in_one_line(

@@ -1,0 +1,118 @@
+"""The raw driver of the floors: DBAPI cursors, SQL text in the driver's own paramstyle.
+
+A floor is what the durable work costs the driver alone, so nothing of SQLAlchemy runs per
+operation: each thread checks a DBAPI connection out of the engine's pool once (so it has
+the engine's connect-time settings: WAL, foreign keys, timeouts) and holds it for the whole
+run; an operation is ``cursor.execute`` of each statement, then ``commit``. No pool
+check-out, no pre-ping, no statement compilation, no result processing.
+
+SQLite takes one writer at a time, and its busy handler sleeps (1, 2, 5, 10 ms ...) before
+it retries: threads of one process that leave the queueing to it wait far longer than the
+lock is held. So on SQLite the floors' writers queue on a lock in the process first, as
+the service's do (:mod:`orders.transactions`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.engine.interfaces import DBAPIConnection
+
+from orders.domain import EventKind, OrderStatus
+from orders.models import UNPAID_SQL, events_table, orders_table
+
+#: A positional placeholder per DBAPI paramstyle (PEP 249) of the drivers the project ships.
+_PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
+
+
+class RawDriver:
+    """The floors' statements on one engine's DBAPI driver, one held connection a thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        style = getattr(engine.dialect.dbapi, "paramstyle", None)
+        mark = _PLACEHOLDERS.get(str(style))
+        if mark is None:
+            raise RuntimeError(f"the bench's raw floors do not speak paramstyle {style!r}")
+        # S608: the text is built from the schema's own constants, never from input.
+        orders, events = orders_table.name, events_table.name
+
+        def marks(n: int) -> str:
+            return ", ".join([mark] * n)
+
+        self.insert_order = (
+            f"INSERT INTO {orders} (id, user_id, status, created_at_ms, expires_at_ms, "  # noqa: S608
+            f"updated_at_ms) VALUES ({marks(6)})"
+        )
+        self.insert_event = (
+            f"INSERT INTO {events} (order_id, user_id, kind, at_ms) VALUES ({marks(4)})"  # noqa: S608
+        )
+        # The compare-and-set of each transition, as the service's: by id, while unpaid.
+        self.updates = {
+            EventKind.PAID: (
+                f"UPDATE {orders} SET status = {mark}, paid_at_ms = {mark}, "  # noqa: S608
+                f"updated_at_ms = {mark} WHERE id = {mark} AND {UNPAID_SQL}"
+            ),
+            EventKind.CANCELLED: (
+                f"UPDATE {orders} SET status = {mark}, closed_at_ms = {mark}, "  # noqa: S608
+                f"close_reason = 'cancelled', updated_at_ms = {mark} "
+                f"WHERE id = {mark} AND {UNPAID_SQL}"
+            ),
+        }
+        self._status = {
+            EventKind.PAID: OrderStatus.PAID,
+            EventKind.CANCELLED: OrderStatus.CANCELLED,
+        }
+        self._local = threading.local()
+        self._held: list[Any] = []
+        self._guard = threading.Lock()
+        self.writer = writer_queue(engine)
+
+    def connection(self) -> DBAPIConnection:
+        """This thread's connection (checked out on its first use, held until release)."""
+        conn: Any = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self.engine.raw_connection()
+            with self._guard:
+                self._held.append(conn)
+        return conn  # type: ignore[no-any-return]
+
+    def release(self) -> None:
+        """Return every held connection to the pool (after a run; uncommitted work rolls back)."""
+        with self._guard:
+            held, self._held = self._held, []
+            self._local = threading.local()
+        for conn in held:
+            conn.close()
+
+    def create(self, order_id: str, user_id: str, now_ms: int, expires_at_ms: int) -> None:
+        """The minimal durable record of a create: the order row and its ``created`` event."""
+        conn = self.connection()
+        with self.writer, contextlib.closing(conn.cursor()) as cursor:
+            cursor.execute(
+                self.insert_order,
+                (order_id, user_id, OrderStatus.UNPAID.value, now_ms, expires_at_ms, now_ms),
+            )
+            cursor.execute(self.insert_event, (order_id, user_id, EventKind.CREATED.value, now_ms))
+            conn.commit()
+
+    def transition(self, kind: EventKind, order_id: str, user_id: str, now_ms: int) -> None:
+        """``UPDATE ... WHERE id = ? AND status = 'unpaid'`` and, as it won, its event."""
+        conn = self.connection()
+        with self.writer, contextlib.closing(conn.cursor()) as cursor:
+            cursor.execute(self.updates[kind], (self._status[kind].value, now_ms, now_ms, order_id))
+            if cursor.rowcount != 1:
+                raise RuntimeError(f"the raw {kind.value} update found no unpaid {order_id}")
+            cursor.execute(self.insert_event, (order_id, user_id, kind.value, now_ms))
+            conn.commit()
+
+
+def writer_queue(engine: Engine) -> contextlib.AbstractContextManager[object]:
+    """What a floor's write transaction holds: on SQLite a lock of its own (one per call:
+    each floor queues its own threads), elsewhere nothing."""
+    if engine.dialect.name == "sqlite":
+        return threading.Lock()
+    return contextlib.nullcontext()
