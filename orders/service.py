@@ -145,7 +145,7 @@ class OrderService:
         meta = check_metadata(metadata, s.max_metadata_bytes)
         now_ms = self.clock()
         values = {
-            "id": given_id or self.new_order_id(),
+            "id": given_id or self.new_order_id(now_ms),
             "user_id": uid,
             "status": OrderStatus.UNPAID.value,
             "amount": amount_to_text(amt),

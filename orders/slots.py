@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     BigInteger,
+    ColumnElement,
     Integer,
     Row,
     String,
     bindparam,
     exists,
     insert,
-    literal,
+    literal_column,
     select,
     union_all,
 )
@@ -40,7 +41,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
 from orders.compare_and_set import with_events
-from orders.domain import EventKind
+from orders.domain import EventKind, OrderStatus
 from orders.models import UNPAID_PREDICATE, orders_table
 
 if TYPE_CHECKING:
@@ -90,16 +91,20 @@ def _free_slot() -> Any:
     held = orders_table.alias("held")
     holder = orders_table.alias("holder")
     user = bindparam("user_id", type_=String)
+    # The status as a literal in the SQL, never a parameter: only then may the planner use
+    # the partial index over unpaid orders (it must prove the predicate at plan time).
+    unpaid: ColumnElement[str] = literal_column(f"'{OrderStatus.UNPAID.value}'")
+    one = literal_column("1", Integer)
     candidates = union_all(
-        select(literal(1, Integer).label("n")),
-        select((held.c.slot + 1).label("n")).where(
-            held.c.user_id == user, held.c.status == literal("unpaid")
+        select(one.label("n")),
+        select((held.c.slot + one).label("n")).where(
+            held.c.user_id == user, held.c.status == unpaid
         ),
     ).subquery("candidate")
     taken = exists().where(
         holder.c.user_id == user,
         holder.c.slot == candidates.c.n,
-        holder.c.status == literal("unpaid"),
+        holder.c.status == unpaid,
     )
     return (
         select(candidates.c.n)
