@@ -242,6 +242,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
     ),
     _m(
+        "idle-connections-not-pinged",
+        "orders/bootstrap.py",
+        "            engine.dialect.do_ping(dbapi_connection)",
+        "            pass",
+        "a pooled connection that sat idle is pinged and replaced before use",
+        "tests/integration/test_pool_ping.py",
+    ),
+    _m(
         "created-event-dropped",
         "orders/slots.py",
         "                self.records.record("
