@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
 
 from orders import metrics
 from orders.admission import Admitter
@@ -99,9 +100,11 @@ class Sweep:
         result.add(len(rows), users, closed_at_ms - min(expires for _, expires in rows))
         # After one failure, spare later batches the timeouts.
         index = self.admitter.index if result.redis_errors == 0 else None
-        result.pending = self._cleanup_pool().submit(
-            _after_commit, rows, closed_at_ms, index, users, cutoff
-        )
+        after_commit = partial(_after_commit, rows, closed_at_ms, index, users, cutoff)
+        if len(rows) < size:  # the last batch: no SQL to overlap with, spare the hand-off
+            result.count_cleanup(after_commit())
+        else:
+            result.pending = self._cleanup_pool().submit(after_commit)
         return len(rows)
 
     def _cleanup_pool(self) -> ThreadPoolExecutor:
@@ -209,7 +212,11 @@ class _Tally:
     def settle(self) -> None:
         """Wait for the pending after-commit work and count a Redis failure."""
         pending, self.pending = self.pending, None
-        if pending is not None and not pending.result():
+        if pending is not None:
+            self.count_cleanup(pending.result())
+
+    def count_cleanup(self, cleaned: bool) -> None:
+        if not cleaned:
             self.redis_errors += 1
 
     def done(self) -> SweepResult:
