@@ -1,10 +1,11 @@
-"""Reconcile's bulk Redis traffic on a raw connection, so the server works while we do.
+"""Bulk Redis traffic (reconcile's, the sweep's cleanup) packed by hand on a raw connection.
 
 One Lua script (or one plain command) run on many keys in one round trip, packed by hand
 and read later:
 
 redis-py's pipeline packs each command and handles each reply in Python, which costs the
-client more than a short script costs the server. :class:`CallPacker` writes each
+client more than a short script costs the server. :func:`run_per_key` packs one plain
+command per key, sends them and reads the replies. :class:`CallPacker` writes each
 ``EVALSHA sha 1 key args...`` in the Redis protocol (RESP); :func:`send_calls` writes them
 all at once on a connection it keeps checked out and returns at once, so the caller can do
 other work (read SQL) while the server runs them; :meth:`SentCalls.read` then collects the

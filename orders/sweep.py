@@ -2,9 +2,10 @@
 
 A sweep closes due orders in batches ordered by expiry. Each batch is one SQL transaction
 that closes its orders with a compare-and-set and records a ``closed`` event per order;
-after each commit the affected users' Redis sets drop their expired members in one
-pipeline. A batch that fails leaves its orders unpaid for the next sweep, and several
-sweepers may run at once: none closes an order twice.
+after each commit the affected users' Redis sets drop their expired members in one round
+trip, on a cleanup thread while the next batch's SQL runs (the sweep returns only once the
+last cleanup is done). A batch that fails leaves its orders unpaid for the next sweep, and
+several sweepers may run at once: none closes an order twice.
 """
 
 from __future__ import annotations
