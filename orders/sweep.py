@@ -3,18 +3,16 @@
 A sweep closes due orders in batches ordered by expiry. Each batch is one SQL transaction
 that closes its orders with a compare-and-set and records a ``closed`` event per order;
 after each commit the affected users' Redis sets drop their expired members in one round
-trip, on a cleanup thread while the next batch's SQL runs (the sweep returns only once the
-last cleanup is done). A batch that fails leaves its orders unpaid for the next sweep, and
-several sweepers may run at once: none closes an order twice.
+trip. A batch that fails leaves its orders unpaid for the next sweep, and several sweepers
+may run at once: none closes an order twice.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from functools import partial
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from orders import metrics
 from orders.admission import Admitter
@@ -22,7 +20,6 @@ from orders.closing import DueCloser
 from orders.config import Settings
 from orders.domain import Clock, Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.index import UnpaidIndex
 from orders.records import OrderRecords
 from orders.validation import check_count, check_cutoff, check_ttl_ms
 
@@ -44,7 +41,6 @@ class Sweep:
         self.clock = clock
         self.pre_close: PreCloseCheck | None = None
         self._hook_executor: ThreadPoolExecutor | None = None
-        self._cleanup_executor: ThreadPoolExecutor | None = None
 
     def cutoff(self, now_ms: int | None) -> int:
         clock_now = self.clock()
@@ -69,25 +65,18 @@ class Sweep:
             check_count("max_batches", max_batches, 1)
         started = time.monotonic()
         result = _Tally(cutoff)
-        try:
-            while max_batches is None or result.batches < max_batches:
-                if should_stop is not None and should_stop():
-                    break
-                closed = self._close_batch(cutoff, size, result)
-                if closed < size:
-                    break
-        finally:
-            result.settle()  # the last batch's cleanup, even when a later batch failed
+        while max_batches is None or result.batches < max_batches:
+            if should_stop is not None and should_stop():
+                break
+            closed = self._close_batch(cutoff, size, result)
+            if closed < size:
+                break
         if result.closed:
             metrics.SWEEP_SECONDS.observe(time.monotonic() - started)
         return result.done()
 
     def _close_batch(self, cutoff: int, size: int, result: _Tally) -> int:
-        """Close one batch; how many orders it closed.
-
-        Its after-commit work (metrics, the Redis cleanup) runs on the cleanup thread while
-        the next batch's SQL runs here: both wait mostly on their servers.
-        """
+        """Close one batch; how many orders it closed."""
         if self.records.dialect == "sqlite" and not self.records.any_due(cutoff):
             return 0  # SQLite's write lock is the whole database's: take it only to close
         if self.pre_close is not None:
@@ -96,22 +85,19 @@ class Sweep:
         rows = self.closer.close_due(cutoff, size, closed_at_ms)
         if not rows:
             return 0
-        result.settle()  # one batch's cleanup in flight at a time
-        users = {user_id for user_id, _ in rows}
-        result.add(len(rows), users, closed_at_ms - min(expires for _, expires in rows))
-        # After one failure, spare later batches the timeouts.
-        index = self.admitter.index if result.redis_errors == 0 else None
-        after_commit = partial(_after_commit, rows, closed_at_ms, index, users, cutoff)
-        if len(rows) < size:  # the last batch: no SQL to overlap with, spare the hand-off
-            result.count_cleanup(after_commit())
-        else:
-            result.pending = self._cleanup_pool().submit(after_commit)
+        metrics.CLOSES.inc(len(rows))
+        observe = metrics.CLOSE_LAG_SECONDS.observe
+        for _, expires_at_ms in rows:
+            observe((closed_at_ms - expires_at_ms) / 1000)
+        batch_users = {user_id for user_id, _ in rows}
+        result.add(len(rows), batch_users, closed_at_ms - min(e for _, e in rows))
+        if result.redis_errors == 0:  # after one failure, spare later batches the timeouts
+            try:
+                self.admitter.index.drop_expired(batch_users, cutoff)
+            except StoreUnavailable:
+                result.redis_errors += 1
+                log.debug("sweep: redis cleanup failed; expired members go by score")
         return len(rows)
-
-    def _cleanup_pool(self) -> ThreadPoolExecutor:
-        if self._cleanup_executor is None:
-            self._cleanup_executor = ThreadPoolExecutor(1, thread_name_prefix="orders-sweep")
-        return self._cleanup_executor
 
     def _run_pre_close(self, check: PreCloseCheck, cutoff: int, size: int) -> None:
         """Ask the pre-close check about the next batch's orders not yet extended."""
@@ -158,35 +144,6 @@ class Sweep:
     def close(self) -> None:
         if self._hook_executor is not None:
             self._hook_executor.shutdown(wait=False, cancel_futures=True)
-        if self._cleanup_executor is not None:
-            self._cleanup_executor.shutdown(wait=True)
-            self._cleanup_executor = None
-
-
-def _after_commit(
-    rows: Sequence[tuple[str, int]],
-    closed_at_ms: int,
-    index: UnpaidIndex | None,
-    users: set[str],
-    cutoff_ms: int,
-) -> bool:
-    """A committed batch's metrics and Redis cleanup; False if Redis failed.
-
-    The cleanup only drops members already expired by score: it never undoes SQL, and a
-    member it misses still stops counting at its expiry.
-    """
-    metrics.CLOSES.inc(len(rows))
-    observe = metrics.CLOSE_LAG_SECONDS.observe
-    for _, expires_at_ms in rows:
-        observe((closed_at_ms - expires_at_ms) / 1000)
-    if index is None:
-        return True
-    try:
-        index.drop_expired(users, cutoff_ms)
-    except StoreUnavailable:
-        log.debug("sweep: redis cleanup failed; expired members go by score")
-        return False
-    return True
 
 
 def _log_order(order: Order, message: str) -> None:
@@ -201,24 +158,12 @@ class _Tally:
         self.closed = self.batches = self.redis_errors = 0
         self.users: set[str] = set()
         self.max_lag_ms: int | None = None
-        #: The last batch's after-commit work, still running.
-        self.pending: Future[bool] | None = None
 
     def add(self, closed: int, users: set[str], lag_ms: int) -> None:
         self.batches += 1
         self.closed += closed
         self.users |= users
         self.max_lag_ms = lag_ms if self.max_lag_ms is None else max(self.max_lag_ms, lag_ms)
-
-    def settle(self) -> None:
-        """Wait for the pending after-commit work and count a Redis failure."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self.count_cleanup(pending.result())
-
-    def count_cleanup(self, cleaned: bool) -> None:
-        if not cleaned:
-            self.redis_errors += 1
 
     def done(self) -> SweepResult:
         return SweepResult(
