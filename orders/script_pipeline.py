@@ -1,9 +1,11 @@
-"""Reconcile's bulk Redis traffic on a raw connection, so the server works while we do.
+"""Bulk Redis traffic (reconcile's, the sweep's cleanup) packed by hand on a raw connection.
 
-One Lua script run on many keys in one round trip, packed by hand and read later:
+One Lua script (or one plain command) run on many keys in one round trip, packed by hand
+and read later:
 
 redis-py's pipeline packs each command and handles each reply in Python, which costs the
-client more than a short script costs the server. :class:`CallPacker` writes each
+client more than a short script costs the server. :func:`run_per_key` packs one plain
+command per key, sends them and reads the replies. :class:`CallPacker` writes each
 ``EVALSHA sha 1 key args...`` in the Redis protocol (RESP); :func:`send_calls` writes them
 all at once on a connection it keeps checked out and returns at once, so the caller can do
 other work (read SQL) while the server runs them; :meth:`SentCalls.read` then collects the
@@ -60,6 +62,23 @@ class CallPacker:
         self.calls.append(call)
 
 
+def run_per_key(
+    client: redis.Redis, command: bytes, keys: Sequence[bytes], tail: Sequence[bytes]
+) -> list[Any]:
+    """``command key *tail`` for each key, packed by hand and sent in one round trip; the
+    replies in order. The first error reply is raised (as a redis-py pipeline does)."""
+    if not keys:
+        return []
+    head = b"*%d\r\n%b" % (len(tail) + 2, _bulk(command))
+    rest = b"".join(_bulk(arg) for arg in tail)
+    calls = [b"%b$%d\r\n%b\r\n%b" % (head, len(key), key, rest) for key in keys]
+    replies = SentCalls(client, None, calls).read()
+    for reply in replies:
+        if isinstance(reply, redis.RedisError):
+            raise reply
+    return replies
+
+
 def send_calls(client: redis.Redis, packer: CallPacker) -> SentCalls:
     """Write every queued call now; read the replies with :meth:`SentCalls.read`, or give
     them up with :meth:`SentCalls.abandon` (one of the two must follow)."""
@@ -69,7 +88,7 @@ def send_calls(client: redis.Redis, packer: CallPacker) -> SentCalls:
 class SentCalls:
     """Calls written on a checked-out connection, their replies not read yet."""
 
-    def __init__(self, client: redis.Redis, script: Script, calls: list[bytes]) -> None:
+    def __init__(self, client: redis.Redis, script: Script | None, calls: list[bytes]) -> None:
         self._client = client
         self._script = script
         self._calls = calls
@@ -101,6 +120,8 @@ class SentCalls:
         whole batch is sent again, as redis-py's own pipelines do).
         """
         replies = self._collect()
+        if self._script is None:  # plain commands: no script to load
+            return replies
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
             self._client.script_load(self._script.script)

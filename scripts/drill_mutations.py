@@ -271,8 +271,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m(
         "sweep-events-outside-the-transaction",
         "orders/closing.py",
-        "                rows = conn.execute(close).all()",
-        "                rows = conn.execute(close).all(); conn.commit()",
+        "                rows = conn.execute(self._close, params).all()",
+        "                rows = conn.execute(self._close, params).all(); conn.commit()",
         "a sweep batch's closes and their events commit together",
         "tests/integration/test_sweep.py::test_batch_whose_event_insert_fails_leaves_its_orders_unpaid",
     ),
@@ -328,8 +328,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     _m(
         "sweep-redis-cleanup-skipped",
         "orders/index.py",
-        '                pipe.zremrangebyscore(self.key(user_id), "-inf", now_ms)',
-        "                pass",
+        'run_per_key(self.client, b"ZREMRANGEBYSCORE", keys, (b"-inf", b"%d" % now_ms))',
+        "None",
         "the sweep drops the closed orders' expired members",
         "tests/integration/test_sweep.py::test_sweep_closes_ten_due_orders_in_four_batches_of_three",
     ),

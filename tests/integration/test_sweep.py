@@ -24,7 +24,7 @@ from orders.domain import Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.models import events_table, orders_table
 from orders.service import OrderService
-from tests.conftest import ManualClock
+from tests.conftest import ManualClock, RoundTripCounter
 from tests.helpers import closed_event_counts, create_orders, refuse_inserts, sql_rows
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
@@ -312,7 +312,8 @@ def test_sweep_with_redis_down_closes_everything_in_sql_and_counts_redis_errors(
 
     assert result.closed == 5
     assert result.batches == 3
-    assert result.redis_errors >= 1
+    # One failed cleanup is counted; later batches do not try again (and wait again).
+    assert result.redis_errors == 1
     rows = sql_rows(engine)
     assert all(rows[o.id].status == "closed" for o in orders)
     assert all(rows[o.id].closed_at_ms == now for o in orders)
@@ -321,6 +322,77 @@ def test_sweep_with_redis_down_closes_everything_in_sql_and_counts_redis_errors(
     assert set(service.index.members("a")) == {o.id for o in orders if o.user_id == "a"}
     newer = service.create_unpaid_order("a", ttl_s=60, limit=1)
     assert service.index.members("a") == {newer.id: newer.expires_at_ms}
+
+
+def test_sweep_cleanup_meeting_a_key_of_another_type_counts_an_error_and_cleans_the_rest(
+    service: OrderService, engine: Engine, clock: ManualClock, redis_client: redis.Redis
+) -> None:
+    orders = create_orders(service, [1, 2, 3], users=["a", "b", "c"])
+    clock.advance(s=10)
+    redis_client.delete(service.index.key("b"))
+    redis_client.set(service.index.key("b"), "not a sorted set")
+
+    result = service.sweep_expired()
+
+    assert (result.closed, result.redis_errors) == (3, 1)
+    assert ids_with_status(engine, "closed") == {o.id for o in orders}
+    # Every user's command ran: the error reply of one did not stop the others.
+    assert redis_client.exists(service.index.key("a"), service.index.key("c")) == 0
+
+
+def test_sweep_cleans_each_batch_in_one_redis_round_trip(
+    service: OrderService, clock: ManualClock, redis_round_trips: RoundTripCounter
+) -> None:
+    create_orders(service, list(range(1, 11)), users=[f"u{i}" for i in range(10)])
+    clock.advance(s=20)
+    trips_before = redis_round_trips.count
+
+    result = service.sweep_expired(batch_size=5)
+
+    assert (result.closed, result.batches, result.redis_errors) == (10, 2, 0)
+    assert redis_round_trips.count - trips_before == 2
+
+
+def test_a_failing_batch_raises_only_after_the_previous_batch_cleanup_finished(
+    service: OrderService,
+    engine: Engine,
+    clock: ManualClock,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The cleanup of a committed batch is done before the next batch's failure reaches the
+    # caller: nothing of the sweep runs on after it was told (a slow Redis shows it).
+    orders = by_expiry(create_orders(service, [1, 2, 3, 4], users=["a", "b", "c", "d"]))
+    clock.advance(s=10)
+    finished: list[bool] = []
+    drop_expired = service.index.drop_expired
+
+    def slow_drop_expired(user_ids: Any, now_ms: int) -> None:
+        threading.Event().wait(0.3)  # a slow Redis
+        drop_expired(user_ids, now_ms)
+        finished.append(True)
+
+    monkeypatch.setattr(service.index, "drop_expired", slow_drop_expired)
+    closes = 0
+
+    def fail_second_close(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        nonlocal closes
+        if "UPDATE orders SET status" in statement:
+            closes += 1
+            if closes == 2:
+                raise OperationalError(statement[:40], {}, Exception("disk I/O error"))
+
+    event.listen(engine, "after_cursor_execute", fail_second_close)
+    try:
+        with pytest.raises(StoreUnavailable):
+            service.sweep_expired(batch_size=2)
+        assert finished == [True]
+    finally:
+        event.remove(engine, "after_cursor_execute", fail_second_close)
+
+    assert ids_with_status(engine, "closed") == {o.id for o in orders[:2]}
+    assert redis_client.exists(*(service.index.key(o.user_id) for o in orders[:2])) == 0
+    assert ids_with_status(engine, "unpaid") == {o.id for o in orders[2:]}
 
 
 # --- concurrency -----------------------------------------------------------------------------
