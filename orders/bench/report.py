@@ -82,6 +82,13 @@ def run_bench(
             f"a scheduler holds the sweeper lease ({holder}): it may close the bench's due "
             "orders before the bench's own sweeps do; stop it for clean sweep figures"
         )
+    pool_size = getattr(service.engine.pool, "size", lambda: None)()
+    most_threads = max(8 if service.engine.dialect.name == "postgresql" else 1, sizes.threads)
+    if "create" in figures and pool_size is not None and pool_size < most_threads:
+        work.notes.append(
+            f"the SQL pool holds {pool_size} connections for up to {most_threads} threads: "
+            "the others open a new connection per operation (ORDERS_SQL_POOL_SIZE)"
+        )
     try:
         for name in figures:
             figure_started = time.monotonic()
