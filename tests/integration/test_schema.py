@@ -21,7 +21,7 @@ from sqlalchemy import Engine, create_engine, event, inspect, select
 from orders import migrate
 from orders.bootstrap import build_engine
 from orders.config import Settings
-from orders.errors import SchemaNotReady, StoreUnavailable
+from orders.errors import SchemaNotReady, StoreUnavailable, UnpaidOrderLimitReached
 from orders.models import Base, orders_table
 from orders.service import OrderService
 from orders.stats import collect_stats
@@ -183,6 +183,46 @@ def test_downgrade_from_head_to_0004_drops_only_the_stats_indexes(empty_engine: 
 
     migrate.upgrade(empty_engine)
     assert schema_differences(empty_engine) == []
+
+
+def test_upgrade_to_0006_numbers_each_users_unpaid_orders_in_expiry_order(
+    empty_engine: Engine, redis_client: redis.Redis
+) -> None:
+    """Orders written before the slot guard get slots 1, 2, ... per user, soonest expiry
+    first; the others none; and the guard then holds on the upgraded data."""
+    migrate.upgrade(empty_engine, "0005")
+    now = 1_800_000_000_000
+    rows = [
+        ("a-late", "a", "unpaid", now + 30_000),
+        ("a-soon", "a", "unpaid", now + 10_000),
+        ("a-paid", "a", "paid", now + 5_000),
+        ("a-mid", "a", "unpaid", now + 20_000),
+        ("b-only", "b", "unpaid", now + 10_000),
+    ]
+    with empty_engine.begin() as conn:
+        for oid, user, status, expires in rows:
+            conn.execute(
+                orders_table.insert().values(
+                    id=oid,
+                    user_id=user,
+                    status=status,
+                    created_at_ms=now,
+                    expires_at_ms=expires,
+                    updated_at_ms=now,
+                )
+            )
+
+    migrate.upgrade(empty_engine)
+
+    with empty_engine.connect() as conn:
+        slots = dict(conn.execute(select(orders_table.c.id, orders_table.c.slot)).all())
+    assert slots == {"a-soon": 1, "a-mid": 2, "a-late": 3, "a-paid": None, "b-only": 1}
+    assert schema_differences(empty_engine) == []
+    service = OrderService(empty_engine, redis_client, Settings(), clock=lambda: now)
+    with pytest.raises(UnpaidOrderLimitReached) as refused:  # Redis knows none of them
+        service.create_unpaid_order("a")
+    assert refused.value.source == "sql"
+    assert service.create_unpaid_order("b").id not in slots
 
 
 def statements_run_by(engine: Engine, action: Callable[[], object]) -> list[tuple[str, Any]]:
