@@ -29,7 +29,9 @@ class Mutation:
     sanity: bool = False
 
 
-def _m(name: str, path: str, original: str, replacement: str, rule: str, *tests: str) -> Mutation:
+def mutation(
+    name: str, path: str, original: str, replacement: str, rule: str, *tests: str
+) -> Mutation:
     return Mutation(name, path, original, replacement, tuple(tests), rule)
 
 
@@ -43,10 +45,12 @@ SANITY = Mutation(
     sanity=True,
 )
 
-MUTATIONS: tuple[Mutation, ...] = (
+#: The breaks of the stores' rules: admission, the SQL guard, transitions (the processes'
+#: are in drill_mutations_processes.py).
+STORE_MUTATIONS: tuple[Mutation, ...] = (
     SANITY,
     # --- admission in Redis (admit.lua) ------------------------------------------------------
-    _m(
+    mutation(
         "admit-limit-off-by-one",
         "orders/lua/admit.lua",
         "if count >= limit then",
@@ -54,7 +58,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Redis refuses at the limit, not one past it",
         "tests/integration/test_create.py::test_refusal_at_the_limit_carries_count_and_retry_after_and_costs_one_redis_call_no_sql",
     ),
-    _m(
+    mutation(
         "admit-keeps-expired-members",
         "orders/lua/admit.lua",
         "redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])",
@@ -62,7 +66,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "expired orders stop counting in Redis without a sweep",
         "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",
     ),
-    _m(
+    mutation(
         "admit-retry-takes-a-second-slot",
         "orders/lua/admit.lua",
         "if existing then",
@@ -70,7 +74,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a retry of the same order id takes no second slot",
         "tests/integration/test_create.py::test_retry_with_the_same_order_id_returns_the_same_order_and_takes_no_second_slot",
     ),
-    _m(
+    mutation(
         "admit-keeps-an-old-key-expiry",
         "orders/lua/admit.lua",
         "redis.call('PERSIST', key)",
@@ -79,7 +83,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_index_keys.py::test_an_expiry_left_from_before_is_cleared_when_a_member_is_added",
     ),
     # --- the SQL guard -----------------------------------------------------------------------
-    _m(
+    mutation(
         "sql-guard-dropped",
         "orders/slots.py",
         '.where(candidates.c.n <= bindparam("slot_limit", type_=Integer), ~taken)',
@@ -88,7 +92,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",
         "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",
     ),
-    _m(
+    mutation(
         "sql-guard-off-by-one",
         "orders/slots.py",
         'candidates.c.n <= bindparam("slot_limit", type_=Integer)',
@@ -96,7 +100,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the slots are 1..limit, not one more",
         "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",
     ),
-    _m(
+    mutation(
         "slot-of-an-expired-order-not-taken",
         "orders/slots.py",
         "                self.records.close_expired(conn, order_id, now_ms, SLOT_REUSE)",
@@ -104,7 +108,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a create closes the expired, unswept holder of a slot to take it",
         "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",
     ),
-    _m(
+    mutation(
         "open-at-includes-the-expiry-instant",
         "orders/models.py",
         "orders_table.c.expires_at_ms > now_ms",
@@ -113,7 +117,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_payment_at_exactly_expires_at",
     ),
     # --- admission: compensation, retries, conflicts, outage policy ---------------------------
-    _m(
+    mutation(
         "compensation-keeps-the-member",
         "orders/admission.py",
         "            self.release_after_commit(user_id, order_id)",
@@ -122,7 +126,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_create.py::test_sql_failure_on_insert_removes_the_member_again",
         "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",
     ),
-    _m(
+    mutation(
         "outage-policy-ignored",
         "orders/admission.py",
         "            if not self.create_without_redis:",
@@ -130,7 +134,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "Redis down refuses a create unless create_without_redis",
         "tests/integration/test_create.py::test_redis_down_refuses_creation_with_store_unavailable_and_writes_no_row",
     ),
-    _m(
+    mutation(
         "retry-after-computed-wrong",
         "orders/admission.py",
         "return max(0, earliest_ms - now_ms) / 1000",
@@ -138,7 +142,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "retry_after_s is the time until the earliest open order frees its slot",
         "tests/integration/test_create.py::test_refusal_at_the_limit_carries_count_and_retry_after_and_costs_one_redis_call_no_sql",
     ),
-    _m(
+    mutation(
         "idempotent-retry-refused-at-the-limit",
         "orders/admission.py",
         "earlier = self.records.find(oid, now_ms) if caller_id else None",
@@ -147,7 +151,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_create.py::test_retry_of_an_order_already_paid_returns_it_even_at_the_limit",
         "tests/integration/test_create.py::test_a_retry_at_the_limit_returns_the_order_it_retries",
     ),
-    _m(
+    mutation(
         "retry-ignores-the-redis-expiry",
         "orders/admission.py",
         'values = {**values, "expires_at_ms": admitted.score_ms}',
@@ -155,7 +159,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a retry after a crash finishes the order with the expiry Redis holds",
         "tests/integration/test_create.py::test_a_retry_after_a_crash_between_redis_and_sql_finishes_the_order_with_the_redis_expiry",
     ),
-    _m(
+    mutation(
         "conflict-not-raised-for-another-user",
         "orders/domain.py",
         "    if order.user_id != user_id:",
@@ -164,7 +168,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_create.py::test_the_same_order_id_for_another_user_is_a_conflict_and_leaves_no_member",
     ),
     # --- transitions: compare-and-set and the outbox ------------------------------------------
-    _m(
+    mutation(
         "pay-cas-dropped",
         "orders/compare_and_set.py",
         "PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))",
@@ -173,7 +177,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_transitions.py::test_paying_a_swept_order_raises_order_closed_with_status_closed",
         "tests/integration/test_transitions.py::test_cancel_then_pay_leaves_the_cancel_as_the_only_winner",
     ),
-    _m(
+    mutation(
         "cancel-cas-dropped",
         "orders/compare_and_set.py",
         "        [UNPAID_PREDICATE],\n        {\n"
@@ -183,7 +187,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_transitions.py::test_cancelling_a_paid_order_raises_already_paid",
         "tests/integration/test_transitions.py::test_pay_then_cancel_leaves_the_payment_as_the_only_winner",
     ),
-    _m(
+    mutation(
         "strict-expiry-ignored",
         "orders/compare_and_set.py",
         "_update([open_at(_NOW)], _PAID)",
@@ -191,7 +195,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "under strict_expiry a payment after expires_at is refused",
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
     ),
-    _m(
+    mutation(
         "strict-close-cas-dropped",
         "orders/compare_and_set.py",
         "        [due_at(_NOW)],\n",
@@ -200,7 +204,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
         "tests/integration/test_transitions.py::test_strict_expiry_repeat_payment_after_expiry_returns_the_paid_order_and_closes_nothing",
     ),
-    _m(
+    mutation(
         "late-payment-ref-dropped",
         "orders/service.py",
         'data = {"trigger": "late_payment", "payment_ref": ref}',
@@ -208,7 +212,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the late-payment close event carries the payment_ref, for the refund",
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
     ),
-    _m(
+    mutation(
         "repeat-payment-with-same-ref-refused",
         "orders/service.py",
         "if order.status is OrderStatus.PAID and ref in (None, order.payment_ref):",
@@ -216,7 +220,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "paying again with the stored reference returns the order",
         "tests/integration/test_transitions.py::test_second_payment_with_same_ref_returns_the_order_without_a_second_event",
     ),
-    _m(
+    mutation(
         "transition-event-dropped",
         "orders/compare_and_set.py",
         "            conn.execute(_INSERT_EVENT, event)",
@@ -224,7 +228,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "every transition writes its event (outbox)",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
     ),
-    _m(
+    mutation(
         "transition-event-dropped-postgresql",
         "orders/compare_and_set.py",
         "    return select(changed).add_cte(record)",
@@ -232,7 +236,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "every transition writes its event (outbox), also in PostgreSQL's one statement",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
     ),
-    _m(
+    mutation(
         "created-event-dropped-postgresql",
         "orders/slots.py",
         "            self._insert = with_events("
@@ -241,7 +245,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a create writes its created event (outbox), also in PostgreSQL's one statement",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
     ),
-    _m(
+    mutation(
         "idle-connections-not-pinged",
         "orders/bootstrap.py",
         "            engine.dialect.do_ping(dbapi_connection)",
@@ -249,7 +253,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a pooled connection that sat idle is pinged and replaced before use",
         "tests/integration/test_pool_ping.py",
     ),
-    _m(
+    mutation(
         "created-event-dropped",
         "orders/slots.py",
         "                self.records.record("
@@ -258,7 +262,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a create writes its created event (outbox)",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
     ),
-    _m(
+    mutation(
         "created-event-outside-the-transaction",
         "orders/slots.py",
         "                row = conn.execute(self._insert, params).one_or_none()",
@@ -268,7 +272,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "-k",
         "connection_dropped_during_the_create_transaction and order_events",
     ),
-    _m(
+    mutation(
         "sweep-events-outside-the-transaction",
         "orders/closing.py",
         "                rows = conn.execute(self._close, params).all()",
@@ -276,7 +280,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a sweep batch's closes and their events commit together",
         "tests/integration/test_sweep.py::test_batch_whose_event_insert_fails_leaves_its_orders_unpaid",
     ),
-    _m(
+    mutation(
         "member-kept-after-payment",
         "orders/service.py",
         "                self.admitter.release_after_commit(order.user_id, order.id)",
@@ -284,7 +288,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "a payment removes the order's member after the commit",
         "tests/integration/test_transitions.py::test_mark_paid_moves_unpaid_to_paid_in_sql_and_removes_the_redis_member",
     ),
-    _m(
+    mutation(
         "extend-an-expired-order",
         "orders/compare_and_set.py",
         "            open_at(_NOW),\n            ORDER.expires_at_ms + _EXTRA",
@@ -292,183 +296,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         "extend_order refuses an order whose time is up",
         "tests/integration/test_events.py::test_extend_refuses_closed_paid_expired_and_too_long",
     ),
-    _m(
+    mutation(
         "extend-past-the-max-lifetime",
         "orders/compare_and_set.py",
         '            <= bindparam("max_life_ms", type_=BigInteger),',
         '            <= 2 * bindparam("max_life_ms", type_=BigInteger),',
         "no extension moves an expiry past created_at + max_lifetime_s",
         "tests/integration/test_events.py::test_extend_refuses_closed_paid_expired_and_too_long",
-    ),
-    # --- the sweep ---------------------------------------------------------------------------
-    _m(
-        "sweep-skips-orders-due-exactly-now",
-        "orders/models.py",
-        "orders_table.c.expires_at_ms <= cutoff_ms",
-        "orders_table.c.expires_at_ms < cutoff_ms",
-        "an order is due at its expiry instant",
-        "tests/integration/test_sweep.py::test_sweep_closes_orders_due_at_or_before_now_and_keeps_later_ones",
-    ),
-    _m(
-        "sweep-closes-orders-not-yet-due",
-        "orders/sweep.py",
-        "        cutoff = self.cutoff(now_ms)",
-        "        cutoff = self.cutoff(now_ms) + 1",
-        "the sweep never closes an order before its expiry",
-        "tests/integration/test_sweep.py::test_sweep_closes_orders_due_at_or_before_now_and_keeps_later_ones",
-    ),
-    _m(
-        "sweep-cutoff-ahead-of-the-clock",
-        "orders/validation.py",
-        "    if now_ms > clock_now:",
-        "    if False:",
-        "a sweep cutoff ahead of the clock is refused",
-        "tests/integration/test_sweep.py::test_sweep_with_a_cutoff_ahead_of_the_clock_raises_and_closes_nothing",
-    ),
-    _m(
-        "sweep-redis-cleanup-skipped",
-        "orders/index.py",
-        'run_per_key(self.client, b"ZREMRANGEBYSCORE", keys, (b"-inf", b"%d" % now_ms))',
-        "None",
-        "the sweep drops the closed orders' expired members",
-        "tests/integration/test_sweep.py::test_sweep_closes_ten_due_orders_in_four_batches_of_three",
-    ),
-    _m(
-        "sweep-skip-locked-removed",
-        "orders/closing.py",
-        "due = due.with_for_update(skip_locked=True)",
-        "due = due.with_for_update()",
-        "PostgreSQL: a sweeper skips rows another holds, never waits on them",
-        "tests/integration/test_sweep.py::test_sweep_skips_a_due_order_locked_by_another_transaction[postgresql]",
-    ),
-    # --- reconcile ---------------------------------------------------------------------------
-    _m(
-        "reconcile-removes-in-flight-members",
-        "orders/reconciler.py",
-        "remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]",
-        "remove = [(u, o) for u, o in extras if owners.get(o) != u]",
-        "a member without a SQL row (a create in flight) stays until its expiry",
-        "tests/integration/test_reconcile.py::test_a_member_without_a_sql_row_is_kept_until_its_own_expiry",
-    ),
-    _m(
-        "reconcile-leaves-a-stale-add",
-        "orders/reconciler.py",
-        "            self._undo_stale_adds(added, now_ms)",
-        "            pass",
-        "an add racing a payment does not leave a stale member",
-        "tests/integration/test_reconcile.py::test_an_add_that_races_a_payment_does_not_leave_a_stale_member",
-    ),
-    # --- the scheduler's lease ---------------------------------------------------------------
-    _m(
-        "lease-released-by-another-owner",
-        "orders/lua/lease_release.lua",
-        "if redis.call('GET', key) == ARGV[1] then",
-        "if true then",
-        "only the lease's owner can release it",
-        "tests/integration/test_sweeper.py::test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it",
-        "tests/integration/test_sweeper.py::test_close_releases_our_lease_and_never_another_owners",
-    ),
-    _m(
-        "lease-renewed-by-another-owner",
-        "orders/lua/lease.lua",
-        "if redis.call('GET', key) == owner then",
-        "if true then",
-        "only the lease's owner can renew it",
-        "tests/integration/test_sweeper.py::test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it",
-    ),
-    # --- input validation --------------------------------------------------------------------
-    _m(
-        "ttl-maximum-unchecked",
-        "orders/validation.py",
-        "    if ttl_s > max_ttl_ms / 1000:",
-        "    if False:",
-        "a TTL above the maximum (milliseconds by mistake) is refused",
-        "tests/unit/test_domain.py::test_a_ttl_given_in_milliseconds_by_mistake_is_caught_by_the_maximum",
-    ),
-    _m(
-        "user-id-key-unsafe-characters-allowed",
-        "orders/validation.py",
-        "        if key_safe and ch in KEY_UNSAFE:",
-        "        if False:",
-        "user ids may not contain {}*?[] (hash tags, glob patterns)",
-        "tests/unit/test_domain.py::test_bad_user_ids_are_refused_without_echoing_them",
-    ),
-    # --- event consumers ---------------------------------------------------------------------
-    _m(
-        "consumer-cursor-not-saved",
-        "orders/events.py",
-        "                self._save_position(conn, event.position)",
-        "                pass",
-        "a consumer saves its position after each event",
-        "tests/integration/test_event_retries.py::test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_again",
-        "tests/integration/test_events.py::test_a_consumer_killed_mid_stream_resumes_without_losing_or_skipping_an_event",
-    ),
-    _m(
-        "parked-events-retried",
-        "orders/events.py",
-        ".where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= now_ms)",
-        ".where(RC.consumer == self.name, RC.next_at_ms <= now_ms)",
-        "a parked event is never retried until requeued",
-        "tests/integration/test_event_retries.py::test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_again",
-    ),
-    _m(
-        "park-one-attempt-late",
-        "orders/events.py",
-        "park = attempts >= self.max_attempts",
-        "park = attempts > self.max_attempts",
-        "an event is parked after max_attempts tries, not one more",
-        "tests/integration/test_event_retries.py::test_max_attempts_one_parks_at_the_first_failure",
-    ),
-    _m(
-        "pg-reader-passes-a-running-transaction",
-        "orders/events.py",
-        "        query = query.where(EC.txid < horizon)",
-        "        query = query",
-        "PostgreSQL: readers never pass an event of a transaction still running",
-        "tests/integration/test_events.py::test_postgresql_readers_never_pass_an_event_of_a_transaction_still_running[postgresql]",
-    ),
-    # --- what the scheduler logs, and its rebuild beside the sweep ---------------------------
-    _m(
-        "summary-every-tick",
-        "orders/sweep_log.py",
-        "(not force and now - self._since < self.period_s)",
-        "(not force and False)",
-        "the scheduler's summary comes at most once per period",
-        "tests/integration/test_sweeper.py::test_summary_comes_at_most_once_per_period_with_the_totals_since_the_last_one",
-    ),
-    _m(
-        "backlog-clears-at-the-threshold",
-        "orders/sweep_log.py",
-        "if self._since is not None and lag_ms <= self.lag_ms // 2:",
-        "if self._since is not None and lag_ms <= self.lag_ms:",
-        "a backlog clears only well under its threshold (no line every tick near it)",
-        "tests/integration/test_sweeper.py::test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears",
-    ),
-    _m(
-        "rebuild-does-not-yield-to-the-sweep",
-        "orders/sweeper.py",
-        "            if self._not_ticking.wait(REBUILD_WAIT_S):",
-        "            if True:",
-        "the index rebuild waits for a running sweep",
-        "tests/integration/test_sweeper.py::test_rebuild_waits_for_a_running_tick_before_it_starts_and_between_its_chunks",
-    ),
-    # --- bounded stats, the self-healing embedded server ----------------------------------------
-    _m(
-        "stats-window-start-inclusive",
-        "orders/stats.py",
-        "return and_(column > self.since_ms, column <= self.until_ms)",
-        "return and_(column >= self.since_ms, column <= self.until_ms)",
-        "a stats window is open at its start and closed at its end",
-        "tests/integration/test_stats.py::test_the_window_is_open_at_its_start_and_closed_at_its_end",
-    ),
-    _m(
-        "embedded-server-not-restarted",
-        "orders/embedded_client.py",
-        "            if not self.restarter.restart():",
-        "            if True:",
-        "a process that finds its embedded redis-server dead starts it again",
-        "tests/integration/test_embedded.py::test_a_command_in_flight_when_the_server_dies_completes_on_a_restarted_one",
-        "tests/integration/test_embedded.py::test_a_stopped_server_comes_back_but_not_in_a_removed_home",
     ),
 )
 

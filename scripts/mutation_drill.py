@@ -47,7 +47,8 @@ from types import FrameType
 from typing import ClassVar
 
 from drill_copy import REPO, check_imports, child_env, copy_checkout
-from drill_mutations import MUTATIONS, SANITY, Mutation, check_mutations
+from drill_mutations import SANITY, Mutation, check_mutations
+from drill_mutations_processes import MUTATIONS
 from drill_report import Outcome, print_list, report_line, write_markdown
 
 DEFAULT_MARKDOWN = Path("docs/mutation-drill.md")

@@ -1,0 +1,184 @@
+"""The mutation drill's list, second half: the breaks of the processes' rules (the sweep,
+reconcile, the lease, validation, event consumers, the scheduler's logs, stats, the embedded
+server). The stores' half, and what a mutation is, are in drill_mutations.py.
+"""
+
+from __future__ import annotations
+
+from drill_mutations import STORE_MUTATIONS, Mutation, mutation
+
+PROCESS_MUTATIONS: tuple[Mutation, ...] = (
+    # --- the sweep ---------------------------------------------------------------------------
+    mutation(
+        "sweep-skips-orders-due-exactly-now",
+        "orders/models.py",
+        "orders_table.c.expires_at_ms <= cutoff_ms",
+        "orders_table.c.expires_at_ms < cutoff_ms",
+        "an order is due at its expiry instant",
+        "tests/integration/test_sweep.py::test_sweep_closes_orders_due_at_or_before_now_and_keeps_later_ones",
+    ),
+    mutation(
+        "sweep-closes-orders-not-yet-due",
+        "orders/sweep.py",
+        "        cutoff = self.cutoff(now_ms)",
+        "        cutoff = self.cutoff(now_ms) + 1",
+        "the sweep never closes an order before its expiry",
+        "tests/integration/test_sweep.py::test_sweep_closes_orders_due_at_or_before_now_and_keeps_later_ones",
+    ),
+    mutation(
+        "sweep-cutoff-ahead-of-the-clock",
+        "orders/validation.py",
+        "    if now_ms > clock_now:",
+        "    if False:",
+        "a sweep cutoff ahead of the clock is refused",
+        "tests/integration/test_sweep.py::test_sweep_with_a_cutoff_ahead_of_the_clock_raises_and_closes_nothing",
+    ),
+    mutation(
+        "sweep-redis-cleanup-skipped",
+        "orders/index.py",
+        'run_per_key(self.client, b"ZREMRANGEBYSCORE", keys, (b"-inf", b"%d" % now_ms))',
+        "None",
+        "the sweep drops the closed orders' expired members",
+        "tests/integration/test_sweep.py::test_sweep_closes_ten_due_orders_in_four_batches_of_three",
+    ),
+    mutation(
+        "sweep-skip-locked-removed",
+        "orders/closing.py",
+        "due = due.with_for_update(skip_locked=True)",
+        "due = due.with_for_update()",
+        "PostgreSQL: a sweeper skips rows another holds, never waits on them",
+        "tests/integration/test_sweep.py::test_sweep_skips_a_due_order_locked_by_another_transaction[postgresql]",
+    ),
+    # --- reconcile ---------------------------------------------------------------------------
+    mutation(
+        "reconcile-removes-in-flight-members",
+        "orders/reconciler.py",
+        "remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]",
+        "remove = [(u, o) for u, o in extras if owners.get(o) != u]",
+        "a member without a SQL row (a create in flight) stays until its expiry",
+        "tests/integration/test_reconcile.py::test_a_member_without_a_sql_row_is_kept_until_its_own_expiry",
+    ),
+    mutation(
+        "reconcile-leaves-a-stale-add",
+        "orders/reconciler.py",
+        "            self._undo_stale_adds(added, now_ms)",
+        "            pass",
+        "an add racing a payment does not leave a stale member",
+        "tests/integration/test_reconcile.py::test_an_add_that_races_a_payment_does_not_leave_a_stale_member",
+    ),
+    # --- the scheduler's lease ---------------------------------------------------------------
+    mutation(
+        "lease-released-by-another-owner",
+        "orders/lua/lease_release.lua",
+        "if redis.call('GET', key) == ARGV[1] then",
+        "if true then",
+        "only the lease's owner can release it",
+        "tests/integration/test_sweeper.py::test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it",
+        "tests/integration/test_sweeper.py::test_close_releases_our_lease_and_never_another_owners",
+    ),
+    mutation(
+        "lease-renewed-by-another-owner",
+        "orders/lua/lease.lua",
+        "if redis.call('GET', key) == owner then",
+        "if true then",
+        "only the lease's owner can renew it",
+        "tests/integration/test_sweeper.py::test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it",
+    ),
+    # --- input validation --------------------------------------------------------------------
+    mutation(
+        "ttl-maximum-unchecked",
+        "orders/validation.py",
+        "    if ttl_s > max_ttl_ms / 1000:",
+        "    if False:",
+        "a TTL above the maximum (milliseconds by mistake) is refused",
+        "tests/unit/test_domain.py::test_a_ttl_given_in_milliseconds_by_mistake_is_caught_by_the_maximum",
+    ),
+    mutation(
+        "user-id-key-unsafe-characters-allowed",
+        "orders/validation.py",
+        "        if key_safe and ch in KEY_UNSAFE:",
+        "        if False:",
+        "user ids may not contain {}*?[] (hash tags, glob patterns)",
+        "tests/unit/test_domain.py::test_bad_user_ids_are_refused_without_echoing_them",
+    ),
+    # --- event consumers ---------------------------------------------------------------------
+    mutation(
+        "consumer-cursor-not-saved",
+        "orders/events.py",
+        "                self._save_position(conn, event.position)",
+        "                pass",
+        "a consumer saves its position after each event",
+        "tests/integration/test_event_retries.py::test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_again",
+        "tests/integration/test_events.py::test_a_consumer_killed_mid_stream_resumes_without_losing_or_skipping_an_event",
+    ),
+    mutation(
+        "parked-events-retried",
+        "orders/events.py",
+        ".where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= now_ms)",
+        ".where(RC.consumer == self.name, RC.next_at_ms <= now_ms)",
+        "a parked event is never retried until requeued",
+        "tests/integration/test_event_retries.py::test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_again",
+    ),
+    mutation(
+        "park-one-attempt-late",
+        "orders/events.py",
+        "park = attempts >= self.max_attempts",
+        "park = attempts > self.max_attempts",
+        "an event is parked after max_attempts tries, not one more",
+        "tests/integration/test_event_retries.py::test_max_attempts_one_parks_at_the_first_failure",
+    ),
+    mutation(
+        "pg-reader-passes-a-running-transaction",
+        "orders/events.py",
+        "        query = query.where(EC.txid < horizon)",
+        "        query = query",
+        "PostgreSQL: readers never pass an event of a transaction still running",
+        "tests/integration/test_events.py::test_postgresql_readers_never_pass_an_event_of_a_transaction_still_running[postgresql]",
+    ),
+    # --- what the scheduler logs, and its rebuild beside the sweep ---------------------------
+    mutation(
+        "summary-every-tick",
+        "orders/sweep_log.py",
+        "(not force and now - self._since < self.period_s)",
+        "(not force and False)",
+        "the scheduler's summary comes at most once per period",
+        "tests/integration/test_sweeper.py::test_summary_comes_at_most_once_per_period_with_the_totals_since_the_last_one",
+    ),
+    mutation(
+        "backlog-clears-at-the-threshold",
+        "orders/sweep_log.py",
+        "if self._since is not None and lag_ms <= self.lag_ms // 2:",
+        "if self._since is not None and lag_ms <= self.lag_ms:",
+        "a backlog clears only well under its threshold (no line every tick near it)",
+        "tests/integration/test_sweeper.py::test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears",
+    ),
+    mutation(
+        "rebuild-does-not-yield-to-the-sweep",
+        "orders/sweeper.py",
+        "            if self._not_ticking.wait(REBUILD_WAIT_S):",
+        "            if True:",
+        "the index rebuild waits for a running sweep",
+        "tests/integration/test_sweeper.py::test_rebuild_waits_for_a_running_tick_before_it_starts_and_between_its_chunks",
+    ),
+    # --- bounded stats, the self-healing embedded server ----------------------------------------
+    mutation(
+        "stats-window-start-inclusive",
+        "orders/stats.py",
+        "return and_(column > self.since_ms, column <= self.until_ms)",
+        "return and_(column >= self.since_ms, column <= self.until_ms)",
+        "a stats window is open at its start and closed at its end",
+        "tests/integration/test_stats.py::test_the_window_is_open_at_its_start_and_closed_at_its_end",
+    ),
+    mutation(
+        "embedded-server-not-restarted",
+        "orders/embedded_client.py",
+        "            if not self.restarter.restart():",
+        "            if True:",
+        "a process that finds its embedded redis-server dead starts it again",
+        "tests/integration/test_embedded.py::test_a_command_in_flight_when_the_server_dies_completes_on_a_restarted_one",
+        "tests/integration/test_embedded.py::test_a_stopped_server_comes_back_but_not_in_a_removed_home",
+    ),
+)
+
+#: Every mutation the drill runs, in order.
+MUTATIONS = STORE_MUTATIONS + PROCESS_MUTATIONS
