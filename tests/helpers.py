@@ -70,10 +70,16 @@ def refuse_inserts(engine: Engine, table: str, message: str) -> None:
         )
 
 
+#: The one ORDERS_* variable children inherit: which redis-server an embedded default runs.
+KEPT_ENV = {"ORDERS_REDIS_SERVER"}
+
+
 def child_env(**orders_env: str) -> dict[str, str]:
     """A child's environment: ours without any ORDERS_* variable (a developer's own settings
-    never leak in), with this checkout first on PYTHONPATH, plus ``orders_env``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_")}
+    never leak in) but ORDERS_REDIS_SERVER (the binary of the test's run, see
+    ``tests/conftest.py``: redis_binary), with this checkout first on PYTHONPATH, plus
+    ``orders_env``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_") or k in KEPT_ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(orders_env)
     return env

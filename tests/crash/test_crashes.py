@@ -558,10 +558,10 @@ class LimitMonitor:
 
 
 @pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
+def own_redis(redis_binary: Path | None) -> Iterator[RedisServer]:
     """A redis-server this test may stop and start again (without persistence)."""
     folder = Path(tempfile.mkdtemp(prefix="ocr", dir="/tmp"))
-    server = RedisServer(folder)
+    server = RedisServer(folder, binary=redis_binary)
     try:
         yield server.start()
     finally:

@@ -13,7 +13,7 @@ from tests.helpers import kill_embedded_redis
 
 
 @pytest.fixture
-def home() -> Iterator[Path]:
+def home(embedded_binary: None) -> Iterator[Path]:
     """A short home folder (unix socket paths are limited); its server is stopped after."""
     folder = Path(tempfile.mkdtemp(prefix="oh", dir="/tmp"))
     try:

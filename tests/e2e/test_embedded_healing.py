@@ -209,7 +209,7 @@ def assert_stores_agree(home: Path, logs: list[HostLog], prefixes: list[str]) ->
 
 
 @pytest.fixture
-def home() -> Iterator[Path]:
+def home(embedded_binary: None) -> Iterator[Path]:
     """A short home under /tmp; its server is stopped after, and nothing may be left."""
     path = Path(tempfile.mkdtemp(prefix="oe", dir="/tmp")).resolve()
     try:

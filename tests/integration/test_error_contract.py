@@ -77,9 +77,9 @@ def closed_port() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def contract_redis() -> Iterator[RedisServer]:
+def contract_redis(redis_binary: Path | None) -> Iterator[RedisServer]:
     folder = Path(tempfile.mkdtemp(prefix="orders-contract-", dir="/tmp"))
-    server = RedisServer(folder, "--appendonly", "yes").start()
+    server = RedisServer(folder, "--appendonly", "yes", binary=redis_binary).start()
     try:
         with redis.Redis.from_url(server.url) as admin:
             # A user that may log in and do nothing: every command answers NOPERM.

@@ -101,7 +101,7 @@ class AclRedis:
 
 
 @pytest.fixture(scope="module")
-def acl_redis() -> Iterator[AclRedis]:
+def acl_redis(redis_binary: Path | None) -> Iterator[AclRedis]:
     """A redis-server with an ACL file: ``orders`` (restricted), ``admin`` (for the test's
     own checks), and ``default``, switched off once the server is up.
 
@@ -116,7 +116,9 @@ def acl_redis() -> Iterator[AclRedis]:
         f"user admin on >{ADMIN_PASSWORD} ~* &* +@all\n"
         f"user orders {ORDERS_ACL} >{PASSWORD}\n"
     )
-    server = RedisServer(folder, "--aclfile", str(acl_file), tcp_port=free_tcp_port())
+    server = RedisServer(
+        folder, "--aclfile", str(acl_file), binary=redis_binary, tcp_port=free_tcp_port()
+    )
     admin = None
     try:
         server.start()

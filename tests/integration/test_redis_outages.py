@@ -23,10 +23,10 @@ from tests.conftest import ManualClock, RedisServer
 
 
 @pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
+def own_redis(redis_binary: Path | None) -> Iterator[RedisServer]:
     """A redis-server of this test's own, which the test may stop, freeze or reconfigure."""
     folder = Path(tempfile.mkdtemp(prefix="orx", dir="/tmp"))
-    server = RedisServer(folder).start()
+    server = RedisServer(folder, binary=redis_binary).start()
     try:
         yield server
     finally:
