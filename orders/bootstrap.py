@@ -9,6 +9,7 @@ from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import ArgumentError, DisconnectionError
@@ -17,6 +18,7 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from orders.config import SecretUrl, Settings, check_database_url
 from orders.domain import Clock
 from orders.errors import InvalidInput, SchemaNotReady
+from orders.redis_nodes import RedisClient
 from orders.service import OrderService
 
 log = logging.getLogger(__name__)
@@ -116,11 +118,13 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None
         cursor.close()
 
 
-def build_redis(settings: Settings) -> redis.Redis:
+def build_redis(settings: Settings) -> RedisClient:
     """A redis-py client for the configured URL, or for the embedded server of ``home``.
 
     The embedded one also starts its server again when it finds it gone
-    (:mod:`orders.embedded_client`); a configured server is never started by us.
+    (:mod:`orders.embedded_client`); a configured server is never started by us. With
+    ``redis_cluster`` the URL names one node of a Redis Cluster, and the client is
+    redis-py's ``RedisCluster``: it learns the other nodes from that one.
     """
     options: dict[str, Any] = {
         "socket_connect_timeout": settings.redis_socket_timeout_s,
@@ -138,8 +142,16 @@ def build_redis(settings: Settings) -> redis.Redis:
             settings.home, socket_timeout=settings.redis_socket_timeout_s, **options
         )
     url: SecretUrl = settings.redis_url
-    log.debug("redis client for %s", url)
+    log.debug("redis %s for %s", "cluster client" if settings.redis_cluster else "client", url)
     try:
+        if settings.redis_cluster:
+            # The cluster client's own retry: after a failed node it reloads the slot map
+            # and tries again, long enough to ride out a replica's promotion.
+            options["retry"] = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3)
+            del options["health_check_interval"]
+            return RedisCluster.from_url(
+                url.reveal(), socket_timeout=settings.redis_socket_timeout_s, **options
+            )
         return redis.Redis.from_url(
             url.reveal(), socket_timeout=settings.redis_socket_timeout_s, **options
         )

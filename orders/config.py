@@ -88,6 +88,8 @@ class Settings:
 
     database_url: SecretUrl | None = None
     redis_url: SecretUrl | None = None
+    #: ``redis_url`` names one node of a Redis Cluster (any node: the client finds the rest).
+    redis_cluster: bool = False
     home: Path = Path(".orders")
     unpaid_limit: int = 3
     ttl_s: float = 1800.0
@@ -142,6 +144,12 @@ class Settings:
             check_database_url(self.database_url.reveal())
         if self.redis_url is not None:
             check_redis_url(self.redis_url.reveal())
+        if self.redis_cluster and (
+            self.redis_url is None or self.redis_url.reveal().startswith("unix://")
+        ):
+            raise InvalidInput(
+                "redis_cluster", "needs ORDERS_REDIS_URL naming a cluster node (redis://host:port)"
+            )
         check_count("unpaid_limit", self.unpaid_limit, 1, 1000)
         for name in (
             "ttl_s",

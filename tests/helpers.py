@@ -18,6 +18,7 @@ from sqlalchemy import Engine, select
 from orders.domain import Order
 from orders.embedded import redis_status
 from orders.models import events_table, orders_table
+from orders.redis_nodes import RedisClient, primaries
 from orders.service import OrderService
 
 
@@ -153,3 +154,15 @@ def record_texts(records: Iterable[logging.LogRecord]) -> list[str]:
         if record.exc_info:
             texts.append(formatter.formatException(record.exc_info))
     return texts
+
+
+def flush_db(client: RedisClient) -> None:
+    """FLUSHDB on the server, or on every primary of a cluster."""
+    for node in primaries(client):
+        node.flushdb()
+
+
+def key_count(client: RedisClient) -> int:
+    """Keys in the server, or in all the primaries of a cluster (a cluster client's own
+    DBSIZE asks one node only)."""
+    return sum(int(node.dbsize()) for node in primaries(client))

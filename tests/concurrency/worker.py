@@ -181,12 +181,16 @@ def started(
     specs: list[tuple[str, dict[str, Any]]],
     *,
     database_url: str,
-    redis_url: str,
+    redis_options: dict[str, Any],
     log_dir: Path,
     ready_timeout_s: float = 90,
 ) -> Iterator[list[WorkerProcess]]:
     """Start one worker per (mode, config), wait until all are READY, stop them all at the end."""
-    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
+    env = child_env(
+        ORDERS_DATABASE_URL=database_url,
+        ORDERS_REDIS_URL=redis_options["redis_url"],
+        ORDERS_REDIS_CLUSTER=str(redis_options["redis_cluster"]).lower(),
+    )
     workers: list[WorkerProcess] = []
     try:
         for mode, config in specs:

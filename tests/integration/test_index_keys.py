@@ -18,6 +18,9 @@ from orders.index import UnpaidIndex
 from orders.service import OrderService
 from tests.conftest import ManualClock
 
+#: The contract holds on one Redis server and on a Redis Cluster alike.
+pytestmark = pytest.mark.cluster_too
+
 KEY = "UnpaidOrder-u1"
 
 
