@@ -83,7 +83,12 @@ class WorkerProcess:
     """One worker process. ``close()`` always stops it by its PID (terminate, then kill)."""
 
     def __init__(
-        self, mode: str, config: dict[str, Any], env: dict[str, str], log_dir: Path
+        self,
+        mode: str,
+        config: dict[str, Any],
+        env: dict[str, str],
+        log_dir: Path,
+        module: str = MODULE,
     ) -> None:
         self.mode = mode
         self.name = str(config.get("name", mode))
@@ -91,7 +96,7 @@ class WorkerProcess:
         self._stderr: IO[bytes] = open(self.log_path, "wb")  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", MODULE, mode, json.dumps(config)],
+                [sys.executable, "-m", module, mode, json.dumps(config)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._stderr,
@@ -184,13 +189,20 @@ def started(
     redis_url: str,
     log_dir: Path,
     ready_timeout_s: float = 90,
+    module: str = MODULE,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[list[WorkerProcess]]:
-    """Start one worker per (mode, config), wait until all are READY, stop them all at the end."""
-    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
+    """Start one worker per (mode, config), wait until all are READY, stop them all at the end.
+
+    ``module`` is the worker's module (run with ``python -m``); ``extra_env`` adds variables
+    (more ``ORDERS_*`` settings) to the children's environment."""
+    env = child_env(
+        ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url, **(extra_env or {})
+    )
     workers: list[WorkerProcess] = []
     try:
         for mode, config in specs:
-            workers.append(WorkerProcess(mode, config, env, log_dir))
+            workers.append(WorkerProcess(mode, config, env, log_dir, module))
         deadline = time.monotonic() + ready_timeout_s
         for worker in workers:
             worker.wait_ready(deadline)
