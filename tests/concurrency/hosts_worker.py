@@ -32,6 +32,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 from orders.bootstrap import build_service
@@ -72,7 +73,7 @@ def record_slot_reuse_closes(service: OrderService, tally: Tally) -> None:
     service.records.close_expired = recording  # type: ignore[method-assign]
 
 
-def checkout(service: OrderService, cfg: dict[str, Any]) -> Tally:
+def checkout(service: OrderService, cfg: dict[str, Any], _stop: threading.Event) -> Tally:
     name, users, limit = cfg["name"], cfg["users"], cfg["limit"]
     ttl_lo, ttl_hi = cfg["ttl_ms"]
     tally = Tally(name=name, created={}, paid={}, pay_refused={}, refused=0)
@@ -180,9 +181,18 @@ def scheduler(service: OrderService, cfg: dict[str, Any], stop: threading.Event)
     return tally
 
 
-def main(argv: list[str]) -> int:
+Mode = Callable[[OrderService, dict[str, Any], threading.Event], Tally]
+
+
+def serve(argv: list[str], modes: dict[str, Mode]) -> int:
+    """The worker protocol around ``modes[MODE](service, config, stop)``; ``stop`` is set by
+    ``STOP`` or the end of stdin (so a mode that must run to its own end ignores it)."""
     mode, config = argv[0], json.loads(argv[1])
-    service = build_service(Settings.from_env(), clock=skewed_clock(config["offset_ms"]))
+    if mode not in modes:
+        print(f"unknown mode {mode!r}", file=sys.stderr)
+        return 2
+    clock = skewed_clock(config.get("offset_ms", 0))
+    service = build_service(Settings.from_env(), clock=clock)
     try:
         print("READY", flush=True)
         if not sys.stdin.readline().startswith("GO"):
@@ -196,13 +206,7 @@ def main(argv: list[str]) -> int:
             stop.set()
 
         threading.Thread(target=watch_stdin, daemon=True).start()
-        if mode == "checkout":
-            tally = checkout(service, config)  # ends on its own (stdin closes on result())
-        elif mode == "scheduler":
-            tally = scheduler(service, config, stop)
-        else:
-            print(f"unknown mode {mode!r}", file=sys.stderr)
-            return 2
+        tally = modes[mode](service, config, stop)
         tally.data["pid"] = os.getpid()
         print(json.dumps(tally.data), flush=True)
         return 0
@@ -212,4 +216,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    # A checkout ends on its own (stdin closes when the test collects its result).
+    sys.exit(serve(sys.argv[1:], {"checkout": checkout, "scheduler": scheduler}))

@@ -144,7 +144,8 @@ def test_limit_and_one_winner_hold_across_hosts_with_skewed_clocks(
     assert monitor.samples > 50
     assert monitor.max_unpaid <= LIMIT
     rows = sql_rows(engine)
-    unpaid_slots = Counter((row.user_id, row.slot) for row in rows.values() if row.status == "unpaid")
+    unpaid = [row for row in rows.values() if row.status == "unpaid"]
+    unpaid_slots = Counter((row.user_id, row.slot) for row in unpaid)
     assert all(n == 1 and 1 <= slot <= LIMIT for (_, slot), n in unpaid_slots.items())
 
     # --- every acknowledged create and payment is there; one winner per order ---
