@@ -42,7 +42,7 @@ from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from orders.scheduling import build_scheduler
 from orders.service import OrderService
 from orders.sweeper import Sweeper
-from tests.concurrency.worker import Tally, now_ms, run_threads
+from tests.concurrency.worker import Tally, close_service, now_ms, run_threads, stop_on_stdin
 
 MODULE = "tests.concurrency.hosts_worker"
 
@@ -197,22 +197,12 @@ def serve(argv: list[str], modes: dict[str, Mode]) -> int:
         print("READY", flush=True)
         if not sys.stdin.readline().startswith("GO"):
             return 2
-        stop = threading.Event()
-
-        def watch_stdin() -> None:
-            for command in sys.stdin:
-                if command.strip() == "STOP":
-                    break
-            stop.set()
-
-        threading.Thread(target=watch_stdin, daemon=True).start()
-        tally = modes[mode](service, config, stop)
+        tally = modes[mode](service, config, stop_on_stdin())
         tally.data["pid"] = os.getpid()
         print(json.dumps(tally.data), flush=True)
         return 0
     finally:
-        service.engine.dispose()
-        service.index.client.close()
+        close_service(service)
 
 
 if __name__ == "__main__":

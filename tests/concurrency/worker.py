@@ -550,15 +550,7 @@ def main(argv: list[str]) -> int:
             print(f"expected GO, got {line[:40]!r}", file=sys.stderr)
             return 2
         payload = json.loads(line[2:]) if line[2:].strip() else None
-        stop = threading.Event()
-
-        def watch_stdin() -> None:
-            for command in sys.stdin:
-                if command.strip() == "STOP":
-                    break
-            stop.set()  # STOP, or the end of stdin
-
-        threading.Thread(target=watch_stdin, daemon=True).start()
+        stop = stop_on_stdin()
         deadline = time.monotonic() + config.get("deadline_s", 240)
         started = time.monotonic()
         if mode == "contend":
@@ -578,8 +570,27 @@ def main(argv: list[str]) -> int:
         print(json.dumps(tally.data), flush=True)
         return 0
     finally:
-        service.engine.dispose()
-        service.index.client.close()
+        close_service(service)
+
+
+def stop_on_stdin() -> threading.Event:
+    """An event set by ``STOP`` on stdin, or by the end of stdin (read in a thread)."""
+    stop = threading.Event()
+
+    def watch_stdin() -> None:
+        for command in sys.stdin:
+            if command.strip() == "STOP":
+                break
+        stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    return stop
+
+
+def close_service(service: Any) -> None:
+    """Close what a worker's service opened: the SQL pool and the Redis client."""
+    service.engine.dispose()
+    service.index.client.close()
 
 
 if __name__ == "__main__":
