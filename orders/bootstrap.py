@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,12 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
     if backend == "postgresql" and target.get_driver_name() in ("psycopg", "psycopg2"):
         timeout_ms = round(settings.sql_statement_timeout_s * 1000)
         kwargs["connect_args"] = {"options": f"-c statement_timeout={timeout_ms}"}
+        if settings.sql_connect_timeout_s > 0:
+            # Without it, a connect to a server that accepts but never answers (a host
+            # stuck in its start-up, a half-open proxy) waits forever: pool_timeout only
+            # bounds the wait for a pooled connection, not the opening of a new one.
+            timeout_s = math.ceil(settings.sql_connect_timeout_s)
+            kwargs["connect_args"]["connect_timeout"] = timeout_s
     try:
         engine = create_engine(target, **kwargs)
     except ImportError as exc:

@@ -135,6 +135,8 @@ class Settings:
     sql_statement_timeout_s: float = 30.0
     #: SQLite: how long a writer waits for the write lock before giving up.
     sql_busy_timeout_s: float = 30.0
+    #: PostgreSQL: how long opening a connection may take (0 = no limit; psycopg: >= 2 s).
+    sql_connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -173,7 +175,12 @@ class Settings:
         check_count("event_max_attempts", self.event_max_attempts, 1, 1000)
         check_count("sql_pool_size", self.sql_pool_size, 1, 1000)
         check_count("sql_max_overflow", self.sql_max_overflow, 0, 1000)
-        for name in ("sql_pool_timeout_s", "sql_statement_timeout_s", "sql_busy_timeout_s"):
+        for name in (
+            "sql_pool_timeout_s",
+            "sql_statement_timeout_s",
+            "sql_busy_timeout_s",
+            "sql_connect_timeout_s",
+        ):
             _check_seconds(name, getattr(self, name), allow_zero=True)
         check_handler_paths("on_closed", self.on_closed)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):

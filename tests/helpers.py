@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import Engine, select
 
+from orders.bench.measure import percentile
 from orders.domain import Order
 from orders.embedded import redis_status
 from orders.models import events_table, orders_table
@@ -43,6 +44,15 @@ def closed_event_counts(engine: Engine) -> Counter[str]:
     query = select(events_table.c.order_id).where(events_table.c.kind == "closed")
     with engine.connect() as conn:
         return Counter(conn.execute(query).scalars().all())
+
+
+def figures(values: Sequence[float]) -> str:
+    """``min / p50 / p99 / max`` of ``values`` (nearest rank), for a test's printed report."""
+    if not values:
+        return "none"
+    return " / ".join(
+        f"{x:g}" for x in (min(values), percentile(values, 50), percentile(values, 99), max(values))
+    )
 
 
 # --- child processes ------------------------------------------------------------------------

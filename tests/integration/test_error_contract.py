@@ -501,6 +501,7 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_SQL_MAX_OVERFLOW", "-1"),
     ("ORDERS_SQL_POOL_TIMEOUT_S", "nan"),
     ("ORDERS_SQL_STATEMENT_TIMEOUT_S", "-1"),
+    ("ORDERS_SQL_CONNECT_TIMEOUT_S", "-1"),
     ("ORDERS_SQL_BUSY_TIMEOUT_S", "ten"),
 ]
 #: Settings any value of which is well formed.
