@@ -11,6 +11,7 @@ from typing import Any
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import ArgumentError, DisconnectionError
@@ -18,7 +19,7 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from orders.config import SecretUrl, Settings, check_database_url
 from orders.domain import Clock
-from orders.errors import InvalidInput, SchemaNotReady
+from orders.errors import InvalidInput, SchemaNotReady, StoreUnavailable
 from orders.redis_nodes import RedisClient
 from orders.service import OrderService
 
@@ -165,6 +166,11 @@ def build_redis(settings: Settings) -> RedisClient:
     except ValueError:
         # Settings checked the URL already; from None: redis-py's message may quote it.
         raise InvalidInput("redis_url", "refused by redis-py") from None
+    except (redis.RedisError, RedisClusterException) as exc:
+        # Only the cluster client connects at once: it reads the slot map from the node.
+        raise StoreUnavailable(
+            "redis", f"no cluster node answered at {url} ({type(exc).__name__})"
+        ) from None
 
 
 def build_service(

@@ -97,8 +97,8 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        """A URL naming one node: the service finds the others through it."""
-        return f"redis://{self.nodes[0].address}"
+        """A URL naming one live node: the service finds the others through it."""
+        return f"redis://{next(self.live()).address}"
 
     def start(self) -> LocalCluster:
         try:
@@ -186,6 +186,42 @@ class LocalCluster:
                         port = int(primary[1])
                         return next(n for n in self.nodes if n.port == port)
         raise RuntimeError("no live node")
+
+    def node_id(self, node: ClusterNode) -> str:
+        with node.client() as client:
+            return str(client.execute_command("CLUSTER", "MYID").decode())
+
+    def replicas_of(self, primary: ClusterNode) -> list[ClusterNode]:
+        """The live replicas of ``primary``, by their own replication info."""
+        found = []
+        for node in self.live():
+            with node.client() as client:
+                info = client.info("replication")
+            if info["role"] == "slave" and int(info["master_port"]) == primary.port:
+                found.append(node)
+        return found
+
+    def reshard(self, source: ClusterNode, target: ClusterNode, slots: int) -> None:
+        """Move ``slots`` slots, keys included, from ``source`` to ``target`` with
+        ``redis-cli --cluster reshard`` (clients meanwhile get MOVED and ASK)."""
+        reshard = [
+            str(redis_cli_beside(self.binary)),
+            "--cluster", "reshard", target.address,
+            "--cluster-from", self.node_id(source),
+            "--cluster-to", self.node_id(target),
+            "--cluster-slots", str(slots),
+            "--cluster-yes",
+            "--cluster-pipeline", "10",
+        ]  # fmt: skip
+        subprocess.run(reshard, check=True, capture_output=True, timeout=120)
+
+    def slot_count(self, primary: ClusterNode) -> int:
+        """How many slots ``primary`` serves now."""
+        with primary.client() as client:
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        return sum(
+            end - start + 1 for start, end, owner, *_ in ranges if int(owner[1]) == primary.port
+        )
 
     def live(self) -> Iterator[ClusterNode]:
         return (node for node in self.nodes if node.proc is not None)
