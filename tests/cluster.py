@@ -14,8 +14,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,3 +277,15 @@ def _cluster_info(client: redis.Redis) -> dict[str, str]:
     # "CLUSTER INFO" differently across versions).
     text = client.execute_command("CLUSTER", "INFO").decode()
     return dict(line.split(":", 1) for line in text.split())
+
+
+@contextmanager
+def running_cluster(binary: Path, prefix: str = "orders-cluster-") -> Iterator[LocalCluster]:
+    """A :class:`LocalCluster` in a fresh folder under /tmp, stopped and removed after."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    cluster = LocalCluster(folder, binary)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        shutil.rmtree(folder, ignore_errors=True)

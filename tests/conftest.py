@@ -31,7 +31,7 @@ from orders.config import Settings
 from orders.redis_nodes import RedisClient, primaries
 from orders.redis_server import find_redis_server
 from orders.service import OrderService
-from tests.cluster import LocalCluster
+from tests.cluster import LocalCluster, running_cluster
 from tests.helpers import flush_db, stop_process
 from tests.postgres import PostgresServer, find_postgres_bin
 
@@ -166,13 +166,8 @@ def redis_url() -> Iterator[str]:
 def local_cluster() -> Iterator[LocalCluster]:
     """A real Redis Cluster, 3 primaries and 3 replicas, for the whole session (tests that
     break nodes start their own)."""
-    folder = Path(tempfile.mkdtemp(prefix="orders-cluster-", dir="/tmp"))
-    cluster = LocalCluster(folder, find_redis_server()).start()
-    try:
+    with running_cluster(find_redis_server()) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

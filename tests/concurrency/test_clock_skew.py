@@ -17,14 +17,13 @@ closer's clock minus the creator's.
 
 from __future__ import annotations
 
-import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, select
 
 from orders.config import Settings
 from orders.models import events_table, orders_table
@@ -32,6 +31,7 @@ from orders.service import OrderService
 from tests.concurrency.hosts_worker import MODULE as HOSTS
 from tests.concurrency.worker import started
 from tests.conftest import ManualClock
+from tests.crash.checks import UnpaidMonitor
 from tests.helpers import figures, sql_rows
 
 OC, EC = orders_table.c, events_table.c
@@ -41,40 +41,6 @@ LIMIT = 2
 CHECKOUT_OFFSETS = {"behind": -2000, "ahead": 2000}
 SCHEDULER_OFFSET = 0
 SWEEP_INTERVAL_S = 0.5
-
-
-class UnpaidMonitor:
-    """Samples the largest count of unpaid orders of any user in SQL until stopped."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.samples = 0
-        self.max_unpaid = 0
-        self.stop_event = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        query = select(func.count()).where(OC.status == "unpaid").group_by(OC.user_id)
-        try:
-            while not self.stop_event.wait(0.005):
-                with self.engine.connect() as conn:
-                    counts = conn.execute(query).scalars().all()
-                self.samples += 1
-                self.max_unpaid = max([self.max_unpaid, *counts])
-        except BaseException as exc:
-            self.error = exc
-
-    def __enter__(self) -> UnpaidMonitor:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop_event.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "the monitor did not stop"
-        if self.error is not None:
-            raise self.error
 
 
 def checkout_spec(name: str, run_s: float) -> dict[str, Any]:

@@ -9,6 +9,7 @@ the Redis index equals SQL.
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,38 @@ def most_unpaid_of_one_user(engine: Engine) -> int:
     )
     with engine.connect() as conn:
         return int(conn.execute(select(func.coalesce(func.max(per_user.c.n), 0))).scalar_one())
+
+
+class UnpaidMonitor:
+    """Samples the most unpaid orders any one user holds in SQL, in a thread, until the
+    ``with`` block ends (an error of the thread is raised there)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.samples = 0
+        self.max_unpaid = 0
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.stop_event.wait(0.005):
+                self.max_unpaid = max(self.max_unpaid, most_unpaid_of_one_user(self.engine))
+                self.samples += 1
+        except BaseException as exc:
+            self.error = exc
+
+    def __enter__(self) -> UnpaidMonitor:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop_event.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the monitor did not stop"
+        if self.error is not None:
+            raise self.error
 
 
 def assert_index_equals_sql_after_reconcile(

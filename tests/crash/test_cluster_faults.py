@@ -15,9 +15,6 @@ SQL; after a reconcile the index equals SQL. The figures of each run are printed
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,9 +26,10 @@ from sqlalchemy import Engine
 from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.redis_server import find_redis_server
-from tests.cluster import LocalCluster
+from tests.cluster import LocalCluster, running_cluster
 from tests.concurrency.worker import started
 from tests.crash.checks import (
+    UnpaidMonitor,
     assert_acknowledged_in_sql,
     assert_index_equals_sql_after_reconcile,
     assert_typed_outcomes,
@@ -49,13 +47,8 @@ TIMEOUTS = {"ORDERS_REDIS_SOCKET_TIMEOUT_S": "0.5", "ORDERS_SQL_POOL_TIMEOUT_S":
 @pytest.fixture
 def cluster() -> Iterator[LocalCluster]:
     """A cluster of the test's own: the faults break it."""
-    folder = Path(tempfile.mkdtemp(prefix="orders-cluster-fault-", dir="/tmp"))
-    running = LocalCluster(folder, find_redis_server()).start()
-    try:
+    with running_cluster(find_redis_server(), "orders-cluster-fault-") as running:
         yield running
-    finally:
-        running.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def busy_key() -> str:
@@ -98,29 +91,6 @@ FAULTS: dict[str, Callable[[LocalCluster], str]] = {
     "resharded": reshard,
     "primary-restarted-empty": restart_a_primary_empty,
 }
-
-
-class UnpaidMonitor:
-    """Samples the most unpaid orders any user holds in SQL, in a thread."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.most = self.samples = 0
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self.stop_event.wait(0.02):
-            self.most = max(self.most, most_unpaid_of_one_user(self.engine))
-            self.samples += 1
-
-    def __enter__(self) -> UnpaidMonitor:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop_event.set()
-        self.thread.join(10)
 
 
 @pytest.mark.slow
@@ -180,7 +150,7 @@ def test_a_cluster_fault_under_load_loses_nothing_acknowledged_and_keeps_the_lim
         assert creates["last_ok_s"] is not None, r["name"]
         assert creates["last_ok_s"] > healed_at, (r["name"], "no create after the fault")
     assert monitor.samples > 0
-    assert monitor.most <= LIMIT, f"a user held {monitor.most} unpaid orders in SQL"
+    assert monitor.max_unpaid <= LIMIT, f"a user held {monitor.max_unpaid} unpaid orders in SQL"
     assert most_unpaid_of_one_user(engine) <= LIMIT
     acked = assert_acknowledged_in_sql(
         engine, [read_acks(tmp_path / f"w{n}.acks") for n in range(WORKERS)]
@@ -212,6 +182,6 @@ def test_a_cluster_fault_under_load_loses_nothing_acknowledged_and_keeps_the_lim
         f"cleanup failed {[r['sweep_redis_errors'] for r in results]}; longest call "
         f"{max(d['longest_s'] for r in results for d in r['ops'].values())} s; first "
         f"success after the last failure, s after the fault ended: {recovered}; most unpaid "
-        f"of one user in SQL {monitor.most} ({monitor.samples} samples); index after "
+        f"of one user in SQL {monitor.max_unpaid} ({monitor.samples} samples); index after "
         f"reconcile {members} members"
     )
