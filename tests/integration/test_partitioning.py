@@ -3,8 +3,11 @@
 The DDL is applied to a fresh database of the tests' PostgreSQL, and the service runs on it
 unchanged: creates, payments, cancels and the sweep leave the rows, their events and the
 Redis index as on the migrated schema, the limit holds in SQL through the partial unique
-slot index (now enforced per partition) when Redis has lost its data, and the statements
-that name a user read one partition. Only PostgreSQL: SQLite has no partitioning.
+slot index (now enforced per partition) when Redis has lost its data, an order id stays
+unique across users (through ``order_ids``), and the statements that name a user read one
+partition while those by order id alone read all. Only PostgreSQL: SQLite has no
+partitioning. Breaking the DDL turns these red: without the ``order_ids`` trigger a second
+user gets the same order id; with a non-unique slot index every create fails.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 
 from orders.bootstrap import build_engine
 from orders.config import Settings
@@ -41,7 +44,8 @@ def partitioned(postgres: PostgresTarget | str) -> Iterator[Engine]:
     url = postgres.url(name)
     engine = build_engine(Settings(database_url=url))
     try:
-        with psycopg.connect(url.replace("postgresql+psycopg", "postgresql")) as conn:
+        dsn = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+        with psycopg.connect(dsn) as conn:
             conn.execute(DDL.read_text().encode())
         yield engine
     finally:
