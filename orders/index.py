@@ -31,6 +31,7 @@ from redis.exceptions import NoScriptError
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.redis_config import server_warnings
 from orders.redis_nodes import RedisClient, marker_keys
 from orders.script_pipeline import (
     CallPacker,
@@ -182,38 +183,9 @@ class UnpaidIndex:
         return self._decode(user_id, pairs)
 
     def server_warnings(self) -> list[str]:
-        """What about the server's configuration could lose or corrupt the index.
-
-        Eviction (any ``maxmemory-policy`` but ``noeviction``) may drop users' keys; no
-        persistence loses everything at a restart. Both are survivable (SQL is the record
-        and reconcile rebuilds the index), but an operator should know. Servers that refuse
-        CONFIG (managed services, restricted ACL users) yield no warning.
-        """
-        try:
-            config: dict[Any, Any] = self.client.config_get("maxmemory-policy")
-            config.update(self.client.config_get("save"))
-            config.update(self.client.config_get("appendonly"))
-        except redis.ResponseError:
-            return []  # CONFIG refused (ACL, managed service): nothing to say
-        except redis.RedisError as exc:
-            return [
-                f"redis not usable at startup ({type(exc).__name__}): creates will be "
-                "refused until it is (check ORDERS_REDIS_URL and its credentials)"
-            ]
-        values = {_text(k): _text(v) for k, v in config.items()}
-        warnings = []
-        policy = values.get("maxmemory-policy", "noeviction")
-        if policy != "noeviction":
-            warnings.append(
-                f"redis maxmemory-policy is {policy}: keys of the index may be evicted "
-                "(set noeviction; reconcile repairs what is lost)"
-            )
-        if not values.get("save") and values.get("appendonly") != "yes":
-            warnings.append(
-                "redis has no persistence (no RDB save points, appendonly no): a restart "
-                "empties the index until the scheduler rebuilds it from SQL"
-            )
-        return warnings
+        """What about the server's configuration could lose the index (see
+        :func:`orders.redis_config.server_warnings`)."""
+        return server_warnings(self.client)
 
     def epoch_key(self) -> str:
         """The marker written after a complete rebuild from SQL. Redis losing its data loses

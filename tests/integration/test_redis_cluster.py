@@ -69,3 +69,19 @@ def test_a_cluster_no_node_of_which_answers_is_store_unavailable_without_the_pas
         build_redis(settings)
     assert "hunter2" not in str(failed.value)
     assert failed.value.store == "redis"
+
+
+def test_startup_warnings_ask_every_primary_and_say_each_thing_once(
+    cluster_client: RedisCluster,
+) -> None:
+    index = UnpaidIndex(cluster_client, key_prefix="UnpaidOrder-")
+    nodes = primaries(cluster_client)
+    assert len(index.server_warnings()) == 1  # no persistence: the same on all three
+    assert "no persistence" in index.server_warnings()[0]
+    nodes[-1].config_set("maxmemory-policy", "allkeys-lru")  # one primary may evict
+    try:
+        warnings = index.server_warnings()
+    finally:
+        nodes[-1].config_set("maxmemory-policy", "noeviction")
+    assert len(warnings) == 2
+    assert "maxmemory-policy is allkeys-lru" in warnings[1]
