@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import ArgumentError, DisconnectionError
@@ -16,7 +19,8 @@ from sqlalchemy.pool import ConnectionPoolEntry
 
 from orders.config import SecretUrl, Settings, check_database_url
 from orders.domain import Clock
-from orders.errors import InvalidInput, SchemaNotReady
+from orders.errors import InvalidInput, SchemaNotReady, StoreUnavailable
+from orders.redis_nodes import RedisClient
 from orders.service import OrderService
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,12 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
     if backend == "postgresql" and target.get_driver_name() in ("psycopg", "psycopg2"):
         timeout_ms = round(settings.sql_statement_timeout_s * 1000)
         kwargs["connect_args"] = {"options": f"-c statement_timeout={timeout_ms}"}
+        if settings.sql_connect_timeout_s > 0:
+            # Without it, a connect to a server that accepts but never answers (a host
+            # stuck in its start-up, a half-open proxy) waits forever: pool_timeout only
+            # bounds the wait for a pooled connection, not the opening of a new one.
+            timeout_s = math.ceil(settings.sql_connect_timeout_s)
+            kwargs["connect_args"]["connect_timeout"] = timeout_s
     try:
         engine = create_engine(target, **kwargs)
     except ImportError as exc:
@@ -116,11 +126,13 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None
         cursor.close()
 
 
-def build_redis(settings: Settings) -> redis.Redis:
+def build_redis(settings: Settings) -> RedisClient:
     """A redis-py client for the configured URL, or for the embedded server of ``home``.
 
     The embedded one also starts its server again when it finds it gone
-    (:mod:`orders.embedded_client`); a configured server is never started by us.
+    (:mod:`orders.embedded_client`); a configured server is never started by us. With
+    ``redis_cluster`` the URL names one node of a Redis Cluster, and the client is
+    redis-py's ``RedisCluster``: it learns the other nodes from that one.
     """
     options: dict[str, Any] = {
         "socket_connect_timeout": settings.redis_socket_timeout_s,
@@ -138,14 +150,27 @@ def build_redis(settings: Settings) -> redis.Redis:
             settings.home, socket_timeout=settings.redis_socket_timeout_s, **options
         )
     url: SecretUrl = settings.redis_url
-    log.debug("redis client for %s", url)
+    log.debug("redis %s for %s", "cluster client" if settings.redis_cluster else "client", url)
     try:
+        if settings.redis_cluster:
+            # The cluster client's own retry: after a failed node it reloads the slot map
+            # and tries again, long enough to ride out a replica's promotion.
+            options["retry"] = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3)
+            del options["health_check_interval"]
+            return RedisCluster.from_url(
+                url.reveal(), socket_timeout=settings.redis_socket_timeout_s, **options
+            )
         return redis.Redis.from_url(
             url.reveal(), socket_timeout=settings.redis_socket_timeout_s, **options
         )
     except ValueError:
         # Settings checked the URL already; from None: redis-py's message may quote it.
         raise InvalidInput("redis_url", "refused by redis-py") from None
+    except (redis.RedisError, RedisClusterException) as exc:
+        # Only the cluster client connects at once: it reads the slot map from the node.
+        raise StoreUnavailable(
+            "redis", f"no cluster node answered at {url} ({type(exc).__name__})"
+        ) from None
 
 
 def build_service(

@@ -88,6 +88,8 @@ class Settings:
 
     database_url: SecretUrl | None = None
     redis_url: SecretUrl | None = None
+    #: ``redis_url`` names one node of a Redis Cluster (any node: the client finds the rest).
+    redis_cluster: bool = False
     home: Path = Path(".orders")
     unpaid_limit: int = 3
     ttl_s: float = 1800.0
@@ -133,6 +135,8 @@ class Settings:
     sql_statement_timeout_s: float = 30.0
     #: SQLite: how long a writer waits for the write lock before giving up.
     sql_busy_timeout_s: float = 30.0
+    #: PostgreSQL: how long opening a connection may take (0 = no limit; psycopg: >= 2 s).
+    sql_connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -142,6 +146,12 @@ class Settings:
             check_database_url(self.database_url.reveal())
         if self.redis_url is not None:
             check_redis_url(self.redis_url.reveal())
+        if self.redis_cluster and (
+            self.redis_url is None or self.redis_url.reveal().startswith("unix://")
+        ):
+            raise InvalidInput(
+                "redis_cluster", "needs ORDERS_REDIS_URL naming a cluster node (redis://host:port)"
+            )
         check_count("unpaid_limit", self.unpaid_limit, 1, 1000)
         for name in (
             "ttl_s",
@@ -165,7 +175,12 @@ class Settings:
         check_count("event_max_attempts", self.event_max_attempts, 1, 1000)
         check_count("sql_pool_size", self.sql_pool_size, 1, 1000)
         check_count("sql_max_overflow", self.sql_max_overflow, 0, 1000)
-        for name in ("sql_pool_timeout_s", "sql_statement_timeout_s", "sql_busy_timeout_s"):
+        for name in (
+            "sql_pool_timeout_s",
+            "sql_statement_timeout_s",
+            "sql_busy_timeout_s",
+            "sql_connect_timeout_s",
+        ):
             _check_seconds(name, getattr(self, name), allow_zero=True)
         check_handler_paths("on_closed", self.on_closed)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):

@@ -5,10 +5,12 @@ milliseconds. The keys carry no expiry (its expires entry would cost about 45 by
 a set emptied of its last member vanishes, and reconcile drops any member left behind
 (expired, or no longer open in SQL). The service's own keys sit under the same prefix in
 brackets (the index epoch here, the scheduler's lease in :mod:`orders.lease`; ``[`` never
-occurs in a user id). Every script and command touches exactly one key, so the scripts need
-no change on Redis Cluster. Every redis-py exception becomes :class:`StoreUnavailable`
-(:func:`redis_errors`, which the lease shares). Data under the prefix that the service did
-not write is skipped and reported, never an error (:meth:`UnpaidIndex.foreign`).
+occurs in a user id). Every script and command touches exactly one key, so the scripts run
+unchanged on a Redis Cluster (:mod:`orders.redis_nodes` says what a cluster changes).
+
+Every redis-py exception becomes :class:`StoreUnavailable` (:func:`redis_errors`, which the
+lease shares). Data under the prefix that the service did not write is skipped and
+reported, never an error (:meth:`UnpaidIndex.foreign`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ from redis.exceptions import NoScriptError
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.script_pipeline import CallPacker, SentCalls, run_per_key, scan_ahead, send_calls
+from orders.redis_config import server_warnings
+from orders.redis_nodes import RedisClient, marker_keys
+from orders.script_pipeline import (
+    CallPacker,
+    ClusterCalls,
+    SentCalls,
+    run_per_key,
+    scan_all,
+    send_calls,
+)
 from orders.validation import USER_ID_MAX_LENGTH, check_user_id
 
 log = logging.getLogger(__name__)
@@ -115,11 +126,10 @@ def redis_errors(action: str) -> Iterator[None]:
 class UnpaidIndex:
     """Per-user sorted sets of open unpaid orders, kept on a redis-py client."""
 
-    def __init__(self, client: redis.Redis, *, key_prefix: str) -> None:
+    def __init__(self, client: RedisClient, *, key_prefix: str) -> None:
         self.client = client
         self.key_prefix = key_prefix
-        pool = getattr(client, "connection_pool", None)
-        if getattr(pool, "connection_kwargs", {}).get("decode_responses"):
+        if client.get_encoder().decode_responses:
             raise InvalidInput("redis_client", "must not decode responses (ids are read as bytes)")
         #: Pieces of foreign data skipped so far (keys or members under the prefix that the
         #: service did not write: not UTF-8, not a user id, not a sorted set).
@@ -173,38 +183,9 @@ class UnpaidIndex:
         return self._decode(user_id, pairs)
 
     def server_warnings(self) -> list[str]:
-        """What about the server's configuration could lose or corrupt the index.
-
-        Eviction (any ``maxmemory-policy`` but ``noeviction``) may drop users' keys; no
-        persistence loses everything at a restart. Both are survivable (SQL is the record
-        and reconcile rebuilds the index), but an operator should know. Servers that refuse
-        CONFIG (managed services, restricted ACL users) yield no warning.
-        """
-        try:
-            config: dict[Any, Any] = self.client.config_get("maxmemory-policy")
-            config.update(self.client.config_get("save"))
-            config.update(self.client.config_get("appendonly"))
-        except redis.ResponseError:
-            return []  # CONFIG refused (ACL, managed service): nothing to say
-        except redis.RedisError as exc:
-            return [
-                f"redis not usable at startup ({type(exc).__name__}): creates will be "
-                "refused until it is (check ORDERS_REDIS_URL and its credentials)"
-            ]
-        values = {_text(k): _text(v) for k, v in config.items()}
-        warnings = []
-        policy = values.get("maxmemory-policy", "noeviction")
-        if policy != "noeviction":
-            warnings.append(
-                f"redis maxmemory-policy is {policy}: keys of the index may be evicted "
-                "(set noeviction; reconcile repairs what is lost)"
-            )
-        if not values.get("save") and values.get("appendonly") != "yes":
-            warnings.append(
-                "redis has no persistence (no RDB save points, appendonly no): a restart "
-                "empties the index until the scheduler rebuilds it from SQL"
-            )
-        return warnings
+        """What about the server's configuration could lose the index (see
+        :func:`orders.redis_config.server_warnings`)."""
+        return server_warnings(self.client)
 
     def epoch_key(self) -> str:
         """The marker written after a complete rebuild from SQL. Redis losing its data loses
@@ -212,13 +193,19 @@ class UnpaidIndex:
         return f"{self.key_prefix}[index-epoch]"
 
     def get_epoch(self) -> str | None:
+        """The marker's value; None when it is missing (on a cluster: from any primary)."""
         with redis_errors("get_epoch"):
-            value: bytes | str | None = self.client.get(self.epoch_key())
-        return None if value is None else _text(value)
+            values: list[bytes | str | None] = [
+                self.client.get(key) for key in marker_keys(self.client, self.epoch_key())
+            ]
+        if any(value is None for value in values):
+            return None
+        return min(_text(value) for value in values if value is not None)
 
     def set_epoch(self, value: str) -> None:
         with redis_errors("set_epoch"):
-            self.client.set(self.epoch_key(), value)
+            for key in marker_keys(self.client, self.epoch_key()):
+                self.client.set(key, value)
 
     def scan_users(self, *, chunk: int = 500) -> Generator[list[str]]:
         """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking); the
@@ -232,7 +219,7 @@ class UnpaidIndex:
         start = len(self.key_prefix)
         with (
             redis_errors("scan_users"),
-            closing(scan_ahead(self.client, pattern, chunk)) as batches,
+            closing(scan_all(self.client, pattern, chunk)) as batches,
         ):
             for keys in batches:
                 users = []
@@ -347,9 +334,9 @@ class ReconcileBatch:
         self.index = index
         self.users = users
         self.packer = packer
-        self.sent: SentCalls | None = None
+        self.sent: SentCalls | ClusterCalls | None = None
 
-    def send(self) -> SentCalls:
+    def send(self) -> SentCalls | ClusterCalls:
         with redis_errors("reconcile"):
             self.sent = send_calls(self.index.client, self.packer)
         return self.sent

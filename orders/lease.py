@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
 from redis.commands.core import Script
 
 from orders.errors import InvalidInput
 from orders.index import load_script, redis_errors
+from orders.redis_nodes import RedisClient
 
 
 class SweeperLease:
     """The sweeper lease on a redis-py client, under ``key_prefix``."""
 
-    def __init__(self, client: redis.Redis, *, key_prefix: str) -> None:
+    def __init__(self, client: RedisClient, *, key_prefix: str) -> None:
         self.client = client
         #: The lease's key, the one place its name is built.
         self.key = f"{key_prefix}[sweeper-lease]"

@@ -27,6 +27,8 @@ import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+from orders.redis_nodes import REDIRECTIONS, RedisClient, group_by_node, primaries
+
 
 def _bulk(value: bytes) -> bytes:
     return b"$%d\r\n%b\r\n" % (len(value), value)
@@ -42,8 +44,9 @@ class CallPacker:
         self._fixed = len(head) + 4  # EVALSHA, sha, numkeys, key
         self._prefix = b"$7\r\nEVALSHA\r\n%b$1\r\n1\r\n" % _bulk(sha)
         self._head = b"".join(_bulk(arg) for arg in head)
-        #: One packed command per call, in the order added.
+        #: One packed command per call, in the order added, and the key of each.
         self.calls: list[bytes] = []
+        self.keys: list[bytes] = []
 
     def add_pairs(self, key: bytes, pairs: dict[str, int]) -> None:
         """Queue ``EVALSHA sha 1 key *head`` then ``score member`` for each member (the
@@ -60,10 +63,11 @@ class CallPacker:
             text = member.encode()
             call += b"$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(number), number, len(text), text)
         self.calls.append(call)
+        self.keys.append(key)
 
 
 def run_per_key(
-    client: redis.Redis, command: bytes, keys: Sequence[bytes], tail: Sequence[bytes]
+    client: RedisClient, command: bytes, keys: Sequence[bytes], tail: Sequence[bytes]
 ) -> list[Any]:
     """``command key *tail`` for each key, packed by hand and sent in one round trip; the
     replies in order. The first error reply is raised (as a redis-py pipeline does)."""
@@ -72,17 +76,112 @@ def run_per_key(
     head = b"*%d\r\n%b" % (len(tail) + 2, _bulk(command))
     rest = b"".join(_bulk(arg) for arg in tail)
     calls = [b"%b$%d\r\n%b\r\n%b" % (head, len(key), key, rest) for key in keys]
-    replies = SentCalls(client, None, calls).read()
+    replies = _send(client, None, calls, keys).read()
     for reply in replies:
         if isinstance(reply, redis.RedisError):
             raise reply
     return replies
 
 
-def send_calls(client: redis.Redis, packer: CallPacker) -> SentCalls:
+def send_calls(client: RedisClient, packer: CallPacker) -> SentCalls | ClusterCalls:
     """Write every queued call now; read the replies with :meth:`SentCalls.read`, or give
     them up with :meth:`SentCalls.abandon` (one of the two must follow)."""
-    return SentCalls(client, packer.script, packer.calls)
+    return _send(client, packer.script, packer.calls, packer.keys)
+
+
+def _send(
+    client: RedisClient, script: Script | None, calls: list[bytes], keys: Sequence[bytes]
+) -> SentCalls | ClusterCalls:
+    if isinstance(client, redis.Redis):
+        return SentCalls(client, script, calls)
+    return ClusterCalls(client, script, calls, keys)
+
+
+class ClusterCalls:
+    """Calls written to the primaries of a cluster, each node's at once, replies not read.
+
+    A node's batch that could not be sent or read (the node failed), and each call that came
+    back redirected, goes again alone through the cluster client when read.
+    """
+
+    def __init__(
+        self, client: Any, script: Script | None, calls: list[bytes], keys: Sequence[bytes]
+    ) -> None:
+        self._client = client
+        self._script = script
+        self._calls = calls
+        self._parts: list[tuple[list[int], SentCalls | None]] = []
+        try:
+            for node, positions in group_by_node(client, keys):
+                try:
+                    sent: SentCalls | None = SentCalls(node, script, [calls[i] for i in positions])
+                except (redis.ConnectionError, redis.TimeoutError):
+                    sent = None  # the node is down: its calls go through the cluster client
+                self._parts.append((positions, sent))
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        for _, sent in self._parts:
+            if sent is not None:
+                sent.abandon()
+
+    def read(self) -> list[Any]:
+        replies: list[Any] = [None] * len(self._calls)
+        again: list[int] = []
+        try:
+            for positions, sent in self._parts:
+                got = _read_or_none(sent)
+                if got is None:
+                    again += positions
+                    continue
+                for position, reply in zip(positions, got, strict=True):
+                    if isinstance(reply, REDIRECTIONS):
+                        again.append(position)
+                    else:
+                        replies[position] = reply
+        finally:
+            self.abandon()  # parts not read when one raised; a no-op for the rest
+        for position in sorted(again):
+            replies[position] = self._one(self._calls[position])
+        return replies
+
+    def _one(self, call: bytes) -> Any:
+        name, *args = unpack(call)
+        command = (name.decode(), *args)  # the cluster client looks commands up by str
+        try:
+            try:
+                return self._client.execute_command(*command)
+            except NoScriptError:
+                assert self._script is not None  # only EVALSHA answers NOSCRIPT
+                self._client.script_load(self._script.script)  # on every primary
+                return self._client.execute_command(*command)
+        except redis.ResponseError as exc:  # one call's error: the rest still count
+            return exc
+
+
+def _read_or_none(sent: SentCalls | None) -> list[Any] | None:
+    """A node's replies, or None when the node could not be reached (after its Retry)."""
+    if sent is None:
+        return None
+    try:
+        return sent.read()
+    except (redis.ConnectionError, redis.TimeoutError):
+        return None
+
+
+def unpack(call: bytes) -> list[bytes]:
+    """The arguments of one packed command (the inverse of the packing above)."""
+    count_end = call.index(b"\r\n")
+    args: list[bytes] = []
+    at = count_end + 2
+    for _ in range(int(call[1:count_end])):
+        size_end = call.index(b"\r\n", at)
+        size = int(call[at + 1 : size_end])
+        args.append(call[size_end + 2 : size_end + 2 + size])
+        at = size_end + 4 + size
+    return args
 
 
 class SentCalls:
@@ -169,6 +268,13 @@ def _read_replies(conn: Any, count: int) -> list[Any]:
         conn.disconnect()  # replies may be left unread: never hand this socket out again
         raise
     return replies
+
+
+def scan_all(client: RedisClient, pattern: str, count: int) -> Generator[list[bytes]]:
+    """:func:`scan_ahead` on each primary in turn (one server: on it). A key moved by a
+    reshard while the walk runs may be missed or seen twice."""
+    for node in primaries(client):
+        yield from scan_ahead(node, pattern, count)
 
 
 def scan_ahead(client: redis.Redis, pattern: str, count: int) -> Generator[list[bytes]]:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
 
-import redis
 from sqlalchemy import Connection, Engine, Row
 
 from orders import metrics
@@ -48,6 +47,7 @@ from orders.index import UnpaidIndex
 from orders.models import TEXT_COLUMN_LENGTH
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.records import OrderRecords
+from orders.redis_nodes import RedisClient
 from orders.sweep import PreCloseCheck, Sweep
 from orders.validation import (
     amount_to_text,
@@ -71,6 +71,8 @@ class OrderService:
 
         service = OrderService(engine, redis.Redis.from_url(url), Settings(unpaid_limit=3))
 
+    or with a ``redis.cluster.RedisCluster`` for a Redis Cluster.
+
     The schema must exist (``orders db upgrade`` or ``alembic upgrade head``).
     ``clock`` returns integer milliseconds; tests pass one they control, and may pass their
     own ``index`` or ``records`` (built on the same client and engine) to observe or pace
@@ -80,7 +82,7 @@ class OrderService:
     def __init__(
         self,
         engine: Engine,
-        redis_client: redis.Redis,
+        redis_client: RedisClient,
         settings: Settings | None = None,
         *,
         clock: Clock | None = None,

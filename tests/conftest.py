@@ -34,9 +34,11 @@ from sqlalchemy.engine import make_url
 from orders import migrate
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
+from orders.redis_nodes import RedisClient, primaries
 from orders.redis_server import find_redis_server
 from orders.service import OrderService
-from tests.helpers import stop_process
+from tests.cluster import LocalCluster, running_cluster
+from tests.helpers import flush_db, stop_process
 from tests.postgres import PostgresServer, find_postgres_bin
 
 #: 2027-01-15T08:00:00Z: far from any edge, and every test starts at the same instant.
@@ -242,10 +244,59 @@ def redis_url(redis_binary: Path | None) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    """A real Redis Cluster, 3 primaries and 3 replicas, for the whole session (tests that
+    break nodes start their own)."""
+    with running_cluster(find_redis_server()) as cluster:
+        yield cluster
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Tests marked ``cluster_too`` run on one Redis server and again on a Redis Cluster."""
+    if "redis_kind" in metafunc.fixturenames and metafunc.definition.get_closest_marker(
+        "cluster_too"
+    ):
+        metafunc.parametrize("redis_kind", ["server", "cluster"], indirect=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test on the cluster runs once: the cluster's nodes are ``find_redis_server()``'s
+    whatever ``redis_binary`` says, so its second-server copy would repeat the first."""
+    first = redis_binaries()[0]
+
+    def repeats(item: pytest.Item) -> bool:
+        callspec = getattr(item, "callspec", None)
+        params: dict[str, Any] = callspec.params if callspec else {}
+        return params.get("redis_kind") == "cluster" and params.get("redis_binary", first) != first
+
+    kept = [item for item in items if not repeats(item)]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if repeats(item)])
+        items[:] = kept
+
+
 @pytest.fixture
-def redis_client(redis_url: str) -> Iterator[redis.Redis]:
-    client = build_redis(Settings(redis_url=redis_url))
-    client.flushdb()
+def redis_kind(request: pytest.FixtureRequest) -> str:
+    """ "server" (one redis-server) or "cluster" (see ``cluster_too``)."""
+    return str(getattr(request, "param", "server"))
+
+
+@pytest.fixture
+def redis_options(
+    request: pytest.FixtureRequest, redis_kind: str, redis_url: str
+) -> dict[str, Any]:
+    """The Settings fields naming the test's Redis: ``Settings(**redis_options)``."""
+    if redis_kind == "cluster":
+        cluster: LocalCluster = request.getfixturevalue("local_cluster")
+        return {"redis_url": cluster.url, "redis_cluster": True}
+    return {"redis_url": redis_url, "redis_cluster": False}
+
+
+@pytest.fixture
+def redis_client(redis_options: dict[str, Any]) -> Iterator[RedisClient]:
+    client = build_redis(Settings(**redis_options))
+    flush_db(client)
     try:
         yield client
     finally:
@@ -370,12 +421,16 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 def make_service(
-    engine: Engine, redis_client: redis.Redis, redis_url: str, database_url: str, clock: ManualClock
+    engine: Engine,
+    redis_client: RedisClient,
+    redis_options: dict[str, Any],
+    database_url: str,
+    clock: ManualClock,
 ) -> Callable[..., OrderService]:
     """Build an OrderService on the test's stores; keyword arguments override Settings."""
 
     def make(**overrides: Any) -> OrderService:
-        settings = Settings(database_url=database_url, redis_url=redis_url, **overrides)
+        settings = Settings(database_url=database_url, **{**redis_options, **overrides})
         return OrderService(engine, redis_client, settings, clock=clock)
 
     return make
@@ -409,10 +464,17 @@ def sql_statements(engine: Engine) -> Iterator[StatementCounter]:
         event.remove(engine, "before_cursor_execute", counter)
 
 
-def redis_commands(client: redis.Redis) -> int:
-    """Commands the server has processed so far, this INFO call and commands inside scripts
-    included. To count round trips from the service, use the ``redis_round_trips`` fixture."""
-    return int(client.info("stats")["total_commands_processed"])
+def redis_commands(client: RedisClient) -> int:
+    """Commands the server (every primary of a cluster) has processed so far, this INFO
+    call (on each primary) and commands inside scripts included. To count round trips from
+    the service, use the ``redis_round_trips`` fixture."""
+    return sum(int(node.info("stats")["total_commands_processed"]) for node in primaries(client))
+
+
+@pytest.fixture
+def redis_nodes(redis_client: RedisClient) -> int:
+    """How many servers hold the keyspace: 1, or the primaries of a cluster."""
+    return len(primaries(redis_client))
 
 
 class RoundTripCounter:

@@ -15,9 +15,11 @@ from typing import Any
 
 from sqlalchemy import Engine, select
 
+from orders.bench.measure import percentile
 from orders.domain import Order
 from orders.embedded import redis_status
 from orders.models import events_table, orders_table
+from orders.redis_nodes import RedisClient, primaries
 from orders.service import OrderService
 
 
@@ -42,6 +44,15 @@ def closed_event_counts(engine: Engine) -> Counter[str]:
     query = select(events_table.c.order_id).where(events_table.c.kind == "closed")
     with engine.connect() as conn:
         return Counter(conn.execute(query).scalars().all())
+
+
+def figures(values: Sequence[float]) -> str:
+    """``min / p50 / p99 / max`` of ``values`` (nearest rank), for a test's printed report."""
+    if not values:
+        return "none"
+    return " / ".join(
+        f"{x:g}" for x in (min(values), percentile(values, 50), percentile(values, 99), max(values))
+    )
 
 
 # --- child processes ------------------------------------------------------------------------
@@ -159,3 +170,15 @@ def record_texts(records: Iterable[logging.LogRecord]) -> list[str]:
         if record.exc_info:
             texts.append(formatter.formatException(record.exc_info))
     return texts
+
+
+def flush_db(client: RedisClient) -> None:
+    """FLUSHDB on the server, or on every primary of a cluster."""
+    for node in primaries(client):
+        node.flushdb()
+
+
+def key_count(client: RedisClient) -> int:
+    """Keys in the server, or in all the primaries of a cluster (a cluster client's own
+    DBSIZE asks one node only)."""
+    return sum(int(node.dbsize()) for node in primaries(client))

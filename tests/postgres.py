@@ -74,7 +74,11 @@ class PostgresServer:
             cwd=self.folder,
             **self._run_as(),  # type: ignore[arg-type]
         )  # fmt: skip
-        log = open(self.folder / "postgres.log", "wb")  # noqa: SIM115
+        return self.launch(timeout_s)
+
+    def launch(self, timeout_s: float = 60) -> PostgresServer:
+        """Start the server on the existing data folder; return once it takes connections."""
+        log = open(self.folder / "postgres.log", "ab")  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
                 [
@@ -107,6 +111,19 @@ class PostgresServer:
                     raise
                 time.sleep(0.05)
 
+    def shut_down(self, timeout_s: float = 30) -> None:
+        """A "fast" shutdown (SIGINT, what ``pg_ctl stop -m fast`` sends): open transactions
+        roll back, clients are disconnected, the data folder stays for :meth:`launch`."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
     def dsn(self, dbname: str) -> str:
         return f"host={self.folder} user=orders dbname={dbname}"
 
@@ -119,12 +136,5 @@ class PostgresServer:
             conn.execute(sql)  # type: ignore[call-overload]
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGINT)  # "fast" shutdown: roll back and exit
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-            self.proc = None
+        self.shut_down()
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -198,6 +198,14 @@ def _run(ctx: click.Context, sizes: Sizes, figures: list[str], yes: bool) -> dic
     from orders.cli.app import cli_state  # noqa: PLC0415
 
     state = cli_state(ctx)
+    if state.settings.redis_cluster:
+        # Its floors and memory figures are one server's (one raw EVALSHA, INFO memory).
+        click.echo(
+            "error: orders bench measures one Redis server: run it with a single node's "
+            "URL and without ORDERS_REDIS_CLUSTER",
+            err=True,
+        )
+        ctx.exit(2)
     if not yes and _database_holds_orders(state.settings):
         click.echo(
             "error: the database already holds orders; the bench adds and removes only its "

@@ -23,6 +23,7 @@ from orders.bench.measure import (
 from orders.domain import EventKind, OrderIdGenerator, OrderStatus
 from orders.index import load_script
 from orders.models import UNPAID_PREDICATE, events_table, orders_table, sql_errors
+from orders.redis_nodes import RedisClient
 from orders.service import OrderService
 
 OC = orders_table.c
@@ -51,7 +52,7 @@ class Workload:
         self.service = service
         self.sizes = sizes
         self.engine = service.engine
-        self.client: redis.Redis = service.index.client
+        self.client: RedisClient = service.index.client
         self.step = step
         self.status = status
         self.tag = f"bench-{secrets.token_hex(4)}-"

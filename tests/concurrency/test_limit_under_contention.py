@@ -41,6 +41,7 @@ from orders.models import events_table, orders_table
 from orders.records import LimitReachedInSql
 from orders.service import OrderService
 from tests.concurrency.worker import now_ms, split, started
+from tests.helpers import flush_db
 
 UNPAID = "unpaid"
 
@@ -139,7 +140,7 @@ class Flusher:
             rng = random.Random(7)
             wait = self.first_s
             while not self.stop_event.wait(wait):
-                self.client.flushdb()
+                flush_db(self.client)
                 self.flushes += 1
                 wait = rng.uniform(0.5, 1.5) * self.every_s
         except BaseException as exc:
@@ -196,6 +197,7 @@ def unpaid_count(engine: Engine, user_id: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.cluster_too
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("redis_index", ["intact", "flushed"])
 @pytest.mark.parametrize("limit", [1, 3])
@@ -203,7 +205,7 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     engine: Engine,
     redis_client: redis.Redis,
     database_url: str,
-    redis_url: str,
+    redis_options: dict[str, Any],
     full_size: bool,
     tmp_path: Path,
     limit: int,
@@ -212,7 +214,7 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     size = sizes(full_size)
     user = "contended"
     service = OrderService(
-        engine, redis_client, Settings(database_url=database_url, redis_url=redis_url)
+        engine, redis_client, Settings(database_url=database_url, **redis_options)
     )
     key = service.index.key(user)
     per_thread = size["attempts"] / (PROCESSES * THREADS)
@@ -244,7 +246,7 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     flusher = Flusher(redis_client, first_s=0.5, every_s=size["run_s"] / 4)
     began = time.monotonic()
     with started(
-        specs, database_url=database_url, redis_url=redis_url, log_dir=tmp_path
+        specs, database_url=database_url, redis_options=redis_options, log_dir=tmp_path
     ) as workers:
         ready_s = time.monotonic() - began
         monitor.start(limit)
@@ -426,10 +428,10 @@ def count_then_insert(engine: Engine, values: dict[str, Any], limit: int) -> Non
 
 @pytest.mark.timeout(300)
 def test_sql_guard_holds_where_a_count_then_insert_does_not(
-    engine: Engine, redis_client: redis.Redis, database_url: str, redis_url: str
+    engine: Engine, redis_client: redis.Redis, database_url: str, redis_options: dict[str, Any]
 ) -> None:
     service = OrderService(
-        engine, redis_client, Settings(database_url=database_url, redis_url=redis_url)
+        engine, redis_client, Settings(database_url=database_url, **redis_options)
     )
     # Open the pool's connections first, so the threads do not trickle in behind connects.
     conns = [engine.connect() for _ in range(GUARD_THREADS)]

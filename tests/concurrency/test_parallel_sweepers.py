@@ -23,6 +23,7 @@ from orders.domain import OrderStatus
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 from tests.concurrency.worker import now_ms, started
+from tests.helpers import key_count
 
 UNPAID = OrderStatus.UNPAID.value
 
@@ -75,28 +76,29 @@ def counts(rows: Iterable[Any]) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.cluster_too
 @pytest.mark.timeout(400)
 def test_three_sweeper_processes_close_each_due_order_exactly_once(
     engine: Engine,
     redis_client: redis.Redis,
     database_url: str,
-    redis_url: str,
+    redis_options: dict[str, Any],
     tmp_path: Path,
 ) -> None:
     count = BACKLOG
     service = OrderService(
-        engine, redis_client, Settings(database_url=database_url, redis_url=redis_url)
+        engine, redis_client, Settings(database_url=database_url, **redis_options)
     )
     write_backlog(engine, redis_client, service.settings.key_prefix, count)
     assert service.count_due() == count
-    assert redis_client.dbsize() == USERS
+    assert key_count(redis_client) == USERS
 
     specs = [
         ("drain", {"name": f"sweeper{n}", "batch_size": BATCH, "deadline_s": 300})
         for n in range(SWEEPERS)
     ]
     with started(
-        specs, database_url=database_url, redis_url=redis_url, log_dir=tmp_path
+        specs, database_url=database_url, redis_options=redis_options, log_dir=tmp_path
     ) as workers:
         for worker in workers:
             worker.go()
@@ -134,7 +136,7 @@ def test_three_sweeper_processes_close_each_due_order_exactly_once(
     assert kinds == {"created": count, "closed": count}
     assert bad_rows == 0
     assert service.count_due() == 0
-    assert redis_client.dbsize() == 0, "expired members left in Redis"
+    assert key_count(redis_client) == 0, "expired members left in Redis"
 
     print(
         f"\n[parallel sweepers, {engine.dialect.name}] {count} due orders of {USERS} users, "

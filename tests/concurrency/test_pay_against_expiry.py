@@ -24,6 +24,7 @@ from orders.domain import Order, OrderStatus
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 from tests.concurrency.worker import now_ms, sleep_until_ms, started
+from tests.helpers import key_count
 
 UNPAID = OrderStatus.UNPAID.value
 
@@ -83,19 +84,20 @@ def write_orders(
 
 
 @pytest.mark.slow
+@pytest.mark.cluster_too
 @pytest.mark.timeout(300)
 def test_payments_around_expiry_racing_two_sweeper_processes_give_one_fate_each(
     engine: Engine,
     redis_client: redis.Redis,
     database_url: str,
-    redis_url: str,
+    redis_options: dict[str, Any],
     full_size: bool,
     tmp_path: Path,
 ) -> None:
     count = order_count(full_size)
     users = 20
     service = OrderService(
-        engine, redis_client, Settings(database_url=database_url, redis_url=redis_url)
+        engine, redis_client, Settings(database_url=database_url, **redis_options)
     )
     rng = random.Random(11)
     common = {"pool_size": PAYER_THREADS + 2, "max_overflow": 10, "deadline_s": 240}
@@ -108,7 +110,7 @@ def test_payments_around_expiry_racing_two_sweeper_processes_give_one_fate_each(
     ]
 
     with started(
-        specs, database_url=database_url, redis_url=redis_url, log_dir=tmp_path
+        specs, database_url=database_url, redis_options=redis_options, log_dir=tmp_path
     ) as workers:
         payers, sweepers = workers[:PAYERS], workers[PAYERS:]
         for sweeper in sweepers:
@@ -196,7 +198,7 @@ def test_payments_around_expiry_racing_two_sweeper_processes_give_one_fate_each(
     assert Counter(e.kind for e in event_rows) == {"created": count, **status}
     assert service.count_due() == 0
     assert all(row.status != UNPAID for row in rows.values())
-    assert redis_client.dbsize() == 0, "members left in Redis after the final sweep"
+    assert key_count(redis_client) == 0, "members left in Redis after the final sweep"
 
     # When each payment call started, against its order's expiry (aimed at -20..+20 ms).
     lateness = sorted(o["start_ms"] - by_id[oid].expires_at_ms for oid, o in outcomes.items())

@@ -83,7 +83,12 @@ class WorkerProcess:
     """One worker process. ``close()`` always stops it by its PID (terminate, then kill)."""
 
     def __init__(
-        self, mode: str, config: dict[str, Any], env: dict[str, str], log_dir: Path
+        self,
+        mode: str,
+        config: dict[str, Any],
+        env: dict[str, str],
+        log_dir: Path,
+        module: str = MODULE,
     ) -> None:
         self.mode = mode
         self.name = str(config.get("name", mode))
@@ -91,7 +96,7 @@ class WorkerProcess:
         self._stderr: IO[bytes] = open(self.log_path, "wb")  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", MODULE, mode, json.dumps(config)],
+                [sys.executable, "-m", module, mode, json.dumps(config)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=self._stderr,
@@ -181,16 +186,26 @@ def started(
     specs: list[tuple[str, dict[str, Any]]],
     *,
     database_url: str,
-    redis_url: str,
+    redis_options: dict[str, Any],
     log_dir: Path,
     ready_timeout_s: float = 90,
+    module: str = MODULE,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[list[WorkerProcess]]:
-    """Start one worker per (mode, config), wait until all are READY, stop them all at the end."""
-    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
+    """Start one worker per (mode, config), wait until all are READY, stop them all at the end.
+
+    ``module`` is the worker's module (run with ``python -m``); ``extra_env`` adds variables
+    (more ``ORDERS_*`` settings) to the children's environment."""
+    env = child_env(
+        ORDERS_DATABASE_URL=database_url,
+        ORDERS_REDIS_URL=redis_options["redis_url"],
+        ORDERS_REDIS_CLUSTER=str(redis_options["redis_cluster"]).lower(),
+        **(extra_env or {}),
+    )
     workers: list[WorkerProcess] = []
     try:
         for mode, config in specs:
-            workers.append(WorkerProcess(mode, config, env, log_dir))
+            workers.append(WorkerProcess(mode, config, env, log_dir, module))
         deadline = time.monotonic() + ready_timeout_s
         for worker in workers:
             worker.wait_ready(deadline)
@@ -538,15 +553,7 @@ def main(argv: list[str]) -> int:
             print(f"expected GO, got {line[:40]!r}", file=sys.stderr)
             return 2
         payload = json.loads(line[2:]) if line[2:].strip() else None
-        stop = threading.Event()
-
-        def watch_stdin() -> None:
-            for command in sys.stdin:
-                if command.strip() == "STOP":
-                    break
-            stop.set()  # STOP, or the end of stdin
-
-        threading.Thread(target=watch_stdin, daemon=True).start()
+        stop = stop_on_stdin()
         deadline = time.monotonic() + config.get("deadline_s", 240)
         started = time.monotonic()
         if mode == "contend":
@@ -566,8 +573,27 @@ def main(argv: list[str]) -> int:
         print(json.dumps(tally.data), flush=True)
         return 0
     finally:
-        service.engine.dispose()
-        service.index.client.close()
+        close_service(service)
+
+
+def stop_on_stdin() -> threading.Event:
+    """An event set by ``STOP`` on stdin, or by the end of stdin (read in a thread)."""
+    stop = threading.Event()
+
+    def watch_stdin() -> None:
+        for command in sys.stdin:
+            if command.strip() == "STOP":
+                break
+        stop.set()
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    return stop
+
+
+def close_service(service: Any) -> None:
+    """Close what a worker's service opened: the SQL pool and the Redis client."""
+    service.engine.dispose()
+    service.index.client.close()
 
 
 if __name__ == "__main__":

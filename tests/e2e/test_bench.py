@@ -141,6 +141,23 @@ def test_bench_refuses_a_database_holding_orders_in_one_line(
     assert rows(engine) == (1, 1)
 
 
+def test_bench_refuses_a_redis_cluster_in_one_line(
+    database_url: str, redis_url: str, engine: Engine
+) -> None:
+    env = {
+        "ORDERS_DATABASE_URL": database_url,
+        "ORDERS_REDIS_URL": "redis://127.0.0.1:1",  # never reached: refused before
+        "ORDERS_REDIS_CLUSTER": "true",
+    }
+
+    result = CliRunner().invoke(main, ["bench", "--quick"], env=env, catch_exceptions=False)
+
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: orders bench measures one Redis server")
+    assert rows(engine) == (0, 0)
+
+
 def test_with_yes_the_bench_runs_beside_other_orders_and_leaves_them_alone(
     run: Any, service: OrderService, engine: Engine, redis_client: redis.Redis
 ) -> None:

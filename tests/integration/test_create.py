@@ -24,6 +24,9 @@ from orders.models import events_table, orders_table
 from tests.conftest import ManualClock, RoundTripCounter, StatementCounter
 from tests.helpers import refuse_inserts
 
+#: The contract holds on one Redis server and on a Redis Cluster alike.
+pytestmark = pytest.mark.cluster_too
+
 
 def sql_rows(engine: Engine) -> list[Any]:
     with engine.connect() as conn:

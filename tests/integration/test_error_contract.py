@@ -41,6 +41,9 @@ from orders.service import OrderService
 from tests.conftest import PostgresTarget, RedisServer
 from tests.helpers import child_env, run_orders
 
+#: The contract holds on one Redis server and on a Redis Cluster alike.
+pytestmark = pytest.mark.cluster_too
+
 #: Every Redis call gives up this fast (one retry): a dead Redis costs well under a second.
 SOCKET_TIMEOUT_S = "0.2"
 PREFIX = "UnpaidOrder-"
@@ -471,6 +474,7 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_DATABASE_URL", "not a url"),
     ("ORDERS_REDIS_URL", "http://cache:6379/0"),
     ("ORDERS_REDIS_URL", "redis://cache:port/0"),
+    ("ORDERS_REDIS_CLUSTER", "maybe"),
     ("ORDERS_UNPAID_LIMIT", "three"),
     ("ORDERS_UNPAID_LIMIT", "0"),
     ("ORDERS_TTL_S", "nan"),
@@ -497,6 +501,7 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_SQL_MAX_OVERFLOW", "-1"),
     ("ORDERS_SQL_POOL_TIMEOUT_S", "nan"),
     ("ORDERS_SQL_STATEMENT_TIMEOUT_S", "-1"),
+    ("ORDERS_SQL_CONNECT_TIMEOUT_S", "-1"),
     ("ORDERS_SQL_BUSY_TIMEOUT_S", "ten"),
 ]
 #: Settings any value of which is well formed.

@@ -23,9 +23,13 @@ from orders.config import Settings
 from orders.domain import Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.models import events_table, orders_table
+from orders.redis_nodes import group_by_node
 from orders.service import OrderService
 from tests.conftest import ManualClock, RoundTripCounter
 from tests.helpers import closed_event_counts, create_orders, refuse_inserts, sql_rows
+
+#: The contract holds on one Redis server and on a Redis Cluster alike.
+pytestmark = pytest.mark.cluster_too
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
 
@@ -343,14 +347,22 @@ def test_sweep_cleanup_meeting_a_key_of_another_type_counts_an_error_and_cleans_
 def test_sweep_cleans_each_batch_in_one_redis_round_trip(
     service: OrderService, clock: ManualClock, redis_round_trips: RoundTripCounter
 ) -> None:
-    create_orders(service, list(range(1, 11)), users=[f"u{i}" for i in range(10)])
+    users = [f"u{i}" for i in range(10)]
+    create_orders(service, list(range(1, 11)), users=users)
     clock.advance(s=20)
     trips_before = redis_round_trips.count
 
     result = service.sweep_expired(batch_size=5)
 
     assert (result.closed, result.batches, result.redis_errors) == (10, 2, 0)
-    assert redis_round_trips.count - trips_before == 2
+    # One round trip per batch, to each node holding one of its users' keys (one server:
+    # 1 per batch; a cluster: the batch is grouped by node).
+    batches = [users[:5], users[5:]]  # the orders fall due in this order
+    nodes = [
+        len(group_by_node(service.index.client, [service.index.key(u).encode() for u in batch]))
+        for batch in batches
+    ]
+    assert redis_round_trips.count - trips_before == sum(nodes)
 
 
 def test_a_failing_batch_raises_only_after_the_previous_batch_cleanup_finished(

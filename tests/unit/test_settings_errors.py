@@ -71,3 +71,14 @@ def test_a_secret_url_is_immutable_and_survives_copies_without_showing_its_passw
     settings = Settings(redis_url=url)
     assert "hunter2" not in str(dataclasses.asdict(settings))
     assert "hunter2" not in str(dataclasses.replace(settings, unpaid_limit=4))
+
+
+@pytest.mark.parametrize(
+    "redis_url", [None, "unix:///run/redis.sock", "unix://:hunter2@/run/redis.sock"]
+)
+def test_a_cluster_needs_a_url_naming_a_node_over_tcp(redis_url: str | None) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        Settings(redis_url=redis_url, redis_cluster=True)
+    assert refused.value.field == "redis_cluster"
+    assert "hunter2" not in str(refused.value)
+    Settings(redis_url="redis://:hunter2@cache:7000", redis_cluster=True)  # well formed
