@@ -112,22 +112,3 @@ def test_the_deprecated_key_margin_is_still_accepted_and_sets_no_expiry(
     service.create_unpaid_order("u1")
 
     assert redis_client.pttl(KEY) == -1
-
-
-def test_a_cluster_refuses_a_script_touching_a_key_on_another_node(
-    redis_client: redis.Redis, redis_kind: str
-) -> None:
-    # Why the scripts name one key (tests/unit/test_scripts_touch_one_key.py): a cluster
-    # node runs a script only on keys it serves, so the cluster suites passing shows the
-    # scripts stay on their key. A key given as an argument, not in KEYS, on another node:
-    if redis_kind != "cluster":
-        pytest.skip("a single server serves every key")
-    here = "UnpaidOrder-u1"
-    node = redis_client.get_node_from_key(here).name  # type: ignore[attr-defined]
-    elsewhere = next(
-        f"UnpaidOrder-u{i}"
-        for i in range(2, 100)
-        if redis_client.get_node_from_key(f"UnpaidOrder-u{i}").name != node  # type: ignore[attr-defined]
-    )
-    with pytest.raises(redis.ResponseError, match=r"non local key|same slot"):
-        redis_client.eval("return redis.call('ZCARD', ARGV[1])", 1, here, elsewhere)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import redis
 from redis.cluster import RedisCluster
 
 from orders.bootstrap import build_redis
@@ -85,3 +86,20 @@ def test_startup_warnings_ask_every_primary_and_say_each_thing_once(
         nodes[-1].config_set("maxmemory-policy", "noeviction")
     assert len(warnings) == 2
     assert "maxmemory-policy is allkeys-lru" in warnings[1]
+
+
+def test_a_cluster_refuses_a_script_touching_a_key_on_another_node(
+    cluster_client: RedisCluster,
+) -> None:
+    # Why the scripts name one key (tests/unit/test_scripts_touch_one_key.py): a cluster
+    # node runs a script only on keys it serves, so the cluster suites passing shows the
+    # scripts stay on their key. A key given as an argument, not in KEYS, on another node:
+    here = "UnpaidOrder-u1"
+    node = cluster_client.get_node_from_key(here).name
+    elsewhere = next(
+        f"UnpaidOrder-u{i}"
+        for i in range(2, 100)
+        if cluster_client.get_node_from_key(f"UnpaidOrder-u{i}").name != node
+    )
+    with pytest.raises(redis.ResponseError, match=r"non local key|same slot"):
+        cluster_client.eval("return redis.call('ZCARD', ARGV[1])", 1, here, elsewhere)

@@ -1,7 +1,7 @@
 """Every Lua script touches exactly one key, its KEYS[1]: on a Redis Cluster a script may
 only touch keys of one slot, and one key a script is what lets each user's key live on any
 node. The cluster suites run the scripts for real; a cluster refuses a script that touches
-a key of another node (tests/integration/test_index_keys.py)."""
+a key of another node (tests/integration/test_redis_cluster.py)."""
 
 from __future__ import annotations
 
