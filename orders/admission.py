@@ -35,6 +35,12 @@ from orders.records import InsertConflict, LimitReachedInSql, OrderRecords
 log = logging.getLogger(__name__)
 
 
+def interrupted(stop: BaseException) -> bool:
+    """A call cut off half-way (its task cancelled, an interrupt), not a failure it reported:
+    whatever it had sent may or may not have taken effect."""
+    return not isinstance(stop, Exception)
+
+
 def retry_after_s(earliest_ms: int | None, now_ms: int) -> float:
     """Seconds until the earliest open order frees its slot (0 if none is known)."""
     if earliest_ms is None:
@@ -70,6 +76,18 @@ class Admitter:
             # As if a retry found its member: nothing of ours to compensate; SQL decides.
             return AdmitResult(Admission.EXISTS, 0, expires_at_ms)
 
+    def _reserve_or_settle(
+        self, user_id: str, order_id: str, expires_at_ms: int, now_ms: int, limit: int
+    ) -> AdmitResult:
+        try:
+            return self.reserve(
+                user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+            )
+        except BaseException as stop:
+            if interrupted(stop):  # the script may have run, its reply unread
+                self.settle(order_id, now_ms, user_id=user_id)
+            raise
+
     def create(
         self,
         values: Mapping[str, Any],
@@ -85,9 +103,7 @@ class Admitter:
         is no longer open (one read by primary key tells).
         """
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
-        admitted = self.reserve(
-            uid, oid, expires_at_ms=values["expires_at_ms"], now_ms=now_ms, limit=limit
-        )
+        admitted = self._reserve_or_settle(uid, oid, values["expires_at_ms"], now_ms, limit)
         if admitted.outcome is Admission.REFUSED:
             earlier = self.records.find(oid, now_ms) if caller_id else None
             if earlier is not None:
@@ -99,6 +115,24 @@ class Admitter:
             # finish it with the expiry that Redis holds.
             values = {**values, "expires_at_ms": admitted.score_ms}
         ours = admitted.outcome is Admission.ADMITTED
+        try:
+            return self._insert(values, ours=ours, amount=amount, limit=limit, now_ms=now_ms)
+        except BaseException as stop:
+            if interrupted(stop):  # anywhere past the script: SQL may or may not have it
+                self.settle(oid, now_ms, user_id=uid)
+            raise
+
+    def _insert(
+        self,
+        values: Mapping[str, Any],
+        *,
+        ours: bool,
+        amount: Decimal | None,
+        limit: int,
+        now_ms: int,
+    ) -> tuple[Order, bool]:
+        """The SQL step of :meth:`create`; ``ours``: this call added the Redis member."""
+        uid, oid, currency = values["user_id"], values["id"], values["currency"]
         try:
             return self.records.insert_guarded(values, limit, now_ms), True
         except LimitReachedInSql as refused:
@@ -146,6 +180,23 @@ class Admitter:
         if row is None and admitted.outcome is Admission.ADMITTED:
             self.release_after_commit(order.user_id, order.id)
         return row is not None
+
+    def settle(self, order_id: str, now_ms: int, *, user_id: str | None = None) -> None:
+        """Make the order's member agree with its row, after a call that was cut off half-way
+        (a cancelled task, an interrupt): SQL may or may not have committed, Redis may or
+        may not have run. An open order gets its member at its expiry; any other (or none
+        at all) loses it. Best effort: what fails here, reconcile repairs.
+        """
+        try:
+            order = self.records.find(order_id, now_ms)
+            if order is not None and order.is_open:
+                self.rescore_after_commit(order)
+            elif order is not None:
+                self.release_after_commit(order.user_id, order_id)
+            elif user_id is not None:
+                self.release_after_commit(user_id, order_id)
+        except OrdersError:
+            log.warning("settling an interrupted call failed; reconcile will fix it")
 
     def _compensate(self, user_id: str, order_id: str, now_ms: int) -> Order | None:
         """Undo our admission after the insert failed, unless the member indexes a real order.

@@ -5,16 +5,18 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import URL, Engine, create_engine, event
 from sqlalchemy.exc import ArgumentError, DisconnectionError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from orders.config import SecretUrl, Settings, check_database_url
@@ -24,6 +26,8 @@ from orders.redis_nodes import RedisClient
 from orders.service import OrderService
 
 log = logging.getLogger(__name__)
+
+EngineT = TypeVar("EngineT", Engine, AsyncEngine)
 
 
 def database_url(settings: Settings) -> str:
@@ -43,6 +47,23 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
     block the writer and writers queue instead of failing. A URL SQLAlchemy cannot use, or
     whose driver is not installed, is InvalidInput; nothing has connected by then.
     """
+    target, kwargs = _engine_plan(settings, url)
+    engine = _created(target, lambda: create_engine(target, **kwargs))
+    return _prepared(engine, target)
+
+
+def build_async_engine(settings: Settings, url: str | None = None) -> AsyncEngine:
+    """:func:`build_engine` for asyncio (:mod:`orders.aio`): the same pool and connection
+    settings, on the async driver of the same database (aiosqlite; psycopg's async side)."""
+    target, kwargs = _engine_plan(settings, url)
+    if target.get_backend_name() == "sqlite":
+        target = target.set(drivername="sqlite+aiosqlite")
+    engine = _created(target, lambda: create_async_engine(target, **kwargs))
+    _prepared(engine.sync_engine, target)
+    return engine
+
+
+def _engine_plan(settings: Settings, url: str | None) -> tuple[URL, dict[str, Any]]:
     target = check_database_url(url or database_url(settings))
     if target.drivername == "postgresql":  # a bare URL means psycopg 3, the driver we ship
         target = target.set(drivername="postgresql+psycopg")
@@ -66,8 +87,12 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
             # bounds the wait for a pooled connection, not the opening of a new one.
             timeout_s = math.ceil(settings.sql_connect_timeout_s)
             kwargs["connect_args"]["connect_timeout"] = timeout_s
+    return target, kwargs
+
+
+def _created(target: URL, create: Callable[[], EngineT]) -> EngineT:
     try:
-        engine = create_engine(target, **kwargs)
+        return create()
     except ImportError as exc:
         raise InvalidInput(
             "database_url", f"the driver of {target.drivername} needs {exc.name}, not installed"
@@ -77,7 +102,10 @@ def build_engine(settings: Settings, url: str | None = None) -> Engine:
         raise InvalidInput(
             "database_url", f"refused by SQLAlchemy ({type(exc).__name__})"
         ) from None
-    if backend == "sqlite":
+
+
+def _prepared(engine: Engine, target: URL) -> Engine:
+    if target.get_backend_name() == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
     else:
         ping_idle_connections(engine)
@@ -126,6 +154,20 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None
         cursor.close()
 
 
+def redis_retry(*, cluster: bool, kind: type[Retry] = Retry) -> Retry:
+    """The service's Redis retry policy (``kind``: the Retry class that sleeps).
+
+    On one server, one quick retry covers a connection the server dropped (for the
+    embedded server, the retry's reconnect is what starts it again); more would only
+    stretch an outage past the socket timeout the caller chose. The cluster client retries
+    longer: after a failed node it reloads the slot map and tries again, long enough to
+    ride out a replica's promotion.
+    """
+    if cluster:
+        return kind(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3)
+    return kind(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 1)
+
+
 def build_redis(settings: Settings) -> RedisClient:
     """A redis-py client for the configured URL, or for the embedded server of ``home``.
 
@@ -137,10 +179,7 @@ def build_redis(settings: Settings) -> RedisClient:
     options: dict[str, Any] = {
         "socket_connect_timeout": settings.redis_socket_timeout_s,
         "health_check_interval": 30,
-        # One quick retry covers a connection the server dropped (for the embedded server,
-        # the retry's reconnect is what starts it again); more would only stretch an
-        # outage past the socket timeout the caller chose.
-        "retry": Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), 1),
+        "retry": redis_retry(cluster=False),
     }
     if settings.redis_url is None:
         from orders.embedded_client import embedded_client  # noqa: PLC0415
@@ -153,9 +192,7 @@ def build_redis(settings: Settings) -> RedisClient:
     log.debug("redis %s for %s", "cluster client" if settings.redis_cluster else "client", url)
     try:
         if settings.redis_cluster:
-            # The cluster client's own retry: after a failed node it reloads the slot map
-            # and tries again, long enough to ride out a replica's promotion.
-            options["retry"] = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), 3)
+            options["retry"] = redis_retry(cluster=True)
             del options["health_check_interval"]
             return RedisCluster.from_url(
                 url.reveal(), socket_timeout=settings.redis_socket_timeout_s, **options

@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Row
 
 from orders import metrics
-from orders.admission import Admitter
+from orders.admission import Admitter, interrupted
 from orders.config import Settings
 from orders.domain import (
     Clock,
@@ -265,12 +265,17 @@ class OrderService:
     ) -> tuple[Order, bool]:
         """The shape every transition shares: the compare-and-set in one transaction, then,
         if it won, the Redis follow-up (by default: the member leaves the index)."""
-        order, won = self.records.transition_or_current(order_id, now_ms, attempt)
-        if won:
-            if redis_after is None:
-                self.admitter.release_after_commit(order.user_id, order.id)
-            else:
-                redis_after(order)
+        try:
+            order, won = self.records.transition_or_current(order_id, now_ms, attempt)
+            if won:
+                if redis_after is None:
+                    self.admitter.release_after_commit(order.user_id, order.id)
+                else:
+                    redis_after(order)
+        except BaseException as stop:
+            if interrupted(stop):  # it may have committed: Redis must follow the row
+                self.admitter.settle(order_id, now_ms)
+            raise
         return order, won
 
     # --- reading -------------------------------------------------------------------------

@@ -1,0 +1,43 @@
+"""The asyncio API: :class:`AsyncOrderService`, and module-level functions on a default one.
+
+The functions here await the service :func:`default_service` builds from ``ORDERS_*`` on
+first use (or the one given to :func:`configure`)::
+
+    import orders.aio
+
+    order = await orders.aio.create_unpaid_order("user-1")
+
+See :mod:`orders.aio.greenlets` for how the one set of rules of the synchronous API runs
+on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+from orders.aio.default import build_async_service, configure, default_service, on_default
+from orders.aio.service import AsyncOrderService
+
+create_unpaid_order = on_default(AsyncOrderService.create_unpaid_order)
+mark_paid = on_default(AsyncOrderService.mark_paid)
+cancel_order = on_default(AsyncOrderService.cancel_order)
+extend_order = on_default(AsyncOrderService.extend_order)
+get_order = on_default(AsyncOrderService.get_order)
+list_unpaid = on_default(AsyncOrderService.list_unpaid)
+iter_events = on_default(AsyncOrderService.iter_events)
+sweep_expired = on_default(AsyncOrderService.sweep_expired)
+reconcile = on_default(AsyncOrderService.reconcile)
+
+__all__ = [
+    "AsyncOrderService",
+    "build_async_service",
+    "cancel_order",
+    "configure",
+    "create_unpaid_order",
+    "default_service",
+    "extend_order",
+    "get_order",
+    "iter_events",
+    "list_unpaid",
+    "mark_paid",
+    "reconcile",
+    "sweep_expired",
+]

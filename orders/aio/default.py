@@ -1,0 +1,123 @@
+"""The async service configured from ``ORDERS_*``, and the module-level functions on it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import redis.asyncio
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+from orders.aio.greenlets import run
+from orders.aio.loop_redis import AsyncRedisClient
+from orders.aio.service import AsyncOrderService
+from orders.bootstrap import (
+    build_async_engine,
+    build_engine,
+    ensure_embedded_schema,
+    ensure_schema,
+)
+from orders.config import Settings
+from orders.domain import Clock
+from orders.errors import InvalidInput
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _check_schema(settings: Settings) -> None:
+    """As :func:`orders.bootstrap.build_service` does (a blocking job: run in a thread)."""
+    engine = build_engine(settings)
+    try:
+        if settings.database_url is None:
+            ensure_embedded_schema(engine, settings.home)
+        else:
+            ensure_schema(engine)
+    finally:
+        engine.dispose()
+
+
+def _embedded_url(settings: Settings) -> str:
+    from orders.embedded import ensure_redis  # noqa: PLC0415
+
+    return ensure_redis(settings.home).url
+
+
+async def async_redis(settings: Settings) -> AsyncRedisClient:
+    """A ``redis.asyncio`` client for the configured server or cluster (the embedded
+    server is started first when it does not run; a start takes a thread, not the loop)."""
+    timeouts: dict[str, Any] = {
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_connect_timeout": settings.redis_socket_timeout_s,
+    }
+    if settings.redis_url is None:
+        url = await asyncio.to_thread(_embedded_url, settings)
+        return redis.asyncio.Redis.from_url(url, **timeouts)
+    try:
+        if settings.redis_cluster:
+            return AsyncRedisCluster.from_url(settings.redis_url.reveal(), **timeouts)
+        return redis.asyncio.Redis.from_url(settings.redis_url.reveal(), **timeouts)
+    except ValueError:
+        raise InvalidInput("redis_url", "refused by redis-py") from None
+
+
+async def build_async_service(
+    settings: Settings | None = None,
+    *,
+    clock: Clock | None = None,
+    startup_warnings: bool = True,
+) -> AsyncOrderService:
+    """:func:`orders.bootstrap.build_service` for asyncio: the configured stores, the schema
+    checked, the Redis server's risky configuration logged; connected before it returns."""
+    settings = settings or Settings.from_env()
+    await asyncio.to_thread(_check_schema, settings)
+    service = AsyncOrderService(
+        build_async_engine(settings), await async_redis(settings), settings, clock=clock
+    )
+    try:
+        core = await service.core()
+        for warning in await run(core.index.server_warnings) if startup_warnings else []:
+            log.warning("%s", warning)
+    except BaseException:
+        await service.aclose()
+        raise
+    return service
+
+
+_default: AsyncOrderService | None = None
+_default_lock: asyncio.Lock | None = None
+
+
+async def default_service() -> AsyncOrderService:
+    """The service behind the module-level functions, built from ``ORDERS_*`` on first use
+    (on the event loop that first uses it)."""
+    global _default, _default_lock  # noqa: PLW0603
+    if _default is None:
+        _default_lock = _default_lock or asyncio.Lock()
+        async with _default_lock:
+            if _default is None:
+                _default = await build_async_service()
+    return _default
+
+
+def configure(service: AsyncOrderService | None) -> None:
+    """Bind the module-level functions to ``service`` (None: rebuild from the environment
+    on next use; the service bound before is not closed)."""
+    global _default, _default_lock
+    _default, _default_lock = service, None
+
+
+def on_default(
+    method: Callable[Concatenate[AsyncOrderService, P], Awaitable[R]],
+) -> Callable[P, Coroutine[Any, Any, R]]:
+    """``method`` of :class:`AsyncOrderService` as a function on the default service."""
+
+    async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        return await method(await default_service(), *args, **kwargs)
+
+    return functools.wraps(method)(call)

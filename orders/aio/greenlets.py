@@ -1,0 +1,96 @@
+"""Running the service's one synchronous core on an event loop.
+
+The technique is SQLAlchemy's own for its asyncio extension: :func:`run` starts a function
+in a greenlet; wherever that function would block on I/O, the driver hands an awaitable to
+the event loop instead (:func:`wait_for`) and the greenlet resumes with its result. The
+SQL side needs nothing more than ``AsyncEngine.sync_engine``; the Redis side gets the same
+from :mod:`orders.aio.loop_redis`. So a use case's rules (validation, the scripts and their
+arguments, every statement, the status -> error decision, the admission policy) run as
+the very code the synchronous :class:`~orders.service.OrderService` runs.
+
+Cancellation: a task cancelled while it awaits :func:`run` has the ``CancelledError``
+raised inside the core, at the I/O it was waiting on, exactly once; the core's own
+clean-up (rollback, compensation of an admitted Redis member) then runs to its end,
+shielded from further cancellation, before the caller sees ``CancelledError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from redis.retry import Retry
+from sqlalchemy import util as sa_util
+
+T = TypeVar("T")
+
+# SQLAlchemy 2.1 names it await_, 2.0 await_only (kept in 2.1 as a deprecated alias).
+_await: Callable[[Awaitable[Any]], Any] = getattr(sa_util, "await_", None) or sa_util.await_only
+
+
+def wait_for(awaitable: Awaitable[T]) -> T:
+    """Inside :func:`run`: hand ``awaitable`` to the event loop, resume with its result."""
+    result: T = _await(awaitable)
+    return result
+
+
+async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a greenlet on this loop (see the module docstring)."""
+    task = asyncio.ensure_future(sa_util.greenlet_spawn(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            task.cancel()  # raised inside the core, at the I/O it is waiting on
+            while not task.done():
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(task)  # its clean-up runs to the end
+        raise
+
+
+class LoopLock:
+    """A lock for code inside :func:`run`: waiting for it yields to the event loop.
+
+    A ``threading.Lock`` would stop the loop itself while another task holds it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    def __enter__(self) -> None:
+        wait_for(self._lock.acquire())
+
+    def __exit__(self, *_exc: object) -> None:
+        self._lock.release()
+
+
+class LoopRetry(Retry):
+    """redis-py's Retry, but its back-off sleeps on the event loop, not in ``time.sleep``."""
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        self._backoff.reset()  # type: ignore[no-untyped-call]
+        failures = 0
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                if is_retryable is not None and not is_retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                if 0 <= self._retries < failures:
+                    raise
+                pause_s = self._backoff.compute(failures)
+                if pause_s > 0:
+                    wait_for(asyncio.sleep(pause_s))

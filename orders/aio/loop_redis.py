@@ -1,0 +1,212 @@
+"""A redis-py client whose sockets move their bytes on the running event loop.
+
+The service's Redis code (its scripts, the hand-packed bulk calls of
+:mod:`orders.script_pipeline`, the cluster routing) is written once, against redis-py's
+synchronous client. Under :func:`orders.aio.greenlets.run` that client is made
+non-blocking at its lowest layer: each connection's socket is a :class:`LoopSocket`,
+whose waits (connect, send, receive, each bounded by the connection's timeouts) are
+awaited on the loop. Everything above the socket (the parser, retries, health checks,
+redirections of a cluster) is redis-py's own code, unchanged.
+
+:func:`loop_client` builds such a client from a ``redis.asyncio`` client: the same server
+(or cluster), database, credentials and timeouts. It keeps its own connections; the
+``redis.asyncio`` client's pool is not shared. TLS is not supported yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import UnixDomainSocketConnection
+from redis.retry import Retry
+
+from orders.aio.greenlets import wait_for
+from orders.errors import InvalidInput
+from orders.redis_nodes import RedisClient
+
+T = TypeVar("T")
+
+AsyncRedisClient = redis.asyncio.Redis | AsyncRedisCluster
+
+#: What a connection of the ``redis.asyncio`` client carries over: where the server is,
+#: who we are, and how long to wait. Everything else (its pool, its parser) stays its own.
+_CARRIED = (
+    "host",
+    "port",
+    "path",
+    "db",
+    "username",
+    "password",
+    "credential_provider",
+    "client_name",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_keepalive",
+    "socket_keepalive_options",
+    "protocol",
+)
+
+
+class LoopSocket:
+    """A connected socket, non-blocking, whose waits are awaited on the event loop.
+
+    The part of ``socket.socket`` that redis-py's connections and parsers use. A timeout
+    of 0 (redis-py's "is anything there?") never waits: it raises ``BlockingIOError``
+    like a non-blocking socket.
+    """
+
+    def __init__(self, sock: socket.socket, timeout: float | None) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._timeout = timeout
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def getsockname(self) -> Any:
+        return self._sock.getsockname()
+
+    def setsockopt(self, *args: Any) -> None:
+        self._sock.setsockopt(*args)
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        if flags or self._timeout == 0:
+            return self._sock.recv_into(buffer, nbytes, flags)
+        loop = asyncio.get_running_loop()
+        view = memoryview(buffer)[:nbytes] if nbytes else buffer
+        return wait_for(self._bounded(loop.sock_recv_into(self._sock, view)))
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        if flags or self._timeout == 0:
+            return self._sock.recv(bufsize, flags)
+        loop = asyncio.get_running_loop()
+        return wait_for(self._bounded(loop.sock_recv(self._sock, bufsize)))
+
+    def sendall(self, data: bytes | memoryview) -> None:
+        try:  # a command fits the socket's buffer almost always: no wait, no switch
+            sent = self._sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            loop = asyncio.get_running_loop()
+            wait_for(self._bounded(loop.sock_sendall(self._sock, memoryview(data)[sent:])))
+
+    async def _bounded(self, step: Awaitable[T]) -> T:
+        if self._timeout is None:
+            return await step
+        async with asyncio.timeout(self._timeout):  # raises TimeoutError (socket.timeout)
+            return await step
+
+
+async def _open(
+    family: int, address: Any, connect_timeout: float | None, options: list[tuple[int, int, int]]
+) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        for level, option, value in options:
+            sock.setsockopt(level, option, value)
+        async with asyncio.timeout(connect_timeout):
+            await asyncio.get_running_loop().sock_connect(sock, address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class LoopConnection(redis.Connection):
+    """redis-py's TCP connection over a :class:`LoopSocket`."""
+
+    def _connect(self) -> LoopSocket:
+        options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+        if self.socket_keepalive:
+            options.append((socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1))
+            keepalive = self.socket_keepalive_options.items()
+            options += [(socket.IPPROTO_TCP, option, value) for option, value in keepalive]
+        loop = asyncio.get_running_loop()
+        found = wait_for(loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM))
+        error: OSError = OSError("getaddrinfo returned no address")
+        for family, _type, _proto, _name, address in found:
+            try:
+                sock = wait_for(_open(family, address, self.socket_connect_timeout, options))
+            except OSError as exc:  # TimeoutError included: redis-py reports it as such
+                error = exc
+                continue
+            return LoopSocket(sock, self.socket_timeout)
+        raise error
+
+
+class LoopUnixConnection(UnixDomainSocketConnection):
+    """redis-py's unix-socket connection over a :class:`LoopSocket`."""
+
+    def _connect(self) -> LoopSocket:
+        sock = wait_for(_open(socket.AF_UNIX, self.path, self.socket_connect_timeout, []))
+        return LoopSocket(sock, self.socket_timeout)
+
+
+def _carried(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: kwargs[name] for name in _CARRIED if name in kwargs}
+
+
+def check_async_client(client: object) -> AsyncRedisClient:
+    """Refuse (InvalidInput) what :func:`loop_client` cannot copy."""
+    if isinstance(client, AsyncRedisCluster):
+        decode = client.encoder.decode_responses
+        if client.connection_kwargs.get("connection_class", None) is redis.asyncio.SSLConnection:
+            raise InvalidInput("redis_client", "TLS is not supported by orders.aio yet")
+    elif isinstance(client, redis.asyncio.Redis):
+        pool = client.connection_pool
+        decode = pool.connection_kwargs.get("decode_responses", False)
+        if issubclass(pool.connection_class, redis.asyncio.SSLConnection):
+            raise InvalidInput("redis_client", "TLS is not supported by orders.aio yet")
+    else:
+        raise InvalidInput("redis_client", "must be a redis.asyncio Redis or RedisCluster")
+    if decode:
+        raise InvalidInput("redis_client", "must not decode responses (ids are read as bytes)")
+    return client
+
+
+def loop_client(client: AsyncRedisClient, retry: Retry) -> RedisClient:
+    """A synchronous client on the server or cluster ``client`` names, for code run by
+    :func:`orders.aio.greenlets.run` (call it there: a cluster client connects at once)."""
+    check_async_client(client)
+    if isinstance(client, AsyncRedisCluster):
+        nodes = [
+            ClusterNode(node.host, node.port)  # type: ignore[no-untyped-call]
+            for node in client.nodes_manager.startup_nodes.values()
+        ]
+        return RedisCluster(
+            startup_nodes=nodes,
+            connection_class=LoopConnection,
+            retry=retry,
+            **_carried(client.connection_kwargs),
+        )
+    pool = client.connection_pool
+    unix = issubclass(pool.connection_class, redis.asyncio.UnixDomainSocketConnection)
+    loop_pool = redis.ConnectionPool(
+        connection_class=LoopUnixConnection if unix else LoopConnection,
+        max_connections=pool.max_connections,
+        retry=retry,
+        health_check_interval=30,
+        **_carried(pool.connection_kwargs),
+    )
+    return redis.Redis(connection_pool=loop_pool)
