@@ -11,6 +11,7 @@ database is FLUSHed before every test, so give it a throwaway one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -23,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import pytest
 import redis
@@ -32,11 +33,13 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
 from orders import migrate
+from orders.aio import AsyncOrderService
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
 from orders.redis_nodes import RedisClient, primaries
 from orders.redis_server import find_redis_server
 from orders.service import OrderService
+from tests.aio_support import AwaitedService, LoopThread, new_async_service, no_slow_callbacks
 from tests.cluster import LocalCluster, running_cluster
 from tests.helpers import flush_db, stop_process
 from tests.postgres import PostgresServer, find_postgres_bin
@@ -253,7 +256,10 @@ def local_cluster() -> Iterator[LocalCluster]:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Tests marked ``cluster_too`` run on one Redis server and again on a Redis Cluster."""
+    """Tests marked ``cluster_too`` run on one Redis server and again on a Redis Cluster;
+    tests marked ``both_apis`` run against the synchronous and the asyncio API."""
+    if "api" in metafunc.fixturenames and metafunc.definition.get_closest_marker("both_apis"):
+        metafunc.parametrize("api", ["sync", "async"], indirect=True)
     if "redis_kind" in metafunc.fixturenames and metafunc.definition.get_closest_marker(
         "cluster_too"
     ):
@@ -282,7 +288,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         params: dict[str, Any] = callspec.params if callspec else {}
         if "redis_binary" not in params:
             return False
-        if params.get("redis_kind") == "cluster":
+        if params.get("redis_kind") == "cluster" or params.get("api") == "async":
             return params["redis_binary"] != second
         if params["redis_binary"] != first:
             return False
@@ -437,6 +443,26 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
+def forward_sql_events(source: Engine, target: Engine) -> None:
+    """What tests listen for on ``target`` (statements, commits) they hear from ``source``
+    too: the async service's engine is not the test's."""
+
+    def statement(*args: Any) -> None:
+        target.dispatch.before_cursor_execute(*args)
+
+    def commit(conn: Any) -> None:
+        target.dispatch.commit(conn)
+
+    event.listen(source, "before_cursor_execute", statement)
+    event.listen(source, "commit", commit)
+
+
+@pytest.fixture
+def api(request: pytest.FixtureRequest) -> str:
+    """ "sync" (OrderService) or "async" (orders.aio's, see ``both_apis``)."""
+    return str(getattr(request, "param", "sync"))
+
+
 @pytest.fixture
 def make_service(
     engine: Engine,
@@ -444,14 +470,33 @@ def make_service(
     redis_options: dict[str, Any],
     database_url: str,
     clock: ManualClock,
-) -> Callable[..., OrderService]:
-    """Build an OrderService on the test's stores; keyword arguments override Settings."""
+    api: str,
+) -> Iterator[Callable[..., OrderService]]:
+    """Build an OrderService on the test's stores; keyword arguments override Settings.
+
+    Under ``api == "async"`` the use cases go to an AsyncOrderService on the same stores,
+    awaited on a checked loop in a thread (``tests.aio_support``): the test cannot tell.
+    """
+    loop: LoopThread | None = None
+    built: list[AsyncOrderService] = []
 
     def make(**overrides: Any) -> OrderService:
+        nonlocal loop
         settings = Settings(database_url=database_url, **{**redis_options, **overrides})
-        return OrderService(engine, redis_client, settings, clock=clock)
+        sync = OrderService(engine, redis_client, settings, clock=clock)
+        if api == "sync":
+            return sync
+        loop = loop or LoopThread()
+        built.append(loop.call(new_async_service(settings, clock=clock)))
+        forward_sql_events(built[-1].engine.sync_engine, engine)
+        return cast(OrderService, AwaitedService(sync, loop, built[-1]))
 
-    return make
+    with no_slow_callbacks() if api == "async" else contextlib.nullcontext():
+        yield make
+        if loop is not None:
+            for service in built:
+                loop.call(service.aclose())
+            loop.stop()
 
 
 @pytest.fixture

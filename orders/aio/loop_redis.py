@@ -195,6 +195,8 @@ def loop_client(client: AsyncRedisClient, retry: Retry) -> RedisClient:
             for node in client.nodes_manager.startup_nodes.values()
         ]
         return RedisCluster(
+            # Given a URL (no credentials in it), each node's pool takes connection_class.
+            url=f"redis://{nodes[0].host}:{nodes[0].port}",
             startup_nodes=nodes,
             connection_class=LoopConnection,
             retry=retry,

@@ -25,7 +25,7 @@ from tests.conftest import ManualClock, RoundTripCounter, StatementCounter
 from tests.helpers import refuse_inserts
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.cluster_too, pytest.mark.both_apis]
 
 
 def sql_rows(engine: Engine) -> list[Any]:
@@ -118,7 +118,8 @@ def test_admission_costs_one_redis_call_and_one_sql_transaction(
     sql_statements: StatementCounter,
     redis_round_trips: RoundTripCounter,
 ) -> None:
-    service.create_unpaid_order("warm-up")  # loads the script once
+    # Loads the script, and opens the connection to u1's node (a cluster's node too).
+    service.create_unpaid_order("u1")
     commits: list[object] = []
 
     def on_commit(conn: object) -> None:
