@@ -8,10 +8,13 @@ from :mod:`orders.aio.loop_redis`. So a use case's rules (validation, the script
 arguments, every statement, the status -> error decision, the admission policy) run as
 the very code the synchronous :class:`~orders.service.OrderService` runs.
 
-Cancellation: a task cancelled while it awaits :func:`run` has the ``CancelledError``
-raised inside the core, at the I/O it was waiting on, exactly once; the core's own
-clean-up (rollback, compensation of an admitted Redis member) then runs to its end,
-shielded from further cancellation, before the caller sees ``CancelledError``.
+Cancellation: a use case is one step for a task that awaits it. A task cancelled while it
+awaits :func:`run` gets its ``CancelledError`` once the call has finished, never half-way:
+the call's effect, if it had one, stands (as when an acknowledgement is lost; a create
+retried with the same ``order_id`` finds its order). Cutting a call at its I/O instead
+was tried first: the drivers' clean-up of a connection interrupted mid-statement is where
+it broke (aiosqlite's connection close then never returned). How long a cancelled caller
+waits is bounded by the stores' timeouts, as the call itself is.
 """
 
 from __future__ import annotations
@@ -42,12 +45,17 @@ async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        if not task.done():
-            task.cancel()  # raised inside the core, at the I/O it is waiting on
-            while not task.done():
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(task)  # its clean-up runs to the end
+        await _finished(task)
         raise
+
+
+async def _finished(task: asyncio.Future[Any]) -> None:
+    """Wait for ``task`` to end, however often the waiting task is cancelled meanwhile."""
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: its error was the cancelled caller's to lose
 
 
 class LoopLock:
