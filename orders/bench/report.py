@@ -91,6 +91,12 @@ def run_bench(
             f"the SQL pool holds {pool_size} connections for up to {most_threads} threads: "
             "the others open a new connection per operation (ORDERS_SQL_POOL_SIZE)"
         )
+    if "create" in figures and pool_size is not None and pool_size < sizes.tasks:
+        work.notes.append(
+            f"the async create's {sizes.tasks} tasks share the SQL pool's {pool_size} "
+            "connections and its overflow, whose connections are opened and closed as "
+            "demand comes and goes (ORDERS_SQL_POOL_SIZE, ORDERS_SQL_MAX_OVERFLOW)"
+        )
     try:
         for name in figures:
             figure_started = time.monotonic()
