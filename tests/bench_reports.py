@@ -41,6 +41,24 @@ def create_figure(create_ops_s: float) -> dict[str, Any]:
     }
 
 
+def with_tasks(
+    figure: dict[str, Any], name: str, ops_s: float, against: dict[str, float], floors_threads: int
+) -> dict[str, Any]:
+    """``figure`` with its async parts at 1 and 64 tasks (64 tasks: 2x the ops/s)."""
+    out = {**figure, "task_counts": [1, 64]}
+    for n, rate in ((1, ops_s), (64, ops_s * 2)):
+        threads = 1 if n == 1 else floors_threads
+        out[f"tasks_{n}"] = {
+            "tasks": n,
+            "ops_per_rep": 100,
+            "floors_threads": threads,
+            "variants": {name: variant(rate)},
+        }
+        for other, theirs in against.items():
+            out[f"tasks_{n}"][f"{name}_vs_{other}"] = spread(rate / (theirs * threads))
+    return out  # fmt: skip
+
+
 def sweep_figure() -> dict[str, Any]:
     def table(rows: int, scale: float) -> dict[str, Any]:
         rates = {100: 20_000.0, 500: 35_000.0, 2000: 46_000.0}
@@ -66,7 +84,9 @@ def close_lag_figure() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def make_report(create_ops_s: float, refusal_ops_s: float, *, cancel: bool) -> dict[str, Any]:
+def make_report(
+    create_ops_s: float, refusal_ops_s: float, *, cancel: bool, tasks: bool = False
+) -> dict[str, Any]:
     figures: dict[str, Any] = {
         "create": create_figure(create_ops_s),
         "refusal": {
@@ -80,6 +100,16 @@ def make_report(create_ops_s: float, refusal_ops_s: float, *, cancel: bool) -> d
         "sweep": sweep_figure(),
         "close_lag": close_lag_figure(),
     }  # fmt: skip
+    if tasks:  # a report of the asyncio API too (the floors scale with threads, see above)
+        figures["create"] = with_tasks(
+            figures["create"], "create_async", 1500.0, {"floor": 2000.0, "naive": 1000.0}, 4
+        )
+        figures["create"]["task_scaling"] = {"tasks_64_vs_1": {"create_async": spread(2.0)}}
+        figures["refusal"] = with_tasks(
+            figures["refusal"], "refusal_async", 700.0, {"evalsha": 1000.0}, 1
+        )
+        for n in (1, 64):
+            figures["refusal"][f"tasks_{n}"].update(refusals=300, sql_statements=0)
     if cancel:
         figures["cancel"] = {
             "ops_per_rep": 100,
@@ -106,7 +136,7 @@ def make_report(create_ops_s: float, refusal_ops_s: float, *, cancel: bool) -> d
 
 
 OLD = make_report(create_ops_s=800.0, refusal_ops_s=800.0, cancel=False)
-NEW = make_report(create_ops_s=1800.0, refusal_ops_s=900.0, cancel=True)
+NEW = make_report(create_ops_s=1800.0, refusal_ops_s=900.0, cancel=True, tasks=True)
 
 
 def save(folder: Path, name: str, report: dict[str, Any]) -> str:

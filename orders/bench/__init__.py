@@ -14,10 +14,14 @@ The figures, each with what it is compared with:
    script, then the raw DBAPI driver inserting the order row and its ``created`` event in
    one committed transaction, see :mod:`orders.bench.driver`), the same work through
    SQLAlchemy Core (``floor_core``), and the naive approach (ZCARD, then ZADD from the
-   client, then a Core INSERT of the order row).
+   client, then a Core INSERT of the order row). Beside them, ``create_async``: the same
+   create through :class:`~orders.aio.AsyncOrderService` as 1 task (awaited in turn) and
+   as ``--tasks`` N tasks gathered on one event loop, against the same floors of the same
+   run (at the most threads not above N, see :mod:`orders.bench.concurrency`).
 2. ``refusal``: a create refused at the limit, and the SQL statements it issued (should be
    none), with and without a caller-supplied ``order_id`` (which may cost one read by
-   primary key), against one raw EVALSHA that refuses.
+   primary key), against one raw EVALSHA that refuses; and ``refusal_async`` at 1 and N
+   tasks, against the same EVALSHA.
 3. ``mark_paid`` and ``cancel``: each end to end against the raw driver's ``UPDATE ...
    WHERE status = 'unpaid'`` plus its event row, in one committed transaction.
 4. ``sweep``: closes per second of ``sweep_expired`` per batch size, on a table of many
@@ -47,9 +51,11 @@ only other trace is planner statistics: the sweep figure runs ``ANALYZE`` (Postg
 ``VACUUM (ANALYZE)``) on ``orders`` after each bulk load.
 
 The report's JSON shape is documented in docs/bench.md. The package, one job a module:
-``measure`` (runs, percentiles, sizes), ``workload`` (the bench's namespace, rows, cleanup
-and machine block), ``driver`` (the raw DBAPI floors), ``variants`` and ``figures`` (what
-is timed), ``report`` (the report and its targets), ``tables`` (printing it), ``compare``
+``measure`` (runs on threads or tasks, percentiles, sizes), ``concurrency`` (thread and
+task counts, the report's parts by count), ``loop`` (the async variants' event loop and
+service), ``workload`` (the bench's namespace, rows, cleanup and machine block),
+``driver`` (the raw DBAPI floors), ``variants``, ``throughput`` and ``figures`` (what is
+timed), ``report`` (the report and its targets), ``tables`` (printing it), ``compare``
 (saved reports, side by side), ``plot`` (matplotlib, optional) and ``command`` (``orders
 bench``). Only the command imports it (lazily, see ``orders.cli.app.LAZY_COMMANDS``), and
 it uses public names only.

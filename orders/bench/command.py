@@ -78,6 +78,13 @@ def _parse_batches(text: str) -> tuple[int, ...]:
     show_default=True,
     help="Threads of the multi-threaded create figure (on PostgreSQL also 8).",
 )
+@click.option(
+    "--tasks",
+    type=click.IntRange(1, 1024),
+    default=64,
+    show_default=True,
+    help="Tasks on one event loop of the async create and refusal figures (also 1).",
+)
 @click.option("--reps", type=click.IntRange(1, 100), help="Repetitions. [default: 5; quick 3]")
 @click.option(
     "--ops",
@@ -137,6 +144,7 @@ def bench(
     quick: bool,
     yes: bool,
     threads: int,
+    tasks: int,
     reps: int | None,
     ops: int | None,
     sweep_rows: int | None,
@@ -188,6 +196,7 @@ def _sizes(params: dict[str, Any]) -> Sizes:
     sizes = replace(
         base,
         threads=params["threads"],
+        tasks=params["tasks"],
         batch_sizes=_parse_batches(params["batch_sizes"]),
         **given,
     )

@@ -2,7 +2,8 @@
 
 The compared figures are the headline ones: each target's measured figure (keyed by its
 id) and every variant's median ops/s (keyed ``figure.variant``, the create figure's as
-``create.threads_N.variant``). A figure only one report has shows ``-`` on the other side.
+``create.threads_N.variant``, an async one's as ``figure.tasks_N.variant``). A figure
+only one report has shows ``-`` on the other side.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import click
 
+from orders.bench.concurrency import parts
 from orders.bench.report import SCHEMA_VERSION
 from orders.bench.tables import format_value
 
@@ -61,13 +63,9 @@ def headline(report: Mapping[str, Any]) -> Headline:
     for target in report["targets"]:
         out[str(target["id"])] = (_number(target["measured"]), str(target["unit"]))
     for name, figure in report["figures"].items():
-        parts = (
-            {f"{name}.threads_{t}": figure[f"threads_{t}"] for t in figure["thread_counts"]}
-            if name == "create"
-            else {name: figure}
-        )
-        for prefix, part in parts.items():
-            for variant, described in part.get("variants", {}).items():
+        for key, part in parts(figure, name).items():
+            prefix = name if key == name else f"{name}.{key}"
+            for variant, described in part["variants"].items():
                 out[f"{prefix}.{variant}"] = (_number(described["ops_s"]["median"]), "ops/s")
     return out
 

@@ -1,4 +1,8 @@
-"""The figures: each runs its variants side by side and returns its part of the report."""
+"""The figures: each runs its variants side by side and returns its part of the report.
+
+The throughput figures (create, refusal, mark_paid, cancel, sql_admission) are in
+:mod:`orders.bench.throughput`; the sweep, close-lag and Redis memory figures here.
+"""
 
 from __future__ import annotations
 
@@ -10,106 +14,22 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from orders.bench import variants
 from orders.bench.measure import (
     Run,
     Variant,
     chunks,
-    counted,
-    describe,
     ns,
     percentile,
     quiet,
-    ratios,
     spread,
 )
+from orders.bench.throughput import cancel, create, mark_paid, refusal, sql_admission
 from orders.bench.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
-from orders.domain import EventKind, OrderStatus
+from orders.domain import OrderStatus
 from orders.models import UNPAID_PREDICATE, orders_table, sql_errors
 from orders.scheduling import build_scheduler
 from orders.service import OrderService
 from orders.sweeper import Sweeper
-
-#: The variants of the create figure, at each thread count.
-CREATE_VARIANTS: dict[str, Callable[[Workload, int], Variant]] = {
-    "create": variants.create,
-    "floor": variants.floor,
-    "floor_core": variants.floor_core,
-    "naive": variants.naive,
-}
-
-
-def thread_counts(engine: str, threads: int) -> tuple[int, ...]:
-    """1 and ``--threads``; on PostgreSQL also 8, where commits can share an fsync."""
-    counts = {1, threads, *((8,) if engine == "postgresql" else ())}
-    return tuple(sorted(counts))
-
-
-def create(w: Workload) -> dict[str, Any]:
-    counts = thread_counts(w.engine.dialect.name, w.sizes.threads)
-    # Every thread count in one measure: the scaling ratios are side by side too.
-    chosen = {f"{name}@{t}": make(w, t) for t in counts for name, make in CREATE_VARIANTS.items()}
-    runs = w.measure(f"create, {'/'.join(map(str, counts))} threads", chosen)
-    out: dict[str, Any] = {"thread_counts": list(counts)}
-    for t in counts:
-        mine = {name: runs[f"{name}@{t}"] for name in CREATE_VARIANTS}
-        out[f"threads_{t}"] = {
-            "threads": t,
-            "ops_per_rep": w.sizes.ops,
-            "variants": {name: describe(r) for name, r in mine.items()},
-            "create_vs_floor": spread(ratios(mine["create"], mine["floor"])),
-            "create_vs_floor_core": spread(ratios(mine["create"], mine["floor_core"])),
-            "create_vs_naive": spread(ratios(mine["create"], mine["naive"])),
-        }
-    out["scaling"] = {
-        f"threads_{t}_vs_1": {
-            name: spread(ratios(runs[f"{name}@{t}"], runs[f"{name}@1"]))
-            for name in ("create", "floor")
-        }
-        for t in counts
-        if t > 1
-    }
-    return out
-
-
-def refusal(w: Workload) -> dict[str, Any]:
-    statements = {"refusal": [0], "refusal_given_id": [0]}
-    chosen = {
-        "refusal": counted(w.engine, variants.refusal(w), statements["refusal"]),
-        "refusal_given_id": counted(
-            w.engine, variants.refusal(w, given_id=True), statements["refusal_given_id"]
-        ),
-        "evalsha": variants.evalsha_refused(w),
-    }
-    runs = w.measure("refusal", chosen)
-    return {
-        "ops_per_rep": w.sizes.ops,
-        "variants": {name: describe(r) for name, r in runs.items()},
-        "refusals": w.sizes.reps * w.sizes.ops + min(w.sizes.ops, w.sizes.warmup),
-        "sql_statements": statements["refusal"][0],
-        "sql_statements_given_id": statements["refusal_given_id"][0],
-        "refusal_vs_evalsha": spread(ratios(runs["refusal"], runs["evalsha"])),
-        "refusal_given_id_vs_evalsha": spread(ratios(runs["refusal_given_id"], runs["evalsha"])),
-    }
-
-
-def _transition(w: Workload, kind: EventKind, name: str) -> dict[str, Any]:
-    runs = w.measure(
-        name, {name: variants.transition(w, kind), "raw": variants.raw_transition(w, kind)}
-    )
-    return {
-        "ops_per_rep": w.sizes.ops,
-        "variants": {v: describe(r) for v, r in runs.items()},
-        f"{name}_vs_raw": spread(ratios(runs[name], runs["raw"])),
-    }
-
-
-def mark_paid(w: Workload) -> dict[str, Any]:
-    return _transition(w, EventKind.PAID, "mark_paid")
-
-
-def cancel(w: Workload) -> dict[str, Any]:
-    return _transition(w, EventKind.CANCELLED, "cancel")
 
 
 def _sweep_variant(w: Workload, sweeper: OrderService, batch: int) -> Variant:
@@ -297,24 +217,6 @@ def redis_memory(w: Workload) -> dict[str, Any]:
         "member_bytes": 26,
         "per_user_1": {"bytes_per_order": spread(per_order[1])},
         "per_user_3": {"bytes_per_order": spread(per_order[3])},
-    }
-
-
-def sql_admission(w: Workload) -> dict[str, Any]:
-    runs = w.measure(
-        "sql admission",
-        {
-            "redis_refusal": variants.refusal(w),
-            "sql_refusal": variants.sql_guard(w, refuse=True),
-            "create": variants.create(w),
-            "sql_admission": variants.sql_guard(w, refuse=False),
-        },
-    )
-    return {
-        "ops_per_rep": w.sizes.ops,
-        "variants": {name: describe(r) for name, r in runs.items()},
-        "refusal_redis_vs_sql": spread(ratios(runs["redis_refusal"], runs["sql_refusal"])),
-        "admission_create_vs_sql": spread(ratios(runs["create"], runs["sql_admission"])),
     }
 
 

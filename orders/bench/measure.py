@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,41 +57,84 @@ def _timed(op: Callable[[int], object], indices: range, latencies: list[int]) ->
         latencies.append(ns() - t0)
 
 
+async def _awaited(
+    op: Callable[[int], Awaitable[object]], indices: range, latencies: list[int]
+) -> None:
+    """:func:`_timed`, awaiting ``op(i)``."""
+    for i in indices:
+        t0 = ns()
+        await op(i)
+        latencies.append(ns() - t0)
+
+
+def _shares(n: int, workers: int) -> list[range]:
+    """The indices each of ``workers`` threads or tasks takes, in turn: i, i + workers, ..."""
+    return [range(w, n, workers) for w in range(workers)]
+
+
+def _finished(n: int, elapsed: int, latencies: list[list[int]], cpu_started: int) -> Run:
+    return Run(
+        n, elapsed, [x for mine in latencies for x in mine], time.process_time_ns() - cpu_started
+    )
+
+
 def run_ops(op: Callable[[int], object], n: int, threads: int = 1) -> Run:
     """Call ``op(i)`` for i in 0..n-1 on ``threads`` threads; time each call and the whole.
 
     The wall clock starts when every thread is ready and stops when the last is done.
     """
     cpu_started = time.process_time_ns()
+    per_thread: list[list[int]] = [[] for _ in range(max(1, threads))]
     if threads <= 1:
-        latencies: list[int] = []
         started = ns()
-        _timed(op, range(n), latencies)
-        elapsed = ns() - started
-        return Run(n, elapsed, latencies, time.process_time_ns() - cpu_started)
-    per_thread: list[list[int]] = [[] for _ in range(threads)]
+        _timed(op, range(n), per_thread[0])
+        return _finished(n, ns() - started, per_thread, cpu_started)
     errors: list[BaseException] = []
     ready = threading.Barrier(threads + 1)
 
-    def work(t: int) -> None:
+    def work(t: int, indices: range) -> None:
         ready.wait()
         try:
-            _timed(op, range(t, n, threads), per_thread[t])
+            _timed(op, indices, per_thread[t])
         except BaseException as exc:  # re-raised in the calling thread
             errors.append(exc)
 
-    workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
+    workers = [
+        threading.Thread(target=work, args=(t, indices), daemon=True)
+        for t, indices in enumerate(_shares(n, threads))
+    ]
     for worker in workers:
         worker.start()
     ready.wait()
     started = ns()
     for worker in workers:
         worker.join()
-    elapsed = ns() - started
-    cpu = time.process_time_ns() - cpu_started
+    run = _finished(n, ns() - started, per_thread, cpu_started)
     if errors:
         raise errors[0]
-    return Run(n, elapsed, [x for mine in per_thread for x in mine], cpu)
+    return run
+
+
+async def run_tasks(op: Callable[[int], Awaitable[object]], n: int, tasks: int = 1) -> Run:
+    """:func:`run_ops` on the running event loop: ``await op(i)`` for i in 0..n-1, as
+    ``tasks`` tasks gathered in a task group (1: awaited in turn, by the caller's task).
+
+    The wall clock starts as the tasks are created (none runs before the group awaits
+    them) and stops when the last is done; a task that fails cancels the others.
+    """
+    cpu_started = time.process_time_ns()
+    per_task: list[list[int]] = [[] for _ in range(max(1, tasks))]
+    started = ns()
+    if tasks <= 1:
+        await _awaited(op, range(n), per_task[0])
+    else:
+        try:
+            async with asyncio.TaskGroup() as group:
+                for t, indices in enumerate(_shares(n, tasks)):
+                    group.create_task(_awaited(op, indices, per_task[t]))
+        except BaseExceptionGroup as failed:  # as run_ops: the first error, unwrapped
+            raise failed.exceptions[0] from None
+    return _finished(n, ns() - started, per_task, cpu_started)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -184,6 +228,7 @@ class Sizes:
     ops: int = 1000
     reps: int = 5
     threads: int = 4
+    tasks: int = 64
     warmup: int = 100
     sweep_rows: int = 50_000
     sweep_due: int = 10_000

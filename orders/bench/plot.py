@@ -6,7 +6,7 @@ Files written, each where the report has the figure:
 
 * ``close_lag.<fmt>``: each order's close lag (ms) against when it fell due (s);
 * ``throughput_<figure>.<fmt>``: median ops/s per variant with its min-max, one file per
-  figure (the create figure: one group of bars per thread count);
+  figure (one group of bars per thread count and per async task count);
 * ``sweep.<fmt>``: closes/s per batch size, one line per table size.
 """
 
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from orders.bench.concurrency import part_label, parts
 from orders.bench.report import SWEEP_TARGET_CLOSES_S, TARGETS
 
 if TYPE_CHECKING:
@@ -67,11 +68,8 @@ def _throughput(report: Mapping[str, Any], folder: Path, fmt: str) -> list[Path]
     written = []
     engine = report["engine"]
     for name, fig in report["figures"].items():
-        if name == "create":
-            groups = {f"{t} thr": fig[f"threads_{t}"] for t in fig["thread_counts"]}
-        elif "variants" in fig:
-            groups = {name: fig}
-        else:
+        groups = {part_label(key): part for key, part in parts(fig, name).items()}
+        if not groups:
             continue
         figure = _figure()
         ax = figure.add_subplot()

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
+from orders.bench.concurrency import part_label
 from orders.bench.figures import FIGURES
 
 
@@ -35,6 +36,30 @@ class _Rows:
     def ratio(self, figure: str, label: str, s: Mapping[str, float]) -> None:
         self.add(figure, label, *_times(s))
 
+    def tasks(self, figure: str, fig: Mapping[str, Any]) -> None:
+        """The async parts ``tasks_N``: the variant, then its ratio to each threaded one
+        (the floors at ``floors_threads``), then ``task_scaling`` (reports without async
+        figures have none of it)."""
+        for n in fig.get("task_counts", []):
+            part = fig[f"tasks_{n}"]
+            name = f"{figure}, {part_label(f'tasks_{n}')}"
+            self.variants(name, part)
+            (mine,) = part["variants"]
+            against = part_label(f"threads_{part['floors_threads']}")
+            for key, s in part.items():
+                if key.startswith(f"{mine}_vs_"):
+                    self.ratio(name, f"{mine} / {key.removeprefix(f'{mine}_vs_')} ({against})", s)
+            if "sql_statements" in part:
+                self.add(name, f"{mine}: SQL statements", f"{part['sql_statements']:,}",
+                         f"in {part['refusals']:,} refusals")  # fmt: skip
+            self.table.add_section()
+        for key, by_variant in fig.get("task_scaling", {}).items():
+            n = key.removeprefix("tasks_").removesuffix("_vs_1")
+            for variant, s in by_variant.items():
+                self.ratio(f"{figure}, scaling", f"{variant}, {n} tasks / 1 task", s)
+        if fig.get("task_scaling"):
+            self.table.add_section()
+
 
 def _create(rows: _Rows, fig: Mapping[str, Any]) -> None:
     for t in fig["thread_counts"]:
@@ -51,6 +76,7 @@ def _create(rows: _Rows, fig: Mapping[str, Any]) -> None:
             rows.ratio("create, scaling", f"{name}, {n} thr / 1 thr", s)
     if fig["scaling"]:
         rows.table.add_section()
+    rows.tasks("create", fig)
 
 
 def _refusal(rows: _Rows, part: Mapping[str, Any]) -> None:
@@ -64,6 +90,7 @@ def _refusal(rows: _Rows, part: Mapping[str, Any]) -> None:
         rows.add("refusal", f"{name}: SQL statements", f"{part[key]:,}",
                  f"in {part['refusals']:,} refusals")  # fmt: skip
     rows.table.add_section()
+    rows.tasks("refusal", part)
 
 
 def _transition(name: str) -> Callable[[_Rows, Mapping[str, Any]], None]:

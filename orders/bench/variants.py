@@ -1,12 +1,19 @@
-"""The variants the figures compare: each, given n, prepares its data and times n ops."""
+"""The variants the figures compare: each, given n, prepares its data and times n ops.
+
+A use case's variant (create, refusal) runs on either API: the synchronous service on
+threads, or the :class:`~orders.aio.AsyncOrderService` as tasks on the bench's one event
+loop (:mod:`orders.bench.loop`). The call is written once, against the method both share.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 from sqlalchemy import insert
 
+from orders.aio import AsyncOrderService
 from orders.bench.driver import RawDriver, writer_queue
 from orders.bench.measure import Run, Variant, run_ops
 from orders.bench.workload import Workload
@@ -19,12 +26,69 @@ _INSERT_ORDER = insert(orders_table)
 _INSERT_EVENT = insert(events_table)
 
 
-def create(w: Workload, threads: int = 1) -> Variant:
-    service = w.service
+#: A use case's call on either API, given the service and the op's index: it returns the
+#: result (``OrderService``) or an awaitable of it (``AsyncOrderService``).
+UseCase = Callable[[Any, int], Any]
+
+
+class _Expect:
+    """What every call must end in: success, or with ``refused`` that error (swallowed)."""
+
+    __slots__ = ("refused",)
+
+    def __init__(self, refused: type[Exception] | None) -> None:
+        self.refused = refused
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if self.refused is None:
+            return False
+        if kind is None:
+            raise RuntimeError(f"expected {self.refused.__name__}, the call succeeded")
+        return issubclass(kind, self.refused)
+
+
+def _use_case(
+    w: Workload,
+    call: UseCase,
+    n: int,
+    *,
+    threads: int = 1,
+    tasks: int | None = None,
+    refused: type[Exception] | None = None,
+) -> Run:
+    """``call`` n times: on the synchronous service on ``threads`` threads or, given
+    ``tasks``, awaited on the async service as that many tasks on the bench's loop."""
+    expect = _Expect(refused)
+    if tasks is None:
+        service = w.service
+
+        def op(i: int) -> None:
+            with expect:
+                call(service, i)
+
+        return run_ops(op, n, threads)
+
+    async def awaited(service: AsyncOrderService, i: int) -> None:
+        with expect:
+            await call(service, i)
+
+    return w.loop.run(awaited, n, tasks)
+
+
+def create(w: Workload, threads: int = 1, *, tasks: int | None = None) -> Variant:
+    """``create_unpaid_order`` of a new user per op, on ``threads`` threads or (``tasks``)
+    on the asyncio API."""
 
     def variant(n: int) -> Run:
-        users = w.users("c", n)
-        return run_ops(lambda i: service.create_unpaid_order(users[i]), n, threads)
+        users = w.users("c" if tasks is None else "a", n)
+        return _use_case(
+            w, lambda s, i: s.create_unpaid_order(users[i]), n, threads=threads, tasks=tasks
+        )
 
     return variant
 
@@ -122,22 +186,19 @@ def naive(w: Workload, threads: int = 1) -> Variant:
     return variant
 
 
-def refusal(w: Workload, *, given_id: bool = False) -> Variant:
+def refusal(w: Workload, *, given_id: bool = False, tasks: int | None = None) -> Variant:
     """``create_unpaid_order`` refused at the limit (users holding 1 of 1); with
-    ``given_id``, the caller supplies a new order id (a refusal may then read it by key)."""
-    service, users = w.service, w.full_users()
+    ``given_id``, the caller supplies a new order id (a refusal may then read it by key);
+    with ``tasks``, on the asyncio API."""
+    users = w.full_users()
 
     def variant(n: int) -> Run:
         ids: list[str | None] = list(w.order_ids(n)) if given_id else [None] * n
 
-        def op(i: int) -> None:
-            try:
-                service.create_unpaid_order(users[i % len(users)], order_id=ids[i], limit=1)
-            except UnpaidOrderLimitReached:
-                return
-            raise RuntimeError("a create at the limit was admitted")
+        def call(s: Any, i: int) -> Any:
+            return s.create_unpaid_order(users[i % len(users)], order_id=ids[i], limit=1)
 
-        return run_ops(op, n)
+        return _use_case(w, call, n, tasks=tasks, refused=UnpaidOrderLimitReached)
 
     return variant
 

@@ -14,6 +14,7 @@ import redis
 import sqlalchemy
 from sqlalchemy import delete, func, insert, select
 
+from orders.bench.loop import BenchLoop
 from orders.bench.measure import (
     Run,
     Sizes,
@@ -64,6 +65,8 @@ class Workload:
         self._new_id = OrderIdGenerator(service.clock)
         self.admit_sha: str = self.client.script_load(load_script("admit"))
         self._full_users: list[str] | None = None
+        #: The async variants' event loop and service (built when the first is made).
+        self.loop = BenchLoop(service.settings, service.clock)
 
     def users(self, kind: str, n: int) -> list[str]:
         """``n`` user ids never used before, all under the bench's tag."""
@@ -241,6 +244,10 @@ class Workload:
             )
         for part in chunks(self.bench_keys(), 1000):
             self.client.delete(*part)
+
+    def close(self) -> None:
+        """Close the async variants' service and event loop (after the last figure)."""
+        self.loop.close()
 
     def bench_keys(self) -> list[str]:
         pattern = _glob_escape(self.key_tag) + "*"

@@ -7,6 +7,7 @@ row and no key behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Iterator
@@ -17,8 +18,12 @@ import redis
 from click.testing import CliRunner, Result
 from sqlalchemy import Engine, func, select
 
+from orders.aio import AsyncOrderService
 from orders.bench import FIGURES
+from orders.bench.loop import BenchLoop
 from orders.cli import main
+from orders.config import Settings
+from orders.domain import Order
 from orders.models import events_table, orders_table
 from orders.service import OrderService
 
@@ -80,6 +85,35 @@ def assert_floors_thread_counts_and_keyed_refusal(report: Any, postgres: bool) -
     assert {"mark_paid_vs_raw", "cancel_vs_raw", "refusal_vs_evalsha"} <= set(ids)
 
 
+def assert_async_rows_beside_the_same_floors(report: Any) -> None:
+    create, refusal = report["figures"]["create"], report["figures"]["refusal"]
+    most_threads = create["thread_counts"][-1]
+    for fig, name, against, floors in (
+        (create, "create_async", ["create", "floor", "floor_core", "naive"], most_threads),
+        (refusal, "refusal_async", ["refusal", "evalsha"], 1),
+    ):
+        assert fig["task_counts"] == [1, 64]
+        for n, threads in ((1, 1), (64, floors)):
+            part = fig[f"tasks_{n}"]
+            assert (part["tasks"], part["floors_threads"]) == (n, threads)
+            assert list(part["variants"]) == [name]
+            assert part["variants"][name]["ops_s"]["min"] > 0
+            assert [k for k in part if k.startswith(f"{name}_vs_")] == [
+                f"{name}_vs_{other}" for other in against
+            ]
+            assert all(part[f"{name}_vs_{other}"]["min"] > 0 for other in against)
+        # Not a speed: 64 operations in flight at once wait for one another (Little's
+        # law); tasks run one after another would each take as long as 1 task's.
+        one, many = (fig[f"tasks_{n}"]["variants"][name]["p50_ms"] for n in (1, 64))
+        assert many > 2 * one, (one, many)
+    assert list(create["task_scaling"]) == ["tasks_64_vs_1"]
+    for n in (1, 64):
+        assert refusal[f"tasks_{n}"]["sql_statements"] == 0
+        assert refusal[f"tasks_{n}"]["refusals"] == refusal["refusals"]
+    verdicts = {t["id"]: t["verdict"] for t in report["targets"]}
+    assert verdicts["refusal_async_sql_statements"] == "pass"
+
+
 def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
     run: Any, engine: Engine, redis_client: redis.Redis, database_url: str
 ) -> None:
@@ -103,9 +137,36 @@ def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
         assert is_number(target["required"])
     assert report["schema_version"] == 1
     assert_floors_thread_counts_and_keyed_refusal(report, database_url.startswith("postgresql"))
+    assert_async_rows_beside_the_same_floors(report)
     assert report["left_behind"] == {"rows": 0, "events": 0, "keys": 0}
     assert rows(engine) == (0, 0)
     assert redis_client.keys("*") == []
+
+
+def test_the_async_variants_share_one_event_loop_closed_with_the_bench(
+    database_url: str, redis_options: dict[str, Any], service: OrderService, clock: Any
+) -> None:
+    bench_loop = BenchLoop(Settings(database_url=database_url, **redis_options), clock)
+    loops: list[asyncio.AbstractEventLoop] = []
+    created: list[Order] = []
+
+    async def op(aio: AsyncOrderService, i: int) -> None:
+        loops.append(asyncio.get_running_loop())
+        created.append(await aio.create_unpaid_order(f"u{len(loops)}"))
+
+    try:
+        bench_loop.run(op, 2, 1)
+        bench_loop.run(op, 6, 3)
+    finally:
+        bench_loop.close()
+
+    assert len(loops) == 8
+    assert {id(loop) for loop in loops} == {id(loops[0])}
+    assert loops[0].is_closed()
+    assert sorted(o.user_id for o in created) == sorted(f"u{i}" for i in range(1, 9))
+    for order in created:
+        assert service.get_order(order.id) == order
+        assert service.index.members(order.user_id) == {order.id: order.expires_at_ms}
 
 
 def test_the_machine_block_says_what_a_commit_waits_for(run: Any, database_url: str) -> None:

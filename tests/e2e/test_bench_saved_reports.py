@@ -30,6 +30,34 @@ def test_compare_of_two_saved_reports_runs_nothing_and_prints_the_changes(
     assert result.stdout.splitlines()[-len(compare_lines(OLD, NEW)) :] == compare_lines(OLD, NEW)
 
 
+def cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.split("│")[1:-1]]
+
+
+def test_a_saved_report_shows_each_async_row_with_the_floors_it_is_compared_with(
+    tmp_path: Path,
+) -> None:
+    result = bench("--report", save(tmp_path, "new.json", NEW))
+
+    assert result.exit_code == 0, result.output
+    rows = [cells(line)[:4] for line in result.stdout.splitlines() if "task" in line]
+    assert rows == [
+        ["create, 1 task", "create_async ops/s", "1,500", "1,350 - 1,650"],
+        ["create, 1 task", "create_async / floor (1 thr)", "0.75 x", "0.75 - 0.75"],
+        ["create, 1 task", "create_async / naive (1 thr)", "1.50 x", "1.50 - 1.50"],
+        ["create, 64 tasks", "create_async ops/s", "3,000", "2,700 - 3,300"],
+        ["create, 64 tasks", "create_async / floor (4 thr)", "0.38 x", "0.38 - 0.38"],
+        ["create, 64 tasks", "create_async / naive (4 thr)", "0.75 x", "0.75 - 0.75"],
+        ["create, scaling", "create_async, 64 tasks / 1 task", "2.00 x", "2.00 - 2.00"],
+        ["refusal, 1 task", "refusal_async ops/s", "700", "630 - 770"],
+        ["refusal, 1 task", "refusal_async / evalsha (1 thr)", "0.70 x", "0.70 - 0.70"],
+        ["refusal, 1 task", "refusal_async: SQL statements", "0", "in 300 refusals"],
+        ["refusal, 64 tasks", "refusal_async ops/s", "1,400", "1,260 - 1,540"],
+        ["refusal, 64 tasks", "refusal_async / evalsha (1 thr)", "1.40 x", "1.40 - 1.40"],
+        ["refusal, 64 tasks", "refusal_async: SQL statements", "0", "in 300 refusals"],
+    ]
+
+
 def test_with_json_the_saved_report_alone_goes_to_stdout_and_the_comparison_to_stderr(
     tmp_path: Path,
 ) -> None:

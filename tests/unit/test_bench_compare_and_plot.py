@@ -25,9 +25,13 @@ def test_compare_prints_old_new_and_the_change_of_every_headline_figure() -> Non
     assert rows["close_lag_p99_ms"] == ["ms", "30.0", "30.0", "1.00", "x", "(+0.0%)"]
     assert rows["create.threads_1.create"] == ["ops/s", "800", "1,800", "2.25", "x", "(+125.0%)"]
     assert rows["refusal.refusal"] == ["ops/s", "800", "900", "1.12", "x", "(+12.5%)"]
-    # Only the new report has the cancel figure.
+    # Only the new report has the cancel figure, and the asyncio API's figures.
     assert rows["cancel_vs_raw"] == ["x", "-", "0.90", "-"]
     assert rows["cancel.cancel"] == ["ops/s", "-", "900", "-"]
+    assert rows["create.tasks_1.create_async"] == ["ops/s", "-", "1,500", "-"]
+    assert rows["create.tasks_64.create_async"] == ["ops/s", "-", "3,000", "-"]
+    assert rows["refusal.tasks_64.refusal_async"] == ["ops/s", "-", "1,400", "-"]
+    assert rows["refusal_async_sql_statements"] == ["statements", "-", "0", "-"]
     assert list(rows)[:3] == ["create_vs_floor_1", "create_vs_naive_1", "create_vs_naive_4"]
 
 
