@@ -226,10 +226,7 @@ def build_service(
     settings = settings or Settings.from_env()
     engine = build_engine(settings)
     try:
-        if settings.database_url is None:
-            ensure_embedded_schema(engine, settings.home)
-        else:
-            ensure_schema(engine)
+        check_schema(engine, settings)
         service = OrderService(engine, build_redis(settings), settings, clock=clock)
         for warning in service.index.server_warnings() if startup_warnings else []:
             log.warning("%s", warning)
@@ -237,6 +234,15 @@ def build_service(
     except BaseException:
         engine.dispose()
         raise
+
+
+def check_schema(engine: Engine, settings: Settings) -> None:
+    """The embedded SQLite file is migrated on first use; any other database must be at
+    the newest revision already (:class:`SchemaNotReady`)."""
+    if settings.database_url is None:
+        ensure_embedded_schema(engine, settings.home)
+    else:
+        ensure_schema(engine)
 
 
 def ensure_schema(engine: Engine) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import redis.asyncio
@@ -14,12 +14,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from orders.aio.greenlets import run
 from orders.aio.loop_redis import AsyncRedisClient
 from orders.aio.service import AsyncOrderService
-from orders.bootstrap import (
-    build_async_engine,
-    build_engine,
-    ensure_embedded_schema,
-    ensure_schema,
-)
+from orders.bootstrap import build_async_engine, build_engine, check_schema
 from orders.config import Settings
 from orders.domain import Clock
 from orders.errors import InvalidInput
@@ -34,10 +29,7 @@ def _check_schema(settings: Settings) -> None:
     """As :func:`orders.bootstrap.build_service` does (a blocking job: run in a thread)."""
     engine = build_engine(settings)
     try:
-        if settings.database_url is None:
-            ensure_embedded_schema(engine, settings.home)
-        else:
-            ensure_schema(engine)
+        check_schema(engine, settings)
     finally:
         engine.dispose()
 
@@ -113,7 +105,7 @@ def configure(service: AsyncOrderService | None) -> None:
 
 
 def on_default(
-    method: Callable[Concatenate[AsyncOrderService, P], Awaitable[R]],
+    method: Callable[Concatenate[AsyncOrderService, P], Coroutine[Any, Any, R]],
 ) -> Callable[P, Coroutine[Any, Any, R]]:
     """``method`` of :class:`AsyncOrderService` as a function on the default service."""
 

@@ -10,10 +10,10 @@ errors and the outbox events are therefore those of the synchronous API, by cons
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from decimal import Decimal
+import functools
+from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -26,10 +26,39 @@ from orders.aio.loop_redis import (
 )
 from orders.bootstrap import redis_retry
 from orders.config import Settings
-from orders.domain import Clock, Order, SweepResult
-from orders.events import EventPosition, OrderEvent
-from orders.reconciler import DEFAULT_CHUNK_SIZE, ReconcileReport
+from orders.domain import Clock
 from orders.service import OrderService
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Awaited(Generic[P, R]):
+    """An :class:`OrderService` method as a coroutine method of :class:`AsyncOrderService`:
+    the same parameters, documentation and result, run by :func:`run` on the caller's
+    loop. Written once here, so no use case's signature or body is written twice."""
+
+    def __init__(self, method: Callable[Concatenate[OrderService, P], R]) -> None:
+        self.method = method
+        functools.update_wrapper(self, method)
+
+    @overload
+    def __get__(self, service: None, owner: type[Any]) -> Awaited[P, R]: ...
+
+    @overload
+    def __get__(
+        self, service: AsyncOrderService, owner: type[Any]
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    def __get__(
+        self, service: AsyncOrderService | None, owner: type[Any]
+    ) -> Awaited[P, R] | Callable[P, Coroutine[Any, Any, R]]:
+        if service is None:
+            return self
+        return functools.partial(self, service)
+
+    async def __call__(self, service: AsyncOrderService, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await run(self.method, await service.core(), *args, **kwargs)
 
 
 class AsyncOrderService:
@@ -95,78 +124,14 @@ class AsyncOrderService:
     ) -> None:
         await self.aclose()
 
-    # --- the use cases: see OrderService for what each does ------------------------------
+    # --- the use cases: OrderService's own, awaited (see Awaited) --------------------------
 
-    async def create_unpaid_order(
-        self,
-        user_id: str | int,
-        *,
-        order_id: str | None = None,
-        ttl_s: float | None = None,
-        limit: int | None = None,
-        amount: Decimal | int | str | None = None,
-        currency: str | None = None,
-        metadata: Mapping[str, Any] | None = None,
-    ) -> Order:
-        """See :meth:`OrderService.create_unpaid_order`."""
-        core = await self.core()
-        return await run(
-            core.create_unpaid_order,
-            user_id,
-            order_id=order_id,
-            ttl_s=ttl_s,
-            limit=limit,
-            amount=amount,
-            currency=currency,
-            metadata=metadata,
-        )
-
-    async def mark_paid(self, order_id: str, *, payment_ref: str | None = None) -> Order:
-        """See :meth:`OrderService.mark_paid`."""
-        return await run((await self.core()).mark_paid, order_id, payment_ref=payment_ref)
-
-    async def cancel_order(self, order_id: str, *, reason: str | None = None) -> Order:
-        """See :meth:`OrderService.cancel_order`."""
-        return await run((await self.core()).cancel_order, order_id, reason=reason)
-
-    async def extend_order(self, order_id: str, extra_s: float) -> Order:
-        """See :meth:`OrderService.extend_order`."""
-        return await run((await self.core()).extend_order, order_id, extra_s)
-
-    async def get_order(self, order_id: str) -> Order:
-        """See :meth:`OrderService.get_order`."""
-        return await run((await self.core()).get_order, order_id)
-
-    async def list_unpaid(self, user_id: str | int) -> list[Order]:
-        """See :meth:`OrderService.list_unpaid`."""
-        return await run((await self.core()).list_unpaid, user_id)
-
-    async def iter_events(
-        self, *, after: EventPosition | None = None, limit: int = 100
-    ) -> list[OrderEvent]:
-        """See :meth:`OrderService.iter_events`."""
-        return await run((await self.core()).iter_events, after=after, limit=limit)
-
-    async def sweep_expired(
-        self,
-        *,
-        now_ms: int | None = None,
-        batch_size: int | None = None,
-        max_batches: int | None = None,
-    ) -> SweepResult:
-        """See :meth:`OrderService.sweep_expired`."""
-        core = await self.core()
-        return await run(
-            core.sweep_expired, now_ms=now_ms, batch_size=batch_size, max_batches=max_batches
-        )
-
-    async def reconcile(
-        self,
-        *,
-        user_id: str | None = None,
-        dry_run: bool = False,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-    ) -> ReconcileReport:
-        """See :meth:`OrderService.reconcile`."""
-        core = await self.core()
-        return await run(core.reconcile, user_id=user_id, dry_run=dry_run, chunk_size=chunk_size)
+    create_unpaid_order = Awaited(OrderService.create_unpaid_order)
+    mark_paid = Awaited(OrderService.mark_paid)
+    cancel_order = Awaited(OrderService.cancel_order)
+    extend_order = Awaited(OrderService.extend_order)
+    get_order = Awaited(OrderService.get_order)
+    list_unpaid = Awaited(OrderService.list_unpaid)
+    iter_events = Awaited(OrderService.iter_events)
+    sweep_expired = Awaited(OrderService.sweep_expired)
+    reconcile = Awaited(OrderService.reconcile)
