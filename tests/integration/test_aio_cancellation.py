@@ -86,7 +86,8 @@ def sweep_cancels(
     service_for: Any, check: Any, prepare: Any, call_for: Any
 ) -> tuple[int, Counter[str]]:
     """For k = 0, 1, ...: prepare, cancel the call after k steps, check. Returns how many
-    cancels landed and what SQL held after them."""
+    cancels landed and what SQL held after them. (Where a cut inside the core lands, before
+    or after the commit, depends on timing: every landing is checked, none is required.)"""
 
     async def main() -> tuple[int, Counter[str]]:
         service: AsyncOrderService = await service_for()
@@ -152,10 +153,10 @@ def test_a_create_cancelled_at_any_await_leaves_no_phantom_and_no_half_order(
         prepare,
         create,
     )
-    # Cancels landed before the order was written and after it was (in SQL, Redis settled).
-    assert seen["none"] >= 1
-    assert seen["unpaid"] >= 1
     assert landed >= 4, f"only {landed} loop steps: the call hardly awaited anything"
+    if cut_in == "caller":  # before the call started, and once it had (it then finishes)
+        assert seen["none"] >= 1, seen
+        assert seen["unpaid"] >= 1, seen
 
 
 def test_a_payment_cancelled_at_any_await_leaves_no_phantom_and_no_half_payment(
@@ -173,6 +174,7 @@ def test_a_payment_cancelled_at_any_await_leaves_no_phantom_and_no_half_payment(
         prepare,
         pay,
     )
-    assert seen["unpaid"] >= 1
-    assert seen["paid"] >= 1
-    assert landed >= 4
+    assert landed >= 4, f"only {landed} loop steps: the call hardly awaited anything"
+    if cut_in == "caller":
+        assert seen["unpaid"] >= 1, seen
+        assert seen["paid"] >= 1, seen
