@@ -67,8 +67,17 @@ def sizes(full_size: bool) -> dict[str, Any]:
 class Monitor:
     """Samples the user's open orders in SQL and in Redis until stopped (see the module doc)."""
 
-    def __init__(self, engine: Engine, client: redis.Redis, key: str, user_id: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        client: redis.Redis,
+        key: str,
+        user_id: str,
+        clock: Callable[[], int] = now_ms,
+    ) -> None:
+        """``clock``: the service's clock (the wall clock of the workers, or a test's own)."""
         self.engine, self.client, self.key, self.user_id = engine, client, key, user_id
+        self.clock = clock
         self.samples = 0
         self.max_sql = self.max_zcount = self.max_zcard = 0
         self.violations: list[str] = []
@@ -84,12 +93,12 @@ class Monitor:
             OC.user_id == self.user_id, OC.status == UNPAID, OC.expires_at_ms > 0
         )
         with self.engine.connect() as conn:
-            t0 = now_ms()
+            t0 = self.clock()
             expiries = conn.execute(query.where(OC.expires_at_ms > t0)).scalars().all()
-            t1 = now_ms()
+            t1 = self.clock()
         sql_after_t0 = len(expiries)
         sql_exact = sum(1 for e in expiries if e > t1)
-        t2 = now_ms()
+        t2 = self.clock()
         zcount = int(self.client.zcount(self.key, f"({t2}", "+inf"))
         zcard = int(self.client.zcard(self.key))
         self.samples += 1
