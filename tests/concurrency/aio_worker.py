@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from redis.cluster import RedisCluster
 
 from orders.aio import AsyncOrderService
+from orders.aio.greenlets import run
 from orders.domain import Order, OrderStatus
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from tests.concurrency.worker import Tally, bucket, split
@@ -276,40 +277,43 @@ async def widen_redis_pools(service: AsyncOrderService, connections: int) -> Non
 
 
 async def warm_up(
-    service: AsyncOrderService, user: str, name: str = "loop", connections: int = 1
+    service: AsyncOrderService, user: str, name: str = "loop", connections: int = 0
 ) -> None:
     """Connect both stores and take each path once before the run (for a user of its own,
     ``name``'s, whose orders end paid or cancelled), so that no call of the run waits for
-    a first connect or spends its step compiling SQL; with ``connections`` creates at
-    once, open that many Redis connections too."""
+    a first connect or spends its step compiling SQL; open ``connections`` Redis
+    connections too (see :func:`open_redis_connections`)."""
     await service.redis_client.ping()  # type: ignore[misc]
     await service.list_unpaid(user)
     other = f"{user}-warm-up-{name}"
     order = await service.create_unpaid_order(other, ttl_s=60, limit=1)
     await service.mark_paid(order.id, payment_ref="warm-up")
-    orders = await open_redis_connections(service, other, connections)
-    await service.cancel_order(orders[0].id, reason="warm-up")
+    order = await service.create_unpaid_order(other, ttl_s=60, limit=1)
+    await service.cancel_order(order.id, reason="warm-up")
     await service.sweep_expired()
     await service.reconcile()
+    await open_redis_connections(service, user, connections)
 
 
-async def open_redis_connections(service: AsyncOrderService, user: str, count: int) -> list[Order]:
-    """``count`` creates for ``user`` (who has no open order) at once, limit 1: one is
-    admitted and returned, the others are refused by Redis, and the pool has opened as
-    many connections as were in use at once (a pool warmed up, as a service's is after
-    its first burst)."""
+async def open_redis_connections(
+    service: AsyncOrderService, user: str, count: int, step: int = 100
+) -> None:
+    """Let the core's Redis client open ``count`` connections to the node of ``user``'s
+    key, ``step`` more at a time (a ZCARD from that many greenlets at once, for each
+    level): the pool of a service past its first bursts. Five hundred first connects in
+    one burst would otherwise be the run's first step, not what it measures."""
+    core = await service.core()
+    key = core.index.key(user)
     loop = asyncio.get_running_loop()
-    start_at = loop.time() + 0.05 + count * 0.0002
+    for level in range(step, count + step, step):
+        at_once = min(level, count)
+        start_at = loop.time() + 0.02 + at_once * 0.0002
 
-    async def one() -> Order | None:
-        await asyncio.sleep(start_at - loop.time())
-        try:
-            return await service.create_unpaid_order(user, ttl_s=60, limit=1)
-        except UnpaidOrderLimitReached:
-            return None
+        async def one(start_at: float = start_at) -> None:
+            await asyncio.sleep(start_at - loop.time())
+            await run(core.index.client.zcard, key)
 
-    done = await asyncio.gather(*await spawn(one() for _ in range(count)))
-    return [order for order in done if order is not None]
+        await asyncio.gather(*await spawn(one() for _ in range(at_once)))
 
 
 def main(argv: list[str]) -> int:

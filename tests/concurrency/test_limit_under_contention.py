@@ -9,9 +9,9 @@ Redis index several times, so only the SQL guard stands between the users and a 
 What a sample measures. One SQL statement reads the expiries of the user's unpaid rows
 that expire after ``t0`` (wall clock read just before the statement); ``t1`` is read just
 after it. The SQL guard is a unique index on the slots 1..limit of a user's unpaid orders,
-so a snapshot never holds more than ``limit`` unpaid rows of the user, expired or not: the
-rows expiring after ``t1`` (the asserted measure) and even after ``t0`` are at most
-``limit``. Samples where the ``t0`` count alone is over the limit are still counted and
+so a snapshot never holds more than ``limit`` unpaid rows of the user, expired or not (also
+asserted): the rows expiring after ``t1`` (the asserted measure) and even after ``t0`` are
+at most ``limit``. Samples where the ``t0`` count alone is over the limit are still counted and
 reported (``t0_artefacts``); with the slot index there should be none. In Redis, ``ZCARD``
 never exceeds the limit (only the admit script adds, and it drops expired members and
 refuses at the limit first), so both ``ZCOUNT (now +inf`` and ``ZCARD`` are asserted.
@@ -80,6 +80,8 @@ class Monitor:
         self.clock = clock
         self.samples = 0
         self.max_sql = self.max_zcount = self.max_zcard = 0
+        #: Unpaid rows of the user, expired or not: each holds one of the ``limit`` slots.
+        self.max_unpaid = 0
         self.violations: list[str] = []
         self.t0_artefacts = 0
         self.limit = 0
@@ -94,8 +96,9 @@ class Monitor:
         )
         with self.engine.connect() as conn:
             t0 = self.clock()
-            expiries = conn.execute(query.where(OC.expires_at_ms > t0)).scalars().all()
+            unpaid = conn.execute(query).scalars().all()
             t1 = self.clock()
+        expiries = [e for e in unpaid if e > t0]
         sql_after_t0 = len(expiries)
         sql_exact = sum(1 for e in expiries if e > t1)
         t2 = self.clock()
@@ -105,12 +108,13 @@ class Monitor:
         self.max_sql = max(self.max_sql, sql_exact)
         self.max_zcount = max(self.max_zcount, zcount)
         self.max_zcard = max(self.max_zcard, zcard)
+        self.max_unpaid = max(self.max_unpaid, len(unpaid))
         if sql_after_t0 > limit >= sql_exact:
             self.t0_artefacts += 1
-        if sql_exact > limit or zcount > limit or zcard > limit:
+        if sql_exact > limit or zcount > limit or zcard > limit or len(unpaid) > limit:
             self.violations.append(
-                f"t={t1}: sql {sql_exact} (after t0: {sql_after_t0}), "
-                f"zcount {zcount}, zcard {zcard}, expiries {sorted(expiries)}"
+                f"t={t1}: sql {sql_exact} (after t0: {sql_after_t0}, unpaid {len(unpaid)}), "
+                f"zcount {zcount}, zcard {zcard}, expiries {sorted(unpaid)}"
             )
         return sql_exact, sql_after_t0, zcount, zcard
 
