@@ -9,9 +9,9 @@ Redis index several times, so only the SQL guard stands between the users and a 
 What a sample measures. One SQL statement reads the expiries of the user's unpaid rows
 that expire after ``t0`` (wall clock read just before the statement); ``t1`` is read just
 after it. The SQL guard is a unique index on the slots 1..limit of a user's unpaid orders,
-so a snapshot never holds more than ``limit`` unpaid rows of the user, expired or not: the
-rows expiring after ``t1`` (the asserted measure) and even after ``t0`` are at most
-``limit``. Samples where the ``t0`` count alone is over the limit are still counted and
+so a snapshot never holds more than ``limit`` unpaid rows of the user, expired or not (also
+asserted): the rows expiring after ``t1`` (the asserted measure) and even after ``t0`` are
+at most ``limit``. Samples where the ``t0`` count alone is over the limit are still counted and
 reported (``t0_artefacts``); with the slot index there should be none. In Redis, ``ZCARD``
 never exceeds the limit (only the admit script adds, and it drops expired members and
 refuses at the limit first), so both ``ZCOUNT (now +inf`` and ``ZCARD`` are asserted.
@@ -67,10 +67,21 @@ def sizes(full_size: bool) -> dict[str, Any]:
 class Monitor:
     """Samples the user's open orders in SQL and in Redis until stopped (see the module doc)."""
 
-    def __init__(self, engine: Engine, client: redis.Redis, key: str, user_id: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        client: redis.Redis,
+        key: str,
+        user_id: str,
+        clock: Callable[[], int] = now_ms,
+    ) -> None:
+        """``clock``: the service's clock (the wall clock of the workers, or a test's own)."""
         self.engine, self.client, self.key, self.user_id = engine, client, key, user_id
+        self.clock = clock
         self.samples = 0
         self.max_sql = self.max_zcount = self.max_zcard = 0
+        #: Unpaid rows of the user, expired or not: each holds one of the ``limit`` slots.
+        self.max_unpaid = 0
         self.violations: list[str] = []
         self.t0_artefacts = 0
         self.limit = 0
@@ -84,24 +95,26 @@ class Monitor:
             OC.user_id == self.user_id, OC.status == UNPAID, OC.expires_at_ms > 0
         )
         with self.engine.connect() as conn:
-            t0 = now_ms()
-            expiries = conn.execute(query.where(OC.expires_at_ms > t0)).scalars().all()
-            t1 = now_ms()
+            t0 = self.clock()
+            unpaid = conn.execute(query).scalars().all()
+            t1 = self.clock()
+        expiries = [e for e in unpaid if e > t0]
         sql_after_t0 = len(expiries)
         sql_exact = sum(1 for e in expiries if e > t1)
-        t2 = now_ms()
+        t2 = self.clock()
         zcount = int(self.client.zcount(self.key, f"({t2}", "+inf"))
         zcard = int(self.client.zcard(self.key))
         self.samples += 1
         self.max_sql = max(self.max_sql, sql_exact)
         self.max_zcount = max(self.max_zcount, zcount)
         self.max_zcard = max(self.max_zcard, zcard)
+        self.max_unpaid = max(self.max_unpaid, len(unpaid))
         if sql_after_t0 > limit >= sql_exact:
             self.t0_artefacts += 1
-        if sql_exact > limit or zcount > limit or zcard > limit:
+        if sql_exact > limit or zcount > limit or zcard > limit or len(unpaid) > limit:
             self.violations.append(
-                f"t={t1}: sql {sql_exact} (after t0: {sql_after_t0}), "
-                f"zcount {zcount}, zcard {zcard}, expiries {sorted(expiries)}"
+                f"t={t1}: sql {sql_exact} (after t0: {sql_after_t0}, unpaid {len(unpaid)}), "
+                f"zcount {zcount}, zcard {zcard}, expiries {sorted(unpaid)}"
             )
         return sql_exact, sql_after_t0, zcount, zcard
 
