@@ -35,6 +35,9 @@ T = TypeVar("T")
 
 AsyncRedisClient = redis.asyncio.Redis | AsyncRedisCluster
 
+#: The loop client's pools have no cap (redis-py 8 caps at 100 by default; see loop_client).
+UNCAPPED = 2**31 - 1
+
 #: What a connection of the ``redis.asyncio`` client carries over: where the server is,
 #: who we are, and how long to wait. Everything else (its pool, its parser) stays its own.
 _CARRIED = (
@@ -199,14 +202,18 @@ def loop_client(client: AsyncRedisClient, retry: Retry) -> RedisClient:
             url=f"redis://{nodes[0].host}:{nodes[0].port}",
             startup_nodes=nodes,
             connection_class=LoopConnection,
+            max_connections=UNCAPPED,  # per node; see below
             retry=retry,
             **_carried(client.connection_kwargs),
         )
     pool = client.connection_pool
     unix = issubclass(pool.connection_class, redis.asyncio.UnixDomainSocketConnection)
+    # No cap: redis-py's capped pool fails a call past it (MaxConnectionsError), and its
+    # blocking pool would wait in the loop's own thread. Connections are held for one round
+    # trip each, so there are as many as Redis calls in flight at once.
     loop_pool = redis.ConnectionPool(
         connection_class=LoopUnixConnection if unix else LoopConnection,
-        max_connections=pool.max_connections,
+        max_connections=UNCAPPED,
         retry=retry,
         health_check_interval=30,
         **_carried(pool.connection_kwargs),

@@ -16,9 +16,7 @@ that held it longer than 20 ms (``slow_callbacks``) instead of failing on them.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
-import logging
 import random
 import sys
 import time
@@ -245,19 +243,6 @@ async def contend(
 # ============================================================================================
 
 
-class SlowCallbackLog(logging.Handler):
-    """asyncio's debug-mode reports of callbacks over the loop's threshold."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.reports: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("Executing ") and " took " in message:
-            self.reports.append(message)
-
-
 async def widen_redis_pools(service: AsyncOrderService, connections: int) -> None:
     """Let the service's Redis client open up to ``connections`` connections to each node.
 
@@ -322,12 +307,15 @@ def main(argv: list[str]) -> int:
         print(f"unknown mode {mode!r}", file=sys.stderr)
         return 2
     from orders.config import Settings  # noqa: PLC0415
-    from tests.aio_support import checked_runner, new_async_service  # noqa: PLC0415
+    from tests.aio_support import (  # noqa: PLC0415
+        checked_runner,
+        new_async_service,
+        no_slow_callbacks,
+    )
 
     settings = Settings.from_env(
         sql_pool_size=cfg.get("pool_size", 5), sql_max_overflow=cfg.get("max_overflow", 10)
     )
-    slow = SlowCallbackLog()
     tally = new_tally(cfg["name"])
     with checked_runner() as runner:
         service = runner.run(new_async_service(settings))
@@ -339,10 +327,9 @@ def main(argv: list[str]) -> int:
                 print(f"expected GO, got {line[:40]!r}", file=sys.stderr)
                 return 2
             started = time.monotonic()
-            logging.getLogger("asyncio").addHandler(slow)  # the run's callbacks, not start-up's
-            gc.disable()  # as tests.aio_support does: a collection is not the loop's fault
-            runner.run(asyncio.wait_for(contend(service, cfg, tally), cfg.get("deadline_s", 120)))
-            gc.enable()
+            with no_slow_callbacks(fail=False) as slow:  # the run's callbacks, not start-up's
+                deadline_s = cfg.get("deadline_s", 120)
+                runner.run(asyncio.wait_for(contend(service, cfg, tally), deadline_s))
             tally.data["elapsed_s"] = round(time.monotonic() - started, 3)
         finally:
             runner.run(service.aclose())
