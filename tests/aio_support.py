@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import resource
+import sys
 import threading
 import time
 import weakref
@@ -44,11 +45,13 @@ class SlowCallbacks:
     def __init__(self) -> None:
         self.reports: list[str] = []
         self.preempted = 0
+        self.worst_s = 0.0
 
     def note(self, handle: asyncio.Handle, took_s: float, preempted_only: bool) -> None:
         if preempted_only:
             self.preempted += 1
         else:
+            self.worst_s = max(self.worst_s, took_s)
             self.reports.append(f"{handle!r} took {took_s * 1000:.1f} ms")
 
 
@@ -83,16 +86,21 @@ def no_slow_callbacks(*, fail: bool = True) -> Iterator[SlowCallbacks]:
 
     The garbage collector is paused meanwhile: a full collection of the test process's
     heap (every collected test item) takes tens of milliseconds, which is the test
-    runner's pause, not a blocking call of the code under test.
+    runner's pause, not a blocking call of the code under test. And the GIL changes hands
+    every millisecond, not every 5: a test's own threads (monitors reading the stores)
+    then cannot hold a loop up for more than that at a time.
     """
     watcher = SlowCallbacks()
     _WATCHERS.append(watcher)
     asyncio.Handle._run = _timed_run  # type: ignore[method-assign]
     collecting = gc.isenabled()
     gc.disable()
+    switch_s = sys.getswitchinterval()
+    sys.setswitchinterval(0.001)  # a test's monitor thread gives the GIL back within 1 ms
     try:
         yield watcher
     finally:
+        sys.setswitchinterval(switch_s)
         _WATCHERS.remove(watcher)
         if not _WATCHERS:
             asyncio.Handle._run = _PLAIN_RUN  # type: ignore[method-assign]
@@ -115,6 +123,24 @@ def run_checked(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)`` in debug mode; fails on any callback over the threshold."""
     with no_slow_callbacks(), checked_runner() as runner:
         return runner.run(main)
+
+
+#: What :func:`run_watched` fails on: a callback this long is a blocking call whatever the
+#: machine's load.
+GROSS_BLOCK_S = 0.100
+
+
+def run_watched(main: Coroutine[Any, Any, T]) -> T:
+    """:func:`run_checked` for runs that share the process with busy threads of their own
+    (500 tasks beside a monitor thread reading both stores): callbacks over the threshold
+    are printed, and fail only past :data:`GROSS_BLOCK_S`. On two loaded cores such a run
+    had single steps of 20-21 ms that the same run without load did not have."""
+    with no_slow_callbacks(fail=False) as slow, checked_runner() as runner:
+        result = runner.run(main)
+    if slow.reports:
+        print(f"\nslow callbacks ({len(slow.reports)}): {slow.reports[:3]}")
+    assert slow.worst_s < GROSS_BLOCK_S, f"the event loop was blocked: {slow.reports}"
+    return result
 
 
 async def new_async_service(
