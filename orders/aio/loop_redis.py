@@ -219,3 +219,15 @@ def loop_client(client: AsyncRedisClient, retry: Retry) -> RedisClient:
         **_carried(pool.connection_kwargs),
     )
     return redis.Redis(connection_pool=loop_pool)
+
+
+def disconnect(client: RedisClient) -> None:
+    """Close every connection of a client :func:`loop_client` built (run it in
+    :func:`orders.aio.greenlets.run`). redis-py's ``close()`` leaves a pool it was handed
+    connected, and these pools are ours alone."""
+    if isinstance(client, RedisCluster):
+        for node in client.get_nodes():  # type: ignore[no-untyped-call]
+            if node.redis_connection is not None:
+                node.redis_connection.connection_pool.disconnect()
+    else:
+        client.connection_pool.disconnect()

@@ -22,6 +22,7 @@ from orders.aio.greenlets import LoopRetry, run
 from orders.aio.loop_redis import (
     AsyncRedisClient,
     check_async_client,
+    disconnect,
     loop_client,
 )
 from orders.bootstrap import redis_retry
@@ -109,6 +110,7 @@ class AsyncOrderService:
         """Close the Redis connections and dispose of the engine."""
         if self._core is not None:
             await run(self._core.close)
+            await run(disconnect, self._core.index.client)
         else:
             await self.engine.dispose()
         await self.redis_client.aclose()

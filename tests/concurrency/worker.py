@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -130,7 +130,11 @@ class WorkerProcess:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._fail("not ready in time")
-            readable, _, _ = select.select([fd], [], [], remaining)
+            # epoll (the default selector), not select(): select refuses descriptors past
+            # 1024, which a test process that has opened many connections reaches.
+            with selectors.DefaultSelector() as selector:
+                selector.register(fd, selectors.EVENT_READ)
+                readable = selector.select(remaining)
             if readable:
                 chunk = os.read(fd, 4096)
                 if not chunk:

@@ -4,6 +4,8 @@ callback over 20 ms), failures included: a dead store must not stall the loop ei
 
 from __future__ import annotations
 
+import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from sqlalchemy import Engine, select
 
 import orders.aio
 from orders.aio import AsyncOrderService
+from orders.aio.greenlets import run
 from orders.bootstrap import build_async_engine
 from orders.config import Settings
 from orders.errors import InvalidInput, OrderClosed, StoreUnavailable
@@ -126,3 +129,28 @@ def test_a_client_the_service_cannot_use_is_invalid_input(
     engine = build_async_engine(Settings(database_url=database_url))
     with pytest.raises(InvalidInput, match=why):
         AsyncOrderService(engine, client(redis_url))
+
+
+def test_aclose_closes_every_redis_connection_the_service_opened(
+    database_url: str, redis_options: dict[str, Any], redis_client: redis.Redis
+) -> None:
+    settings = Settings(database_url=database_url, **redis_options)
+
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def main() -> tuple[int, int, int]:
+        before = open_descriptors()
+        service = await new_async_service(settings)
+        core = await service.core()
+        # Forty Redis calls in flight at once (the server holds its replies back for a
+        # moment): forty connections of the service's own.
+        await asyncio.to_thread(redis_client.execute_command, "CLIENT", "PAUSE", 200)
+        await asyncio.gather(*(run(core.index.members, f"u{n}") for n in range(40)))
+        during = open_descriptors()
+        await service.aclose()
+        return before, during, open_descriptors()
+
+    before, during, after = run_checked(main())
+    assert during - before >= 40
+    assert after - before <= 2, f"{after - before} descriptors left open by aclose()"
