@@ -17,7 +17,7 @@ from redis.retry import Retry
 from sqlalchemy import URL, Engine, create_engine, event
 from sqlalchemy.exc import ArgumentError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.pool import AsyncAdaptedQueuePool, ConnectionPoolEntry
 
 from orders.config import SecretUrl, Settings, check_database_url
 from orders.domain import Clock
@@ -58,6 +58,8 @@ def build_async_engine(settings: Settings, url: str | None = None) -> AsyncEngin
     target, kwargs = _engine_plan(settings, url)
     if target.get_backend_name() == "sqlite":
         target = target.set(drivername="sqlite+aiosqlite")
+        if "pool_size" in kwargs:  # a file: SQLAlchemy 2.0 would give aiosqlite a NullPool
+            kwargs["poolclass"] = AsyncAdaptedQueuePool
     engine = _created(target, lambda: create_async_engine(target, **kwargs))
     _prepared(engine.sync_engine, target)
     return engine
