@@ -1,0 +1,126 @@
+"""The operator endpoints' HTTP server: a threaded stdlib server on loopback unless told.
+
+The dashboard and the scheduler's health checks are read by a few operators and probes, not
+by customers, so the standard library's ``ThreadingHTTPServer`` is enough and adds no
+dependency; one thread per connection lets a long-lived event stream sit beside short
+requests. :func:`serve` binds at once, so a taken port or a bad address is a typed error
+before the process goes on, and returns a :class:`Served` that stops the server and joins
+its thread.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from orders.errors import InvalidInput
+
+#: Host names taken as loopback without asking a resolver.
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only listens on this machine."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything, so it is not taken as loopback
+
+
+def check_port(field: str, port: object) -> int:
+    """``port`` as a TCP port number (0: any free one), or :class:`InvalidInput`."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidInput(field, f"must be a TCP port, 0 to 65535 (got {port!r})")
+    return port
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler whose access lines go to the ``orders.httpd`` logger at DEBUG,
+    not to stderr (the stdlib default), so a probe every second does not flood the log."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logging.getLogger("orders.httpd").debug("%s " + format, self.address_string(), *args)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # an open event stream must not keep the process alive
+    block_on_close = False
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+@dataclass
+class Served:
+    """A running server: where it listens, and how to stop it."""
+
+    server: ThreadingHTTPServer
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop accepting, close the socket and wait for the serving thread."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+def serve(
+    handler: type[BaseHTTPRequestHandler], host: str, port: int, *, name: str, field: str
+) -> Served:
+    """Bind ``host:port`` now and serve ``handler`` from a daemon thread named ``name``.
+
+    ``field`` names the setting in errors: a port that is taken or an address that cannot
+    be bound is :class:`InvalidInput` on it, raised here rather than in the thread.
+    """
+    check_port(field, port)
+    server_class = _Server6 if ":" in host else _Server
+    try:
+        server = server_class((host.strip("[]"), port), handler)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise InvalidInput(field, f"cannot listen on {host}:{port}: {reason}") from None
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    thread.start()
+    return Served(server, thread, host, int(server.server_address[1]))
+
+
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: Any) -> None:
+    """Answer with ``body`` as JSON, never cached."""
+    send_bytes(handler, status, json.dumps(body).encode(), "application/json")
+
+
+def send_bytes(
+    handler: BaseHTTPRequestHandler,
+    status: int,
+    data: bytes,
+    content_type: str,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """Answer with ``data``; operator pages are never cached nor framed by other sites."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.send_header("Cache-Control", "no-store")
+    handler.send_header("X-Content-Type-Options", "nosniff")
+    handler.send_header("X-Frame-Options", "DENY")
+    for key, value in (headers or {}).items():
+        handler.send_header(key, value)
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(data)
