@@ -10,8 +10,17 @@ from types import FrameType
 import click
 
 from orders.cli.app import cli_state
-from orders.dashboard import DEFAULT_HOST, DEFAULT_PORT, TOKEN_ENV, start_dashboard, token_from_env
+from orders.dashboard import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    TOKEN_ENV,
+    check_bind,
+    start_dashboard,
+    token_from_env,
+)
 from orders.dashboard.server import DEFAULT_REFRESH_S
+from orders.httpd import check_port
+from orders.validation import check_seconds
 
 
 @click.command()
@@ -43,13 +52,13 @@ from orders.dashboard.server import DEFAULT_REFRESH_S
 @click.pass_context
 def dashboard(ctx: click.Context, host: str, port: int, refresh_s: float) -> None:
     """Serve the read-only live dashboard (token: ORDERS_DASHBOARD_TOKEN, never an option)."""
-    served = start_dashboard(
-        cli_state(ctx).service(long_running=True),
-        host,
-        port,
-        token=token_from_env(),
-        refresh_s=refresh_s,
-    )
+    token = token_from_env()
+    # Refused settings end here, before the stores are connected to.
+    check_bind(host, token)
+    check_port("port", port)
+    check_seconds("refresh_s", refresh_s)
+    service = cli_state(ctx).service(long_running=True)
+    served = start_dashboard(service, host, port, token=token, refresh_s=refresh_s)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

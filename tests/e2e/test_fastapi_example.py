@@ -8,7 +8,6 @@ import contextlib
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from orders.config import Settings
 from orders.models import orders_table
 from orders.service import OrderService
 from tests.conftest import ManualClock
-from tests.helpers import REPO, child_env
+from tests.helpers import REPO, child_env, free_port
 
 EXAMPLE = REPO / "examples" / "fastapi_checkout"
 WORKERS = 3
@@ -34,12 +33,6 @@ USERS = 20
 REQUESTS = 200
 LIMIT = 2
 TTL_S = 1800
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def group_alive(pgid: int) -> list[int]:
