@@ -29,7 +29,7 @@ def parse(text: str) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     key = (name, tuple(sorted(labels.items())))
-    assert key in samples, f"no {name}{labels} in {sorted(samples)}"
+    assert key in samples, f"no {name}{labels} among {sorted({n for n, _ in samples})}"
     return samples[key]
 
 
