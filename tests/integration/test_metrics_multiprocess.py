@@ -110,10 +110,14 @@ def test_a_wrong_multiprocess_folder_is_invalid_input_at_register(tmp_path: Path
     missing, good = str(tmp_path / "missing"), str(tmp_path)
     field = "PROMETHEUS_MULTIPROC_DIR"
     # A worker started with a folder that is not there: refused before a metric is defined
-    # (prometheus-client itself would fail in the first inc() or labels()); once it exists,
+    # (prometheus-client itself would fail in the first inc() or labels()); so is the
+    # variable removed later (NOTHING is another variable); once the folder exists,
     # registering works.
-    assert try_settings([(field, missing), (field, good)], PROMETHEUS_MULTIPROC_DIR=missing) == [
+    assert try_settings(
+        [(field, missing), ("NOTHING", ""), (field, good)], PROMETHEUS_MULTIPROC_DIR=missing
+    ) == [
         [field, "not an existing directory"],
+        [field, "removed after prometheus_client was imported"],
         None,
     ]
     # Imported without it: every later setting is refused, with what is wrong.
