@@ -1,7 +1,8 @@
 """What an operator asks of event consumers, and does to their parked events.
 
 Functions over an Engine (``orders events`` runs them): :func:`list_consumers` (position,
-lag, retrying and parked counts), :func:`list_parked`, and the two actions on a parked
+lag, retrying and parked counts), :func:`parked_counts` (the scheduler's gauge),
+:func:`list_parked`, and the two actions on a parked
 event, after Sidekiq's dead set: :func:`requeue_parked` (retrying again, attempts reset,
 due now) and :func:`discard_parked` (the entry goes; the event stays in order_events).
 A consumer is known once it has saved a position or recorded a failure.
@@ -70,11 +71,7 @@ def list_consumers(engine: Engine, *, clock: Clock | None = None) -> list[Consum
     """Every known consumer, by name, with its lag and its retrying and parked counts."""
     now_ms = (clock or system_clock)()
     names = union(select(CC.name.label("name")), select(RC.consumer.label("name")))
-    counts = select(
-        RC.consumer,
-        func.count().filter(RETRYING).label("retrying"),
-        func.count().filter(PARKED).label("parked"),
-    ).group_by(RC.consumer)
+    counts = _failure_counts()
     with sql_errors(), engine.connect() as conn:
         positions = {
             row.name: EventPosition(row.txid, row.event_id)
@@ -97,6 +94,22 @@ def list_consumers(engine: Engine, *, clock: Clock | None = None) -> list[Consum
                 )
             )
     return found
+
+
+def parked_counts(engine: Engine) -> dict[str, int]:
+    """Parked events per consumer, for every consumer with an event retrying or parked
+    (one grouped query; a consumer missing here has none)."""
+    with sql_errors(), engine.connect() as conn:
+        return {row.consumer: row.parked for row in conn.execute(_failure_counts())}
+
+
+def _failure_counts() -> Select[Any]:
+    """Each consumer's retrying and parked counts, grouped in one pass over the entries."""
+    return select(
+        RC.consumer,
+        func.count().filter(RETRYING).label("retrying"),
+        func.count().filter(PARKED).label("parked"),
+    ).group_by(RC.consumer)
 
 
 def lag_statements(engine: Engine, position: EventPosition) -> tuple[Select[Any], Select[Any]]:

@@ -41,6 +41,11 @@ if TYPE_CHECKING:
     RECONCILE_FIXES: Counter
     FOREIGN_KEYS: Counter
     STORE_ERRORS: Counter
+    SCHEDULER_ACTIVE: Gauge
+    LAST_SWEEP_TIMESTAMP: Gauge
+    OLDEST_OVERDUE_SECONDS: Gauge
+    JOB_FAILURES: Counter
+    PARKED_EVENTS: Gauge
 
 #: Every metric this module defines, by the name it is read as (``metrics.CREATES``).
 METRIC_NAMES = frozenset(
@@ -56,6 +61,11 @@ METRIC_NAMES = frozenset(
         "RECONCILE_FIXES",
         "FOREIGN_KEYS",
         "STORE_ERRORS",
+        "SCHEDULER_ACTIVE",
+        "LAST_SWEEP_TIMESTAMP",
+        "OLDEST_OVERDUE_SECONDS",
+        "JOB_FAILURES",
+        "PARKED_EVENTS",
     }
 )
 
@@ -93,8 +103,12 @@ def _define() -> dict[str, Any]:
             "closed_at - expires_at of each closed order",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         ),
+        # multiprocess_mode only counts under PROMETHEUS_MULTIPROC_DIR: the active
+        # scheduler's judgement, the newest of the live processes' values.
         "BACKLOG": Gauge(
-            "orders_backlog", "unpaid orders due but not yet closed, after the last tick"
+            "orders_backlog",
+            "unpaid orders due but not yet closed, after the last tick",
+            multiprocess_mode="livemostrecent",
         ),
         "RECONCILE_FIXES": Counter(
             "orders_reconcile_fixes_total",
@@ -107,6 +121,33 @@ def _define() -> dict[str, Any]:
         ),
         "STORE_ERRORS": Counter(
             "orders_store_errors_total", "failed Redis or SQL calls", ["store"]
+        ),
+        "SCHEDULER_ACTIVE": Gauge(
+            "orders_scheduler_active",
+            "1 while this process's sweeper holds the lease, else 0",
+            multiprocess_mode="livemax",
+        ),
+        "LAST_SWEEP_TIMESTAMP": Gauge(
+            "orders_last_successful_sweep_timestamp_seconds",
+            "service-clock Unix time of this process's last sweep that ran to its end",
+            multiprocess_mode="max",
+        ),
+        "OLDEST_OVERDUE_SECONDS": Gauge(
+            "orders_oldest_overdue_unpaid_seconds",
+            "how long the oldest unpaid order past its expiry has been due, after the last "
+            "sweep (0: none)",
+            multiprocess_mode="livemostrecent",
+        ),
+        "JOB_FAILURES": Counter(
+            "orders_job_failures_total",
+            "scheduler job runs that ended in an exception (APScheduler job error events)",
+            ["job"],
+        ),
+        "PARKED_EVENTS": Gauge(
+            "orders_parked_events",
+            "events parked (out of retries) per consumer, after the last events job run",
+            ["consumer"],
+            multiprocess_mode="livemostrecent",
         ),
     }
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from orders.scheduling import build_scheduler
 from orders.service import OrderService
 from orders.sweeper import SUMMARY_PERIOD_S, Sweeper, log_event
+
+if TYPE_CHECKING:
+    from orders.health import HealthServer
 
 
 def run_scheduler(
@@ -22,6 +26,7 @@ def run_scheduler(
     lease_ttl_s: float | None = None,
     batch_size: int | None = None,
     summary_period_s: float = SUMMARY_PERIOD_S,
+    health: HealthServer | None = None,
 ) -> None:
     """Sweep until SIGTERM or SIGINT, then finish the batch in hand, release the lease and
     return. Call it from the main thread (signal handlers are installed there).
@@ -32,6 +37,9 @@ def run_scheduler(
 
     The sweeper's ``summary`` line comes at most every ``summary_period_s``, and once more
     on the way out.
+
+    ``health``, a bound :class:`~orders.health.HealthServer`, reports on this scheduler
+    while it runs and is closed on the way out.
     """
     sweeper = Sweeper(
         service,
@@ -41,6 +49,8 @@ def run_scheduler(
         summary_period_s=summary_period_s,
     )
     scheduler = build_scheduler(sweeper, blocking=True)
+    if health is not None:
+        health.attach(sweeper, scheduler)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         sweeper.request_stop()
@@ -58,6 +68,8 @@ def run_scheduler(
         scheduler.start()
     finally:
         sweeper.close()
+        if health is not None:
+            health.close()
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         log_event(logging.INFO, "scheduler_stopped", owner=sweeper.owner)

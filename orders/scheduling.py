@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from importlib import import_module
 from typing import Any
 
+from apscheduler.events import EVENT_JOB_ERROR, JobExecutionEvent  # type: ignore[import-untyped]
 from apscheduler.executors.pool import ThreadPoolExecutor  # type: ignore[import-untyped]
 from apscheduler.jobstores.base import JobLookupError  # type: ignore[import-untyped]
 from apscheduler.schedulers.background import (  # type: ignore[import-untyped]
@@ -31,8 +32,10 @@ from apscheduler.schedulers.base import (  # type: ignore[import-untyped]
 from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[import-untyped]
 from apscheduler.triggers.interval import IntervalTrigger  # type: ignore[import-untyped]
 
+from orders import metrics
 from orders.domain import EventKind
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.event_admin import parked_counts
 from orders.events import EventConsumer, OrderEvent
 from orders.service import OrderService
 from orders.sweeper import LOGGER_NAME, Sweeper, log_event
@@ -186,7 +189,18 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
         )
     for job in scheduler.pausing_jobs:
         job.scheduler = scheduler
+    scheduler.add_listener(_count_failure, EVENT_JOB_ERROR)
     return scheduler
+
+
+def _count_failure(event: JobExecutionEvent) -> None:
+    """A job run ended in an exception (APScheduler logged it): count it by job id.
+
+    Store outages are not these: the jobs catch StoreUnavailable, log it once and retry at
+    their next run (``orders_store_errors_total`` counts them); what escapes is a bug or
+    an unexpected error, each run of it counted.
+    """
+    metrics.JOB_FAILURES.labels(event.job_id).inc()
 
 
 def _tick(sweeper: Sweeper) -> float:
@@ -273,16 +287,33 @@ class _EventsJob:
 
     A consumer whose store fails logs ``handlers_failed`` once, and ``handlers_back`` once
     it runs again, not once per run. Its runs are counted in the sweeper's summary line.
+
+    After each run the ``orders_parked_events`` gauge is set for every consumer it has
+    ever shown, 0 for one with nothing parked any more (a label is never left at an old
+    value); a standby shows 0 for all, as it does for the backlog.
     """
 
     def __init__(self, sweeper: Sweeper, consumers: list[EventConsumer]) -> None:
         self.sweeper = sweeper
         self.consumers = consumers
         self._failing: set[str] = set()
+        self._shown: set[str] = {consumer.name for consumer in consumers}
 
     def __call__(self) -> float:
         if self.sweeper.stopping or not self.sweeper.holds_lease:
+            self._show_parked({})
             return EVENTS_INTERVAL_S
+        self._run_consumers()
+        with contextlib.suppress(StoreUnavailable):  # the consumers' failure was logged
+            self._show_parked(parked_counts(self.sweeper.service.engine))
+        return EVENTS_INTERVAL_S
+
+    def _show_parked(self, parked: dict[str, int]) -> None:
+        self._shown.update(parked)
+        for name in self._shown:
+            metrics.PARKED_EVENTS.labels(name).set(parked.get(name, 0))
+
+    def _run_consumers(self) -> None:
         for consumer in self.consumers:
             try:
                 result = consumer.run_once()
@@ -295,7 +326,6 @@ class _EventsJob:
                 self._failing.discard(consumer.name)
                 self._log(logging.INFO, "handlers_back", consumer.name)
             self.sweeper.add_handler_run(consumer.name, result)
-        return EVENTS_INTERVAL_S
 
     def _log(self, level: int, event: str, consumer: str, **fields: Any) -> None:
         log_event(level, event, owner=self.sweeper.owner, consumer=consumer, **fields)

@@ -24,7 +24,8 @@ and process modules) are JSON objects, few enough at INFO to keep:
   both are back under half that (:mod:`orders.sweep_log`); the lease's changes
   (``lease_acquired``, ``lease_lost``, ``lease_released``); a store outage
   (``store_unavailable``, WARNING) and its end (``store_back``), once each, not every tick;
-  an index rebuild that fixed something (``reconcile``).
+  an index rebuild that fixed something (``reconcile``); a heartbeat that cannot be
+  published (``heartbeat_failed``, :mod:`orders.sweeper_status`) and its end (``heartbeat_back``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from orders.events import ConsumeResult
 from orders.lease import SweeperLease
 from orders.service import OrderService
 from orders.sweep_log import BacklogWatch, LogSummary
+from orders.sweeper_status import SweeperStatus
 from orders.validation import check_count
 
 #: The scheduler process's one logger, documented by that name (README, operators' filters).
@@ -119,6 +121,8 @@ class Sweeper:
         self.owner: str = owner or default_owner()
         self.lease = SweeperLease(service.index.client, key_prefix=service.index.key_prefix)
         self.lease_ttl_ms = max(1, round(self.lease_ttl_s * 1000))
+        #: Its gauges, heartbeat and health facts (:mod:`orders.sweeper_status`).
+        self.status = SweeperStatus(service, self.owner, self.lease_ttl_ms, log=self._log)
         self.cadence_s = min(self.interval_s, self.lease_ttl_s / 2)
         # A long sweep renews between batches, this often, so the lease outlives it.
         self._renew_every_s = self.lease_ttl_s / 3
@@ -152,6 +156,16 @@ class Sweeper:
         """Whether the last word from Redis was that this sweeper holds the lease."""
         return self._holds_lease
 
+    @property
+    def last_sweep_ms(self) -> int | None:
+        """Service-clock ms of the last sweep that ran to its end without a store error."""
+        return self.status.last_sweep_ms
+
+    @property
+    def lease_expires_ms(self) -> int | None:
+        """When this sweeper's lease lapses unless renewed; None while it does not hold it."""
+        return self.status.lease_expires_ms
+
     def request_stop(self) -> None:
         """Stop a running sweep after its current batch; later ticks do nothing.
 
@@ -167,12 +181,15 @@ class Sweeper:
         """
         with self._tick_lock:
             self._not_ticking.clear()
+            self.status.alive()
             try:
                 if self._stop_requested or not self._take_lease():
                     return self.cadence_s
                 return self._sweep()
             finally:
                 self._not_ticking.set()
+                if not self._stop_requested and "redis" not in self._down:
+                    self.status.beat(self._holds_lease)  # (an outage is logged once already)
                 self.log_summary_if_due()
 
     def close(self) -> None:
@@ -194,6 +211,7 @@ class Sweeper:
                 )
                 return
             self._holds_lease = False
+            self.status.stopped()
             if released:
                 self._log(logging.INFO, "lease_released")
 
@@ -201,6 +219,7 @@ class Sweeper:
 
     def _take_lease(self) -> bool:
         """True if this sweeper should sweep: it holds the lease, or Redis cannot say."""
+        asked_at_ms = self.service.clock()
         try:
             held = self.lease.acquire(self.owner, self.lease_ttl_ms)
         except StoreUnavailable as exc:
@@ -208,7 +227,7 @@ class Sweeper:
             return True
         self._store_up("redis")
         self._renewed_at = time.monotonic()
-        self._set_holds(held)
+        self._set_holds(held, asked_at_ms)
         return held
 
     def reconcile_if_due(self) -> None:
@@ -278,6 +297,8 @@ class Sweeper:
             self._store_down(exc.store, exc, "retrying every tick")
             return self.cadence_s
         self._store_up("sql")
+        whole = not (self._stop_requested or self._lost_lease)
+        self.status.swept(earliest_ms, now_ms, whole=whole)
         if result.closed:
             self._log(
                 logging.DEBUG,
@@ -320,16 +341,18 @@ class Sweeper:
         """Asked before each batch: stop if asked to, or if another sweeper took over."""
         if self._stop_requested:
             return True
+        self.status.alive()
         if time.monotonic() - self._renewed_at < self._renew_every_s:
             return False
         self._renewed_at = time.monotonic()  # also paces retries while Redis is down
+        asked_at_ms = self.service.clock()
         try:
             held = self.lease.acquire(self.owner, self.lease_ttl_ms)
         except StoreUnavailable as exc:
             self._store_down("redis", exc, "sweeping without the lease until redis is back")
             return False
         self._store_up("redis")
-        self._set_holds(held)
+        self._set_holds(held, asked_at_ms)
         self._lost_lease = not held
         return not held
 
@@ -357,7 +380,8 @@ class Sweeper:
 
     # --- state changes, each logged once ---------------------------------------------
 
-    def _set_holds(self, held: bool) -> None:
+    def _set_holds(self, held: bool, asked_at_ms: int) -> None:
+        self.status.lease_seen(held, asked_at_ms)
         if held and not self._holds_lease:
             self._log(logging.INFO, "lease_acquired", lease_ttl_s=self.lease_ttl_s)
         elif self._holds_lease and not held:

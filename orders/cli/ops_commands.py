@@ -88,6 +88,21 @@ def sweep(
     show_envvar=True,
     help="Address the metrics server listens on (0.0.0.0 for every interface).",
 )
+@click.option(
+    "--health-port",
+    type=int,
+    envvar="ORDERS_HEALTH_PORT",
+    show_envvar=True,
+    help="Serve /healthz and /readyz on this port (0: any free one, logged). [default: off]",
+)
+@click.option(
+    "--health-addr",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="ORDERS_HEALTH_ADDR",
+    show_envvar=True,
+    help="Address the health server listens on (0.0.0.0 for a probe from outside).",
+)
 @click.pass_context
 def scheduler(
     ctx: click.Context,
@@ -96,10 +111,20 @@ def scheduler(
     batch_size: int | None,
     metrics_port: int | None,
     metrics_addr: str,
+    health_port: int | None,
+    health_addr: str,
 ) -> None:
     """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
     from orders.scheduler_process import run_scheduler  # noqa: PLC0415
 
+    health = None
+    if health_port is not None:
+        # Bound first: a bad or taken port stops the command before anything else starts.
+        # Its answers hold no secret, so any address given explicitly is allowed.
+        from orders.health import HealthServer  # noqa: PLC0415
+
+        health = HealthServer(health_addr, health_port)
+        logging.getLogger("orders.health").info("health on %s/healthz", health.url)
     if metrics_port is not None:
         from orders.metrics import serve  # noqa: PLC0415
 
@@ -108,12 +133,17 @@ def scheduler(
             "metrics on http://%s:%d/metrics", metrics_addr, port
         )
 
-    run_scheduler(
-        cli_state(ctx).service(long_running=True),
-        interval_s=interval_s,
-        lease_ttl_s=lease_ttl_s,
-        batch_size=batch_size,
-    )
+    try:
+        run_scheduler(
+            cli_state(ctx).service(long_running=True),
+            interval_s=interval_s,
+            lease_ttl_s=lease_ttl_s,
+            batch_size=batch_size,
+            health=health,
+        )
+    finally:
+        if health is not None:
+            health.close()
 
 
 @main.command()

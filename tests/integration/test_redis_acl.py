@@ -6,9 +6,11 @@ The commands, found in ``orders/index.py`` and ``orders/lua/*.lua``:
 * redis-py ``Script`` objects send EVALSHA, and SCRIPT LOAD when the server answers
   NOSCRIPT; never EVAL;
 * inside the scripts: ZREMRANGEBYSCORE, ZSCORE, ZCARD, ZRANGE, ZADD, PERSIST (admit,
-  repair: reconcile and extend_order), ZREM (repair), SET, GET, PEXPIRE, DEL (lease, lease_release);
+  repair: reconcile and extend_order), ZREM (repair), SET, GET, PEXPIRE, DEL (lease, lease_release),
+  HSET, HGETALL, HDEL, PEXPIRE (heartbeat);
 * outside them: ZREM (release), ZREMRANGEBYSCORE pipelines (sweep), ZRANGE (members,
-  reconcile), GET/SET (index epoch, lease owner), SCAN (reconcile);
+  reconcile), GET/SET (index epoch, lease owner), SCAN (reconcile), HGETALL (reading the
+  heartbeats), HDEL (a stopping scheduler's beat);
 * PING, which redis-py sends as its health check on a connection idle for 30 s.
 
 Not granted, and shown to be unnecessary: CONFIG GET (the startup warnings give up
@@ -67,6 +69,9 @@ SERVICE_COMMANDS = (
     "get",
     "pexpire",
     "del",
+    "hset",
+    "hgetall",
+    "hdel",
     "scan",
     "ping",
 )
@@ -282,8 +287,11 @@ def test_every_use_case_works_through_the_restricted_user_and_needs_every_grant(
             assert admin.get(f"{PREFIX}[sweeper-lease]") == b"acl-sweeper"
             sweeper.tick()
             assert 0 < admin.pttl(f"{PREFIX}[sweeper-lease]") <= 5000
+            # Its heartbeat (written at each tick, read by the dashboard) is allowed too.
+            assert [b.owner for b in sweeper.status.heartbeats.read(clock())] == ["acl-sweeper"]
             sweeper.close()
             assert admin.exists(f"{PREFIX}[sweeper-lease]") == 0
+            assert admin.hkeys(f"{PREFIX}[schedulers]") == []
 
             # What redis-py sends as its health check after 30 s of idleness.
             assert service.index.client.ping()
@@ -359,7 +367,7 @@ def test_the_restricted_user_can_touch_nothing_else(
             client.evalsha(sneaky, 0)
         # And a command the service does not send stays refused even on its own keys.
         with pytest.raises(redis.exceptions.NoPermissionError):
-            client.hset(f"{PREFIX}u1", "field", "value")
+            client.lpush(f"{PREFIX}u1", "value")
     finally:
         client.close()
     assert admin.get("other") == b"untouched"
