@@ -51,6 +51,26 @@ def test_the_figures_follow_creates_payments_cancels_and_the_sweep(
     assert overview["scheduling"]["lease_owner"] is None
 
 
+def test_the_schedulers_come_from_their_beats_and_the_lease(
+    service: OrderService, clock: ManualClock
+) -> None:
+    from orders.sweeper import Sweeper  # noqa: PLC0415
+
+    active = Sweeper(service, owner="host-a", lease_ttl_s=5, reconcile_at_start=False)
+    standby = Sweeper(service, owner="host-b", lease_ttl_s=5, reconcile_at_start=False)
+    active.tick()
+    standby.tick()
+    scheduling = read_overview(service)["scheduling"]
+    assert scheduling["lease_owner"] == "host-a"
+    assert 0 < scheduling["lease_ttl_ms"] <= 5_000
+    beats = {beat["owner"]: beat for beat in scheduling["schedulers"]}
+    assert beats["host-a"]["active"] is True
+    assert beats["host-a"]["last_sweep_ms"] == clock()
+    assert beats["host-b"]["active"] is False
+    active.close()
+    standby.close()
+
+
 def test_the_user_comparison_names_what_reconcile_would_repair(
     service: OrderService, redis_client: RedisClient, clock: ManualClock
 ) -> None:
