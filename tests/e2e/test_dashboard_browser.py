@@ -70,6 +70,13 @@ SHOP_USERS = [
     "alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi",
     "ivan", "judy", "mallory", "niaj", "olivia", "peggy", "rupert",
 ]  # fmt: skip
+#: Counts the times the live badge turns "lost" (the event stream failed).
+LOST_COUNTER = """() => {
+  const live = document.querySelector("#live");
+  window.__lost = 0;
+  new MutationObserver(() => { if (live.dataset.state === "lost") window.__lost += 1; })
+    .observe(live, { attributes: true, attributeFilter: ["data-state"] });
+}"""
 FIGURES = ("unpaid", "open_unpaid", "paid", "cancelled", "closed", "backlog")
 
 
@@ -144,7 +151,7 @@ class Console:
         def matches(message: ConsoleMessage) -> bool:
             return message.location.get("url") == url and f"status of {status}" in message.text
 
-        with page.expect_console_message(matches) as said:
+        with page.expect_console_message(matches, timeout=WAIT_MS) as said:
             yield
         self.errors.remove(console_line(said.value))
 
@@ -256,7 +263,10 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     page = new_context().new_page()
     log_in(page, dashboard.url, console)
     expect_figures(page, unpaid=0, open_unpaid=0, paid=0, cancelled=0, closed=0, backlog=0)
+    # Marks of this page load: a reload would lose them, and a stream that drops (the
+    # browser then reconnects, also a way to get fresh numbers) shows "lost" on the badge.
     loaded = page.evaluate("window.__loaded = Date.now()")
+    page.evaluate(LOST_COUNTER)
 
     shop = open_shop(service)
     expect_figures(page, unpaid=30, open_unpaid=30, paid=0, cancelled=0, closed=0, backlog=0)
@@ -315,6 +325,7 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     expect(page.locator("#user-slots tr.diff")).to_have_count(0)
 
     assert page.evaluate("window.__loaded") == loaded, "the page was reloaded"
+    assert page.evaluate("window.__lost") == 0, "the event stream dropped"
     assert not console.errors, "\n".join(console.errors)
 
 
