@@ -1,0 +1,355 @@
+"""The dashboard in a real browser: headless Chromium driven by Playwright.
+
+The HTTP-level tests (tests/integration/test_dashboard.py) check the JSON; this one checks
+what an operator sees: that the page logs in, that its numbers follow creates, payments,
+cancels and the sweep *without a reload* (the server-sent events and the JavaScript that
+renders them), that the user search highlights a damaged index entry, and that the token
+keeps a fresh browser and a wrong bearer out.
+
+The browser is the system's Chromium (``ORDERS_CHROMIUM``, else ``chromium`` on PATH):
+Playwright never downloads one here. It runs with a temporary profile (Playwright's
+``launch`` makes one per browser and deletes it) and with Chromium's own background
+traffic (updates, sync, QUIC probes) turned off, since the machine has no network.
+Without Chromium the test is skipped on a developer's machine and fails in CI.
+
+Every run saves a full-page screenshot to ``build/screenshots/dashboard.png``; the one in
+``docs/images/`` that the README shows is a copy of such a run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import (
+    Browser,
+    BrowserContext,
+    ConsoleMessage,
+    Error,
+    Page,
+    Playwright,
+    expect,
+    sync_playwright,
+)
+
+from orders.dashboard import start_dashboard
+from orders.events import EventConsumer
+from orders.heartbeat import Heartbeats, SchedulerBeat
+from orders.httpd import Served
+from orders.lease import SweeperLease
+from orders.redis_nodes import RedisClient
+from orders.service import OrderService
+from tests.conftest import ManualClock
+
+# One engine is enough: the browser sees the same JSON whichever store answers it.
+pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
+TOKEN = "browser-test-token-0123456789"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "build" / "screenshots" / "dashboard.png"
+#: Our flags on top of Playwright's own: no sandbox (CI runs as root), no GPU, and none of
+#: Chromium's background requests, which would only wait on the closed network.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+#: How long the page may take to show a change: many refreshes (0.2 s) on a slow machine.
+WAIT_MS = 10_000
+SHOP_USERS = [
+    "alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi",
+    "ivan", "judy", "mallory", "niaj", "olivia", "peggy", "rupert",
+]  # fmt: skip
+#: Counts the times the live badge turns "lost" (the event stream failed).
+LOST_COUNTER = """() => {
+  const live = document.querySelector("#live");
+  window.__lost = 0;
+  new MutationObserver(() => { if (live.dataset.state === "lost") window.__lost += 1; })
+    .observe(live, { attributes: true, attributeFilter: ["data-state"] });
+}"""
+FIGURES = ("unpaid", "open_unpaid", "paid", "cancelled", "closed", "backlog")
+
+
+def chromium_path() -> str:
+    """The Chromium to drive; skips (fails in CI) when there is none."""
+    path = os.environ.get("ORDERS_CHROMIUM") or shutil.which("chromium")
+    if path is None or not os.access(path, os.X_OK):
+        reason = "no Chromium: install Debian's chromium or set ORDERS_CHROMIUM to its path"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the browser test must run in CI: {reason}")
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    with sync_playwright() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    chromium = playwright.chromium.launch(
+        executable_path=chromium_path(), headless=True, args=CHROMIUM_ARGS
+    )
+    try:
+        yield chromium
+    finally:
+        chromium.close()
+
+
+@pytest.fixture
+def dashboard(service: OrderService) -> Iterator[Served]:
+    served = start_dashboard(service, "127.0.0.1", 0, token=TOKEN, refresh_s=0.2)
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+#: The one request a page may fail: the server has no icon, and Chromium asks for one.
+NO_ICON = re.compile(r"/favicon\.ico$")
+
+
+def console_line(message: ConsoleMessage) -> str:
+    return f"{message.location.get('url')}: {message.text}"
+
+
+@dataclass
+class Console:
+    """What the pages said on their console as errors, and the scripts' uncaught errors;
+    a test takes out the ones it caused on purpose (:meth:`expected`)."""
+
+    errors: list[str] = field(default_factory=list)
+
+    def watch(self, page: Page) -> None:
+        def on_console(message: ConsoleMessage) -> None:
+            if message.type == "error" and not NO_ICON.search(message.location.get("url", "")):
+                self.errors.append(console_line(message))
+
+        def on_error(error: Error) -> None:
+            self.errors.append(f"{page.url}: uncaught {error.name}: {error.message}")
+
+        page.on("console", on_console)
+        page.on("pageerror", on_error)
+
+    @contextmanager
+    def expected(self, page: Page, url: str, status: int) -> Iterator[None]:
+        """The block makes ``page`` load ``url`` and get ``status``: the console error
+        Chromium prints for it is expected (and must come)."""
+
+        def matches(message: ConsoleMessage) -> bool:
+            return message.location.get("url") == url and f"status of {status}" in message.text
+
+        with page.expect_console_message(matches, timeout=WAIT_MS) as said:
+            yield
+        self.errors.remove(console_line(said.value))
+
+
+@pytest.fixture
+def console() -> Console:
+    return Console()
+
+
+@pytest.fixture
+def new_context(
+    browser: Browser, dashboard: Served, console: Console
+) -> Iterator[Callable[[], BrowserContext]]:
+    """Fresh browser contexts (no cookie), every page watched; closed before the dashboard."""
+    opened: list[BrowserContext] = []
+
+    def make() -> BrowserContext:
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        context.on("page", console.watch)
+        opened.append(context)
+        return context
+
+    try:
+        yield make
+    finally:
+        for context in opened:
+            context.close()
+
+
+@dataclass
+class Shop:
+    """A small shop's morning: who ordered what, and when each order falls due."""
+
+    orders: dict[str, str] = field(default_factory=dict)  # order id -> user
+    expires: dict[str, int] = field(default_factory=dict)  # order id -> expiry, service ms
+
+    def of(self, user: str) -> list[str]:
+        return [order for order, owner in self.orders.items() if owner == user]
+
+
+def open_shop(service: OrderService) -> Shop:
+    """Thirty orders over fifteen users, one to three each, due 30 s to 10 min from now
+    (distinct TTLs five seconds apart, so the test knows exactly which fall due first)."""
+    rng = random.Random(15)
+    ttls = iter(rng.sample(range(30, 590, 5), 30))
+    shop = Shop()
+    for i, user in enumerate(SHOP_USERS):
+        for _ in range(1 + i % 3):
+            order_id = f"ord-{1001 + len(shop.orders)}"
+            order = service.create_unpaid_order(
+                user, order_id=order_id, ttl_s=next(ttls), amount=f"{rng.randrange(5, 90)}.90"
+            )
+            shop.orders[order_id] = user
+            shop.expires[order_id] = order.expires_at_ms
+    return shop
+
+
+def expect_figures(page: Page, **expected: int) -> None:
+    """Wait until every count card shows its expected number and the expiries chart's
+    bars add up to the open unpaid count."""
+    assert sorted(expected) == sorted(FIGURES)
+    for name, value in expected.items():
+        expect(page.locator(f'[data-field="{name}"]')).to_have_text(str(value), timeout=WAIT_MS)
+    bars = "[...document.querySelectorAll('#expiries rect[data-count]')]"
+    total = f"{bars}.reduce((sum, bar) => sum + Number(bar.dataset.count), 0)"
+    wanted = expected["open_unpaid"]
+    try:
+        page.wait_for_function(f"(n) => {total} === n", arg=wanted, timeout=WAIT_MS)
+    except Error:
+        shown = page.evaluate(total)
+        pytest.fail(f"the chart's bars add up to {shown}, not {wanted}")
+
+
+def recent_close_ids(page: Page) -> list[str]:
+    return sorted(page.locator("#recent-closes tbody tr td:first-child").all_inner_texts())
+
+
+def search(page: Page, user: str) -> None:
+    """Look ``user`` up, and wait for this answer (the summary names the user)."""
+    form = page.locator("#user-search")
+    form.locator('input[name="user_id"]').fill(user)
+    page.evaluate("document.querySelector('#user-summary').textContent = ''")
+    form.locator('button[type="submit"]').click()
+    expect(page.locator("#user-summary")).to_contain_text(f"{user}:", timeout=WAIT_MS)
+
+
+def log_in(page: Page, url: str, console: Console) -> None:
+    """From ``/`` through the login form: a wrong token first, then the right one."""
+    page.goto(url + "/")
+    expect(page).to_have_url(re.compile(r"/login$"))
+    page.locator("#token").fill("not-the-token-at-all")
+    with console.expected(page, url + "/login", 401):
+        page.locator('button[type="submit"]').click()
+    expect(page.locator("p.error")).to_have_text("Wrong token.")
+    page.locator("#token").fill(TOKEN)
+    page.locator('button[type="submit"]').click()
+    expect(page).to_have_url(url + "/")
+    expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=WAIT_MS)
+
+
+def test_the_page_follows_the_shop_live_and_compares_a_user(
+    service: OrderService,
+    redis_client: RedisClient,
+    clock: ManualClock,
+    dashboard: Served,
+    new_context: Callable[[], BrowserContext],
+    console: Console,
+) -> None:
+    page = new_context().new_page()
+    log_in(page, dashboard.url, console)
+    expect_figures(page, unpaid=0, open_unpaid=0, paid=0, cancelled=0, closed=0, backlog=0)
+    # Marks of this page load: a reload would lose them, and a stream that drops (the
+    # browser then reconnects, also a way to get fresh numbers) shows "lost" on the badge.
+    loaded = page.evaluate("window.__loaded = Date.now()")
+    page.evaluate(LOST_COUNTER)
+
+    shop = open_shop(service)
+    expect_figures(page, unpaid=30, open_unpaid=30, paid=0, cancelled=0, closed=0, backlog=0)
+
+    paid = list(shop.orders)[2::5]  # six orders, over several users
+    for n, order_id in enumerate(paid):
+        service.mark_paid(order_id, payment_ref=f"pay-{n}")
+    expect_figures(page, unpaid=24, open_unpaid=24, paid=6, cancelled=0, closed=0, backlog=0)
+
+    service.cancel_order("ord-1004", reason="changed their mind")
+    expect_figures(page, unpaid=23, open_unpaid=23, paid=6, cancelled=1, closed=0, backlog=0)
+    expect(page.locator("#recent-closes tbody tr.empty")).to_have_count(1)
+
+    done = {*paid, "ord-1004"}
+    still_open = [order for order in shop.orders if order not in done]
+    by_expiry = sorted(still_open, key=shop.expires.__getitem__)
+    first_due = sorted(by_expiry[:2])
+    clock.set(shop.expires[by_expiry[1]] + 1500)  # the next is due five seconds later
+    expect_figures(page, unpaid=23, open_unpaid=21, paid=6, cancelled=1, closed=0, backlog=2)
+
+    assert service.sweep_expired().closed == 2
+    expect_figures(page, unpaid=21, open_unpaid=21, paid=6, cancelled=1, closed=2, backlog=0)
+    expect(page.locator("#recent-closes tbody tr")).to_have_count(2)
+    assert recent_close_ids(page) == first_due
+
+    # A scheduler and an event consumer, as a running shop has them (the screenshot's panels).
+    prefix = service.index.key_prefix
+    assert SweeperLease(redis_client, key_prefix=prefix).acquire("scheduler-a", 30_000)
+    beat = SchedulerBeat("scheduler-a", True, clock() - 800, clock() + 30_000, clock())
+    Heartbeats(redis_client, key_prefix=prefix).publish(beat, forget_after_ms=60_000)
+    EventConsumer(service.engine, "mailer", lambda event: None, clock=clock).run_once(limit=30)
+    expect(page.locator("#schedulers tbody td").first).to_have_text("scheduler-a")
+    expect(page.locator("#consumers tbody td").first).to_have_text("mailer")
+
+    user = next(u for u in SHOP_USERS if len(shop.of(u)) == 3 and not done & set(shop.of(u)))
+    mine = shop.of(user)
+    search(page, user)
+    slots = page.locator("#user-slots tbody tr")
+    expect(slots).to_have_count(3)
+    assert sorted(slots.locator("td:first-child").all_inner_texts()) == sorted(mine)
+    expect(page.locator("#user-slots tr.diff")).to_have_count(0)
+
+    redis_client.zrem(service.index.key(user), mine[0])
+    search(page, user)
+    damaged = page.locator("#user-slots tr.diff")
+    expect(damaged).to_have_count(1)
+    expect(damaged.locator("td").first).to_have_text(mine[0])
+    expect(damaged.locator("td.state")).to_contain_text("reconcile")
+    expect(page.locator("#user-summary")).to_contain_text("1 difference")
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+
+    service.reconcile()
+    search(page, user)
+    expect(page.locator("#user-summary")).to_contain_text("0 differences")
+    expect(page.locator("#user-slots tr.diff")).to_have_count(0)
+
+    assert page.evaluate("window.__loaded") == loaded, "the page was reloaded"
+    assert page.evaluate("window.__lost") == 0, "the event stream dropped"
+    assert not console.errors, "\n".join(console.errors)
+
+
+def test_without_the_token_the_dashboard_refuses(
+    dashboard: Served,
+    playwright: Playwright,
+    new_context: Callable[[], BrowserContext],
+    console: Console,
+) -> None:
+    url = dashboard.url
+    stranger = new_context()
+    assert stranger.request.get(url + "/api/overview").status == 401
+    assert stranger.request.get(url + "/api/events").status == 401
+    page = stranger.new_page()
+    page.goto(url + "/")
+    expect(page).to_have_url(url + "/login")
+    expect(page.locator("#token")).to_be_visible()
+
+    for bearer, status in ((TOKEN[:-1] + "X", 401), ("", 401), (TOKEN, 200)):
+        api = playwright.request.new_context(
+            extra_http_headers={"Authorization": f"Bearer {bearer}"}
+        )
+        try:
+            assert api.get(url + "/api/overview").status == status, bearer
+        finally:
+            api.dispose()
+    assert not console.errors, "\n".join(console.errors)
