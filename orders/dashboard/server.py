@@ -110,6 +110,8 @@ class DashboardHandler(QuietHandler):
         url = urlsplit(self.path)
         if url.path == "/login":
             self._login_form(error=False)
+        elif url.path == "/favicon.ico":
+            send_bytes(self, 204, b"", "image/x-icon")  # browsers ask, even before a login
         elif not self.dashboard.access.allows(
             self.headers.get("Authorization"), self.headers.get("Cookie")
         ):

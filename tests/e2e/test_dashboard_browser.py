@@ -117,10 +117,6 @@ def dashboard(service: OrderService) -> Iterator[Served]:
         served.close()
 
 
-#: The one request a page may fail: the server has no icon, and Chromium asks for one.
-NO_ICON = re.compile(r"/favicon\.ico$")
-
-
 def console_line(message: ConsoleMessage) -> str:
     return f"{message.location.get('url')}: {message.text}"
 
@@ -134,7 +130,7 @@ class Console:
 
     def watch(self, page: Page) -> None:
         def on_console(message: ConsoleMessage) -> None:
-            if message.type == "error" and not NO_ICON.search(message.location.get("url", "")):
+            if message.type == "error":
                 self.errors.append(console_line(message))
 
         def on_error(error: Error) -> None:
