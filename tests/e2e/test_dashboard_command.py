@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -84,18 +86,18 @@ def fetch(url: str, token: str | None) -> tuple[int, Any]:
         return refused.code, json.loads(refused.read())
 
 
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_it_serves_until_sigterm_and_never_prints_its_token(
-    database_url: str, redis_url: str
-) -> None:
-    port = free_port()
+@contextmanager
+def orders_process(
+    database_url: str, redis_url: str, *args: str
+) -> Iterator[subprocess.Popen[str]]:
+    """``orders -v ARGS`` as a child with the token set, stopped by its PID at the end."""
     env = child_env(
         ORDERS_DATABASE_URL=database_url,
         ORDERS_REDIS_URL=redis_url,
         ORDERS_DASHBOARD_TOKEN=TOKEN,
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orders", "-v", "dashboard", "--port", str(port)],
+        [sys.executable, "-m", "orders", "-v", *args],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -103,6 +105,17 @@ def test_it_serves_until_sigterm_and_never_prints_its_token(
         text=True,
     )
     try:
+        yield proc
+    finally:
+        stop_process(proc, signum=signal.SIGKILL)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_it_serves_until_sigterm_and_never_prints_its_token(
+    database_url: str, redis_url: str
+) -> None:
+    port = free_port()
+    with orders_process(database_url, redis_url, "dashboard", "--port", str(port)) as proc:
         deadline = time.monotonic() + 20
         while not listening(port):
             assert proc.poll() is None, proc.communicate()
@@ -115,8 +128,6 @@ def test_it_serves_until_sigterm_and_never_prints_its_token(
         assert fetch(url, None)[0] == 401
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=15)
-    finally:
-        stop_process(proc, signum=signal.SIGKILL)
     assert proc.returncode == 0, stderr
     assert f"dashboard on http://127.0.0.1:{port}/" in stderr
     assert TOKEN not in stdout + stderr
@@ -135,21 +146,8 @@ def test_a_scheduler_serves_the_dashboard_showing_itself_active(
     database_url: str, redis_url: str
 ) -> None:
     port = free_port()
-    env = child_env(
-        ORDERS_DATABASE_URL=database_url,
-        ORDERS_REDIS_URL=redis_url,
-        ORDERS_DASHBOARD_TOKEN=TOKEN,
-    )
     command = ["scheduler", "--interval", "0.2", "--dashboard-port", str(port)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orders", "-v", *command],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with orders_process(database_url, redis_url, *command) as proc:
         deadline = time.monotonic() + 20
         url = f"http://127.0.0.1:{port}/api/overview"
         while True:
@@ -166,8 +164,6 @@ def test_a_scheduler_serves_the_dashboard_showing_itself_active(
         assert fetch(url, None)[0] == 401
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=15)
-    finally:
-        stop_process(proc, signum=signal.SIGKILL)
     assert proc.returncode == 0, stderr
     assert f"dashboard on http://127.0.0.1:{port}/" in stderr
     assert not listening(port)
