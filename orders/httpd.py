@@ -15,6 +15,7 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -67,6 +68,8 @@ class Served:
     thread: threading.Thread
     host: str
     port: int
+    #: Called first on close: ends what the handlers keep open (event streams).
+    on_close: Callable[[], None] | None = None
 
     @property
     def url(self) -> str:
@@ -75,13 +78,21 @@ class Served:
 
     def close(self) -> None:
         """Stop accepting, close the socket and wait for the serving thread."""
+        if self.on_close is not None:
+            self.on_close()
         self.server.shutdown()
         self.server.server_close()
         self.thread.join()
 
 
 def serve(
-    handler: type[BaseHTTPRequestHandler], host: str, port: int, *, name: str, field: str
+    handler: type[BaseHTTPRequestHandler],
+    host: str,
+    port: int,
+    *,
+    name: str,
+    field: str,
+    on_close: Callable[[], None] | None = None,
 ) -> Served:
     """Bind ``host:port`` now and serve ``handler`` from a daemon thread named ``name``.
 
@@ -95,9 +106,12 @@ def serve(
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise InvalidInput(field, f"cannot listen on {host}:{port}: {reason}") from None
-    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    # A short poll: close() (shutdown) waits up to one interval for the loop to notice.
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, name=name, daemon=True
+    )
     thread.start()
-    return Served(server, thread, host, int(server.server_address[1]))
+    return Served(server, thread, host, int(server.server_address[1]), on_close)
 
 
 def send_json(handler: BaseHTTPRequestHandler, status: int, body: Any) -> None:

@@ -2,21 +2,33 @@
 
 They live in the process's default registry, so a host application that already serves
 ``/metrics`` exposes them with its own; ``orders scheduler --metrics-port`` serves them on
-its own. This module imports nothing else from the package, so any module may count.
+its own. This module imports nothing else from the package but ``orders.errors``, so any
+module may count.
 
 prometheus-client is imported, and the metrics registered, when one of them is first used
 (``metrics.CREATES``...) or by :func:`register`: a command that counts nothing, such as
 ``orders show``, does not pay for it. A host application that wants the metrics listed
 before the service first counts calls :func:`register` at start; :func:`serve` does.
+
+Several worker processes (gunicorn, ``uvicorn --workers``) each count in their own memory,
+so a scrape would see whichever worker answered. With ``PROMETHEUS_MULTIPROC_DIR`` set
+before the workers start, prometheus-client writes each process's values to files in that
+folder instead, and :func:`registry` (what :func:`serve` and :func:`exposition` show) reads
+them all: counters and histograms summed, each gauge combined as its ``multiprocess_mode``
+says. :func:`mark_process_dead` drops a dead worker's ``live*`` gauges.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orders.errors import InvalidInput
+
 if TYPE_CHECKING:
-    from prometheus_client import Counter, Gauge, Histogram
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     CREATES: Counter
     PAYMENTS: Counter
@@ -144,6 +156,7 @@ def register() -> None:
     """Import prometheus-client and register every metric in the default registry, once."""
     with _registering:
         if not _defined:
+            multiprocess_dir()  # a wrong folder fails here, before any metric writes to it
             defined = _define()
             if defined.keys() != METRIC_NAMES:  # pragma: no cover - a slip when adding one
                 raise RuntimeError("orders.metrics: METRIC_NAMES and _define() disagree")
@@ -159,10 +172,85 @@ def __getattr__(name: str) -> Any:
     return _defined[name]
 
 
+#: The variable prometheus-client reads, at its import, to write values to files.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_dir() -> Path | None:
+    """The folder of multiprocess mode, or None when ``PROMETHEUS_MULTIPROC_DIR`` is unset.
+
+    Raises :class:`InvalidInput` (field ``PROMETHEUS_MULTIPROC_DIR``) for a setting that
+    prometheus-client would otherwise take in silence or fail on deep inside a later
+    ``inc()``: set but empty (it would write to the working directory), not a directory,
+    not writable, only the deprecated lower-case name set, or set after prometheus-client
+    was imported without it (this process then counts in memory, and the folder never
+    sees its values).
+    """
+    from prometheus_client import values  # noqa: PLC0415
+
+    raw = os.environ.get(MULTIPROC_ENV)
+    if raw is None and "prometheus_multiproc_dir" in os.environ:
+        raise InvalidInput(MULTIPROC_ENV, "unset, but the old prometheus_multiproc_dir is set")
+    # The value class prometheus-client chose at its import, from the same variable.
+    counts_in_files = bool(getattr(values.ValueClass, "_multiprocess", False))
+    if raw is None:
+        if counts_in_files:
+            raise InvalidInput(MULTIPROC_ENV, "removed after prometheus_client was imported")
+        return None
+    if not raw:
+        raise InvalidInput(MULTIPROC_ENV, "set but empty")
+    folder = Path(raw)
+    if not folder.is_dir():
+        raise InvalidInput(MULTIPROC_ENV, "not an existing directory")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InvalidInput(MULTIPROC_ENV, "not writable")
+    if not counts_in_files:
+        raise InvalidInput(
+            MULTIPROC_ENV, "set after prometheus_client was imported: set it before start"
+        )
+    return folder
+
+
+def registry() -> CollectorRegistry:
+    """What ``/metrics`` shows: the default registry, or, in multiprocess mode, a fresh
+    registry whose one collector sums the files of every process (prometheus-client's
+    documented way: the default registry would show only this process's values)."""
+    from prometheus_client import REGISTRY, CollectorRegistry  # noqa: PLC0415
+    from prometheus_client.multiprocess import MultiProcessCollector  # noqa: PLC0415
+
+    register()
+    folder = multiprocess_dir()
+    if folder is None:
+        return REGISTRY
+    combined = CollectorRegistry()
+    MultiProcessCollector(combined, path=str(folder))  # type: ignore[no-untyped-call]
+    return combined
+
+
+def exposition() -> tuple[bytes, str]:
+    """The body and content type of a ``/metrics`` answer from :func:`registry`, for a host
+    application's own route."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # noqa: PLC0415
+
+    return generate_latest(registry()), CONTENT_TYPE_LATEST
+
+
+def mark_process_dead(pid: int) -> None:
+    """Forget a dead worker's ``live*`` gauges (a no-op outside multiprocess mode).
+
+    Call it from the process manager when a worker exits, e.g. gunicorn's ``child_exit``
+    hook. Its counters stay: what it counted happened. Its non-live gauges stay too.
+    """
+    from prometheus_client import multiprocess  # noqa: PLC0415
+
+    folder = multiprocess_dir()
+    if folder is not None:
+        multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
+
+
 def serve(port: int, addr: str = "127.0.0.1") -> int:
     """Serve /metrics on ``addr:port`` from a daemon thread; returns the port (0: any free)."""
     from prometheus_client import start_http_server  # noqa: PLC0415
 
-    register()
-    server, _thread = start_http_server(port, addr=addr)
+    server, _thread = start_http_server(port, addr=addr, registry=registry())
     return int(server.server_port)

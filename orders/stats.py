@@ -49,7 +49,7 @@ LAG_TOP_DECADE = 13
 LAG_BUCKETS_MAX = 1 + LAG_EXACT_MS + 90 * (LAG_TOP_DECADE - 2) + 1
 
 
-def _status_is(status: OrderStatus) -> ColumnElement[bool]:
+def status_is(status: OrderStatus) -> ColumnElement[bool]:
     # An inline literal: the form a partial index serves, generic plans included.
     return OC.status == literal_column(f"'{status.value}'")
 
@@ -151,7 +151,7 @@ def close_lag(conn: Connection, window: Window) -> CloseLag:
     # lag of the window (on disk beyond work_mem) instead of hashing into a few hundred.
     lags = (
         select(lag_bucket(lag).label("upper_ms"), lag.label("lag"))
-        .where(_status_is(OrderStatus.CLOSED), window.holds(OC.closed_at_ms))
+        .where(status_is(OrderStatus.CLOSED), window.holds(OC.closed_at_ms))
         .offset(0)
         .subquery()
     )
@@ -181,9 +181,9 @@ def count_unpaid(conn: Connection, now_ms: int) -> UnpaidCounts:
 def count_paid_and_cancelled(conn: Connection, window: Window) -> PaidAndCancelled:
     """Orders paid (by paid_at_ms) and cancelled (by closed_at_ms) within ``window``, each
     counted from its partial index."""
-    paid = select(func.count()).where(_status_is(OrderStatus.PAID), window.holds(OC.paid_at_ms))
+    paid = select(func.count()).where(status_is(OrderStatus.PAID), window.holds(OC.paid_at_ms))
     cancelled = select(func.count()).where(
-        _status_is(OrderStatus.CANCELLED), window.holds(OC.closed_at_ms)
+        status_is(OrderStatus.CANCELLED), window.holds(OC.closed_at_ms)
     )
     with sql_errors():
         paid_count, cancelled_count = conn.execute(

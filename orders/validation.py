@@ -204,3 +204,12 @@ def check_count(name: str, value: object, low: int, high: int | None = None) -> 
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise InvalidInput(name, f"must be {bound}")
     return value
+
+
+def check_seconds(name: str, value: object) -> float:
+    """A positive, finite number of seconds (int or float; bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidInput(name, "must be a number of seconds")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidInput(name, "must be a positive finite number of seconds")
+    return float(value)

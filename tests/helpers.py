@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -182,3 +183,10 @@ def key_count(client: RedisClient) -> int:
     """Keys in the server, or in all the primaries of a cluster (a cluster client's own
     DBSIZE asks one node only)."""
     return sum(int(node.dbsize()) for node in primaries(client))
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (the kernel's pick; a child binds it next)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

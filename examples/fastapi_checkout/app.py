@@ -3,6 +3,9 @@
 Run it (ORDERS_* settings from the environment, see README.md beside this file)::
 
     uvicorn app:app --workers 3
+
+With several workers, set PROMETHEUS_MULTIPROC_DIR to an empty folder first: then /metrics
+answers with the sum over every worker, whichever one serves the scrape.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from decimal import Decimal
 from typing import Annotated
 
 from fastapi import Body, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 import orders.aio
+from orders import metrics
 from orders.aio import AsyncOrderService
 from orders.errors import (
     InvalidInput,
@@ -34,6 +38,7 @@ from orders.errors import (
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    metrics.register()  # a wrong PROMETHEUS_MULTIPROC_DIR stops the worker here, not later
     # One service per worker process, built on the worker's event loop.
     app.state.orders = await orders.aio.build_async_service()
     try:
@@ -109,6 +114,13 @@ async def pay_order(order_id: str, payment: Payment, service: Service) -> OrderO
 @app.get("/users/{user_id}/orders")
 async def open_orders(user_id: str, service: Service) -> list[OrderOut]:
     return [OrderOut.model_validate(order) for order in await service.list_unpaid(user_id)]
+
+
+@app.get("/metrics")
+def prometheus_metrics() -> Response:
+    # A plain def: FastAPI runs it on a thread, as reading every worker's files blocks.
+    body, content_type = metrics.exposition()
+    return Response(body, media_type=content_type)
 
 
 @app.exception_handler(OrdersError)

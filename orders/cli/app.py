@@ -50,6 +50,10 @@ LAZY_COMMANDS = {
         "orders.bench:bench",
         "Measure the service on the configured stores against raw floors and the naive way.",
     ),
+    "dashboard": (
+        "orders.cli.dashboard_command:dashboard",
+        "Serve the read-only live dashboard (loopback unless a token is set).",
+    ),
 }
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -11,6 +11,7 @@ import click
 
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import dataclass_json, print_stats
+from orders.httpd import check_port
 
 
 @main.command()
@@ -103,6 +104,21 @@ def sweep(
     show_envvar=True,
     help="Address the health server listens on (0.0.0.0 for a probe from outside).",
 )
+@click.option(
+    "--dashboard-port",
+    type=int,
+    envvar="ORDERS_DASHBOARD_PORT",
+    show_envvar=True,
+    help="Also serve the live dashboard on this port (see orders dashboard). [default: off]",
+)
+@click.option(
+    "--dashboard-host",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="ORDERS_DASHBOARD_HOST",
+    show_envvar=True,
+    help="Address the dashboard listens on; anything but loopback needs ORDERS_DASHBOARD_TOKEN.",
+)
 @click.pass_context
 def scheduler(
     ctx: click.Context,
@@ -113,10 +129,19 @@ def scheduler(
     metrics_addr: str,
     health_port: int | None,
     health_addr: str,
+    dashboard_port: int | None,
+    dashboard_host: str,
 ) -> None:
     """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
     from orders.scheduler_process import run_scheduler  # noqa: PLC0415
 
+    dashboard_token = None
+    if dashboard_port is not None:
+        from orders.dashboard import check_bind, token_from_env  # noqa: PLC0415
+
+        dashboard_token = token_from_env()
+        check_bind(dashboard_host, dashboard_token)
+        check_port("dashboard_port", dashboard_port)
     health = None
     if health_port is not None:
         # Bound first: a bad or taken port stops the command before anything else starts.
@@ -133,15 +158,26 @@ def scheduler(
             "metrics on http://%s:%d/metrics", metrics_addr, port
         )
 
+    dashboard = None
     try:
+        service = cli_state(ctx).service(long_running=True)
+        if dashboard_port is not None:
+            from orders.dashboard import start_dashboard  # noqa: PLC0415
+
+            dashboard = start_dashboard(
+                service, dashboard_host, dashboard_port, token=dashboard_token
+            )
+            logging.getLogger("orders.dashboard").info("dashboard on %s/", dashboard.url)
         run_scheduler(
-            cli_state(ctx).service(long_running=True),
+            service,
             interval_s=interval_s,
             lease_ttl_s=lease_ttl_s,
             batch_size=batch_size,
             health=health,
         )
     finally:
+        if dashboard is not None:
+            dashboard.close()
         if health is not None:
             health.close()
 

@@ -1,5 +1,5 @@
 """examples/fastapi_checkout as a user runs it: uvicorn with several workers on PostgreSQL
-and Redis, driven over HTTP by many concurrent clients."""
+and Redis, driven over HTTP by many concurrent clients, its metrics in multiprocess mode."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import contextlib
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,13 +19,15 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, select
 
 from orders.config import Settings
 from orders.models import orders_table
 from orders.service import OrderService
 from tests.conftest import ManualClock
-from tests.helpers import REPO, child_env
+from tests.helpers import REPO, child_env, free_port
 
 EXAMPLE = REPO / "examples" / "fastapi_checkout"
 WORKERS = 3
@@ -34,12 +35,6 @@ USERS = 20
 REQUESTS = 200
 LIMIT = 2
 TTL_S = 1800
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def group_alive(pgid: int) -> list[int]:
@@ -131,6 +126,45 @@ async def create_concurrently(base: str) -> list[tuple[str, httpx.Response]]:
             await client.aclose()
 
 
+def scrape_creates(base: str) -> dict[str, float]:
+    """``orders_creates_total`` by result, from the app's /metrics on a new connection (so
+    any worker may answer)."""
+    answer = httpx.get(f"{base}/metrics", timeout=10, trust_env=False)
+    assert answer.status_code == 200, answer.text
+    return {
+        sample.labels["result"]: sample.value
+        for family in text_string_to_metric_families(answer.text)
+        for sample in family.samples
+        if sample.name == "orders_creates_total"
+    }
+
+
+def creates_by_worker(folder: Path) -> dict[int, float]:
+    """Each worker's own count of creates, read from its file in the multiprocess folder."""
+    counts = {}
+    for path in folder.glob("counter_*.db"):
+        pid = int(path.stem.removeprefix("counter_"))
+        counts[pid] = sum(
+            sample.value
+            for family in MultiProcessCollector.merge([str(path)])
+            for sample in family.samples
+            if sample.name == "orders_creates_total"
+        )
+    return counts
+
+
+def assert_metrics_sum_the_workers(base: str, folder: Path, admitted: int, refused: int) -> None:
+    """Whichever worker answers /metrics, it counts every worker's creates."""
+    served = {pid: n for pid, n in creates_by_worker(folder).items() if n}
+    assert len(served) >= 2, f"one worker served every create: {served}"
+    assert sum(served.values()) == admitted + refused
+    for _ in range(2 * WORKERS):
+        creates = scrape_creates(base)
+        assert "admitted" in creates, creates
+        assert creates["admitted"] == admitted
+        assert creates.get("refused_redis", 0) + creates.get("refused_sql", 0) == refused
+
+
 @pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 def test_fastapi_example_under_uvicorn_workers_keeps_the_limit_and_refunds_late_payments(
     engine: Engine,
@@ -140,7 +174,10 @@ def test_fastapi_example_under_uvicorn_workers_keeps_the_limit_and_refunds_late_
     clock: ManualClock,
     tmp_path: Path,
 ) -> None:
+    metrics_dir = tmp_path / "prometheus"
+    metrics_dir.mkdir()  # empty at start: files left by an earlier run would count too
     env = child_env(
+        PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
         ORDERS_DATABASE_URL=database_url,
         ORDERS_REDIS_URL=redis_options["redis_url"],
         ORDERS_UNPAID_LIMIT=str(LIMIT),
@@ -165,6 +202,7 @@ def test_fastapi_example_under_uvicorn_workers_keeps_the_limit_and_refunds_late_
                 created[user].add(order["id"])
         refusals = [(user, r) for user, r in answers if r.status_code == 429]
         assert len(refusals) == REQUESTS - USERS * LIMIT
+        assert_metrics_sum_the_workers(base, metrics_dir, USERS * LIMIT, len(refusals))
         with engine.connect() as conn:
             rows = {row.id: row for row in conn.execute(select(orders_table))}
         for user, r in refusals:

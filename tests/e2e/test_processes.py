@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,13 +21,14 @@ from orders.embedded import redis_status
 from orders.lease import SweeperLease
 from orders.models import events_table
 from orders.service import OrderService
-from tests.helpers import REPO, child_env, kill_embedded_redis, run_orders, stop_process
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.helpers import (
+    REPO,
+    child_env,
+    free_port,
+    kill_embedded_redis,
+    run_orders,
+    stop_process,
+)
 
 
 def test_demo_runs_to_its_checked_summary_and_stops_what_it_started(tmp_path: Path) -> None:

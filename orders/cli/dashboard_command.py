@@ -1,0 +1,74 @@
+"""``orders dashboard``: serve the live web dashboard until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+import click
+
+from orders.cli.app import cli_state
+from orders.dashboard import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    TOKEN_ENV,
+    check_bind,
+    start_dashboard,
+    token_from_env,
+)
+from orders.dashboard.server import DEFAULT_REFRESH_S
+from orders.httpd import check_port
+from orders.validation import check_seconds
+
+
+@click.command()
+@click.option(
+    "--host",
+    default=DEFAULT_HOST,
+    show_default=True,
+    envvar="ORDERS_DASHBOARD_HOST",
+    show_envvar=True,
+    help=f"Address to listen on; anything but loopback needs {TOKEN_ENV}.",
+)
+@click.option(
+    "--port",
+    type=int,
+    default=DEFAULT_PORT,
+    show_default=True,
+    envvar="ORDERS_DASHBOARD_PORT",
+    show_envvar=True,
+    help="Port to listen on (0: any free port).",
+)
+@click.option(
+    "--refresh",
+    "refresh_s",
+    type=float,
+    default=DEFAULT_REFRESH_S,
+    show_default=True,
+    help="Seconds between live updates (the stores are read at most this often).",
+)
+@click.pass_context
+def dashboard(ctx: click.Context, host: str, port: int, refresh_s: float) -> None:
+    """Serve the read-only live dashboard (token: ORDERS_DASHBOARD_TOKEN, never an option)."""
+    token = token_from_env()
+    # Refused settings end here, before the stores are connected to.
+    check_bind(host, token)
+    check_port("port", port)
+    check_seconds("refresh_s", refresh_s)
+    service = cli_state(ctx).service(long_running=True)
+    served = start_dashboard(service, host, port, token=token, refresh_s=refresh_s)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    logging.getLogger("orders.dashboard").info("dashboard on %s/", served.url)
+    try:
+        stop.wait()
+    finally:
+        served.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)

@@ -1,0 +1,202 @@
+// The orders dashboard: fills the page from /api/events (server-sent events) and answers
+// the user search from /api/user. Every value from the server is written as text
+// (textContent), never as HTML: order and user ids are whatever checkout code chose.
+"use strict";
+
+const $ = (selector, root = document) => root.querySelector(selector);
+
+function field(name, text, bad = false) {
+  for (const el of document.querySelectorAll(`[data-field="${name}"]`)) {
+    el.textContent = text;
+    el.classList.toggle("bad", bad);
+  }
+}
+
+function showError(part, section) {
+  const el = $(`[data-error="${part}"]`);
+  if (!el) return false;
+  const failed = section && typeof section === "object" && "error" in section;
+  el.hidden = !failed;
+  el.textContent = failed ? section.error : "";
+  return failed;
+}
+
+const num = (n) => (n === null || n === undefined ? "-" : Number(n).toLocaleString("en"));
+
+function duration(ms) {
+  if (ms === null || ms === undefined) return "-";
+  const sign = ms < 0 ? "-" : "";
+  ms = Math.abs(ms);
+  if (ms < 1000) return `${sign}${ms} ms`;
+  const s = ms / 1000;
+  if (s < 120) return `${sign}${s.toFixed(s < 10 ? 2 : 1)} s`;
+  if (s < 7200) return `${sign}${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+  return `${sign}${(s / 3600).toFixed(1)} h`;
+}
+
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+const clock = (ms) => (ms === null || ms === undefined ? "-" : new Date(ms).toISOString().slice(11, 23));
+
+function fillTable(id, rows, cells, rowClass = () => "") {
+  const body = $(`#${id} tbody`);
+  if (!rows.length) {
+    const td = document.createElement("td");
+    td.colSpan = $(`#${id} thead tr`).children.length;
+    td.className = "muted";
+    td.textContent = $(`#${id}`).dataset.empty || "none";
+    const tr = document.createElement("tr");
+    tr.className = "empty";
+    tr.append(td);
+    body.replaceChildren(tr);
+    return;
+  }
+  body.replaceChildren(...rows.map((row) => {
+    const tr = document.createElement("tr");
+    const cls = rowClass(row);
+    if (cls) tr.className = cls;
+    for (const [text, tdClass] of cells(row)) {
+      const td = document.createElement("td");
+      td.textContent = text;
+      if (tdClass) td.className = tdClass;
+      tr.append(td);
+    }
+    return tr;
+  }));
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function chart(upcoming) {
+  const box = $("#expiries");
+  // Drawn at the box's own width in pixels, so the labels keep their shape.
+  const width = Math.max(240, box.clientWidth), height = 160, bottom = 18, top = 14;
+  const max = Math.max(1, ...upcoming.map(([, count]) => count));
+  const slot = width / Math.max(1, upcoming.length);
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  upcoming.forEach(([startS, count], i) => {
+    const h = ((height - bottom - top) * count) / max;
+    const rect = document.createElementNS(SVG, "rect");
+    rect.setAttribute("x", String(i * slot + 2));
+    rect.setAttribute("y", String(height - bottom - h));
+    rect.setAttribute("width", String(Math.max(1, slot - 4)));
+    rect.setAttribute("height", String(h));
+    rect.dataset.count = String(count);
+    const title = document.createElementNS(SVG, "title");
+    title.textContent = `${count} due from +${startS} s`;
+    rect.append(title);
+    svg.append(rect);
+    const label = document.createElementNS(SVG, "text");
+    label.setAttribute("x", String(i * slot + slot / 2));
+    label.setAttribute("y", String(height - bottom - h - 3));
+    label.setAttribute("text-anchor", "middle");
+    label.textContent = count ? String(count) : "";
+    svg.append(label);
+    if (i % Math.ceil(upcoming.length / 10) === 0) {
+      const tick = document.createElementNS(SVG, "text");
+      tick.setAttribute("x", String(i * slot + 2));
+      tick.setAttribute("y", String(height - 4));
+      tick.textContent = `+${Math.round(startS / 60 * 10) / 10} min`;
+      svg.append(tick);
+    }
+  });
+  box.replaceChildren(svg);
+}
+
+function render(data) {
+  const at = data.at_ms;
+  field("at", clock(at));
+  const sql = data.sql;
+  if (!showError("sql", sql)) {
+    const s = sql.stats;
+    field("unpaid", num(s.by_status.unpaid));
+    field("open_unpaid", num(s.open_unpaid));
+    field("backlog", num(s.backlog), s.backlog > 0);
+    field("paid", num(s.by_status.paid));
+    field("cancelled", num(s.by_status.cancelled));
+    field("closed", num(s.by_status.closed));
+    field("lag_p50", duration(s.lag_p50_ms));
+    field("lag_p99", duration(s.lag_p99_ms));
+    field("lag_max", duration(s.lag_max_ms));
+    chart(s.upcoming);
+    fillTable("recent-closes", sql.recent_closes, (c) => [
+      [c.order_id], [c.user_id], [clock(c.closed_at_ms)], [duration(c.lag_ms), "num"],
+    ]);
+  }
+  const sched = data.scheduling;
+  if (!showError("scheduling", sched)) {
+    field("lease_owner", sched.lease_owner || "nobody", !sched.lease_owner);
+    field("lease_ttl", sched.lease_ttl_ms === null ? "-" : duration(sched.lease_ttl_ms));
+    fillTable("schedulers", sched.schedulers, (b) => [
+      [b.owner], [b.active ? "active" : "standby"],
+      [b.last_sweep_ms === null ? "never" : `${duration(at - b.last_sweep_ms)} ago`],
+      [b.lease_expires_ms === null ? "-" : clock(b.lease_expires_ms)],
+      [`${duration(at - b.seen_ms)} ago`],
+    ]);
+  }
+  const consumers = data.consumers;
+  if (!showError("consumers", consumers)) {
+    fillTable("consumers", consumers, (c) => [
+      [c.name], [c.cursor], [num(c.lag_events), "num"], [duration(c.oldest_unread_age_ms)],
+      [num(c.retrying), "num"], [num(c.parked), c.parked > 0 ? "num bad" : "num"],
+    ]);
+  }
+  const redis = data.redis;
+  if (!showError("redis", redis)) {
+    field("redis_memory", bytes(redis.used_memory_bytes));
+    field("redis_keys", num(redis.keys));
+    field("redis_servers", num(redis.servers));
+  }
+}
+
+
+async function lookUp(userId) {
+  const summary = $("#user-summary");
+  const table = $("#user-slots");
+  const reply = await fetch(`/api/user?user_id=${encodeURIComponent(userId)}`, { credentials: "same-origin" });
+  const body = await reply.json();
+  if (!reply.ok) {
+    summary.textContent = body.error;
+    table.hidden = true;
+    return;
+  }
+  const at = body.at_ms;
+  summary.textContent = `${body.user_id}: ${body.rows.length} unpaid (limit ${body.limit}), ` +
+    `${body.differences} difference${body.differences === 1 ? "" : "s"}`;
+  table.dataset.differences = String(body.differences);
+  fillTable("user-slots", body.rows, (r) => [
+    [r.order_id], [r.slot === null ? "-" : String(r.slot)],
+    [r.sql_expires_at_ms === null ? "absent" : `${clock(r.sql_expires_at_ms)} ${r.sql_status}`],
+    [r.index_expires_at_ms === null ? "absent" : clock(r.index_expires_at_ms)],
+    [duration(r.time_left_ms), "num"], [body.states[r.state] || r.state, "state"],
+  ], (r) => (r.state === "same" ? "" : "diff"));
+  table.hidden = false;
+}
+
+function connect() {
+  const live = $("#live");
+  const events = new EventSource("/api/events");
+  events.addEventListener("overview", (event) => {
+    render(JSON.parse(event.data));
+    live.dataset.state = "live";
+    live.textContent = "live";
+  });
+  events.onerror = () => {
+    live.dataset.state = "lost";
+    live.textContent = "reconnecting";
+  };
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("#user-search").addEventListener("submit", (event) => {
+    event.preventDefault();
+    lookUp(new FormData(event.target).get("user_id").trim());
+  });
+  connect();
+});

@@ -1,0 +1,136 @@
+"""The dashboard's readings on real stores: its figures after real use cases, and the user
+comparison after the index is damaged on purpose. Time moves with the service's ManualClock.
+Its HTTP side is tested in tests/e2e/test_dashboard_http.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from orders.dashboard.snapshot import compare_user, read_overview
+from orders.errors import InvalidInput
+from orders.redis_nodes import RedisClient
+from orders.service import OrderService
+from tests.conftest import ManualClock
+
+TOKEN = "s3cret-dashboard-token"
+
+
+def overview_figures(service: OrderService) -> dict[str, Any]:
+    sql = read_overview(service)["sql"]
+    assert "error" not in sql, sql
+    return dict(sql["stats"])
+
+
+def test_the_figures_follow_creates_payments_cancels_and_the_sweep(
+    service: OrderService, clock: ManualClock
+) -> None:
+    for user in ("a", "b", "c"):
+        service.create_unpaid_order(user, ttl_s=60, order_id=f"{user}-1")
+        service.create_unpaid_order(user, ttl_s=300, order_id=f"{user}-2")
+    service.mark_paid("a-1", payment_ref="p1")
+    service.cancel_order("b-1")
+    clock.advance(s=61)  # c-1 is due, not closed yet
+
+    stats = overview_figures(service)
+    assert stats["by_status"] == {"unpaid": 4, "paid": 1, "cancelled": 1, "closed": 0}
+    assert (stats["open_unpaid"], stats["backlog"]) == (3, 1)
+    assert sum(count for _, count in stats["upcoming"]) == 3
+
+    clock.advance(s=2)
+    assert service.sweep_expired().closed == 1
+    overview = read_overview(service)
+    stats = overview["sql"]["stats"]
+    assert stats["by_status"]["closed"] == 1
+    assert stats["backlog"] == 0
+    [close] = overview["sql"]["recent_closes"]
+    assert (close["order_id"], close["user_id"], close["lag_ms"]) == ("c-1", "c", 3000)
+    assert overview["redis"]["servers"] >= 1
+    assert overview["redis"]["keys"] >= 3  # the three users' sets at least
+    assert overview["scheduling"]["lease_owner"] is None
+
+
+def test_the_schedulers_come_from_their_beats_and_the_lease(
+    service: OrderService, clock: ManualClock
+) -> None:
+    from orders.sweeper import Sweeper  # noqa: PLC0415
+
+    active = Sweeper(service, owner="host-a", lease_ttl_s=5, reconcile_at_start=False)
+    standby = Sweeper(service, owner="host-b", lease_ttl_s=5, reconcile_at_start=False)
+    active.tick()
+    standby.tick()
+    scheduling = read_overview(service)["scheduling"]
+    assert scheduling["lease_owner"] == "host-a"
+    assert 0 < scheduling["lease_ttl_ms"] <= 5_000
+    beats = {beat["owner"]: beat for beat in scheduling["schedulers"]}
+    assert beats["host-a"]["active"] is True
+    assert beats["host-a"]["last_sweep_ms"] == clock()
+    assert beats["host-b"]["active"] is False
+    active.close()
+    standby.close()
+
+
+def test_the_user_comparison_names_what_reconcile_would_repair(
+    service: OrderService, redis_client: RedisClient, clock: ManualClock
+) -> None:
+    for n in range(3):
+        service.create_unpaid_order("u", ttl_s=100 + n, order_id=f"u-{n}")
+    service.create_unpaid_order("u2", ttl_s=100, order_id="paid")
+    service.mark_paid("paid", payment_ref="p")
+    same = compare_user(service, "u")
+    assert [row["state"] for row in same["rows"]] == ["same"] * 3
+    assert same["differences"] == 0
+    assert sorted(row["slot"] for row in same["rows"]) == [1, 2, 3]
+
+    key = service.index.key("u")
+    redis_client.zrem(key, "u-0")
+    redis_client.zadd(
+        key,
+        {
+            "u-1": clock() + 999_000,
+            "ghost": clock() + 5_000,
+            "stale": clock() - 1,
+            "paid": clock() + 100_000,
+        },
+    )
+    damaged = compare_user(service, "u")
+    states = {row["order_id"]: row["state"] for row in damaged["rows"]}
+    assert states == {
+        "u-0": "missing_in_index",
+        "u-1": "index_expiry_differs",
+        "u-2": "same",
+        "ghost": "no_row",
+        "stale": "expired_in_index",
+        "paid": "terminal_in_sql",
+    }
+    assert damaged["differences"] == 5
+    assert set(damaged["states"]) >= set(states.values())
+    ghost = next(row for row in damaged["rows"] if row["order_id"] == "ghost")
+    assert (ghost["sql_expires_at_ms"], ghost["time_left_ms"]) == (None, 5_000)
+
+    # reconcile repairs every difference it promises to; a member with no row stays
+    service.reconcile()
+    after = compare_user(service, "u")
+    assert {row["order_id"]: row["state"] for row in after["rows"]} == {
+        "u-0": "same",
+        "u-1": "same",
+        "u-2": "same",
+        "ghost": "no_row",
+    }
+
+
+def test_an_order_due_in_sql_shows_until_the_sweep_closes_it(
+    service: OrderService, clock: ManualClock
+) -> None:
+    service.create_unpaid_order("u", ttl_s=10, order_id="due")
+    clock.advance(s=11)
+    [row] = compare_user(service, "u")["rows"]
+    assert (row["state"], row["time_left_ms"]) == ("expired_in_sql", 0)
+    service.sweep_expired()
+    assert compare_user(service, "u")["rows"] == []
+
+
+def test_a_bad_user_id_is_refused_before_any_read(service: OrderService) -> None:
+    with pytest.raises(InvalidInput):
+        compare_user(service, " ")
