@@ -20,13 +20,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import RedisServer
-from tests.helpers import REPO, child_env, run_orders, stop_process
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.helpers import REPO, child_env, free_port, run_orders, stop_process
 
 
 def get(url: str) -> tuple[int, dict[str, Any]]:
