@@ -5,7 +5,8 @@ itself with each tick's answer, so an order closes within milliseconds of its ex
 instead of up to an interval later. Beside it run the index rebuild (reconcile) and, when
 there are closed-order handlers (:func:`closed_order_consumers`), the events job. Only the
 lease holder does any of that work. Logging goes to the sweeper's logger
-(:data:`orders.sweeper.LOGGER_NAME`).
+(:data:`orders.sweeper.LOGGER_NAME`); a job run that ends in an exception is counted in
+``orders_job_failures_total``.
 """
 
 from __future__ import annotations

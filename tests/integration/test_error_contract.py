@@ -234,6 +234,7 @@ NOT_USE_CASES = {
 EVENT_ADMIN: dict[str, Row] = {
     "list_consumers": Row(lambda c: event_admin.list_consumers(c.engine)),
     "list_parked": Row(lambda c: event_admin.list_parked(c.engine)),
+    "parked_counts": Row(lambda c: event_admin.parked_counts(c.engine)),
     "requeue_parked": Row(
         lambda c: event_admin.requeue_parked(c.engine, "contract", 1), InvalidInput
     ),

@@ -360,3 +360,23 @@ def test_healthz_fails_while_the_sweep_job_is_wedged_and_recovers(
         scheduler.shutdown(wait=True)
         sweeper.close()
         health.close()
+
+
+def test_a_sweep_cut_short_is_not_a_successful_sweep(
+    make_service: Callable[..., OrderService], clock: ManualClock
+) -> None:
+    service = make_service()
+    sweeper = Sweeper(service, owner="A", reconcile_at_start=False)
+    real = service.sweep_expired
+
+    def stopped_midway(**kwargs: Any) -> SweepResult:
+        result = real(**kwargs)
+        sweeper.request_stop()  # SIGTERM during the sweep: it ends after the batch in hand
+        return result
+
+    service.sweep_expired = stopped_midway  # type: ignore[method-assign]
+    create_orders(service, [1])
+    clock.advance(s=1)
+    sweeper.tick()
+    assert sweeper.last_sweep_ms is None
+    sweeper.close()

@@ -1,0 +1,126 @@
+"""`orders scheduler --health-port` as the real process a probe talks to: healthy and ready,
+then its Redis stops: not ready (naming Redis), still healthy (restarting it would not help)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import RedisServer
+from tests.helpers import REPO, child_env, free_port, run_orders, stop_process
+
+
+def get(url: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def wait_for(
+    what: str, probe: Callable[[], tuple[int, dict[str, Any]] | None], proc: subprocess.Popen[str]
+) -> tuple[int, dict[str, Any]]:
+    deadline = time.monotonic() + 20
+    while True:
+        assert proc.poll() is None, f"the scheduler exited with {proc.returncode}"
+        found = probe()
+        if found is not None:
+            return found
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_health_and_readiness_of_a_real_scheduler_and_its_redis_going_down(
+    database_url: str, redis_binary: Path | None
+) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="ohr", dir="/tmp"))
+    server = RedisServer(folder, binary=redis_binary).start()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orders", "scheduler", "--interval", "0.2"],
+        env=child_env(
+            ORDERS_HOME=str(folder / "home"),
+            ORDERS_DATABASE_URL=database_url,
+            ORDERS_REDIS_URL=server.url,
+            ORDERS_HEALTH_PORT=str(port),
+        ),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def answered(path: str, status: int) -> Callable[[], tuple[int, dict[str, Any]] | None]:
+        def probe() -> tuple[int, dict[str, Any]] | None:
+            try:
+                found = get(base + path)
+            except OSError:
+                return None  # not listening yet
+            return found if found[0] == status and found[1].get("last_successful_sweep") else None
+
+        return probe
+
+    try:
+        _, healthy = wait_for("/healthz 200 after a sweep", answered("/healthz", 200), proc)
+        assert healthy["status"] == "ok"
+        assert healthy["role"] == "active"
+        assert healthy["owner"].split(":")[1] == str(proc.pid)  # host:pid:random
+        assert healthy["last_successful_sweep_ms"] > 0
+        assert healthy["lease_expires_ms"] > healthy["last_successful_sweep_ms"]
+        status, ready = get(base + "/readyz")
+        assert (status, ready["checks"]) == (200, {"sql": "ok", "redis": "ok"})
+
+        server.stop()  # the test's own Redis, by its PID
+        _, not_ready = wait_for("/readyz 503", answered("/readyz", 503), proc)
+        assert not_ready["status"] == "failing"
+        assert not_ready["checks"]["sql"] == "ok"
+        assert not_ready["checks"]["redis"] != "ok"
+        assert server.url not in json.dumps(not_ready)
+        status, still = get(base + "/healthz")
+        assert (status, still["status"], still["checks"]["scheduler"]) == (200, "ok", "running")
+
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+        assert proc.returncode == 0, stderr
+        assert f"health on {base}/healthz" in stderr
+    finally:
+        if proc.poll() is None:
+            stop_process(proc, signum=signal.SIGKILL)
+            proc.communicate()
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_bad_or_taken_health_port_is_one_line_and_exit_2_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "home"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, problem in [
+            (["--health-port", "70000"], "must be a TCP port"),
+            (["--health-port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+        ]:
+            done = run_orders("scheduler", *args, env=child_env(ORDERS_HOME=str(home)))
+            assert done.returncode == 2, done.stderr
+            (line,) = done.stderr.splitlines()
+            assert line.startswith(f"error: invalid health_port: {problem}")
+            assert not home.exists()  # no store was opened, no embedded Redis started

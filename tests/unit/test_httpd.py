@@ -1,0 +1,68 @@
+"""orders.httpd: which addresses count as loopback, which ports are refused, and a server
+that binds at once (a taken port is InvalidInput here, not an error in a thread later)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from orders.errors import InvalidInput
+from orders.httpd import QuietHandler, check_port, is_loopback, send_json, serve
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "[::1]", "localhost", "LOCALHOST"]
+)
+def test_loopback_addresses(host: str) -> None:
+    assert is_loopback(host) is True
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["0.0.0.0", "::", "10.0.0.5", "192.168.1.2", "example.com", "localhost.example.com", ""],
+)
+def test_addresses_that_are_not_loopback(host: str) -> None:
+    # A name other than localhost may resolve to anything: never taken as loopback.
+    assert is_loopback(host) is False
+
+
+@pytest.mark.parametrize("port", [0, 1, 8090, 65535])
+def test_ports_accepted(port: int) -> None:
+    assert check_port("health_port", port) == port
+
+
+@pytest.mark.parametrize("port", [-1, 65536, True, 80.0, "8090", None])
+def test_ports_refused_name_the_setting(port: object) -> None:
+    with pytest.raises(InvalidInput) as refused:
+        check_port("health_port", port)
+    assert refused.value.field == "health_port"
+
+
+class Hello(QuietHandler):
+    def do_GET(self) -> None:
+        send_json(self, 200, {"hello": "world"})
+
+
+def test_serve_binds_at_once_answers_and_a_taken_port_is_invalid_input() -> None:
+    served = serve(Hello, "127.0.0.1", 0, name="test-httpd", field="test_port")
+    try:
+        assert served.port != 0
+        assert served.url == f"http://127.0.0.1:{served.port}"
+        with urllib.request.urlopen(served.url, timeout=5) as answer:
+            assert answer.read() == b'{"hello": "world"}'
+            assert answer.headers["Cache-Control"] == "no-store"
+        with pytest.raises(InvalidInput) as taken:
+            serve(Hello, "127.0.0.1", served.port, name="test-httpd-2", field="test_port")
+        assert taken.value.field == "test_port"
+        assert "cannot listen on 127.0.0.1:" in str(taken.value)
+    finally:
+        served.close()
+    assert not served.thread.is_alive()
+    again = serve(Hello, "127.0.0.1", served.port, name="test-httpd-3", field="test_port")
+    again.close()  # closed: the port could be bound again
+
+
+def test_serve_refuses_a_bad_port_before_binding() -> None:
+    with pytest.raises(InvalidInput):
+        serve(Hello, "127.0.0.1", 70_000, name="test-httpd", field="test_port")
