@@ -9,6 +9,21 @@ from a ``monotonic`` function in seconds (``time.monotonic`` unless a test injec
 * :class:`BacklogWatch` says when the scheduler starts falling behind (an order closed, or
   still due, more than ``lag_s`` after its expiry) and when it has caught up again (both
   under half of that, so a lag hovering at the threshold does not log every tick).
+
+Log lines of the ``orders.sweeper`` logger (:data:`~orders.sweeper.LOGGER_NAME`, shared by the
+scheduling and process modules) are JSON objects, few enough at INFO to keep:
+
+* ``summary``, at most once per ``summary_period_s`` (10 s) and only when something happened:
+  totals since the last one (sweeps that closed something, closed, batches, max_lag_ms;
+  closed-order handlers' handled, failed, retried_ok; ``over_s``, the time they cover). The
+  last one is written by :meth:`Sweeper.close`. Each sweep's own ``sweep`` line is DEBUG.
+* at once, each time it happens: ``backlog`` (WARNING) when an order is closed, or left
+  due, more than ``backlog_lag_s`` (5 s) after its expiry, and ``backlog_cleared`` when
+  both are back under half that (:class:`BacklogWatch`); the lease's changes
+  (``lease_acquired``, ``lease_lost``, ``lease_released``); a store outage
+  (``store_unavailable``, WARNING) and its end (``store_back``), once each, not every tick;
+  an index rebuild that fixed something (``reconcile``); a heartbeat that cannot be
+  published (``heartbeat_failed``, :mod:`orders.sweeper_status`) and its end (``heartbeat_back``).
 """
 
 from __future__ import annotations

@@ -12,20 +12,8 @@ over within ``lease_ttl_s`` of its death. The lease is an economy, not a guard: 
 compare-and-set is what keeps an order from being closed twice, so when Redis is down every
 process sweeps SQL regardless.
 
-Log lines of the ``orders.sweeper`` logger (:data:`LOGGER_NAME`, shared by the scheduling
-and process modules) are JSON objects, few enough at INFO to keep:
-
-* ``summary``, at most once per ``summary_period_s`` (10 s) and only when something happened:
-  totals since the last one (sweeps that closed something, closed, batches, max_lag_ms;
-  closed-order handlers' handled, failed, retried_ok; ``over_s``, the time they cover). The
-  last one is written by :meth:`Sweeper.close`. Each sweep's own ``sweep`` line is DEBUG.
-* at once, each time it happens: ``backlog`` (WARNING) when an order is closed, or left
-  due, more than ``backlog_lag_s`` (5 s) after its expiry, and ``backlog_cleared`` when
-  both are back under half that (:mod:`orders.sweep_log`); the lease's changes
-  (``lease_acquired``, ``lease_lost``, ``lease_released``); a store outage
-  (``store_unavailable``, WARNING) and its end (``store_back``), once each, not every tick;
-  an index rebuild that fixed something (``reconcile``); a heartbeat that cannot be
-  published (``heartbeat_failed``, :mod:`orders.sweeper_status`) and its end (``heartbeat_back``).
+Its log lines (logger ``orders.sweeper``, :data:`LOGGER_NAME`) are listed in
+:mod:`orders.sweep_log`.
 """
 
 from __future__ import annotations
@@ -33,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import secrets
 import socket
@@ -50,7 +37,7 @@ from orders.lease import SweeperLease
 from orders.service import OrderService
 from orders.sweep_log import BacklogWatch, LogSummary
 from orders.sweeper_status import SweeperStatus
-from orders.validation import check_count
+from orders.validation import check_count, check_seconds
 
 #: The scheduler process's one logger, documented by that name (README, operators' filters).
 LOGGER_NAME = "orders.sweeper"
@@ -107,10 +94,10 @@ class Sweeper:
     ) -> None:
         s = service.settings
         self.service = service
-        self.interval_s = _seconds(
+        self.interval_s = check_seconds(
             "interval_s", s.sweep_interval_s if interval_s is None else interval_s
         )
-        self.lease_ttl_s = _seconds(
+        self.lease_ttl_s = check_seconds(
             "lease_ttl_s", s.lease_ttl_s if lease_ttl_s is None else lease_ttl_s
         )
         self.batch_size = check_count(
@@ -134,9 +121,10 @@ class Sweeper:
         self._not_ticking.set()
         #: Totals for the periodic summary line; the events job adds the handlers' runs.
         self.summary = LogSummary(
-            _seconds("summary_period_s", summary_period_s), monotonic=monotonic
+            check_seconds("summary_period_s", summary_period_s), monotonic=monotonic
         )
-        self._backlog = BacklogWatch(_seconds("backlog_lag_s", backlog_lag_s), monotonic=monotonic)
+        backlog_lag_s = check_seconds("backlog_lag_s", backlog_lag_s)
+        self._backlog = BacklogWatch(backlog_lag_s, monotonic=monotonic)
         self._holds_lease = False
         self._renewed_at = 0.0
         self._lost_lease = False
@@ -407,11 +395,3 @@ class Sweeper:
 def log_event(level: int, event: str, *, owner: str, **fields: Any) -> None:
     """One log line of ``orders.sweeper``: a JSON object naming the event and the owner."""
     log.log(level, "%s", json.dumps({"event": event, **fields, "owner": owner}))
-
-
-def _seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidInput(name, "must be a number of seconds")
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidInput(name, "must be a positive finite number of seconds")
-    return float(value)

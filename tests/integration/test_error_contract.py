@@ -373,6 +373,8 @@ SKIPPED = {
     # with Redis down it keeps sweeping SQL, as promised, until a signal; with SQL down it
     # exits 8 at once (run below)
     "scheduler": (*REDIS_DOWN, "redis_wrong_type"),
+    # likewise: with Redis down the page shows Redis's error beside the SQL figures
+    "dashboard": (*REDIS_DOWN, "redis_wrong_type"),
     # always the embedded stores in a temporary folder, never the configured ones, and
     # it runs about 10 s: no store failure of ours reaches it
     "demo": tuple(FAILURES),
@@ -412,6 +414,7 @@ COMMANDS: dict[str, Cmd] = {
     "events requeue": cmd("events", "requeue", "contract", "1", redis=2),
     "events discard": cmd("events", "discard", "contract", "1", redis=2),
     "scheduler": cmd("scheduler"),
+    "dashboard": cmd("dashboard", "--port", "0"),
     "demo": cmd("demo", "--fast"),
     # It looks at the database first and refuses one holding orders (exit 2, one line)
     # before it touches Redis.
@@ -511,6 +514,8 @@ ANY_VALUE = {"home"}  # a folder name; created (or refused as a store failure) w
 CLI_MALFORMED: list[tuple[str, str, tuple[str, ...]]] = [
     ("ORDERS_LOG_FORMAT", "xml", tuple(ALL_COMMANDS)),
     ("ORDERS_METRICS_PORT", "http", ("scheduler",)),
+    ("ORDERS_HEALTH_PORT", "http", ("scheduler",)),
+    ("ORDERS_DASHBOARD_PORT", "http", ("scheduler",)),  # the dashboard row passes --port
 ]
 #: Commands that read no setting but ORDERS_HOME (and main's log format): ``demo`` always
 #: builds its own Settings on the embedded stores (README), so it is run only with those.
