@@ -51,7 +51,8 @@ def explain_sql(engine: Engine, sql: str, params: Any) -> str:
             conn.exec_driver_sql("SET enable_seqscan = off")
             conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
             conn.exec_driver_sql(f"PREPARE planned AS {generic}")
-            rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE planned({values})").all()
+            arguments = f"({values})" if names else ""  # EXECUTE takes no empty list
+            rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE planned{arguments}").all()
             conn.exec_driver_sql("DEALLOCATE planned")
             conn.rollback()
     return "\n".join(str(row[-1]) for row in rows)
