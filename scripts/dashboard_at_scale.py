@@ -15,7 +15,7 @@ cancelled uniformly over the last 7 days (so about an hour's worth, 0.6 %, is in
 stats window); order_events gets one row per transition, in transactions of 100 000 rows;
 two event consumers: ``stock`` a few thousand events behind with parked and retrying
 events, ``audit`` caught up. Then VACUUM (ANALYZE), what autovacuum would have done by then,
-and a reconcile so Redis holds the open orders.
+a CHECKPOINT, and a reconcile so Redis holds the open orders.
 
 Measured on a warm cache, after warm-up runs, --runs times each: ``read_overview``,
 ``compare_user`` of a user with orders, and ``GET /api/overview`` of a dashboard whose cache
@@ -68,6 +68,8 @@ EVENTS_PER_TRANSACTION = 100_000
 STOCK_LAG = 5_000
 USER = "u0"
 DAMAGED_USER = "u1"
+#: A consumer whose cursor is at the start (the worst case of the lag count).
+FAR = "new-consumer"
 
 Statement = tuple[str, Any]
 
@@ -203,8 +205,9 @@ def load(engine: Engine, total: int, users: int, now: int, steps: list[tuple[str
     def vacuum() -> None:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.exec_driver_sql("VACUUM (ANALYZE)")
+            conn.exec_driver_sql("CHECKPOINT")  # not to write it out while measuring
 
-    timed("VACUUM (ANALYZE)", steps, vacuum)
+    timed("VACUUM (ANALYZE), CHECKPOINT", steps, vacuum)
 
 
 def load_events(engine: Engine) -> None:
@@ -300,15 +303,51 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     return {"p50": statistics.median(ordered), "p95": p95, "max": ordered[-1]}
 
 
-def measure(runs: int, warmup: int, call: Callable[[], Any]) -> dict[str, float]:
+class SqlClock:
+    """Statements sent and time spent in the driver's execute (send, run, first reply)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.statements = 0
+        self.seconds = 0.0
+        self._started = 0.0
+        event.listen(engine, "before_cursor_execute", self._before)
+        event.listen(engine, "after_cursor_execute", self._after)
+
+    def _before(self, *_args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _after(self, *_args: Any) -> None:
+        self.statements += 1
+        self.seconds += time.perf_counter() - self._started
+
+
+def measure(
+    runs: int, warmup: int, calls: dict[str, Callable[[], Any]], sql: SqlClock
+) -> dict[str, dict[str, float]]:
+    """Percentiles (ms) of each call, the calls taking turns so that a slow moment of the
+    shared machine falls on all of them; with the SQL time and statements per call."""
     for _ in range(warmup):
-        call()
-    samples = []
+        for call in calls.values():
+            call()
+    samples: dict[str, list[float]] = {what: [] for what in calls}
+    in_sql: dict[str, list[float]] = {what: [] for what in calls}
+    sent: dict[str, int] = dict.fromkeys(calls, 0)
     for _ in range(runs):
-        started = time.perf_counter()
-        call()
-        samples.append((time.perf_counter() - started) * 1000)
-    return percentiles(samples)
+        for what, call in calls.items():
+            statements, sql_s = sql.statements, sql.seconds
+            started = time.perf_counter()
+            call()
+            samples[what].append((time.perf_counter() - started) * 1000)
+            in_sql[what].append((sql.seconds - sql_s) * 1000)
+            sent[what] += sql.statements - statements
+    return {
+        what: {
+            **percentiles(samples[what]),
+            "sql_p50": statistics.median(in_sql[what]),
+            "statements": sent[what] / runs,
+        }
+        for what in calls
+    }
 
 
 def http_get(port: int, path: str) -> bytes:
@@ -415,39 +454,72 @@ def run(args: argparse.Namespace, folder: Path) -> str:
             user_rows = len(compare_user(service, USER)["rows"])
             served = start_dashboard(service, "127.0.0.1", 0, token=None, refresh_s=0.001)
             port = served.port
-            timings = {}
-            timings["read_overview(service)"] = measure(
-                args.runs, 5, lambda: read_overview(service)
-            )
-            timings[f"compare_user(service, {USER!r}) ({user_rows} rows)"] = measure(
-                args.runs, 5, lambda: compare_user(service, USER)
-            )
-            with captured(engine) as over_http:
-                timings["GET /api/overview (cache 0.5 ms: every request reads)"] = measure(
-                    args.runs, 5, lambda: http_get(port, "/api/overview")
-                )
-            timings[f"GET /api/user?user_id={USER}"] = measure(
-                args.runs, 5, lambda: http_get(port, f"/api/user?user_id={USER}")
+            sql_clock = SqlClock(engine)
+            timings = measure(
+                args.runs,
+                5,
+                {
+                    "read_overview(service)": lambda: read_overview(service),
+                    f"compare_user(service, {USER!r}) ({user_rows} rows)": lambda: compare_user(
+                        service, USER
+                    ),
+                    "GET /api/overview (cache 0.5 ms: every request reads)": lambda: http_get(
+                        port, "/api/overview"
+                    ),
+                    f"GET /api/user?user_id={USER}": lambda: http_get(
+                        port, f"/api/user?user_id={USER}"
+                    ),
+                },
+                sql_clock,
             )
             with captured(engine) as overview:
                 shown = read_overview(service)
             with captured(engine) as compare:
                 damaged = compare_user(service, DAMAGED_USER)
-            per_request = len(over_http) / (args.runs + 5)
             print("explaining", flush=True)
             plans = [
                 (sql, params, analyzed(engine, sql, params), analyzed_generic(engine, sql, params))
                 for sql, params in overview + compare
             ]
+            behind = far_behind(engine, service, args.runs, sql_clock, now)
+            timings.update(behind[0])
         finally:
             if served is not None:
                 served.close()
             client.close()
             engine.dispose()
     return render(
-        args, steps, counts, timings, plans, shown, damaged, per_request,
+        args, steps, counts, timings, plans, shown, damaged, behind[1],
         pg_version=str(pg_version), fsync=str(fsync), redis_version=redis_version,
     )  # fmt: skip
+
+
+def far_behind(
+    engine: Engine, service: OrderService, runs: int, sql: SqlClock, now: int
+) -> tuple[dict[str, dict[str, float]], str]:
+    """The overview while a consumer's cursor is at the start: its lag count reads every
+    event's index entry. Returns its timing and the plan of that count; removes it."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO event_cursors (name, txid, event_id, updated_at_ms) "  # noqa: S608
+            f"VALUES ('{FAR}', 0, 0, {now})"
+        )
+    try:
+        label = f"read_overview(service), consumer `{FAR}` at the start"
+        timing = measure(max(1, runs // 5), 2, {label: lambda: read_overview(service)}, sql)
+        with captured(engine) as seen:
+            read_overview(service)
+        counts = [(q, p) for q, p in seen if "count(*)" in q and "order_events" in q]
+        far = max(counts, key=lambda statement: int(analyzed_rows(engine, *statement)))
+        return timing, analyzed(engine, *far)
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DELETE FROM event_cursors WHERE name = '{FAR}'")  # noqa: S608
+
+
+def analyzed_rows(engine: Engine, sql: str, params: Any) -> int:
+    with engine.connect() as conn:
+        return int(conn.exec_driver_sql(sql, params).scalar_one())
 
 
 def machine() -> str:
@@ -472,7 +544,7 @@ def render(
     plans: list[tuple[str, Any, str, str]],
     shown: dict[str, Any],
     damaged: dict[str, Any],
-    per_request: float,
+    behind_plan: str,
     **versions: str,
 ) -> str:
     import sqlalchemy  # noqa: PLC0415
@@ -506,15 +578,26 @@ def render(
         "",
         f"## Response time ({args.runs} runs each after 5 warm-up runs, warm cache, ms)",
         "",
-        "| what | p50 | p95 | max |",
-        "|---|---:|---:|---:|",
+        "| what | p50 | p95 | max | in SQL, p50 | SQL statements |",
+        "|---|---:|---:|---:|---:|---:|",
         *(
-            f"| {what} | {t['p50']:.1f} | {t['p95']:.1f} | {t['max']:.1f} |"
+            f"| {what} | {t['p50']:.1f} | {t['p95']:.1f} | {t['max']:.1f} "
+            f"| {t['sql_p50']:.1f} | {t['statements']:.0f} |"
             for what, t in timings.items()
         ),
         "",
-        f"Each `GET /api/overview` sent {per_request:.1f} SQL statements on average (the "
-        f"overview's {len(plans) - 2}: no request was served from the cache).",
+        f"The last row: the same overview with a third consumer `{FAR}` whose cursor is at "
+        "the start, so its lag is every event (a consumer added to an old database); its lag "
+        "count, as sent, was:",
+        "",
+        "```",
+        trimmed(behind_plan),
+        "```",
+        "",
+        "The four calls took turns, run after run. *In SQL*: the time inside the driver's "
+        "execute calls (sending, the server's work, the first reply), the rest is Python "
+        "and Redis. Each `GET /api/overview` sent the overview's statements: no request was "
+        "served from the cache.",
         "",
         "## The statements and their plans",
         "",
