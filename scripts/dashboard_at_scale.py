@@ -617,6 +617,19 @@ def render(
             f"| {n} | `{short(sql, 90)}` | {index_summary(custom)} | {index_summary(generic)} "
             f"| {ms[1] if ms else '?'} |"
         )
+    rows = dict(counts)
+    scanned = sorted({t for _, _, c, g in plans for t in re.findall(r"Seq Scan on (\w+)", c + g)})
+    if scanned:
+        out += [
+            "",
+            "Sequential scans, only on: "
+            + ", ".join(f"{table} ({rows.get(table, '?')} rows)" for table in scanned)
+            + ". PostgreSQL rightly reads a page rather than an index there; "
+            "tests/integration/test_dashboard_plans.py plans every statement with "
+            "sequential scans off to see which index could serve it (event_retries: its "
+            "primary key, read whole; event_cursors: none, list_consumers reads it with no "
+            "ORDER BY an index could serve).",
+        ]
     for n, (sql, params, custom, generic) in enumerate(plans, 1):
         out += [
             "",
