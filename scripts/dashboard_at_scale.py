@@ -34,13 +34,11 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +56,8 @@ from orders.redis_server import find_redis_server
 from orders.service import OrderService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server
+from tests.conftest import RedisServer
+from tests.plans import captured
 from tests.postgres import PostgresServer, find_postgres_bin
 
 MIN_MS = 60_000
@@ -70,61 +70,6 @@ USER = "u0"
 DAMAGED_USER = "u1"
 #: A consumer whose cursor is at the start (the worst case of the lag count).
 FAR = "new-consumer"
-
-Statement = tuple[str, Any]
-
-
-# --- the servers ----------------------------------------------------------------------------
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """End a server we started, by its PID (SIGKILL if it lingers)."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-@contextlib.contextmanager
-def redis_server(folder: Path) -> Iterator[tuple[str, str]]:
-    """(url, version) of a redis-server of our own on a unix socket, stopped by its PID."""
-    binary = find_redis_server()
-    sock = folder / "redis.sock"
-    args = [str(binary), "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
-    args += ["--dir", str(folder), "--save", "", "--appendonly", "no"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        with redis.Redis(unix_socket_path=str(sock)) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {proc.returncode}")
-                with contextlib.suppress(redis.ConnectionError):
-                    version = str(client.info("server")["redis_version"])
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not come up")
-                time.sleep(0.05)
-        yield f"unix://{sock}", f"{version} ({binary})"
-    finally:
-        stop(proc)
-
-
-@contextlib.contextmanager
-def postgres_server() -> Iterator[str]:
-    """The URL of a throwaway durable PostgreSQL of our own, stopped by its PID."""
-    bindir = find_postgres_bin()
-    if bindir is None:
-        raise SystemExit("no PostgreSQL server binaries (initdb) found")
-    server = PostgresServer(bindir, durable=True, settings={"max_wal_size": "4GB"}).start()
-    try:
-        yield server.url("postgres")
-    finally:
-        server.stop()
-
 
 # --- the data -------------------------------------------------------------------------------
 
@@ -283,20 +228,6 @@ def row_counts(engine: Engine) -> list[tuple[str, int]]:
 # --- the measurements -----------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def captured(engine: Engine) -> Iterator[list[Statement]]:
-    seen: list[Statement] = []
-
-    def record(_conn: Any, _cursor: Any, sql: str, params: Any, *_rest: Any) -> None:
-        seen.append((sql, params))
-
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
-
-
 def percentiles(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     p95 = ordered[max(0, -(-len(ordered) * 95 // 100) - 1)]
@@ -420,35 +351,57 @@ def index_summary(plan: str) -> str:
 # --- the run --------------------------------------------------------------------------------
 
 
+def fill_stores(
+    engine: Engine,
+    client: redis.Redis,
+    settings: Settings,
+    args: argparse.Namespace,
+    now: int,
+    steps: list[tuple[str, float]],
+) -> OrderService:
+    """Migrate, load, reconcile, one scheduler's beat; DAMAGED_USER's index then holds a
+    member with no row and a paid order, so comparing it sends its second statement."""
+    timed("migrate", steps, lambda: migrate.upgrade(engine))
+    load(engine, args.orders, args.users, now, steps)
+    service = OrderService(engine, client, settings, clock=lambda: now)
+    report = timed("reconcile (Redis gets the open orders)", steps, service.reconcile)
+    print(f"  reconcile: {report.as_dict()}", flush=True)
+    Heartbeats(client, key_prefix=service.index.key_prefix).publish(
+        SchedulerBeat("scheduler-1", True, now - 1000, now + 29_000, now),
+        forget_after_ms=60_000,
+    )
+    with engine.connect() as conn:
+        paid_id = conn.exec_driver_sql(
+            "SELECT id FROM orders WHERE status = 'paid' LIMIT 1"
+        ).scalar_one()
+    client.zadd(service.index.key(DAMAGED_USER), {"ghost": now + 5000, paid_id: now + 1})
+    return service
+
+
 def run(args: argparse.Namespace, folder: Path) -> str:
     steps: list[tuple[str, float]] = []
-    with postgres_server() as pg_url, redis_server(folder) as (redis_url, redis_version):
+    bindir = find_postgres_bin()
+    if bindir is None:
+        raise SystemExit("no PostgreSQL server binaries (initdb) found")
+    with contextlib.ExitStack() as stop:  # each server by its PID, on error too
+        postgres = PostgresServer(bindir, durable=True, settings={"max_wal_size": "4GB"})
+        stop.callback(postgres.stop)
+        postgres.start()
+        redis_server = RedisServer(folder)
+        stop.callback(redis_server.stop)
+        redis_server.start()
         settings = Settings()
-        engine = build_engine(settings, pg_url)
-        client = redis.Redis.from_url(redis_url)
+        engine = build_engine(settings, postgres.url("postgres"))
+        client = redis.Redis(unix_socket_path=str(redis_server.socket))
+        redis_version = f"{client.info('server')['redis_version']} ({find_redis_server()})"
         served = None
         try:
-            timed("migrate", steps, lambda: migrate.upgrade(engine))
             now = int(time.time() * 1000)
-            load(engine, args.orders, args.users, now, steps)
-            service = OrderService(engine, client, settings, clock=lambda: now)
-            report = timed("reconcile (Redis gets the open orders)", steps, service.reconcile)
-            print(f"  reconcile: {report.as_dict()}", flush=True)
-            Heartbeats(client, key_prefix=service.index.key_prefix).publish(
-                SchedulerBeat("scheduler-1", True, now - 1000, now + 29_000, now),
-                forget_after_ms=60_000,
-            )
+            service = fill_stores(engine, client, settings, args, now, steps)
             counts = row_counts(engine)
             with engine.connect() as conn:
                 pg_version = conn.exec_driver_sql("SHOW server_version").scalar_one()
                 fsync = conn.exec_driver_sql("SHOW fsync").scalar_one()
-            # One user's index holds a member with no row and a paid order: the comparison
-            # then sends its second statement (the rows of those ids).
-            with engine.connect() as conn:
-                paid_id = conn.exec_driver_sql(
-                    "SELECT id FROM orders WHERE status = 'paid' LIMIT 1"
-                ).scalar_one()
-            client.zadd(service.index.key(DAMAGED_USER), {"ghost": now + 5000, paid_id: now + 1})
 
             print("measuring", flush=True)
             user_rows = len(compare_user(service, USER)["rows"])

@@ -16,12 +16,9 @@ orders, with the plans it then picks, are in docs/bench/dashboard-1e6.md
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine
 
 from orders.dashboard.snapshot import compare_user, read_overview
 from orders.events import EventConsumer
@@ -29,7 +26,7 @@ from orders.redis_nodes import RedisClient
 from orders.service import OrderService
 from tests.conftest import ManualClock
 from tests.integration.test_event_retries import Poison
-from tests.plans import explain_sql
+from tests.plans import Statement, captured, explain_sql
 
 pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 
@@ -48,23 +45,6 @@ NO_TABLE_NODES = {"Subquery Scan"}
 READ_WHOLE = {"event_cursors", "event_retries"}
 SCAN = re.compile(r"(\w+(?: \w+)*? Scan)(?: Backward)?(?: using (\w+))? on (\w+)")
 UNPAID_INDEX = "WHERE ((status)::text = 'unpaid'::text)"
-
-Statement = tuple[str, Any]
-
-
-@contextmanager
-def captured(engine: Engine) -> Iterator[list[Statement]]:
-    """Every (sql, parameters) the engine sends to the database while the block runs."""
-    seen: list[Statement] = []
-
-    def record(_conn: Any, _cursor: Any, sql: str, params: Any, *_rest: Any) -> None:
-        seen.append((sql, params))
-
-    event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(engine, "before_cursor_execute", record)
 
 
 def index_reads(plan: str, indexes: dict[str, tuple[str, str]]) -> set[str]:
