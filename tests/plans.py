@@ -4,9 +4,30 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event
+
+#: A statement as the driver got it: its SQL and its parameters.
+Statement = tuple[str, Any]
+
+
+@contextmanager
+def captured(engine: Engine) -> Iterator[list[Statement]]:
+    """Every statement the engine sends to the database while the block runs, as
+    (sql, parameters): what :func:`explain_sql` takes."""
+    seen: list[Statement] = []
+
+    def record(_conn: Any, _cursor: Any, sql: str, params: Any, *_rest: Any) -> None:
+        seen.append((sql, params))
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
 
 
 def explain(engine: Engine, statement: Any) -> str:
@@ -51,7 +72,8 @@ def explain_sql(engine: Engine, sql: str, params: Any) -> str:
             conn.exec_driver_sql("SET enable_seqscan = off")
             conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
             conn.exec_driver_sql(f"PREPARE planned AS {generic}")
-            rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE planned({values})").all()
+            arguments = f"({values})" if names else ""  # EXECUTE takes no empty list
+            rows = conn.exec_driver_sql(f"EXPLAIN EXECUTE planned{arguments}").all()
             conn.exec_driver_sql("DEALLOCATE planned")
             conn.rollback()
     return "\n".join(str(row[-1]) for row in rows)
