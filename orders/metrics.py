@@ -141,7 +141,9 @@ def _define() -> dict[str, Any]:
         "JOB_FAILURES": Counter(
             "orders_job_failures_total",
             "scheduler job runs that ended in an exception (APScheduler job error events)",
-            ["job"],
+            # Not "job": Prometheus sets that label on every target (ours would come back
+            # as exported_job).
+            ["scheduler_job"],
         ),
         "PARKED_EVENTS": Gauge(
             "orders_parked_events",

@@ -191,6 +191,9 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     for job in scheduler.pausing_jobs:
         job.scheduler = scheduler
     scheduler.add_listener(_count_failure, EVENT_JOB_ERROR)
+    for job in scheduler.get_jobs():
+        # Each job's series starts at 0, so increase() sees its first failure too.
+        metrics.JOB_FAILURES.labels(job.id)
     return scheduler
 
 

@@ -201,12 +201,17 @@ def test_a_job_that_raises_is_counted_once_per_failed_run(
         return real_tick()
 
     sweeper.tick = tick_once_broken  # type: ignore[method-assign]
-    before = REGISTRY.get_sample_value("orders_job_failures_total", {"job": JOB_ID}) or 0.0
     scheduler = build_scheduler(sweeper, blocking=False)
+    # The job's series exists from the start (at its count so far), for increase().
+    before = REGISTRY.get_sample_value("orders_job_failures_total", {"scheduler_job": JOB_ID})
+    assert before is not None
     scheduler.start()
     try:
         deadline = time.monotonic() + 10
-        while REGISTRY.get_sample_value("orders_job_failures_total", {"job": JOB_ID}) != before + 1:
+        while (
+            REGISTRY.get_sample_value("orders_job_failures_total", {"scheduler_job": JOB_ID})
+            != before + 1
+        ):
             assert time.monotonic() < deadline, "the failed run was not counted"
             time.sleep(0.01)
         # The job goes on: the next ticks run, and are not failures.
@@ -217,7 +222,7 @@ def test_a_job_that_raises_is_counted_once_per_failed_run(
     finally:
         scheduler.shutdown(wait=True)
         sweeper.close()
-    assert sample("orders_job_failures_total", job=JOB_ID) == before + 1
+    assert sample("orders_job_failures_total", scheduler_job=JOB_ID) == before + 1
 
 
 # --- the health endpoints, in-process ----------------------------------------------------------
