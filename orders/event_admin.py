@@ -41,6 +41,7 @@ from orders.events import (
     events_after,
 )
 from orders.models import events_table, retries_table, sql_errors
+from orders.validation import check_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class ConsumerStatus:
     oldest_unread_age_ms: int | None
     retrying: int
     parked: int
+    #: The count stopped at ``list_consumers``' ``lag_cap``: the lag is at least that.
+    lag_capped: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +70,16 @@ class ParkedEvent:
     parked_at_ms: int
 
 
-def list_consumers(engine: Engine, *, clock: Clock | None = None) -> list[ConsumerStatus]:
-    """Every known consumer, by name, with its lag and its retrying and parked counts."""
+def list_consumers(
+    engine: Engine, *, clock: Clock | None = None, lag_cap: int | None = None
+) -> list[ConsumerStatus]:
+    """Every known consumer, by name, with its lag and its retrying and parked counts.
+
+    ``lag_cap`` stops counting a consumer's lag there (``lag_capped`` says so): the count
+    costs the lag, so a page refreshed every few seconds caps it; None counts it all.
+    """
+    if lag_cap is not None:
+        check_count("lag_cap", lag_cap, 1)
     now_ms = (clock or system_clock)()
     names = union(select(CC.name.label("name")), select(RC.consumer.label("name")))
     counts = _failure_counts()
@@ -81,13 +92,14 @@ def list_consumers(engine: Engine, *, clock: Clock | None = None) -> list[Consum
         found = []
         for name in sorted(conn.execute(names).scalars()):
             position = positions.get(name, EventPosition())
-            lag, oldest_at_ms = _lag(conn, engine, position)
+            lag, oldest_at_ms = _lag(conn, engine, position, lag_cap)
             retrying, parked = failures.get(name, (0, 0))
             found.append(
                 ConsumerStatus(
                     name=name,
                     position=position,
                     lag_events=lag,
+                    lag_capped=lag_cap is not None and lag >= lag_cap,
                     oldest_unread_age_ms=None if oldest_at_ms is None else now_ms - oldest_at_ms,
                     retrying=retrying,
                     parked=parked,
@@ -112,20 +124,30 @@ def _failure_counts() -> Select[Any]:
     ).group_by(RC.consumer)
 
 
-def lag_statements(engine: Engine, position: EventPosition) -> tuple[Select[Any], Select[Any]]:
-    """How many events are after ``position``, and the ``at_ms`` of the first of them.
+def lag_statements(
+    engine: Engine, position: EventPosition, cap: int | None = None
+) -> tuple[Select[Any], Select[Any]]:
+    """How many events are after ``position`` (at most ``cap``), and the ``at_ms`` of the
+    first of them.
 
     Both are range scans of an index (order_events' (txid, id) on PostgreSQL, its key on
-    SQLite), so they cost the lag, not the table.
+    SQLite), so they cost the lag, not the table; with a cap, at most ``cap`` entries.
     """
     after = events_after(engine, position)
-    count = select(func.count()).select_from(events_table).where(after)
-    first = select(EC.at_ms).where(after).order_by(*commit_order(engine)).limit(1)
+    in_order = commit_order(engine)
+    if cap is None:
+        count = select(func.count()).select_from(events_table).where(after)
+    else:
+        counted = select(EC.id).where(after).order_by(*in_order).limit(cap).subquery()
+        count = select(func.count()).select_from(counted)
+    first = select(EC.at_ms).where(after).order_by(*in_order).limit(1)
     return count, first
 
 
-def _lag(conn: Connection, engine: Engine, position: EventPosition) -> tuple[int, int | None]:
-    count, first = lag_statements(engine, position)
+def _lag(
+    conn: Connection, engine: Engine, position: EventPosition, cap: int | None
+) -> tuple[int, int | None]:
+    count, first = lag_statements(engine, position, cap)
     return int(conn.scalar(count) or 0), conn.scalar(first)
 
 

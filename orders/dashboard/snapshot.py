@@ -38,6 +38,9 @@ WINDOW_S = 3600
 HORIZON_S = 600
 BUCKETS = 20
 RECENT_CLOSES = 10
+#: A consumer's lag is counted up to here: the count costs the lag (an index range), and a
+#: consumer far behind would make every refresh read its whole backlog.
+LAG_CAP = 10_000
 
 
 def recent_closes(conn: Connection, limit: int = RECENT_CLOSES) -> list[dict[str, Any]]:
@@ -100,11 +103,12 @@ def _consumers(service: OrderService) -> list[dict[str, Any]]:
             "name": status.name,
             "cursor": f"{status.position.txid}/{status.position.event_id}",
             "lag_events": status.lag_events,
+            "lag_capped": status.lag_capped,
             "oldest_unread_age_ms": status.oldest_unread_age_ms,
             "retrying": status.retrying,
             "parked": status.parked,
         }
-        for status in list_consumers(service.engine, clock=service.clock)
+        for status in list_consumers(service.engine, clock=service.clock, lag_cap=LAG_CAP)
     ]
 
 

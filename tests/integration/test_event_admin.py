@@ -65,11 +65,19 @@ def test_consumers_show_position_lag_oldest_wait_and_failure_counts(
     assert audit.oldest_unread_age_ms == clock() - first_unread_at_ms == 4000
     assert audit.position == last.position
     assert (stock.name, stock.lag_events, stock.retrying, stock.parked) == ("stock", 4, 1, 1)
+    assert not audit.lag_capped
+
+    # A capped count stops at the cap, and says so; the oldest unread is the same.
+    for cap, expected in ((3, (3, True)), (4, (4, True)), (5, (4, False))):
+        capped = list_consumers(engine, clock=clock, lag_cap=cap)[0]
+        assert (capped.lag_events, capped.lag_capped) == expected, cap
+        assert capped.oldest_unread_age_ms == audit.oldest_unread_age_ms
 
 
 def test_the_lag_count_and_the_oldest_unread_are_index_range_scans(engine: Engine) -> None:
     count, first = lag_statements(engine, EventPosition(5, 7))
-    for statement in (count, first):
+    capped, _ = lag_statements(engine, EventPosition(5, 7), cap=10_000)
+    for statement in (count, first, capped):
         plan = explain(engine, statement)
         if engine.dialect.name == "postgresql":  # a range of the index, not all of it
             assert "ix_order_events_txid_id" in plan, plan

@@ -143,7 +143,8 @@ function render(data) {
   const consumers = data.consumers;
   if (!showError("consumers", consumers)) {
     fillTable("consumers", consumers, (c) => [
-      [c.name], [c.cursor], [num(c.lag_events), "num"], [duration(c.oldest_unread_age_ms)],
+      [c.name], [c.cursor], [`${num(c.lag_events)}${c.lag_capped ? "+" : ""}`, "num"],
+      [duration(c.oldest_unread_age_ms)],
       [num(c.retrying), "num"], [num(c.parked), c.parked > 0 ? "num bad" : "num"],
     ]);
   }
