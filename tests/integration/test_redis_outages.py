@@ -180,12 +180,15 @@ def test_no_warning_for_a_persistent_noeviction_server(
 ) -> None:
     with redis.Redis.from_url(own_redis.url) as admin:
         admin.config_set("appendonly", "yes")
-    settings = Settings(redis_url=own_redis.url)
-    client = build_redis(settings)
-    try:
-        assert OrderService(service.engine, client, settings).index.server_warnings() == []
-    finally:
-        client.close()
+        settings = Settings(redis_url=own_redis.url)
+        client = build_redis(settings)
+        try:
+            assert OrderService(service.engine, client, settings).index.server_warnings() == []
+        finally:
+            client.close()
+            # Off again: a server with its AOF on took the whole 10 s grace of SIGTERM to
+            # stop, in every copy of this test.
+            admin.config_set("appendonly", "no")
 
 
 def test_passwords_never_reach_logs_or_errors(
