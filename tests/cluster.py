@@ -64,6 +64,10 @@ def redis_cli_beside(server: Path) -> Path:
     return Path(found)
 
 
+class NodeDidNotStart(RuntimeError):
+    """A node's redis-server exited at start: most often a port taken since it was picked."""
+
+
 @dataclass
 class ClusterNode:
     port: int
@@ -148,7 +152,13 @@ class LocalCluster:
         with node.client(timeout_s=1) as client:
             while True:
                 if node.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server on {node.port} exited: see {node.folder}")
+                    log = node.folder / "redis.log"
+                    last = (
+                        log.read_text(errors="replace").strip().splitlines()[-1:]
+                        if log.exists()
+                        else []
+                    )
+                    raise NodeDidNotStart(f"redis-server on {node.port} exited: {last}")
                 with contextlib.suppress(redis.ConnectionError):
                     if client.ping():
                         return
@@ -283,9 +293,21 @@ def _cluster_info(client: redis.Redis) -> dict[str, str]:
 def running_cluster(binary: Path, prefix: str = "orders-cluster-") -> Iterator[LocalCluster]:
     """A :class:`LocalCluster` in a fresh folder under /tmp, stopped and removed after."""
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    cluster = LocalCluster(folder, binary)
     try:
-        yield cluster.start()
+        # The ports are checked free when picked, but a bus port (port + 10000) lies in the
+        # kernel's ephemeral range, where an outgoing connection may take it meanwhile:
+        # then the cluster starts again on other ports, twice at most.
+        for attempt in range(3):
+            cluster = LocalCluster(folder / str(attempt), binary)
+            try:
+                cluster.start()
+                break
+            except NodeDidNotStart:
+                if attempt == 2:
+                    raise
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
     finally:
-        cluster.stop()
         shutil.rmtree(folder, ignore_errors=True)
