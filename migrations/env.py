@@ -1,6 +1,6 @@
 """Alembic environment for the orders schema.
 
-The URL comes, in order, from a connection handed over by ``orders.migrate`` (in
+The URL comes, in order, from a connection handed over by ``orders.sql.migrate`` (in
 ``config.attributes["connection"]``), from ``sqlalchemy.url`` if someone set it, or from the
 service's own settings (``ORDERS_DATABASE_URL``, else the embedded SQLite file).
 """
@@ -8,9 +8,10 @@ service's own settings (``ORDERS_DATABASE_URL``, else the embedded SQLite file).
 from alembic import context
 from sqlalchemy import Connection
 
-from orders.bootstrap import build_engine
 from orders.config import Settings
-from orders.models import Base
+from orders.embedded.server import database_url
+from orders.sql.engine import build_engine
+from orders.sql.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -46,7 +47,9 @@ def run_migrations_online() -> None:
         _configure(handed)
         return
     settings = Settings.from_env()
-    engine = build_engine(settings, config.get_main_option("sqlalchemy.url"))
+    engine = build_engine(
+        settings, config.get_main_option("sqlalchemy.url") or database_url(settings)
+    )
     try:
         with engine.connect() as connection:
             _configure(connection)

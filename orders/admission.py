@@ -5,7 +5,7 @@ and the pre-close check's extension of an expired order (which no longer held a 
 
 1. The Redis script (``admit.lua``) drops expired members, counts, and refuses at the limit
    or adds the member, atomically: a refusal costs one round trip and no SQL.
-2. SQL inserts the order and its event into a free slot of the user (``orders.slots``):
+2. SQL inserts the order and its event into a free slot of the user (``orders.sql.slots``):
    a unique index, not a count, so Redis may have lost members and the limit still holds.
 3. If SQL refuses or fails, the member this call added is removed again (compensation).
    A refusal by SQL after Redis admitted means Redis had lost the user's members: they are
@@ -29,8 +29,8 @@ from typing import Any
 
 from orders.domain import Order, same_order
 from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
-from orders.index import Admission, AdmitResult, UnpaidIndex
-from orders.records import InsertConflict, LimitReachedInSql, OrderRecords
+from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
+from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
 log = logging.getLogger(__name__)
 

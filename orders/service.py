@@ -3,10 +3,10 @@
 SQL is the record and decides every order's fate; Redis is the admission index in front of
 it. The service owns no SQL and no Redis command itself; it composes:
 
-* :class:`~orders.records.OrderRecords`: every SQL statement, the compare-and-sets;
-* :class:`~orders.index.UnpaidIndex`: every admission-index script;
+* :class:`~orders.sql.records.OrderRecords`: every SQL statement, the compare-and-sets;
+* :class:`~orders.index.unpaid.UnpaidIndex`: every admission-index script;
 * :class:`~orders.admission.Admitter`: Redis admit -> SQL guard -> compensation;
-* :class:`~orders.sweep.Sweep` and :class:`~orders.reconciler.Reconciler`.
+* :class:`~orders.sweep.Sweep` and :class:`~orders.reconcile.Reconciler`.
 
 Rules that shape every method: input is checked first (:mod:`orders.validation`); the
 clock is read once per use case and passed down; one SQL transaction per use case; Redis
@@ -42,12 +42,12 @@ from orders.errors import (
     OrderNotFound,
     UnpaidOrderLimitReached,
 )
-from orders.events import EventPosition, OrderEvent, read_events
-from orders.index import UnpaidIndex
-from orders.models import TEXT_COLUMN_LENGTH
-from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
-from orders.records import OrderRecords
-from orders.redis_nodes import RedisClient
+from orders.events.consumer import EventPosition, OrderEvent, read_events
+from orders.index.nodes import RedisClient
+from orders.index.unpaid import UnpaidIndex
+from orders.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
+from orders.sql.models import TEXT_COLUMN_LENGTH
+from orders.sql.records import OrderRecords
 from orders.sweep import PreCloseCheck, Sweep
 from orders.validation import (
     amount_to_text,
@@ -297,7 +297,7 @@ class OrderService:
     ) -> list[OrderEvent]:
         """Up to ``limit`` committed events after ``after``, in commit order.
 
-        For a durable, named cursor with retries, see :class:`orders.events.EventConsumer`.
+        For a durable, named cursor with retries, see :class:`orders.events.consumer.EventConsumer`.
         """
         return read_events(self.engine, after or EventPosition(), limit)
 
@@ -357,7 +357,7 @@ class OrderService:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
-        """Make the Redis index equal to SQL (see :mod:`orders.reconciler`)."""
+        """Make the Redis index equal to SQL (see :mod:`orders.reconcile`)."""
         return self.reconciler.reconcile(
             user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
         )

@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 from orders import metrics
 from orders.admission import Admitter
-from orders.closing import DueCloser
 from orders.config import Settings
 from orders.domain import Clock, Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.records import OrderRecords
+from orders.sql.closing import DueCloser
+from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_cutoff, check_ttl_ms
 
 log = logging.getLogger("orders.service")

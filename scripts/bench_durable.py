@@ -39,7 +39,7 @@ def redis_binary() -> str:
         return chosen
     if Path("/usr/bin/redis-server").exists():
         return "/usr/bin/redis-server"
-    from orders.redis_server import find_redis_server  # noqa: PLC0415
+    from orders.embedded.binary import find_redis_server  # noqa: PLC0415
 
     return str(find_redis_server())
 

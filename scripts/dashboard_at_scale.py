@@ -43,7 +43,7 @@ from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.dashboard import start_dashboard
 from orders.dashboard.snapshot import compare_user, read_overview
-from orders.redis_server import find_redis_server
+from orders.embedded.binary import find_redis_server
 from orders.service import OrderService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server

@@ -19,10 +19,10 @@ from typing import Any
 import redis
 from sqlalchemy import Engine
 
-from orders import migrate
 from orders.config import Settings
-from orders.heartbeat import Heartbeats, SchedulerBeat
+from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.service import OrderService
+from orders.sql import migrate
 
 MIN_MS = 60_000
 HOUR_MS = 60 * MIN_MS

@@ -52,7 +52,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     # --- admission in Redis (admit.lua) ------------------------------------------------------
     mutation(
         "admit-limit-off-by-one",
-        "orders/lua/admit.lua",
+        "orders/index/lua/admit.lua",
         "if count >= limit then",
         "if count > limit then",
         "Redis refuses at the limit, not one past it",
@@ -60,7 +60,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "admit-keeps-expired-members",
-        "orders/lua/admit.lua",
+        "orders/index/lua/admit.lua",
         "redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])",
         "-- expired members kept",
         "expired orders stop counting in Redis without a sweep",
@@ -68,7 +68,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "admit-retry-takes-a-second-slot",
-        "orders/lua/admit.lua",
+        "orders/index/lua/admit.lua",
         "if existing then",
         "if false then",
         "a retry of the same order id takes no second slot",
@@ -76,7 +76,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "admit-keeps-an-old-key-expiry",
-        "orders/lua/admit.lua",
+        "orders/index/lua/admit.lua",
         "redis.call('PERSIST', key)",
         "-- an expiry set before is kept",
         "a key expiry left from before is cleared when a member is added (it would take it)",
@@ -85,7 +85,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     # --- the SQL guard -----------------------------------------------------------------------
     mutation(
         "sql-guard-dropped",
-        "orders/slots.py",
+        "orders/sql/slots.py",
         '.where(candidates.c.n <= bindparam("slot_limit", type_=Integer), ~taken)',
         '.where(candidates.c.n <= bindparam("slot_limit", type_=Integer))',
         "a create takes a slot no unpaid order of the user holds",
@@ -94,7 +94,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "sql-guard-off-by-one",
-        "orders/slots.py",
+        "orders/sql/slots.py",
         'candidates.c.n <= bindparam("slot_limit", type_=Integer)',
         'candidates.c.n <= 1 + bindparam("slot_limit", type_=Integer)',
         "the slots are 1..limit, not one more",
@@ -102,7 +102,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "slot-of-an-expired-order-not-taken",
-        "orders/slots.py",
+        "orders/sql/slots.py",
         "                self.records.close_expired(conn, order_id, now_ms, SLOT_REUSE)",
         "                pass",
         "a create closes the expired, unswept holder of a slot to take it",
@@ -110,7 +110,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "open-at-includes-the-expiry-instant",
-        "orders/models.py",
+        "orders/sql/models.py",
         "orders_table.c.expires_at_ms > now_ms",
         "orders_table.c.expires_at_ms >= now_ms",
         "an order stops being open at its expiry instant (strict pay at expires_at refused)",
@@ -170,7 +170,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     # --- transitions: compare-and-set and the outbox ------------------------------------------
     mutation(
         "pay-cas-dropped",
-        "orders/compare_and_set.py",
+        "orders/sql/transitions.py",
         "PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))",
         "PAY = CompareAndSet(EventKind.PAID, _update([], _PAID))",
         "pay is a compare-and-set on status = 'unpaid'",
@@ -179,7 +179,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "cancel-cas-dropped",
-        "orders/compare_and_set.py",
+        "orders/sql/transitions.py",
         "        [UNPAID_PREDICATE],\n        {\n"
         '            "status": OrderStatus.CANCELLED.value,',
         '        [],\n        {\n            "status": OrderStatus.CANCELLED.value,',
@@ -189,7 +189,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "strict-expiry-ignored",
-        "orders/compare_and_set.py",
+        "orders/sql/transitions.py",
         "_update([open_at(_NOW)], _PAID)",
         "_update([UNPAID_PREDICATE], _PAID)",
         "under strict_expiry a payment after expires_at is refused",
@@ -197,7 +197,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "strict-close-cas-dropped",
-        "orders/compare_and_set.py",
+        "orders/sql/transitions.py",
         "        [due_at(_NOW)],\n",
         "        [],\n",
         "a refused strict payment closes only an unpaid, due order",
@@ -222,7 +222,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "transition-event-dropped",
-        "orders/compare_and_set.py",
+        "orders/sql/transitions.py",
         "            conn.execute(_INSERT_EVENT, event)",
         "            pass",
         "every transition writes its event (outbox)",
@@ -230,7 +230,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "transition-event-dropped-postgresql",
-        "orders/compare_and_set.py",
+        "orders/sql/transitions.py",
         "    return select(changed).add_cte(record)",
         "    return select(changed)",
         "every transition writes its event (outbox), also in PostgreSQL's one statement",
@@ -238,7 +238,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "created-event-dropped-postgresql",
-        "orders/slots.py",
+        "orders/sql/slots.py",
         "            self._insert = with_events("
         'self._insert, "created", EventKind.CREATED, created_at)',
         "            pass",
@@ -247,7 +247,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "idle-connections-not-pinged",
-        "orders/bootstrap.py",
+        "orders/sql/engine.py",
         "            engine.dialect.do_ping(dbapi_connection)",
         "            pass",
         "a pooled connection that sat idle is pinged and replaced before use",
@@ -255,8 +255,8 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "created-event-dropped",
-        "orders/slots.py",
-        "                self.records.record("
+        "orders/sql/slots.py",
+        "                record_events("
         'conn, created, EventKind.CREATED, values["created_at_ms"], None)',
         "                pass",
         "a create writes its created event (outbox)",
@@ -264,7 +264,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "created-event-outside-the-transaction",
-        "orders/slots.py",
+        "orders/sql/slots.py",
         "                row = conn.execute(self._insert, params).one_or_none()",
         "                row = conn.execute(self._insert, params).one_or_none(); conn.commit()",
         "the order row and its event commit together",
@@ -274,7 +274,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "sweep-events-outside-the-transaction",
-        "orders/closing.py",
+        "orders/sql/closing.py",
         "                rows = conn.execute(self._close, params).all()",
         "                rows = conn.execute(self._close, params).all(); conn.commit()",
         "a sweep batch's closes and their events commit together",
@@ -290,7 +290,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "extend-an-expired-order",
-        "orders/compare_and_set.py",
+        "orders/sql/transitions.py",
         "            open_at(_NOW),\n            ORDER.expires_at_ms + _EXTRA",
         "            UNPAID_PREDICATE,\n            ORDER.expires_at_ms + _EXTRA",
         "extend_order refuses an order whose time is up",
@@ -298,7 +298,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "extend-past-the-max-lifetime",
-        "orders/compare_and_set.py",
+        "orders/sql/transitions.py",
         '            <= bindparam("max_life_ms", type_=BigInteger),',
         '            <= 2 * bindparam("max_life_ms", type_=BigInteger),',
         "no extension moves an expiry past created_at + max_lifetime_s",

@@ -11,7 +11,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- the sweep ---------------------------------------------------------------------------
     mutation(
         "sweep-skips-orders-due-exactly-now",
-        "orders/models.py",
+        "orders/sql/models.py",
         "orders_table.c.expires_at_ms <= cutoff_ms",
         "orders_table.c.expires_at_ms < cutoff_ms",
         "an order is due at its expiry instant",
@@ -35,7 +35,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "sweep-redis-cleanup-skipped",
-        "orders/index.py",
+        "orders/index/unpaid.py",
         'run_per_key(self.client, b"ZREMRANGEBYSCORE", keys, (b"-inf", b"%d" % now_ms))',
         "None",
         "the sweep drops the closed orders' expired members",
@@ -43,7 +43,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "sweep-skip-locked-removed",
-        "orders/closing.py",
+        "orders/sql/closing.py",
         "due = due.with_for_update(skip_locked=True)",
         "due = due.with_for_update()",
         "PostgreSQL: a sweeper skips rows another holds, never waits on them",
@@ -52,7 +52,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- reconcile ---------------------------------------------------------------------------
     mutation(
         "reconcile-removes-in-flight-members",
-        "orders/reconciler.py",
+        "orders/reconcile.py",
         "remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]",
         "remove = [(u, o) for u, o in extras if owners.get(o) != u]",
         "a member without a SQL row (a create in flight) stays until its expiry",
@@ -60,7 +60,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "reconcile-leaves-a-stale-add",
-        "orders/reconciler.py",
+        "orders/reconcile.py",
         "            self._undo_stale_adds(added, now_ms)",
         "            pass",
         "an add racing a payment does not leave a stale member",
@@ -69,7 +69,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- the scheduler's lease ---------------------------------------------------------------
     mutation(
         "lease-released-by-another-owner",
-        "orders/lua/lease_release.lua",
+        "orders/index/lua/lease_release.lua",
         "if redis.call('GET', key) == ARGV[1] then",
         "if true then",
         "only the lease's owner can release it",
@@ -78,7 +78,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "lease-renewed-by-another-owner",
-        "orders/lua/lease.lua",
+        "orders/index/lua/lease.lua",
         "if redis.call('GET', key) == owner then",
         "if true then",
         "only the lease's owner can renew it",
@@ -104,7 +104,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- event consumers ---------------------------------------------------------------------
     mutation(
         "consumer-cursor-not-saved",
-        "orders/events.py",
+        "orders/events/consumer.py",
         "                self._save_position(conn, event.position)",
         "                pass",
         "a consumer saves its position after each event",
@@ -113,7 +113,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "parked-events-retried",
-        "orders/events.py",
+        "orders/events/consumer.py",
         ".where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= now_ms)",
         ".where(RC.consumer == self.name, RC.next_at_ms <= now_ms)",
         "a parked event is never retried until requeued",
@@ -121,7 +121,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "park-one-attempt-late",
-        "orders/events.py",
+        "orders/events/consumer.py",
         "park = attempts >= self.max_attempts",
         "park = attempts > self.max_attempts",
         "an event is parked after max_attempts tries, not one more",
@@ -129,7 +129,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "pg-reader-passes-a-running-transaction",
-        "orders/events.py",
+        "orders/events/consumer.py",
         "        query = query.where(EC.txid < horizon)",
         "        query = query",
         "PostgreSQL: readers never pass an event of a transaction still running",
@@ -138,7 +138,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- what the scheduler logs, and its rebuild beside the sweep ---------------------------
     mutation(
         "summary-every-tick",
-        "orders/sweep_log.py",
+        "orders/scheduler/log.py",
         "(not force and now - self._since < self.period_s)",
         "(not force and False)",
         "the scheduler's summary comes at most once per period",
@@ -146,7 +146,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "backlog-clears-at-the-threshold",
-        "orders/sweep_log.py",
+        "orders/scheduler/log.py",
         "if self._since is not None and lag_ms <= self.lag_ms // 2:",
         "if self._since is not None and lag_ms <= self.lag_ms:",
         "a backlog clears only well under its threshold (no line every tick near it)",
@@ -154,7 +154,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "rebuild-does-not-yield-to-the-sweep",
-        "orders/sweeper.py",
+        "orders/scheduler/sweeper.py",
         "            if self._not_ticking.wait(REBUILD_WAIT_S):",
         "            if True:",
         "the index rebuild waits for a running sweep",
@@ -163,7 +163,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- bounded stats, the self-healing embedded server ----------------------------------------
     mutation(
         "stats-window-start-inclusive",
-        "orders/stats.py",
+        "orders/sql/stats.py",
         "return and_(column > self.since_ms, column <= self.until_ms)",
         "return and_(column >= self.since_ms, column <= self.until_ms)",
         "a stats window is open at its start and closed at its end",
@@ -171,7 +171,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "embedded-server-not-restarted",
-        "orders/embedded_client.py",
+        "orders/embedded/client.py",
         "            if not self.restarter.restart():",
         "            if True:",
         "a process that finds its embedded redis-server dead starts it again",

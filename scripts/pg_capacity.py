@@ -2,7 +2,7 @@
 
 Starts the durable stores ``scripts/bench_durable.py`` starts (a throwaway PostgreSQL with
 fsync, synchronous commits and full-page writes on, a redis-server on a unix socket),
-migrates the schema with ``orders.migrate`` and then:
+migrates the schema with ``orders.sql.migrate`` and then:
 
 1. runs ``--ops`` creates (one per user) through ``OrderService``, pays half of them, moves
    the clock past the expiry and sweeps the other half closed; for each phase it reports
@@ -48,7 +48,7 @@ from bench_durable import durable_stores  # noqa: E402
 
 from orders import OrderService, Settings  # noqa: E402
 from orders.bootstrap import build_engine  # noqa: E402
-from orders.migrate import upgrade  # noqa: E402
+from orders.sql.migrate import upgrade  # noqa: E402
 
 TTL_S = 900
 PARTITIONED_DDL = SCRIPTS.parent / "docs" / "partitioning.sql"

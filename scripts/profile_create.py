@@ -25,11 +25,11 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
-from orders import migrate  # noqa: E402
 from orders.bootstrap import build_engine  # noqa: E402
 from orders.config import Settings  # noqa: E402
 from orders.errors import UnpaidOrderLimitReached  # noqa: E402
 from orders.service import OrderService  # noqa: E402
+from orders.sql import migrate  # noqa: E402
 from scripts.bench_durable import durable_stores  # noqa: E402
 
 

@@ -32,12 +32,12 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, insert, text
 
-from orders import migrate
 from orders.bootstrap import build_engine
 from orders.config import Settings
-from orders.models import orders_table
-from orders.redis_server import find_redis_server
+from orders.embedded.binary import find_redis_server
 from orders.service import OrderService
+from orders.sql import migrate
+from orders.sql.models import orders_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server
 from tests.postgres import PostgresServer, find_postgres_bin

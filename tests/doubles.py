@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from orders.index import AdmitResult, UnpaidIndex
+from orders.index.unpaid import AdmitResult, UnpaidIndex
 from orders.service import OrderService
 
 

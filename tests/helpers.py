@@ -18,10 +18,10 @@ from sqlalchemy import Engine, select
 
 from orders.bench.measure import percentile
 from orders.domain import Order
-from orders.embedded import redis_status
-from orders.models import events_table, orders_table
-from orders.redis_nodes import RedisClient, primaries
+from orders.embedded.server import redis_status
+from orders.index.nodes import RedisClient, primaries
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 
 
 def create_orders(

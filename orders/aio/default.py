@@ -35,7 +35,7 @@ def _check_schema(settings: Settings) -> None:
 
 
 def _embedded_url(settings: Settings) -> str:
-    from orders.embedded import ensure_redis  # noqa: PLC0415
+    from orders.embedded.server import ensure_redis  # noqa: PLC0415
 
     return ensure_redis(settings.home).url
 

@@ -21,22 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from redis.retry import Retry
 from sqlalchemy import util as sa_util
 
+from orders.sql.greenlet import wait_for
+
 T = TypeVar("T")
-
-# SQLAlchemy 2.1 names it await_, 2.0 await_only (kept in 2.1 as a deprecated alias).
-_await: Callable[[Awaitable[Any]], Any] = getattr(sa_util, "await_", None) or sa_util.await_only
-
-
-def wait_for(awaitable: Awaitable[T]) -> T:
-    """Inside :func:`run`: hand ``awaitable`` to the event loop, resume with its result."""
-    result: T = _await(awaitable)
-    return result
 
 
 async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -56,22 +49,6 @@ async def _finished(task: asyncio.Future[Any]) -> None:
             await asyncio.wait([task])
     if not task.cancelled():
         task.exception()  # retrieved: its error was the cancelled caller's to lose
-
-
-class LoopLock:
-    """A lock for code inside :func:`run`: waiting for it yields to the event loop.
-
-    A ``threading.Lock`` would stop the loop itself while another task holds it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = asyncio.Lock()
-
-    def __enter__(self) -> None:
-        wait_for(self._lock.acquire())
-
-    def __exit__(self, *_exc: object) -> None:
-        self._lock.release()
 
 
 class LoopRetry(Retry):

@@ -1,7 +1,7 @@
 """A redis-py client whose sockets move their bytes on the running event loop.
 
 The service's Redis code (its scripts, the hand-packed bulk calls of
-:mod:`orders.script_pipeline`, the cluster routing) is written once, against redis-py's
+:mod:`orders.index.pipeline`, the cluster routing) is written once, against redis-py's
 synchronous client. Under :func:`orders.aio.greenlets.run` that client is made
 non-blocking at its lowest layer: each connection's socket is a :class:`LoopSocket`,
 whose waits (connect, send, receive, each bounded by the connection's timeouts) are
@@ -27,9 +27,9 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import UnixDomainSocketConnection
 from redis.retry import Retry
 
-from orders.aio.greenlets import wait_for
 from orders.errors import InvalidInput
-from orders.redis_nodes import RedisClient
+from orders.index.nodes import RedisClient
+from orders.sql.greenlet import wait_for
 
 T = TypeVar("T")
 

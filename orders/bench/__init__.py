@@ -28,9 +28,10 @@ The figures, each with what it is compared with:
    unpaid orders of which a fixed number are due, then on a table ten times larger with the
    same number due (the cost should stay flat), then on the first size again: a table cannot
    grow and shrink between two sweeps, so the sizes take turns as phases (1x 10x 1x).
-5. ``close_lag``: ``closed_at - expires_at`` with a real :class:`~orders.sweeper.Sweeper` in
-   an APScheduler background scheduler while orders expire at a steady rate (every order's
-   lag is kept, with when it fell due, for the plot).
+5. ``close_lag``: ``closed_at - expires_at`` with a real
+   :class:`~orders.scheduler.sweeper.Sweeper` in an APScheduler background scheduler while
+   orders expire at a steady rate (every order's lag is kept, with when it fell due, for the
+   plot).
 6. ``redis_memory``: Redis ``used_memory`` per open order, with 1 and 3 orders per user.
 7. ``sql_admission``: the SQL guard alone (``records.insert_guarded``, no Redis) as a peer
    of the Redis path, for refusals and for admissions.
@@ -56,12 +57,11 @@ task counts, the report's parts by count), ``loop`` (the async variants' event l
 service), ``workload`` (the bench's namespace, rows, cleanup and machine block),
 ``driver`` (the raw DBAPI floors), ``variants``, ``throughput`` and ``figures`` (what is
 timed), ``report`` (the report and its targets), ``tables`` (printing it), ``compare``
-(saved reports, side by side), ``plot`` (matplotlib, optional) and ``command`` (``orders
-bench``). Only the command imports it (lazily, see ``orders.cli.app.LAZY_COMMANDS``), and
-it uses public names only.
+(saved reports, side by side), ``plot`` (matplotlib, optional). The click command is the CLI's
+(:mod:`orders.cli.bench_command`, loaded lazily, see ``orders.cli.app.LAZY_COMMANDS``); it
+is the only importer of this package, which uses public names only.
 """
 
-from orders.bench.command import bench
 from orders.bench.figures import FIGURES
 
-__all__ = ["FIGURES", "bench"]
+__all__ = ["FIGURES"]

@@ -9,7 +9,7 @@ check-out, no pre-ping, no statement compilation, no result processing.
 SQLite takes one writer at a time, and its busy handler sleeps (1, 2, 5, 10 ms ...) before
 it retries: threads of one process that leave the queueing to it wait far longer than the
 lock is held. So on SQLite the floors' writers queue on a lock in the process first, as
-the service's do (:mod:`orders.transactions`).
+the service's do (:mod:`orders.sql.transactions`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from sqlalchemy.engine.interfaces import DBAPIConnection
 
 from orders.domain import EventKind, OrderStatus
-from orders.models import UNPAID_SQL, events_table, orders_table
+from orders.sql.models import UNPAID_SQL, events_table, orders_table
 
 #: A positional placeholder per DBAPI paramstyle (PEP 249) of the drivers the project ships.
 _PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}

@@ -26,10 +26,10 @@ from orders.bench.measure import (
 from orders.bench.throughput import cancel, create, mark_paid, refusal, sql_admission
 from orders.bench.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
 from orders.domain import OrderStatus
-from orders.models import UNPAID_PREDICATE, orders_table, sql_errors
-from orders.scheduling import build_scheduler
+from orders.scheduler.jobs import build_scheduler
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sweeper import Sweeper
+from orders.sql.models import UNPAID_PREDICATE, orders_table, sql_errors
 
 
 def _sweep_variant(w: Workload, sweeper: OrderService, batch: int) -> Variant:

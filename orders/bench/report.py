@@ -15,7 +15,7 @@ from orders.bench.measure import (
 )
 from orders.bench.workload import Workload
 from orders.errors import OrdersError
-from orders.lease import SweeperLease
+from orders.index.lease import SweeperLease
 from orders.service import OrderService
 
 #: The shape of ``orders bench --json`` (docs/bench.md); raised when a key changes meaning.

@@ -19,8 +19,8 @@ from orders.bench.measure import Run, Variant, run_ops
 from orders.bench.workload import Workload
 from orders.domain import EventKind
 from orders.errors import UnpaidOrderLimitReached
-from orders.models import events_table, orders_table
-from orders.records import LimitReachedInSql
+from orders.sql.models import events_table, orders_table
+from orders.sql.records import LimitReachedInSql
 
 _INSERT_ORDER = insert(orders_table)
 _INSERT_EVENT = insert(events_table)

@@ -22,10 +22,10 @@ from orders.bench.measure import (
     chunks,
 )
 from orders.domain import EventKind, OrderIdGenerator, OrderStatus
-from orders.index import load_script
-from orders.models import UNPAID_PREDICATE, events_table, orders_table, sql_errors
-from orders.redis_nodes import RedisClient
+from orders.index.nodes import RedisClient
+from orders.index.unpaid import load_script
 from orders.service import OrderService
+from orders.sql.models import UNPAID_PREDICATE, events_table, orders_table, sql_errors
 
 OC = orders_table.c
 UNPAID = OrderStatus.UNPAID.value

@@ -47,7 +47,7 @@ EXIT_CODES: dict[type[OrdersError], int] = {
 #: the one line ``orders --help`` shows). The benchmark is a package no other command needs.
 LAZY_COMMANDS = {
     "bench": (
-        "orders.bench:bench",
+        "orders.cli.bench_command:bench",
         "Measure the service on the configured stores against raw floors and the naive way.",
     ),
     "dashboard": (

@@ -45,7 +45,7 @@ def events_group() -> None:
 @click.pass_context
 def consumers_command(ctx: click.Context, as_json: bool) -> None:
     """Every consumer: position, lag (events and oldest wait), retrying and parked."""
-    from orders.event_admin import list_consumers  # noqa: PLC0415
+    from orders.events.admin import list_consumers  # noqa: PLC0415
 
     with opened_engine(ctx) as engine:
         found = list_consumers(engine)
@@ -69,7 +69,7 @@ def consumers_command(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def parked_command(ctx: click.Context, consumer: str | None, limit: int, as_json: bool) -> None:
     """Events a consumer gave up on (oldest first): requeue or discard them."""
-    from orders.event_admin import list_parked  # noqa: PLC0415
+    from orders.events.admin import list_parked  # noqa: PLC0415
 
     with opened_engine(ctx) as engine:
         found = list_parked(engine, consumer=consumer, limit=limit)
@@ -88,14 +88,14 @@ def parked_command(ctx: click.Context, consumer: str | None, limit: int, as_json
 
 
 def parked_action(name: str, help_text: str, done: str) -> click.Command:
-    """``orders events NAME CONSUMER EVENT_ID``: run ``orders.event_admin.NAME_parked``."""
+    """``orders events NAME CONSUMER EVENT_ID``: run ``orders.events.admin.NAME_parked``."""
 
     @events_group.command(name, help=help_text)
     @click.argument("consumer")
     @click.argument("event_id", type=int)
     @click.pass_context
     def command(ctx: click.Context, consumer: str, event_id: int) -> None:
-        from orders import event_admin  # noqa: PLC0415
+        from orders.events import admin as event_admin  # noqa: PLC0415
 
         action = {"requeue": event_admin.requeue_parked, "discard": event_admin.discard_parked}
         with opened_engine(ctx) as engine:

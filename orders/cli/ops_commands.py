@@ -133,7 +133,7 @@ def scheduler(
     dashboard_host: str,
 ) -> None:
     """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
-    from orders.scheduler_process import run_scheduler  # noqa: PLC0415
+    from orders.scheduler.process import run_scheduler  # noqa: PLC0415
 
     dashboard_token = None
     if dashboard_port is not None:
@@ -146,7 +146,7 @@ def scheduler(
     if health_port is not None:
         # Bound first: a bad or taken port stops the command before anything else starts.
         # Its answers hold no secret, so any address given explicitly is allowed.
-        from orders.health import HealthServer  # noqa: PLC0415
+        from orders.scheduler.health import HealthServer  # noqa: PLC0415
 
         health = HealthServer(health_addr, health_port)
         logging.getLogger("orders.health").info("health on %s/healthz", health.url)
@@ -203,9 +203,10 @@ def scheduler(
 @click.pass_context
 def stats(ctx: click.Context, window_s: int, horizon_s: int, as_json: bool) -> None:
     """Unpaid orders now; paid, cancelled, closed and the close lag in a window; expiries ahead."""
-    from orders.stats import collect_stats  # noqa: PLC0415
+    from orders.sql.stats import collect_stats  # noqa: PLC0415
 
-    found = collect_stats(cli_state(ctx).service(), window_s=window_s, horizon_s=horizon_s)
+    service = cli_state(ctx).service()
+    found = collect_stats(service.engine, service.clock, window_s=window_s, horizon_s=horizon_s)
     if as_json:
         click.echo(json.dumps(found.as_dict()))
         return
@@ -255,6 +256,6 @@ def reconcile_command(
 @click.option("--fast", is_flag=True, help="Shorter timings (for tests).")
 def demo(fast: bool) -> None:
     """Show the service at work on the embedded stores, then check the result."""
-    from orders.demo import run_demo  # noqa: PLC0415
+    from orders.cli.demo import run_demo  # noqa: PLC0415
 
     sys.exit(run_demo(fast=fast))

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-    from orders.stats import Stats
+    from orders.sql.stats import Stats
 else:
     # rich is imported by the first table printed, not with this module: the commands that
     # print one line (``orders show``...) never load it. Each name builds rich's class.

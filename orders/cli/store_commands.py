@@ -16,8 +16,8 @@ def db() -> None:
 @click.pass_context
 def db_upgrade(ctx: click.Context) -> None:
     """Create or upgrade the schema to this version (Alembic upgrade head)."""
-    from orders import migrate  # noqa: PLC0415
     from orders.bootstrap import build_engine  # noqa: PLC0415
+    from orders.sql import migrate  # noqa: PLC0415
 
     engine = build_engine(cli_state(ctx).settings)
     try:
@@ -31,8 +31,8 @@ def db_upgrade(ctx: click.Context) -> None:
 @click.pass_context
 def db_current(ctx: click.Context) -> None:
     """Show the schema revision of the database and the newest one."""
-    from orders import migrate  # noqa: PLC0415
     from orders.bootstrap import build_engine  # noqa: PLC0415
+    from orders.sql import migrate  # noqa: PLC0415
 
     engine = build_engine(cli_state(ctx).settings)
     try:
@@ -50,7 +50,7 @@ def server() -> None:
 @click.pass_context
 def server_status(ctx: click.Context) -> None:
     """Show whether the embedded redis-server runs (exit 1 if not)."""
-    from orders.embedded import redis_status  # noqa: PLC0415
+    from orders.embedded.server import redis_status  # noqa: PLC0415
 
     home = cli_state(ctx).settings.home
     running = redis_status(home)
@@ -64,7 +64,7 @@ def server_status(ctx: click.Context) -> None:
 @click.pass_context
 def server_stop(ctx: click.Context) -> None:
     """Stop the embedded redis-server (its data stays in the home folder)."""
-    from orders.embedded import stop_redis  # noqa: PLC0415
+    from orders.embedded.server import stop_redis  # noqa: PLC0415
 
     home = cli_state(ctx).settings.home
     click.echo("stopped" if stop_redis(home) else f"no embedded redis-server ran for {home}")

@@ -20,14 +20,14 @@ from sqlalchemy import Connection, select
 
 from orders.domain import OrderStatus
 from orders.errors import StoreUnavailable
-from orders.event_admin import list_consumers
-from orders.heartbeat import Heartbeats
-from orders.index import redis_errors
-from orders.lease import SweeperLease
-from orders.models import UNPAID_PREDICATE, orders_table, sql_errors
-from orders.redis_nodes import primaries
+from orders.events.admin import list_consumers
+from orders.index.heartbeat import Heartbeats
+from orders.index.lease import SweeperLease
+from orders.index.nodes import primaries
+from orders.index.unpaid import redis_errors
 from orders.service import OrderService
-from orders.stats import read_stats, status_is
+from orders.sql.models import UNPAID_PREDICATE, orders_table, sql_errors
+from orders.sql.stats import read_stats, status_is
 from orders.validation import check_user_id
 
 OC = orders_table.c

@@ -39,9 +39,9 @@ from orders.bootstrap import build_service
 from orders.config import Settings
 from orders.domain import Clock
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
-from orders.scheduling import build_scheduler
+from orders.scheduler.jobs import build_scheduler
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sweeper import Sweeper
 from tests.concurrency.worker import Tally, close_service, now_ms, run_threads, stop_on_stdin
 
 MODULE = "tests.concurrency.hosts_worker"

@@ -45,7 +45,7 @@ from orders.aio import AsyncOrderService
 from orders.config import Settings
 from orders.domain import OrderStatus
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
-from orders.redis_nodes import marker_keys, primaries
+from orders.index.nodes import marker_keys, primaries
 from orders.service import OrderService
 from tests.aio_support import new_async_service, run_watched
 from tests.concurrency.aio_worker import (
@@ -116,7 +116,7 @@ def quick_gil_handoffs(interval_s: float = 0.001) -> Iterator[None]:
 def precompute_marker_keys(client: redis.Redis) -> None:
     """Find the hash tags of the cluster's epoch markers now, outside the checked loop.
 
-    ``orders.redis_nodes.hash_tag`` searches for them by brute force, once per process
+    ``orders.index.nodes.hash_tag`` searches for them by brute force, once per process
     (15-25 ms of CPU here); a first reconcile on a cluster would spend that in one step
     of the loop, which is a one-off start-up cost, not what these tests look for.
     """

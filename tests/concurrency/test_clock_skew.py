@@ -26,8 +26,8 @@ import redis
 from sqlalchemy import Engine, select
 
 from orders.config import Settings
-from orders.models import events_table, orders_table
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 from tests.concurrency.hosts_worker import MODULE as HOSTS
 from tests.concurrency.worker import started
 from tests.conftest import ManualClock

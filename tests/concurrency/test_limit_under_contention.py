@@ -37,9 +37,9 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
-from orders.models import events_table, orders_table
-from orders.records import LimitReachedInSql
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
+from orders.sql.records import LimitReachedInSql
 from tests.concurrency.worker import now_ms, split, started
 from tests.helpers import flush_db
 

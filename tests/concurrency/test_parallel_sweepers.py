@@ -20,8 +20,8 @@ from sqlalchemy import Engine, func, insert, select
 
 from orders.config import Settings
 from orders.domain import OrderStatus
-from orders.models import events_table, orders_table
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 from tests.concurrency.worker import now_ms, started
 from tests.helpers import key_count
 

@@ -21,8 +21,8 @@ from sqlalchemy import Engine, insert, select
 
 from orders.config import Settings
 from orders.domain import Order, OrderStatus
-from orders.models import events_table, orders_table
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 from tests.concurrency.worker import now_ms, sleep_until_ms, started
 from tests.helpers import key_count
 

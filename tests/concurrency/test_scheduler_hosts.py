@@ -31,7 +31,7 @@ import redis
 from sqlalchemy import Engine
 
 from orders.config import Settings
-from orders.lease import SweeperLease
+from orders.index.lease import SweeperLease
 from orders.service import OrderService
 from tests.concurrency.hosts_worker import MODULE as HOSTS
 from tests.concurrency.worker import WorkerProcess, started

@@ -290,7 +290,7 @@ def contend(service: Any, cfg: dict[str, Any], stop: threading.Event, deadline: 
         OrderClosed,
         UnpaidOrderLimitReached,
     )
-    from orders.records import LimitReachedInSql  # noqa: PLC0415
+    from orders.sql.records import LimitReachedInSql  # noqa: PLC0415
 
     name, user, limit = cfg["name"], cfg["user"], cfg["limit"]
     ttl_lo, ttl_hi = cfg["ttl_ms"]

@@ -17,9 +17,9 @@ from typing import Any
 from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
-from orders.models import orders_table
-from orders.redis_nodes import RedisClient
+from orders.index.nodes import RedisClient
 from orders.service import OrderService
+from orders.sql.models import orders_table
 from tests.conftest import ManualClock
 from tests.helpers import sql_rows
 

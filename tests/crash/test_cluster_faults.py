@@ -25,7 +25,7 @@ from sqlalchemy import Engine
 
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.redis_server import find_redis_server
+from orders.embedded.binary import find_redis_server
 from tests.cluster import LocalCluster, running_cluster
 from tests.concurrency.worker import started
 from tests.crash.checks import (

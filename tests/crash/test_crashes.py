@@ -44,10 +44,10 @@ from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.domain import OrderStatus, system_clock
 from orders.errors import OrderClosed, StoreUnavailable, UnpaidOrderLimitReached
-from orders.lease import SweeperLease
-from orders.models import events_table, orders_table
+from orders.index.lease import SweeperLease
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sweeper import Sweeper
+from orders.sql.models import events_table, orders_table
 from tests.conftest import ManualClock, RedisServer
 from tests.helpers import REPO, child_env, stop_process
 

@@ -24,11 +24,11 @@ import pytest
 import redis
 from sqlalchemy import Engine
 
-from orders import migrate
 from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.errors import StoreUnavailable
-from orders.records import OrderRecords
+from orders.sql import migrate
+from orders.sql.records import OrderRecords
 from tests.concurrency.worker import started
 from tests.crash.checks import (
     assert_acknowledged_in_sql,

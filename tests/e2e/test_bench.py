@@ -24,8 +24,8 @@ from orders.bench.loop import BenchLoop
 from orders.cli import main
 from orders.config import Settings
 from orders.domain import Order
-from orders.models import events_table, orders_table
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 
 
 @pytest.fixture

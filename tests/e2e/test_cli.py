@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from orders.cli import main
-from orders.embedded import redis_status
-from orders.migrate import head_revision
+from orders.embedded.server import redis_status
+from orders.sql.migrate import head_revision
 from tests.helpers import child_env, run_orders, run_python
 
 

@@ -40,11 +40,11 @@ from playwright.sync_api import (
 )
 
 from orders.dashboard import start_dashboard
-from orders.events import EventConsumer
-from orders.heartbeat import Heartbeats, SchedulerBeat
+from orders.events.consumer import EventConsumer
 from orders.httpd import Served
-from orders.lease import SweeperLease
-from orders.redis_nodes import RedisClient
+from orders.index.heartbeat import Heartbeats, SchedulerBeat
+from orders.index.lease import SweeperLease
+from orders.index.nodes import RedisClient
 from orders.service import OrderService
 from tests.conftest import ManualClock
 

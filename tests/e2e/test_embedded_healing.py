@@ -29,10 +29,10 @@ from sqlalchemy import Engine, func, select
 
 from orders.bootstrap import build_engine
 from orders.config import Settings
-from orders.embedded import redis_status, stop_redis
-from orders.lease import SweeperLease
-from orders.models import events_table, orders_table
+from orders.embedded.server import redis_status, stop_redis
+from orders.index.lease import SweeperLease
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 from tests.helpers import REPO, child_env, servers_under, stop_process
 
 pytestmark = pytest.mark.skipif(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from orders.events import EventConsumer
+from orders.events.consumer import EventConsumer
 from orders.service import OrderService
 from tests.conftest import ManualClock
 from tests.e2e.test_cli import run  # noqa: F401 - the fixture: `orders ARGS` on the test's stores

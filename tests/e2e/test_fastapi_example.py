@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, select
 
 from orders.config import Settings
-from orders.models import orders_table
 from orders.service import OrderService
+from orders.sql.models import orders_table
 from tests.conftest import ManualClock
 from tests.helpers import REPO, child_env, free_port
 

@@ -17,10 +17,10 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
-from orders.embedded import redis_status
-from orders.lease import SweeperLease
-from orders.models import events_table
+from orders.embedded.server import redis_status
+from orders.index.lease import SweeperLease
 from orders.service import OrderService
+from orders.sql.models import events_table
 from tests.helpers import (
     REPO,
     child_env,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from orders import migrate
+from orders.sql import migrate
 from tests.helpers import child_env, run_orders, run_python
 
 #: Libraries that cost tens to hundreds of milliseconds to import.

@@ -26,8 +26,8 @@ from sqlalchemy.util import greenlet_spawn
 import orders.aio.service
 from orders.aio import AsyncOrderService
 from orders.config import Settings
-from orders.models import events_table, orders_table
-from orders.redis_nodes import RedisClient
+from orders.index.nodes import RedisClient
+from orders.sql.models import events_table, orders_table
 from tests.aio_support import new_async_service, run_checked
 from tests.conftest import ManualClock
 

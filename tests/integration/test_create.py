@@ -20,7 +20,7 @@ from orders import (
 )
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.models import events_table, orders_table
+from orders.sql.models import events_table, orders_table
 from tests.conftest import ManualClock, RoundTripCounter, StatementCounter
 from tests.helpers import refuse_inserts
 

@@ -10,7 +10,7 @@ import pytest
 
 from orders.dashboard.snapshot import compare_user, read_overview
 from orders.errors import InvalidInput
-from orders.redis_nodes import RedisClient
+from orders.index.nodes import RedisClient
 from orders.service import OrderService
 from tests.conftest import ManualClock
 
@@ -54,7 +54,7 @@ def test_the_figures_follow_creates_payments_cancels_and_the_sweep(
 def test_the_schedulers_come_from_their_beats_and_the_lease(
     service: OrderService, clock: ManualClock
 ) -> None:
-    from orders.sweeper import Sweeper  # noqa: PLC0415
+    from orders.scheduler.sweeper import Sweeper  # noqa: PLC0415
 
     active = Sweeper(service, owner="host-a", lease_ttl_s=5, reconcile_at_start=False)
     standby = Sweeper(service, owner="host-b", lease_ttl_s=5, reconcile_at_start=False)

@@ -21,8 +21,8 @@ import pytest
 from sqlalchemy import Engine
 
 from orders.dashboard.snapshot import compare_user, read_overview
-from orders.events import EventConsumer
-from orders.redis_nodes import RedisClient
+from orders.events.consumer import EventConsumer
+from orders.index.nodes import RedisClient
 from orders.service import OrderService
 from tests.conftest import ManualClock
 from tests.integration.test_event_retries import Poison

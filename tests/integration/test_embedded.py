@@ -27,16 +27,16 @@ from redis.retry import Retry
 
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.embedded import (
+from orders.embedded.client import MIN_RESTART_INTERVAL_S, ServerRestarter
+from orders.embedded.server import (
     EmbeddedRedis,
     ensure_redis,
     redis_status,
     sqlite_url,
     stop_redis,
 )
-from orders.embedded_client import MIN_RESTART_INTERVAL_S, ServerRestarter
 from orders.errors import StoreUnavailable
-from orders.index import UnpaidIndex
+from orders.index.unpaid import UnpaidIndex
 from tests.helpers import child_env, run_python, servers_under, stop_process
 
 pytestmark = pytest.mark.skipif(
@@ -47,7 +47,7 @@ pytestmark = pytest.mark.skipif(
 CHILD_ENSURE = """
 import sys, time
 from pathlib import Path
-from orders.embedded import ensure_redis
+from orders.embedded.server import ensure_redis
 
 home, go = Path(sys.argv[1]), Path(sys.argv[2])
 deadline = time.monotonic() + 60
@@ -243,7 +243,7 @@ def test_concurrent_starts_share_one_server(home: Path) -> None:
 
 def test_server_outlives_the_process_that_started_it(home: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from orders.embedded import ensure_redis; "
+        "import sys; from pathlib import Path; from orders.embedded.server import ensure_redis; "
         "print(ensure_redis(Path(sys.argv[1])).pid)"
     )
     done = run_child(code, str(home))
@@ -381,7 +381,7 @@ def test_sqlite_url(base: Path) -> None:
     assert sqlite_url(base / "a b").endswith("/a%20b/orders.db")
 
 
-# --- a client that starts its dead server again (orders.embedded_client) ---------------------
+# --- a client that starts its dead server again (orders.embedded.client) ---------------------
 
 
 def restarter_of(client: redis.Redis) -> ServerRestarter:

@@ -7,7 +7,7 @@ the exact ``OrdersError`` subclass (or success, where the README promises one: a
 with Redis down commits); each command gets its exit status and exactly one stderr line.
 
 The tables are checked for completeness against what the package exposes (``orders.__all__``,
-``OrderService``'s public methods, ``orders.event_admin``, ``EventConsumer``, the click
+``OrderService``'s public methods, ``orders.events.admin``, ``EventConsumer``, the click
 group walked to its leaves, ``Settings``' fields): a new public function, command or
 setting without a row fails here. Adding one is one line.
 """
@@ -32,11 +32,12 @@ from click.testing import CliRunner
 from sqlalchemy import Engine
 
 import orders
-from orders import InvalidInput, SchemaNotReady, StoreUnavailable, event_admin
+from orders import InvalidInput, SchemaNotReady, StoreUnavailable
 from orders.bootstrap import build_engine, build_redis
 from orders.cli import main
 from orders.config import Settings
-from orders.events import EventConsumer
+from orders.events import admin as event_admin
+from orders.events.consumer import EventConsumer
 from orders.service import OrderService
 from tests.conftest import PostgresTarget, RedisServer
 from tests.helpers import child_env, run_orders

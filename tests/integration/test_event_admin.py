@@ -8,16 +8,16 @@ import pytest
 from sqlalchemy import Engine, select
 
 from orders.errors import InvalidInput
-from orders.event_admin import (
+from orders.events.admin import (
     discard_parked,
     lag_statements,
     list_consumers,
     list_parked,
     requeue_parked,
 )
-from orders.events import EventConsumer, EventPosition, read_events
-from orders.models import retries_table
+from orders.events.consumer import EventConsumer, EventPosition, read_events
 from orders.service import OrderService
+from orders.sql.models import retries_table
 from tests.conftest import ManualClock
 from tests.integration.test_event_retries import Poison
 from tests.plans import explain

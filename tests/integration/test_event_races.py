@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event, select
 
-from orders.events import EventConsumer, EventPosition, OrderEvent, read_events
-from orders.models import cursors_table, retries_table
+from orders.events.consumer import EventConsumer, EventPosition, OrderEvent, read_events
 from orders.service import OrderService
+from orders.sql.models import cursors_table, retries_table
 from tests.conftest import ManualClock
 
 

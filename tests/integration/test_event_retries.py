@@ -15,9 +15,9 @@ from sqlalchemy import Engine, select
 
 from orders.config import Settings
 from orders.errors import InvalidInput
-from orders.events import EventConsumer, OrderEvent
-from orders.models import retries_table
+from orders.events.consumer import EventConsumer, OrderEvent
 from orders.service import OrderService
+from orders.sql.models import retries_table
 from tests.conftest import ManualClock
 
 HOUR_S = 3600

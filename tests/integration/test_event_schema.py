@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, inspect, select, text
 
-from orders import migrate
-from orders.events import RC, RETRYING
-from orders.models import retries_table
+from orders.events.consumer import RC, RETRYING
+from orders.sql import migrate
+from orders.sql.models import retries_table
 from tests.integration.test_schema import (  # the schema tests' fixtures and readers
     empty_engine,  # noqa: F401
     empty_url,  # noqa: F401

@@ -19,11 +19,11 @@ from sqlalchemy import Engine, insert, select
 from orders import InvalidInput, OrderClosed, UnpaidOrderLimitReached
 from orders.domain import EventKind, Order
 from orders.errors import OrderAlreadyPaid, OrderExpired
-from orders.events import EventConsumer, EventPosition, OrderEvent, read_events
-from orders.models import events_table
-from orders.scheduling import build_scheduler
+from orders.events.consumer import EventConsumer, EventPosition, OrderEvent, read_events
+from orders.scheduler.jobs import build_scheduler
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sweeper import Sweeper
+from orders.sql.models import events_table
 from tests.conftest import ManualClock, RunningClock
 from tests.helpers import REPO, child_env, sql_rows, stop_process
 
@@ -126,7 +126,7 @@ CONSUMER_PROCESS = """
 import os, sys, time
 from orders.bootstrap import build_engine
 from orders.config import Settings
-from orders.events import EventConsumer
+from orders.events.consumer import EventConsumer
 
 out = open(sys.argv[2], "a")
 def handler(event):

@@ -9,8 +9,8 @@ import redis
 from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.heartbeat import Heartbeats, SchedulerBeat
-from orders.redis_nodes import RedisClient
+from orders.index.heartbeat import Heartbeats, SchedulerBeat
+from orders.index.nodes import RedisClient
 from tests.conftest import ManualClock, RoundTripCounter
 
 pytestmark = pytest.mark.cluster_too

@@ -36,8 +36,8 @@ import orders
 from orders import InvalidInput, OrderNotFound, OrderService, OrderStatus
 from orders.cli import main
 from orders.config import Settings
-from orders.events import EventPosition
-from orders.models import events_table, orders_table
+from orders.events.consumer import EventPosition
+from orders.sql.models import events_table, orders_table
 from tests.helpers import record_texts
 
 PREFIX = "UnpaidOrder-"

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from orders.config import Settings
-from orders.index import UnpaidIndex
+from orders.index.unpaid import UnpaidIndex
 from orders.service import OrderService
 from tests.conftest import ManualClock
 

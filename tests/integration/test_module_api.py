@@ -21,7 +21,7 @@ from sqlalchemy import Engine, select
 import orders
 from orders.config import Settings
 from orders.errors import InvalidInput
-from orders.models import events_table, orders_table
+from orders.sql.models import events_table, orders_table
 from tests.conftest import ManualClock
 from tests.helpers import child_env, run_python
 

@@ -9,7 +9,7 @@ import urllib.request
 from orders import OrderClosed, UnpaidOrderLimitReached
 from orders.metrics import serve
 from orders.service import OrderService
-from orders.stats import CloseLag, LagBucket, collect_stats
+from orders.sql.stats import CloseLag, LagBucket, collect_stats
 from tests.conftest import ManualClock
 
 
@@ -72,7 +72,7 @@ def test_stats_count_by_status_backlog_lag_and_the_expiries_ahead(
     backlog_order = service.create_unpaid_order("b", ttl_s=1)
     clock.advance(s=2)
 
-    found = collect_stats(service, window_s=60, horizon_s=600, buckets=10)
+    found = collect_stats(service.engine, service.clock, window_s=60, horizon_s=600, buckets=10)
 
     assert found.by_status == {"unpaid": 5, "paid": 1, "cancelled": 0, "closed": 2}
     assert found.backlog == 1  # backlog_order: due, not closed

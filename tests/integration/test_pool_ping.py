@@ -3,7 +3,7 @@
 PostgreSQL only (a SQLite file has no server to drop a connection). The server end of the
 one pooled connection is terminated behind the pool's back, as an idle timeout or a proxy
 would; what the next create sees depends on whether that connection sat idle long enough
-to be pinged (``orders.bootstrap.PING_IDLE_S``).
+to be pinged (``orders.sql.engine.PING_IDLE_S``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import redis
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from orders import bootstrap, migrate
+from orders import bootstrap
 from orders.config import Settings
 from orders.errors import StoreUnavailable
 from orders.service import OrderService
+from orders.sql import engine as sql_engine
+from orders.sql import migrate
 
 
 @pytest.fixture
@@ -69,7 +71,7 @@ def test_an_idle_connection_the_server_dropped_is_replaced_before_use(
     service = OrderService(one_connection_engine, redis_client, Settings())
     service.create_unpaid_order("u1")
     drop_the_pooled_connection(one_connection_engine, database_url)
-    monkeypatch.setattr(bootstrap, "PING_IDLE_S", 0.0)  # every checkout counts as idle
+    monkeypatch.setattr(sql_engine, "PING_IDLE_S", 0.0)  # every checkout counts as idle
 
     order = service.create_unpaid_order("u2")  # the ping finds it dead: a new connection
 
@@ -87,7 +89,7 @@ def test_a_busy_connection_is_not_pinged_so_a_dropped_one_fails_once(
     service = OrderService(one_connection_engine, redis_client, Settings())
     service.create_unpaid_order("u1")
     drop_the_pooled_connection(one_connection_engine, database_url)
-    monkeypatch.setattr(bootstrap, "PING_IDLE_S", 3600.0)
+    monkeypatch.setattr(sql_engine, "PING_IDLE_S", 3600.0)
 
     with pytest.raises(StoreUnavailable):
         service.create_unpaid_order("u2")

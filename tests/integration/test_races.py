@@ -19,8 +19,8 @@ from sqlalchemy import Engine, func, select
 
 from orders.domain import OrderStatus
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, UnpaidOrderLimitReached
-from orders.models import events_table, orders_table
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 from orders.validation import MAX_TIMESTAMP_MS
 from tests.conftest import ManualClock
 from tests.doubles import pausing_after_admit

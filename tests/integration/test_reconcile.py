@@ -17,11 +17,12 @@ import pytest
 import redis
 from sqlalchemy import insert
 
-from orders import reconciler, record_reads
-from orders.models import orders_table
-from orders.scheduling import build_scheduler
+from orders import reconcile as reconciler
+from orders.scheduler.jobs import build_scheduler
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sweeper import Sweeper
+from orders.sql import reconcile_reads as record_reads
+from orders.sql.models import orders_table
 from tests.conftest import ManualClock
 from tests.helpers import child_env, flush_db, run_orders, stop_process
 from tests.plans import explain, explain_sql

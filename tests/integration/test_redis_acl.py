@@ -1,7 +1,7 @@
 """The service on a Redis that wants a password, through an ACL user that may touch only
 the service's keys with only the commands the service sends.
 
-The commands, found in ``orders/index.py`` and ``orders/lua/*.lua``:
+The commands, found in ``orders/index/unpaid.py`` and ``orders/index/lua/*.lua``:
 
 * redis-py ``Script`` objects send EVALSHA, and SCRIPT LOAD when the server answers
   NOSCRIPT; never EVAL;
@@ -42,9 +42,9 @@ from orders import OrderStatus, StoreUnavailable
 from orders.bootstrap import build_redis, build_service
 from orders.cli import main
 from orders.config import Settings
-from orders.index import Admission, UnpaidIndex
+from orders.index.unpaid import Admission, UnpaidIndex
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sweeper import Sweeper
 from tests.conftest import ManualClock, RedisServer
 from tests.helpers import record_texts
 

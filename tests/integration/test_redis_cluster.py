@@ -14,9 +14,9 @@ from redis.cluster import RedisCluster
 from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.errors import StoreUnavailable
-from orders.index import UnpaidIndex
-from orders.redis_nodes import group_by_node, marker_keys, primaries
-from orders.script_pipeline import run_per_key
+from orders.index.nodes import group_by_node, marker_keys, primaries
+from orders.index.pipeline import run_per_key
+from orders.index.unpaid import UnpaidIndex
 from tests.cluster import LocalCluster
 from tests.helpers import flush_db
 

@@ -17,8 +17,8 @@ from sqlalchemy import Engine, func, select
 from orders import StoreUnavailable, UnpaidOrderLimitReached
 from orders.bootstrap import build_redis, build_service
 from orders.config import Settings
-from orders.models import orders_table
 from orders.service import OrderService
+from orders.sql.models import orders_table
 from tests.conftest import ManualClock, RedisServer
 
 

@@ -22,13 +22,13 @@ from prometheus_client import REGISTRY
 from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.domain import SweepResult
-from orders.event_admin import discard_parked, list_parked
-from orders.events import OrderEvent
-from orders.health import HealthServer
-from orders.heartbeat import Heartbeats, SchedulerBeat
-from orders.scheduling import EVENTS_JOB_ID, JOB_ID, build_scheduler, consumer_name
+from orders.events.admin import discard_parked, list_parked
+from orders.events.consumer import OrderEvent
+from orders.index.heartbeat import Heartbeats, SchedulerBeat
+from orders.scheduler.health import HealthServer
+from orders.scheduler.jobs import EVENTS_JOB_ID, JOB_ID, build_scheduler, consumer_name
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sweeper import Sweeper
 from tests.conftest import ManualClock
 from tests.helpers import create_orders
 

@@ -18,13 +18,13 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, inspect, select
 
-from orders import migrate
 from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.errors import SchemaNotReady, StoreUnavailable, UnpaidOrderLimitReached
-from orders.models import Base, orders_table
 from orders.service import OrderService
-from orders.stats import collect_stats
+from orders.sql import migrate
+from orders.sql.models import Base, orders_table
+from orders.sql.stats import collect_stats
 from tests.conftest import ENGINES, ManualClock
 from tests.helpers import child_env, run_python
 from tests.plans import explain_sql
@@ -286,7 +286,7 @@ def test_every_stats_query_is_served_by_an_index(
     service.create_unpaid_order("u3", ttl_s=300)
     clock.advance(s=2)
     service.sweep_expired()
-    statements = statements_run_by(engine, lambda: collect_stats(service))
+    statements = statements_run_by(engine, lambda: collect_stats(service.engine, service.clock))
     assert len(statements) == 4, [sql for sql, _ in statements]
 
     plans = {

@@ -1,11 +1,11 @@
-"""orders.script_pipeline's plain commands packed by hand, against a real Redis."""
+"""orders.index.pipeline's plain commands packed by hand, against a real Redis."""
 
 from __future__ import annotations
 
 import pytest
 import redis
 
-from orders.script_pipeline import run_per_key
+from orders.index.pipeline import run_per_key
 
 
 def test_run_per_key_runs_the_command_on_each_key_and_returns_replies_in_key_order(

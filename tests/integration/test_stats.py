@@ -18,8 +18,8 @@ import pytest
 from sqlalchemy import Connection, Engine, create_engine, insert
 
 from orders.errors import SchemaNotReady
-from orders.models import orders_table
-from orders.stats import (
+from orders.sql.models import orders_table
+from orders.sql.stats import (
     LAG_BUCKETS_MAX,
     CloseLag,
     Window,

@@ -22,9 +22,9 @@ from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.domain import Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.models import events_table, orders_table
-from orders.redis_nodes import group_by_node
+from orders.index.nodes import group_by_node
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 from tests.conftest import ManualClock, RoundTripCounter
 from tests.helpers import closed_event_counts, create_orders, refuse_inserts, sql_rows
 

@@ -31,12 +31,12 @@ from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
 from orders.domain import SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.events import ConsumeResult, EventConsumer, OrderEvent
-from orders.lease import SweeperLease
-from orders.models import events_table, orders_table
-from orders.scheduling import JOB_ID, RECONCILE_CHECK_S, build_scheduler
+from orders.events.consumer import ConsumeResult, EventConsumer, OrderEvent
+from orders.index.lease import SweeperLease
+from orders.scheduler.jobs import JOB_ID, RECONCILE_CHECK_S, build_scheduler
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sweeper import Sweeper
+from orders.sql.models import events_table, orders_table
 from orders.validation import check_user_id
 from tests.conftest import ManualClock
 from tests.helpers import child_env, closed_event_counts, create_orders, sql_rows, stop_process
@@ -948,7 +948,7 @@ def test_a_handlers_outage_is_warned_about_once_and_its_end_once(
 # SIGKILL has logged all it closed but what its last tick did.
 SCHEDULER_CODE = (
     "import logging; logging.basicConfig(level=logging.INFO, format='%(name)s %(message)s'); "
-    "from orders.scheduler_process import run_scheduler; "
+    "from orders.scheduler.process import run_scheduler; "
     "from orders.bootstrap import build_service; "
     "from orders.config import Settings; "
     "run_scheduler(build_service(Settings.from_env()), summary_period_s=0.001)"
@@ -984,7 +984,7 @@ class Schedulers:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
 
     def summary_lines(self, name: str) -> list[dict[str, Any]]:
-        prefix = "orders.sweeper "
+        prefix = "orders.scheduler.sweeper "
         lines = [line[len(prefix) :] for line in self.log(name).splitlines()]
         return [
             json.loads(line)

@@ -25,8 +25,8 @@ from orders.errors import (
     OrderNotFound,
     StoreUnavailable,
 )
-from orders.models import events_table, orders_table
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 from tests.conftest import ManualClock, redis_commands
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.

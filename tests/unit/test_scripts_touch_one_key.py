@@ -12,14 +12,14 @@ import pytest
 
 SCRIPTS = sorted(
     path.name.removesuffix(".lua")
-    for path in resources.files("orders").joinpath("lua").iterdir()
+    for path in resources.files("orders.index").joinpath("lua").iterdir()
     if path.name.endswith(".lua")
 )
 CALL = re.compile(r"redis\.p?call\(\s*'([A-Z]+)'\s*,\s*([^,)]+)")
 
 
 def code_of(name: str) -> str:
-    text = resources.files("orders").joinpath("lua", f"{name}.lua").read_text("utf-8")
+    text = resources.files("orders.index").joinpath("lua", f"{name}.lua").read_text("utf-8")
     return "\n".join(line.split("--", 1)[0] for line in text.splitlines())  # no comments
 
 

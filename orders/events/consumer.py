@@ -1,0 +1,331 @@
+"""Consuming order_events: every transition, in commit order, at least once per consumer.
+
+Each transition writes an ``order_events`` row in the transaction that makes it (an
+outbox), so an event exists exactly when its transition committed. :func:`read_events`
+reads them after a :class:`EventPosition`; an :class:`EventConsumer` keeps a durable,
+named position and calls a handler for each event:
+
+* the position is saved after each handled event, so a consumer that dies resumes where it
+  stopped: nothing is skipped, and at most the event in hand is delivered again;
+* a handler that raises does not hold the stream up: the event goes to ``event_retries``
+  and is tried again after an exponential backoff with full jitter, while later events
+  carry on;
+* after ``max_attempts`` tries in all the event is *parked*: kept with its attempt count
+  and last error, logged once at WARNING, and not tried again until an operator requeues
+  it (:mod:`orders.events.admin`, ``orders events``). The vocabulary follows Oban
+  (retryable / discarded, ``max_attempts``) and Sidekiq (retry set / dead set).
+
+Commit order: on SQLite one writer at a time means ids are assigned in commit order. On
+PostgreSQL ids are not (a transaction may take an id and commit after a later one), so each
+event also records its transaction id, and a reader only takes events of transactions older
+than every transaction still running (``txid_snapshot_xmin``): no event can later appear
+behind a position already passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, select, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
+
+from orders.domain import Clock, EventKind, system_clock
+from orders.errors import InvalidInput
+from orders.sql.models import (
+    TEXT_COLUMN_LENGTH,
+    cursors_table,
+    events_table,
+    retries_table,
+    sql_errors,
+)
+from orders.validation import check_count
+
+log = logging.getLogger("orders.events")  # the package's name: consumers configure it
+
+EC = events_table.c
+RC = retries_table.c
+CC = cursors_table.c
+#: The rows of event_retries still being retried; the others are parked.
+RETRYING = RC.parked_at_ms.is_(None)
+PARKED = RC.parked_at_ms.is_not(None)
+#: A source of uniform floats in [0, 1), like random.random; tests pass their own.
+Random = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class EventPosition:
+    """A place in the event stream: (transaction id, event id); (0, 0) is the start."""
+
+    txid: int = 0
+    event_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OrderEvent:
+    id: int
+    order_id: str
+    user_id: str
+    kind: EventKind
+    at_ms: int
+    data: Mapping[str, Any] = field(default_factory=dict)
+    txid: int | None = None
+
+    @property
+    def position(self) -> EventPosition:
+        return EventPosition(self.txid or 0, self.id)
+
+
+def _event(row: Any) -> OrderEvent:
+    return OrderEvent(
+        id=row.id,
+        order_id=row.order_id,
+        user_id=row.user_id,
+        kind=EventKind(row.kind),
+        at_ms=row.at_ms,
+        data=dict(row.data or {}),
+        txid=row.txid,
+    )
+
+
+def read_events(
+    engine: Engine, after: EventPosition = EventPosition(), limit: int = 100
+) -> list[OrderEvent]:
+    """Up to ``limit`` committed events after ``after``, in commit order."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+        raise InvalidInput("limit", "must be an integer between 1 and 10000")
+    if not isinstance(after, EventPosition) or not all(
+        type(v) is int and 0 <= v < 2**63 for v in (after.txid, after.event_id)
+    ):
+        raise InvalidInput("after", "must be an EventPosition of two integers in 0 .. 2**63-1")
+    query = select(events_table).where(events_after(engine, after))
+    if engine.dialect.name == "postgresql":
+        horizon = func.txid_snapshot_xmin(func.txid_current_snapshot())
+        query = query.where(EC.txid < horizon)
+    query = query.order_by(*commit_order(engine)).limit(limit)
+    with sql_errors(), engine.connect() as conn:
+        return [_event(row) for row in conn.execute(query)]
+
+
+def events_after(engine: Engine, after: EventPosition) -> ColumnElement[bool]:
+    """Events past ``after`` in commit order (served by ix_order_events_txid_id, or the key)."""
+    if engine.dialect.name == "postgresql":
+        return tuple_(EC.txid, EC.id) > tuple_(after.txid, after.event_id)
+    return EC.id > after.event_id
+
+
+def commit_order(engine: Engine) -> tuple[Any, ...]:
+    return (EC.txid, EC.id) if engine.dialect.name == "postgresql" else (EC.id,)
+
+
+def upsert(
+    conn: Connection,
+    table: Table,
+    key: Mapping[str, Any],
+    values: Mapping[str, Any],
+    only_if: Callable[[Any], ColumnElement[bool]] | None = None,
+) -> int:
+    """Insert the row, or update ``values`` on the row with that ``key`` where
+    ``only_if(excluded)`` holds (``excluded``: the row that was refused, as columns).
+
+    One statement (INSERT ... ON CONFLICT DO UPDATE on both engines), so two writers of one
+    key never race between an UPDATE that found nothing and an INSERT that then conflicts.
+    Returns the rows written: 0 when the row existed and ``only_if`` was false for it.
+    """
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(table).values(**key, **values)
+    statement = statement.on_conflict_do_update(
+        index_elements=list(key),
+        set_={name: statement.excluded[name] for name in values},
+        where=None if only_if is None else only_if(statement.excluded),
+    )
+    # RETURNING, not the rowcount: psycopg reports -1 for an INSERT ... ON CONFLICT.
+    first_key = table.c[next(iter(key))]
+    return len(conn.execute(statement.returning(first_key)).all())
+
+
+def check_consumer_name(field_name: str, name: object) -> str:
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
+        raise InvalidInput(field_name, "must be 1 to 64 printable characters")
+    return name
+
+
+@dataclass
+class ConsumeResult:
+    handled: int = 0
+    failed: int = 0
+    retried_ok: int = 0
+    #: Events that used up their attempts in this run and were parked.
+    parked: int = 0
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: first line of the message``, cut to fit ``event_retries.last_error``."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text[:TEXT_COLUMN_LENGTH]
+
+
+class EventConsumer:
+    """A named, durable reader of order_events that calls ``handler`` for each event.
+
+    ``kinds`` limits the events handed over (the others are passed by). After the n-th
+    failure of an event the next try is due after a delay drawn uniformly ("full jitter")
+    from 0 to ``backoff_s * 2**(n-1)``, at most ``max_backoff_s``, so many consumers failing
+    at once do not retry in step; ``rand`` is the random source (``random.random``).
+    An event that failed ``max_attempts`` times is parked. One instance per name at a time
+    is meant (the scheduler runs it as a single job); a second one racing it only causes
+    duplicates.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        handler: Callable[[OrderEvent], None],
+        *,
+        kinds: Iterable[EventKind] | None = None,
+        clock: Clock | None = None,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 300.0,
+        max_attempts: int = 10,
+        rand: Random | None = None,
+    ) -> None:
+        check_consumer_name("name", name)
+        self.max_attempts = check_count("max_attempts", max_attempts, 1, 1000)
+        self.rand = rand or random.random
+        self.engine = engine
+        self.name = name
+        self.handler = handler
+        self.kinds = None if kinds is None else frozenset(EventKind(k) for k in kinds)
+        self.clock = clock or system_clock
+        self.base_backoff_ms = round(backoff_s * 1000)
+        self.max_backoff_ms = round(max_backoff_s * 1000)
+
+    def position(self) -> EventPosition:
+        with sql_errors(), self.engine.connect() as conn:
+            row = conn.execute(
+                select(CC.txid, CC.event_id).where(CC.name == self.name)
+            ).one_or_none()
+        return EventPosition() if row is None else EventPosition(row.txid, row.event_id)
+
+    def run_once(self, limit: int = 100) -> ConsumeResult:
+        """Retry what is due, then handle up to ``limit`` new events."""
+        result = ConsumeResult()
+        self._retry_due(limit, result)
+        for event in read_events(self.engine, self.position(), limit):
+            if self.kinds is None or event.kind in self.kinds:
+                error = self._call(event)
+                if error is None:
+                    result.handled += 1
+                else:
+                    result.failed += 1
+            else:
+                error = None
+            with sql_errors(), self.engine.begin() as conn:
+                parked = error is not None and self._fail(conn, event.id, 1, error)
+                self._save_position(conn, event.position)
+            self._count_parked(parked, event.id, 1, result)
+        return result
+
+    def _call(self, event: OrderEvent) -> str | None:
+        try:
+            self.handler(event)
+        except Exception as exc:  # a handler is someone else's code; its failure is data
+            log.warning(
+                "event handler %s failed on event %d (order %s): %s",
+                self.name,
+                event.id,
+                event.order_id,
+                type(exc).__name__,
+            )
+            return error_text(exc)
+        return None
+
+    def _retry_due(self, limit: int, result: ConsumeResult) -> None:
+        now_ms = self.clock()
+        query = (
+            select(RC.event_id, RC.attempts)
+            .where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= now_ms)
+            .order_by(RC.next_at_ms)
+            .limit(limit)
+        )
+        with sql_errors(), self.engine.connect() as conn:
+            due = conn.execute(query).all()
+            ids = [row.event_id for row in due]
+            events = {
+                row.id: _event(row)
+                for row in conn.execute(select(events_table).where(EC.id.in_(ids)))
+            }
+        for event_id, attempts in due:
+            event = events.get(event_id)
+            error = None if event is None else self._call(event)
+            parked = False
+            with sql_errors(), self.engine.begin() as conn:
+                if error is None:
+                    conn.execute(
+                        delete(retries_table).where(
+                            RC.consumer == self.name, RC.event_id == event_id
+                        )
+                    )
+                    result.retried_ok += event is not None
+                else:
+                    result.failed += 1
+                    parked = self._fail(conn, event_id, attempts + 1, error)
+            self._count_parked(parked, event_id, attempts + 1, result)
+
+    def backoff_ms(self, attempts: int) -> int:
+        """The delay before the next try after ``attempts`` failures: full jitter."""
+        ceiling_ms = min(self.max_backoff_ms, self.base_backoff_ms << min(attempts - 1, 62))
+        return round(ceiling_ms * min(max(self.rand(), 0.0), 1.0))
+
+    def _fail(self, conn: Connection, event_id: int, attempts: int, error: str) -> bool:
+        """Record the failed try: retry it later, or park it. True if this parked it."""
+        now_ms = self.clock()
+        park = attempts >= self.max_attempts
+        values = {
+            "attempts": attempts,
+            "next_at_ms": now_ms if park else now_ms + self.backoff_ms(attempts),
+            "last_error": error,
+            "parked_at_ms": now_ms if park else None,
+        }
+        # A row already parked (by a twin of this consumer) stays as it is.
+        key = {"consumer": self.name, "event_id": event_id}
+        written = upsert(conn, retries_table, key, values, only_if=lambda new: RETRYING)
+        return park and written == 1
+
+    def _count_parked(
+        self, parked: bool, event_id: int, attempts: int, result: ConsumeResult
+    ) -> None:
+        # Logged after the commit, once: a parked row is never tried (nor parked) again.
+        if parked:
+            result.parked += 1
+            log.warning(
+                "event consumer %s parked event %d after %d attempts; see `orders events parked`",
+                self.name,
+                event_id,
+                attempts,
+            )
+
+    def _save_position(self, conn: Connection, position: EventPosition) -> None:
+        values = {
+            "txid": position.txid,
+            "event_id": position.event_id,
+            "updated_at_ms": self.clock(),
+        }
+
+        # Forward only: a second consumer of this name that is behind cannot move it back
+        # (everything up to the saved position was handled by the one that saved it).
+        def ahead(new: Any) -> ColumnElement[bool]:
+            return tuple_(new.txid, new.event_id) > tuple_(CC.txid, CC.event_id)
+
+        upsert(conn, cursors_table, {"name": self.name}, values, only_if=ahead)
+
+    def pending_retries(self) -> int:
+        """Events of this consumer still being retried (parked ones not counted)."""
+        query = select(func.count()).where(RC.consumer == self.name, RETRYING)
+        with sql_errors(), self.engine.connect() as conn:
+            return int(conn.scalar(query) or 0)

@@ -1,0 +1,60 @@
+"""SweeperLease: which scheduler process is the active one, kept in one Redis key.
+
+The key is ``<prefix>[sweeper-lease]``: under the users' prefix (one ACL pattern covers
+both), yet never a user's key, because ``[`` is refused in user ids. Its value is the
+holder's owner token; ``lease.lua`` takes or renews it and ``lease_release.lua`` gives it
+up, each only for its owner. Every redis-py exception becomes :class:`StoreUnavailable`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.commands.core import Script
+
+from orders.errors import InvalidInput
+from orders.index.nodes import RedisClient
+from orders.index.unpaid import load_script, redis_errors
+
+
+class SweeperLease:
+    """The sweeper lease on a redis-py client, under ``key_prefix``."""
+
+    def __init__(self, client: RedisClient, *, key_prefix: str) -> None:
+        self.client = client
+        #: The lease's key, the one place its name is built.
+        self.key = f"{key_prefix}[sweeper-lease]"
+        self._lease: Script = client.register_script(load_script("lease"))
+        self._lease_release: Script = client.register_script(load_script("lease_release"))
+
+    def acquire(self, owner: str, ttl_ms: int) -> bool:
+        """Take the lease for ``ttl_ms`` if it is free, or renew it if ``owner`` holds it.
+
+        One script, one round trip. False: another owner holds it (and keeps it).
+        """
+        _check_lease_args(owner, ttl_ms)
+        with redis_errors("acquire_lease"):
+            reply: Any = self._lease(keys=[self.key], args=[owner, ttl_ms])
+        return int(reply) == 1
+
+    def release(self, owner: str) -> bool:
+        """Delete the lease if ``owner`` holds it; True if it did."""
+        _check_lease_args(owner, 1)
+        with redis_errors("release_lease"):
+            reply: Any = self._lease_release(keys=[self.key], args=[owner])
+        return int(reply) == 1
+
+    def owner(self) -> str | None:
+        """The owner token of the current holder, or None if the lease is free."""
+        with redis_errors("lease_owner"):
+            value: bytes | str | None = self.client.get(self.key)
+        if value is None:
+            return None
+        return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+def _check_lease_args(owner: str, ttl_ms: int) -> None:
+    if not isinstance(owner, str) or not owner:
+        raise InvalidInput("owner", "must be a non-empty string")
+    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
+        raise InvalidInput("ttl_ms", "must be a positive integer")

@@ -1,0 +1,383 @@
+"""UnpaidIndex: the Redis admission index, the only module that talks to Redis for it.
+
+One sorted set per user, ``<prefix><user_id>``: member = order id, score = expiry in integer
+milliseconds. The keys carry no expiry (its expires entry would cost about 45 bytes a user):
+a set emptied of its last member vanishes, and reconcile drops any member left behind
+(expired, or no longer open in SQL). The service's own keys sit under the same prefix in
+brackets (the index epoch here, the scheduler's lease in :mod:`orders.index.lease`; ``[`` never
+occurs in a user id). Every script and command touches exactly one key, so the scripts run
+unchanged on a Redis Cluster (:mod:`orders.index.nodes` says what a cluster changes).
+
+Every redis-py exception becomes :class:`StoreUnavailable` (:func:`redis_errors`, which the
+lease shares). Data under the prefix that the service did not write is skipped and
+reported, never an error (:meth:`UnpaidIndex.foreign`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+from collections.abc import Generator, Iterable, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
+from decimal import Decimal
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from orders import metrics
+from orders.errors import InvalidInput, StoreUnavailable
+from orders.index.nodes import RedisClient, marker_keys
+from orders.index.pipeline import (
+    CallPacker,
+    ClusterCalls,
+    SentCalls,
+    run_per_key,
+    scan_all,
+    send_calls,
+)
+from orders.index.server_config import server_warnings
+from orders.validation import USER_ID_MAX_LENGTH, check_user_id
+
+log = logging.getLogger("orders.index")  # the package's name: operators configure it
+
+#: How many distinct foreign keys one process logs (each once); past it, only counted.
+_FOREIGN_LOG_CAP = 1000
+
+
+def load_script(name: str) -> str:
+    return resources.files("orders.index").joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+class Admission(enum.IntEnum):
+    ADMITTED = 1
+    EXISTS = 0
+    REFUSED = -1
+
+
+@dataclass(slots=True)
+class KeysChecked:
+    """What the reconcile script found in a batch of users' keys (and fixed, unless a dry
+    run); a key of another type is foreign and left out."""
+
+    users: int = 0
+    expired: int = 0
+    added: int = 0
+    rescored: int = 0
+    #: Live members SQL did not list for their user, left in place: (user id, order id).
+    extras: list[tuple[str, str]] = field(default_factory=list)
+    #: Users whose key had members added or re-scored, in the order sent.
+    written: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    outcome: Admission
+    #: Open orders of the user after the call (including this one unless refused).
+    open_count: int
+    #: ADMITTED/EXISTS: the order's expiry; REFUSED: the earliest open expiry.
+    score_ms: int
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+#: Printable ASCII but space and ``{}*?[]``: ids made only of these pass check_user_id
+#: (short enough), so a SCAN of millions of keys need not check them character by character.
+_PLAIN_USER_ID = re.compile(rf"[!-)+->@-Z\\^-z|~]{{1,{USER_ID_MAX_LENGTH}}}")
+
+
+def _user_of(key: bytes | str, prefix_length: int) -> str | None:
+    """The user id a key names, or None when no valid user id can be read from it."""
+    try:
+        user = _text(key)[prefix_length:]
+    except UnicodeDecodeError:
+        return None
+    if user.startswith("[") or _PLAIN_USER_ID.fullmatch(user):
+        return user
+    try:
+        return check_user_id(user, USER_ID_MAX_LENGTH)
+    except InvalidInput:
+        return None
+
+
+def _score(value: bytes | str | float) -> int:
+    # Redis prints integer-valued doubles in full; Decimal also copes with exponent form.
+    if isinstance(value, float):
+        return int(value)
+    return int(Decimal(_text(value)))
+
+
+@contextmanager
+def redis_errors(action: str) -> Iterator[None]:
+    try:
+        yield
+    except redis.RedisError as exc:
+        metrics.STORE_ERRORS.labels("redis").inc()
+        # The exception text names host and port at most, never the password.
+        raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
+
+
+class UnpaidIndex:
+    """Per-user sorted sets of open unpaid orders, kept on a redis-py client."""
+
+    def __init__(self, client: RedisClient, *, key_prefix: str) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
+        if client.get_encoder().decode_responses:
+            raise InvalidInput("redis_client", "must not decode responses (ids are read as bytes)")
+        #: Pieces of foreign data skipped so far (keys or members under the prefix that the
+        #: service did not write: not UTF-8, not a user id, not a sorted set).
+        self.foreign_seen = 0
+        self._foreign_logged: set[bytes] = set()
+        self._admit: Script = client.register_script(load_script("admit"))
+        self._repair: Script = client.register_script(load_script("repair"))
+        # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
+        # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
+        self._reconcile: Script = client.register_script(load_script("reconcile"))
+
+    def key(self, user_id: str) -> str:
+        """The one place a user's key name is built."""
+        return f"{self.key_prefix}{user_id}"
+
+    def admit(
+        self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
+    ) -> AdmitResult:
+        """Drop expired members, then add ``order_id`` unless the user is at ``limit``."""
+        key = self.key(user_id)
+        with redis_errors("admit"):
+            try:
+                # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
+                # costs a few microseconds more; it still loads the script on NOSCRIPT).
+                reply: list[Any] = self.client.evalsha(
+                    self._admit.sha, 1, key, order_id, expires_at_ms, now_ms, limit
+                )
+            except NoScriptError:
+                reply = self._admit(keys=[key], args=[order_id, expires_at_ms, now_ms, limit])
+        code, count, score = reply
+        return AdmitResult(Admission(int(code)), int(count), _score(score))
+
+    def release(self, user_id: str, order_id: str) -> bool:
+        """Remove one order from its user's set; True if it was there."""
+        with redis_errors("release"):
+            return bool(self.client.zrem(self.key(user_id), order_id))
+
+    def drop_expired(self, user_ids: Iterable[str], now_ms: int) -> None:
+        """``ZREMRANGEBYSCORE -inf now`` on each user's key, in one round trip, packed by
+        hand: redis-py's pipeline cost the sweep more than the server's work."""
+        keys = [self.key(user_id).encode() for user_id in dict.fromkeys(user_ids)]
+        with redis_errors("drop_expired"):
+            run_per_key(self.client, b"ZREMRANGEBYSCORE", keys, (b"-inf", b"%d" % now_ms))
+
+    def members(self, user_id: str) -> dict[str, int]:
+        """Every member of the user's set with its score, expired or not (for reads/tests)."""
+        with redis_errors("members"):
+            pairs: list[Any] = self.client.zrange(
+                self.key(user_id), 0, -1, withscores=True, score_cast_func=_text
+            )
+        return self._decode(user_id, pairs)
+
+    def server_warnings(self) -> list[str]:
+        """What about the server's configuration could lose the index (see
+        :func:`orders.index.server_config.server_warnings`)."""
+        return server_warnings(self.client)
+
+    def epoch_key(self) -> str:
+        """The marker written after a complete rebuild from SQL. Redis losing its data loses
+        this key too, which is how the service notices that the index must be rebuilt."""
+        return f"{self.key_prefix}[index-epoch]"
+
+    def get_epoch(self) -> str | None:
+        """The marker's value; None when it is missing (on a cluster: from any primary)."""
+        with redis_errors("get_epoch"):
+            values: list[bytes | str | None] = [
+                self.client.get(key) for key in marker_keys(self.client, self.epoch_key())
+            ]
+        if any(value is None for value in values):
+            return None
+        return min(_text(value) for value in values if value is not None)
+
+    def set_epoch(self, value: str) -> None:
+        with redis_errors("set_epoch"):
+            for key in marker_keys(self.client, self.epoch_key()):
+                self.client.set(key, value)
+
+    def scan_users(self, *, chunk: int = 500) -> Generator[list[str]]:
+        """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking); the
+        next SCAN call runs on the server while the caller works on a batch, so close the
+        iterator when stopping early (``contextlib.closing``).
+
+        A key under the prefix that no user id can name (not UTF-8, not a valid id) is
+        foreign: it is skipped and reported through :meth:`foreign`, never an error.
+        """
+        pattern = _glob_escape(self.key_prefix) + "*"
+        start = len(self.key_prefix)
+        with (
+            redis_errors("scan_users"),
+            closing(scan_all(self.client, pattern, chunk)) as batches,
+        ):
+            for keys in batches:
+                users = []
+                for key in keys:
+                    user = _user_of(key, start)
+                    if user is None:
+                        self.foreign(key, "key name is not a user id")
+                    elif not user.startswith("["):  # "[...]" names the service's own keys
+                        users.append(user)
+                if users:
+                    yield users
+
+    def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
+        """Every member with its score for each user, in one pipelined round trip.
+
+        Foreign data is skipped and reported through :meth:`foreign`: a member that is not
+        UTF-8, or a key of another type (that user is then left out of the answer).
+        """
+        with redis_errors("members_of"):
+            pipe = self.client.pipeline(transaction=False)
+            for user_id in user_ids:
+                pipe.zrange(self.key(user_id), 0, -1, withscores=True, score_cast_func=_text)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        found: dict[str, dict[str, int]] = {}
+        for user_id, pairs in zip(user_ids, replies, strict=True):
+            if isinstance(pairs, redis.ResponseError) and str(pairs).startswith("WRONGTYPE"):
+                self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "not a sorted set")
+                continue
+            if isinstance(pairs, Exception):  # NOPERM, OOM, ...: the store failed, not the data
+                with redis_errors("members_of"):
+                    raise pairs
+            found[user_id] = self._decode(user_id, pairs)
+        return found
+
+    def _decode(self, user_id: str, pairs: list[Any]) -> dict[str, int]:
+        """A ZRANGE WITHSCORES reply as {order id: score}; members not UTF-8 are foreign."""
+        members: dict[str, int] = {}
+        for member, score in pairs:
+            try:
+                members[_text(member)] = _score(score)
+            except UnicodeDecodeError:
+                self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "member")
+        return members
+
+    def foreign(self, key: bytes | str, what: str) -> None:
+        """Count a piece of foreign data under the prefix; log each key once per process."""
+        metrics.FOREIGN_KEYS.inc()
+        self.foreign_seen += 1
+        name = key if isinstance(key, bytes) else key.encode("utf-8", "surrogatepass")
+        if name in self._foreign_logged or len(self._foreign_logged) >= _FOREIGN_LOG_CAP:
+            return
+        self._foreign_logged.add(name)
+        log.warning(
+            "skipping foreign data under the key prefix (%s): key %s",
+            what,
+            repr(name[:80]),
+        )
+
+    def repair(
+        self, user_id: str, *, now_ms: int, remove: list[str], add: dict[str, int]
+    ) -> tuple[int, int, int]:
+        """Drop expired members, remove ``remove``, add or re-score ``add``; one script.
+
+        Returns (expired dropped, removed, added or re-scored).
+        """
+        args: list[str | int] = [now_ms, len(remove), *remove]
+        for order_id, score in add.items():
+            args += [score, order_id]
+        with redis_errors("repair"):
+            reply: list[Any] = self._repair(keys=[self.key(user_id)], args=args)
+        dropped, removed, changed = (int(x) for x in reply)
+        return dropped, removed, changed
+
+    def reconcile_batch(
+        self, wanted: dict[str, dict[str, int]], *, now_ms: int, dry_run: bool
+    ) -> ReconcileBatch:
+        """The calls that make each user's set hold exactly ``wanted[user]`` (order id ->
+        expiry, best in expiry order: a right key then costs least) plus its extras: one
+        ``reconcile.lua`` per user, packed, to be sent at once (see :class:`ReconcileBatch`).
+
+        Expired members go, wanted ones are added or re-scored; live members not wanted come
+        back as extras, untouched. A dry run writes nothing.
+        """
+        head = (b"%d" % now_ms, b"1" if dry_run else b"0")
+        packer = CallPacker(self._reconcile, head)
+        prefix = self.key_prefix.encode()
+        for user_id, orders in wanted.items():
+            packer.add_pairs(prefix + user_id.encode(), orders)
+        return ReconcileBatch(self, list(wanted), packer)
+
+    def remove_members(self, members: list[tuple[str, str]]) -> None:
+        """ZREM each (user id, order id), in one pipelined round trip."""
+        if not members:
+            return
+        with redis_errors("remove_members"):
+            pipe = self.client.pipeline(transaction=False)
+            for user_id, order_id in members:
+                pipe.zrem(self.key(user_id), order_id)
+            pipe.execute()
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class ReconcileBatch:
+    """The reconcile scripts of a batch of users: :meth:`send` writes them all and returns
+    at once, :meth:`read` collects the outcome (sending first if need be). Once sent, read
+    or :meth:`abandon` must follow, so no reply is left on a pooled connection."""
+
+    def __init__(self, index: UnpaidIndex, users: list[str], packer: CallPacker) -> None:
+        self.index = index
+        self.users = users
+        self.packer = packer
+        self.sent: SentCalls | ClusterCalls | None = None
+
+    def send(self) -> SentCalls | ClusterCalls:
+        with redis_errors("reconcile"):
+            self.sent = send_calls(self.index.client, self.packer)
+        return self.sent
+
+    def abandon(self) -> None:
+        """Give up replies not read yet (closes their connection); else nothing."""
+        if self.sent is not None:
+            self.sent.abandon()
+
+    def read(self) -> KeysChecked:
+        """Collect the replies. Foreign data (a key of another type, a member that is not
+        UTF-8) is reported through :meth:`UnpaidIndex.foreign` and left out."""
+        sent = self.send() if self.sent is None else self.sent
+        with redis_errors("reconcile"):
+            replies = sent.read()
+        found = KeysChecked(users=len(self.users))
+        for user_id, reply in zip(self.users, replies, strict=True):
+            if reply == 0:  # the key was right already
+                continue
+            if type(reply) is not list:
+                self._failed(user_id, reply, found)
+                continue
+            found.expired += reply[0]
+            found.added += reply[1]
+            found.rescored += reply[2]
+            if reply[1] or reply[2]:
+                found.written.append(user_id)
+            for member in reply[3:]:  # rare: most fixed keys have none
+                try:
+                    found.extras.append((user_id, _text(member)))
+                except UnicodeDecodeError:
+                    self.index.foreign(self._key(user_id), "member")
+        return found
+
+    def _failed(self, user_id: str, reply: Any, found: KeysChecked) -> None:
+        if isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
+            self.index.foreign(self._key(user_id), "not a sorted set")
+            found.users -= 1
+            return
+        with redis_errors("reconcile"):  # NOPERM, OOM, ...: the store failed, not the data
+            raise reply
+
+    def _key(self, user_id: str) -> bytes:
+        return self.index.key(user_id).encode("utf-8", "surrogatepass")

@@ -1,0 +1,335 @@
+"""The sweeper in APScheduler 3: the jobs, the schedulers that run them, ``build_scheduler``.
+
+:func:`build_scheduler` wraps a :class:`~orders.scheduler.sweeper.Sweeper` in a job that reschedules
+itself with each tick's answer, so an order closes within milliseconds of its expiry
+instead of up to an interval later. Beside it run the index rebuild (reconcile) and, when
+there are closed-order handlers (:func:`closed_order_consumers`), the events job. Only the
+lease holder does any of that work. Logging goes to the sweeper's logger
+(:data:`orders.scheduler.sweeper.LOGGER_NAME`); a job run that ends in an exception is counted in
+``orders_job_failures_total``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from importlib import import_module
+from typing import Any
+
+from apscheduler.events import EVENT_JOB_ERROR, JobExecutionEvent  # type: ignore[import-untyped]
+from apscheduler.executors.pool import ThreadPoolExecutor  # type: ignore[import-untyped]
+from apscheduler.jobstores.base import JobLookupError  # type: ignore[import-untyped]
+from apscheduler.schedulers.background import (  # type: ignore[import-untyped]
+    BackgroundScheduler,
+)
+from apscheduler.schedulers.base import (  # type: ignore[import-untyped]
+    BaseScheduler,
+    SchedulerNotRunningError,
+)
+from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[import-untyped]
+from apscheduler.triggers.interval import IntervalTrigger  # type: ignore[import-untyped]
+
+from orders import metrics
+from orders.domain import EventKind
+from orders.errors import InvalidInput, StoreUnavailable
+from orders.events.admin import parked_counts
+from orders.events.consumer import EventConsumer, OrderEvent
+from orders.scheduler.sweeper import LOGGER_NAME, Sweeper, log_event
+from orders.service import OrderService
+
+log = logging.getLogger(LOGGER_NAME)
+
+#: The APScheduler job id of the sweep.
+JOB_ID = "orders-sweep"
+#: The width of ``event_cursors.name``.
+CONSUMER_NAME_LENGTH = 64
+#: The job running closed-order handlers, and how often it looks for new events.
+EVENTS_JOB_ID = "orders-events"
+EVENTS_INTERVAL_S = 0.5
+#: The job rebuilding the Redis index, and how often it checks whether one is due.
+RECONCILE_JOB_ID = "orders-reconcile"
+RECONCILE_CHECK_S = 1.0
+
+
+class _PausingJob:
+    """What APScheduler runs for each of our jobs: ``step`` with the job paused meanwhile,
+    then the job's next run moved to the seconds ``step`` returned.
+
+    Paused while it runs, a job longer than its interval (a big sweep, a long index
+    rebuild, a slow handler) is never due again meanwhile, so the scheduler never skips a
+    run with a "maximum number of running instances" warning; the ``finally`` always sets
+    the next run again. ``lock`` is held for a whole run, the rescheduling included, which
+    lets shutdown wait for a run to finish *before* it takes the scheduler's locks
+    (shutting down holds them while joining the worker threads, and a rescheduling run
+    needs them: waiting inside would deadlock).
+
+    Once the sweeper stops, the job is not rescheduled and ``on_stop`` (if any) is called.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        sweeper: Sweeper,
+        step: Callable[[], float],
+        *,
+        on_stop: Callable[[], None] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.sweeper = sweeper
+        self.step = step
+        self.on_stop = on_stop
+        self.lock = threading.Lock()
+        self.scheduler: Any = None
+
+    def __call__(self) -> None:
+        with self.lock:
+            if self.sweeper.stopping:
+                self._stopped()
+                return
+            self._move(None)
+            delay_s = self.sweeper.cadence_s
+            try:
+                delay_s = self.step()
+            finally:
+                self._after(delay_s)
+
+    def _after(self, delay_s: float) -> None:
+        if self.sweeper.stopping:
+            self._stopped()
+        else:
+            self._move(delay_s)
+
+    def _move(self, delay_s: float | None) -> None:
+        """Set the job's next run ``delay_s`` from now (None: pause it)."""
+        at = None if delay_s is None else datetime.now(UTC) + timedelta(seconds=delay_s)
+        try:
+            self.scheduler.modify_job(self.job_id, next_run_time=at)
+        except JobLookupError:
+            log.debug("the job %s is gone; not rescheduled", self.job_id)
+
+    def _stopped(self) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
+
+
+def _exit(scheduler: BaseScheduler) -> None:
+    """A blocking scheduler ends once the sweeper stops: start() returns to its caller."""
+    with contextlib.suppress(SchedulerNotRunningError):
+        scheduler.shutdown(wait=False)
+
+
+def _stop_jobs(scheduler: _BlockingSweepScheduler | _BackgroundSweepScheduler, wait: bool) -> None:
+    scheduler.sweeper.request_stop()
+    if wait:
+        for job in scheduler.pausing_jobs:
+            with job.lock:
+                pass
+
+
+class _BlockingSweepScheduler(BlockingScheduler):  # type: ignore[misc]
+    sweeper: Sweeper
+    pausing_jobs: list[_PausingJob]
+
+    def shutdown(self, wait: bool = True) -> None:
+        _stop_jobs(self, wait)
+        super().shutdown(wait)
+
+
+class _BackgroundSweepScheduler(BackgroundScheduler):  # type: ignore[misc]
+    sweeper: Sweeper
+    pausing_jobs: list[_PausingJob]
+
+    def shutdown(self, wait: bool = True) -> None:
+        _stop_jobs(self, wait)
+        super().shutdown(wait)
+
+
+def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
+    """An APScheduler 3 scheduler (UTC) running ``sweeper`` now and then as it asks.
+
+    The job: ``max_instances=1``, ``coalesce=True``, ``misfire_grace_time=None`` (a late run
+    is run, never dropped), an interval trigger of ``sweeper.cadence_s`` as the fallback,
+    and after each tick its next run moved to what the tick returned. The index rebuild
+    and the handlers run in jobs of their own, every ``RECONCILE_CHECK_S`` and
+    ``EVENTS_INTERVAL_S`` after the end of the last run. Each job is paused while it runs
+    (:class:`_PausingJob`), so none is ever skipped with a warning, however long it takes.
+
+    ``shutdown(wait=...)`` asks the sweeper to stop after the batch in hand, and with
+    ``wait=True`` waits for it. It does not release the lease: call ``sweeper.close()``.
+    A blocking scheduler also ends by itself once ``sweeper.request_stop()`` is called (say,
+    from a signal handler): its ``start()`` returns within one cadence, or after the batch
+    in hand.
+    """
+    scheduler_class = _BlockingSweepScheduler if blocking else _BackgroundSweepScheduler
+    scheduler = scheduler_class(
+        timezone=UTC, executors={"default": ThreadPoolExecutor(max_workers=3)}
+    )
+    scheduler.sweeper = sweeper
+    sweep = _PausingJob(
+        JOB_ID,
+        sweeper,
+        lambda: _tick(sweeper),
+        on_stop=(lambda: _exit(scheduler)) if blocking else None,
+    )
+    rebuild = _PausingJob(RECONCILE_JOB_ID, sweeper, lambda: _reconcile(sweeper))
+    scheduler.pausing_jobs = [sweep, rebuild]
+    _add_job(
+        scheduler, sweep, sweeper.cadence_s, JOB_ID, "orders sweep", next_run_time=datetime.now(UTC)
+    )
+    _add_job(scheduler, rebuild, RECONCILE_CHECK_S, RECONCILE_JOB_ID, "orders index rebuild")
+    consumers = closed_order_consumers(sweeper.service)
+    if consumers:
+        handlers = _PausingJob(EVENTS_JOB_ID, sweeper, _EventsJob(sweeper, consumers))
+        scheduler.pausing_jobs.append(handlers)
+        _add_job(
+            scheduler, handlers, EVENTS_INTERVAL_S, EVENTS_JOB_ID, "orders closed-order handlers"
+        )
+    for job in scheduler.pausing_jobs:
+        job.scheduler = scheduler
+    scheduler.add_listener(_count_failure, EVENT_JOB_ERROR)
+    for job in scheduler.get_jobs():
+        # Each job's series starts at 0, so increase() sees its first failure too.
+        metrics.JOB_FAILURES.labels(job.id)
+    return scheduler
+
+
+def _count_failure(event: JobExecutionEvent) -> None:
+    """A job run ended in an exception (APScheduler logged it): count it by job id.
+
+    Store outages are not these: the jobs catch StoreUnavailable, log it once and retry at
+    their next run (``orders_store_errors_total`` counts them); what escapes is a bug or
+    an unexpected error, each run of it counted.
+    """
+    metrics.JOB_FAILURES.labels(event.job_id).inc()
+
+
+def _tick(sweeper: Sweeper) -> float:
+    return sweeper.tick()  # looked up at each run: a test may wrap it
+
+
+def _reconcile(sweeper: Sweeper) -> float:
+    sweeper.reconcile_if_due()
+    return RECONCILE_CHECK_S
+
+
+def _add_job(
+    scheduler: BaseScheduler,
+    func: Callable[[], None],
+    every_s: float,
+    job_id: str,
+    name: str,
+    **options: Any,
+) -> None:
+    """Every job runs one at a time, coalesced, and late runs are run, never dropped.
+
+    ``options`` go to ``add_job`` as they are (``next_run_time``: None would pause the job,
+    so it is passed only when given).
+    """
+    scheduler.add_job(
+        func,
+        IntervalTrigger(seconds=every_s, timezone=UTC),
+        id=job_id,
+        name=name,
+        max_instances=1,
+        coalesce=True,
+        misfire_grace_time=None,
+        **options,
+    )
+
+
+def load_handler(path: str) -> Callable[[OrderEvent], None]:
+    """``package.module:function`` (or ``package.module.function``) to the function."""
+    module_name, _, attr = path.strip().replace(":", ".").rpartition(".")
+    if not module_name or not attr:
+        raise InvalidInput("on_closed", "must name handlers as package.module:function")
+    try:
+        handler: Callable[[OrderEvent], None] = getattr(import_module(module_name), attr)
+    except (ImportError, AttributeError):
+        raise InvalidInput("on_closed", f"cannot import the handler {path.strip()}") from None
+    return handler
+
+
+def consumer_name(handler: Callable[[OrderEvent], None]) -> str:
+    """The durable cursor's name for a closed-order handler: at most 64 characters.
+
+    A name cut to fit ends in a hash of the whole, so two handlers whose names share a
+    long prefix never share a cursor (one would silently skip what the other consumed).
+    """
+    name = f"on_closed:{handler.__module__}.{handler.__qualname__}"
+    if len(name) <= CONSUMER_NAME_LENGTH:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{name[: CONSUMER_NAME_LENGTH - 13]}~{digest}"
+
+
+def closed_order_consumers(service: OrderService) -> list[EventConsumer]:
+    """One durable consumer per closed-order handler: registered in code or configured."""
+    handlers = list(service.closed_handlers)
+    handlers += [load_handler(p) for p in service.settings.on_closed.split(",") if p.strip()]
+    names = [consumer_name(h) for h in handlers]
+    if len(set(names)) != len(names):
+        raise InvalidInput("on_closed", "names one handler twice")
+    return [
+        EventConsumer(
+            service.engine,
+            name,
+            handler,
+            kinds=[EventKind.CLOSED],
+            clock=service.clock,
+            max_attempts=service.settings.event_max_attempts,
+        )
+        for name, handler in zip(names, handlers, strict=True)
+    ]
+
+
+class _EventsJob:
+    """Runs the closed-order handlers; only the active scheduler does (the lease holder).
+
+    A consumer whose store fails logs ``handlers_failed`` once, and ``handlers_back`` once
+    it runs again, not once per run. Its runs are counted in the sweeper's summary line.
+
+    After each run the ``orders_parked_events`` gauge is set for every consumer it has
+    ever shown, 0 for one with nothing parked any more (a label is never left at an old
+    value); a standby shows 0 for all, as it does for the backlog.
+    """
+
+    def __init__(self, sweeper: Sweeper, consumers: list[EventConsumer]) -> None:
+        self.sweeper = sweeper
+        self.consumers = consumers
+        self._failing: set[str] = set()
+        self._shown: set[str] = {consumer.name for consumer in consumers}
+
+    def __call__(self) -> float:
+        if self.sweeper.stopping or not self.sweeper.holds_lease:
+            self._show_parked({})
+            return EVENTS_INTERVAL_S
+        self._run_consumers()
+        with contextlib.suppress(StoreUnavailable):  # the consumers' failure was logged
+            self._show_parked(parked_counts(self.sweeper.service.engine))
+        return EVENTS_INTERVAL_S
+
+    def _show_parked(self, parked: dict[str, int]) -> None:
+        self._shown.update(parked)
+        for name in self._shown:
+            metrics.PARKED_EVENTS.labels(name).set(parked.get(name, 0))
+
+    def _run_consumers(self) -> None:
+        for consumer in self.consumers:
+            try:
+                result = consumer.run_once()
+            except StoreUnavailable as exc:
+                if consumer.name not in self._failing:
+                    self._failing.add(consumer.name)
+                    self._log(logging.WARNING, "handlers_failed", consumer.name, detail=str(exc))
+                continue
+            if consumer.name in self._failing:
+                self._failing.discard(consumer.name)
+                self._log(logging.INFO, "handlers_back", consumer.name)
+            self.sweeper.add_handler_run(consumer.name, result)
+
+    def _log(self, level: int, event: str, consumer: str, **fields: Any) -> None:
+        log_event(level, event, owner=self.sweeper.owner, consumer=consumer, **fields)

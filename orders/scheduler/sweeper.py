@@ -1,0 +1,397 @@
+"""The active/standby sweeper: close expired orders on time, one active process at a time.
+
+A :class:`Sweeper` does one round per :meth:`~Sweeper.tick`: take (or renew) the Redis
+lease (:class:`~orders.index.lease.SweeperLease`), and if it holds it, sweep SQL and work out when
+the next round is wanted, which is the earliest open expiry, never later than the interval.
+:mod:`orders.scheduler.jobs` runs it in APScheduler and :mod:`orders.scheduler.process` is the
+``orders scheduler`` process.
+
+Several processes may run at once. The lease (``SET NX PX`` with an owner token, renewed and
+released only by its owner) makes one of them active and the others standbys that take
+over within ``lease_ttl_s`` of its death. The lease is an economy, not a guard: the SQL
+compare-and-set is what keeps an order from being closed twice, so when Redis is down every
+process sweeps SQL regardless.
+
+Its log lines (logger ``orders.sweeper``, :data:`LOGGER_NAME`) are listed in
+:mod:`orders.scheduler.log`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orders import metrics
+from orders.domain import SweepResult
+from orders.errors import InvalidInput, StoreUnavailable
+from orders.events.consumer import ConsumeResult
+from orders.index.lease import SweeperLease
+from orders.scheduler.log import BacklogWatch, LogSummary
+from orders.scheduler.status import SweeperStatus
+from orders.service import OrderService
+from orders.validation import check_count, check_seconds
+
+#: The scheduler process's one logger, documented by that name (README, operators' filters).
+LOGGER_NAME = "orders.sweeper"
+log = logging.getLogger(LOGGER_NAME)
+
+#: The soonest a next round is asked for (when due orders are left after a sweep).
+MIN_DELAY_S = 0.001
+#: How often, at most, the summary line is written.
+SUMMARY_PERIOD_S = 10.0
+#: A close lag (or a due order's age) beyond this is a backlog.
+BACKLOG_LAG_S = 5.0
+#: While a sweep runs, how often a waiting index rebuild looks for a stop request.
+REBUILD_WAIT_S = 0.1
+
+
+class _RebuildStopped(Exception):
+    """Raised between two chunks of a rebuild when the sweeper is asked to stop."""
+
+
+def default_owner() -> str:
+    """``host:pid:random``: an operator (or a test) can tell from the lease who holds it."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+class Sweeper:
+    """One scheduler process's sweeping, one :meth:`tick` at a time (thread-safe).
+
+    ``interval_s``, ``lease_ttl_s`` and ``batch_size`` default to the service's settings.
+    The holder renews its lease at every tick, so ticks come at least every
+    ``cadence_s = min(interval_s, lease_ttl_s / 2)``: the interval unless the lease is
+    configured shorter than two intervals.
+
+    The active sweeper rebuilds the Redis index from SQL as soon as it takes the lease,
+    then every ``reconcile_interval_s``; ``reconcile_at_start=False`` skips the first
+    rebuild (the next comes one interval after construction, or at once if the index's
+    epoch marker is gone).
+
+    ``summary_period_s`` and ``backlog_lag_s`` shape the log (see the module docstring);
+    ``monotonic`` is the clock, in seconds, of those two (tests inject one).
+    """
+
+    def __init__(
+        self,
+        service: OrderService,
+        *,
+        interval_s: float | None = None,
+        lease_ttl_s: float | None = None,
+        batch_size: int | None = None,
+        owner: str | None = None,
+        reconcile_at_start: bool = True,
+        summary_period_s: float = SUMMARY_PERIOD_S,
+        backlog_lag_s: float = BACKLOG_LAG_S,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        s = service.settings
+        self.service = service
+        self.interval_s = check_seconds(
+            "interval_s", s.sweep_interval_s if interval_s is None else interval_s
+        )
+        self.lease_ttl_s = check_seconds(
+            "lease_ttl_s", s.lease_ttl_s if lease_ttl_s is None else lease_ttl_s
+        )
+        self.batch_size = check_count(
+            "batch_size", s.sweep_batch_size if batch_size is None else batch_size, 1, 10_000
+        )
+        if owner is not None and (not isinstance(owner, str) or not owner.strip()):
+            raise InvalidInput("owner", "must be a non-empty string")
+        self.owner: str = owner or default_owner()
+        self.lease = SweeperLease(service.index.client, key_prefix=service.index.key_prefix)
+        self.lease_ttl_ms = max(1, round(self.lease_ttl_s * 1000))
+        #: Its gauges, heartbeat and health facts (:mod:`orders.scheduler.status`).
+        self.status = SweeperStatus(service, self.owner, self.lease_ttl_ms, log=self._log)
+        self.cadence_s = min(self.interval_s, self.lease_ttl_s / 2)
+        # A long sweep renews between batches, this often, so the lease outlives it.
+        self._renew_every_s = self.lease_ttl_s / 3
+        # A plain attribute: request_stop() may be called from a signal handler.
+        self._stop_requested = False
+        self._tick_lock = threading.Lock()
+        # Clear while a tick runs: an index rebuild waits for it between chunks.
+        self._not_ticking = threading.Event()
+        self._not_ticking.set()
+        #: Totals for the periodic summary line; the events job adds the handlers' runs.
+        self.summary = LogSummary(
+            check_seconds("summary_period_s", summary_period_s), monotonic=monotonic
+        )
+        backlog_lag_s = check_seconds("backlog_lag_s", backlog_lag_s)
+        self._backlog = BacklogWatch(backlog_lag_s, monotonic=monotonic)
+        self._holds_lease = False
+        self._renewed_at = 0.0
+        self._lost_lease = False
+        self._down: set[str] = set()
+        self.reconcile_interval_s = s.reconcile_interval_s
+        #: When the next scheduled reconcile is due (monotonic); None: as soon as active.
+        self._reconcile_at: float | None = (
+            None if reconcile_at_start else time.monotonic() + self.reconcile_interval_s
+        )
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested
+
+    @property
+    def holds_lease(self) -> bool:
+        """Whether the last word from Redis was that this sweeper holds the lease."""
+        return self._holds_lease
+
+    @property
+    def last_sweep_ms(self) -> int | None:
+        """Service-clock ms of the last sweep that ran to its end without a store error."""
+        return self.status.last_sweep_ms
+
+    @property
+    def lease_expires_ms(self) -> int | None:
+        """When this sweeper's lease lapses unless renewed; None while it does not hold it."""
+        return self.status.lease_expires_ms
+
+    def request_stop(self) -> None:
+        """Stop a running sweep after its current batch; later ticks do nothing.
+
+        Only sets a flag, so it is safe in a signal handler. It cannot be undone.
+        """
+        self._stop_requested = True
+
+    def tick(self) -> float:
+        """One round: take or renew the lease; if active, sweep.
+
+        Returns the seconds until the next round is wanted, ``0 < x <= interval_s``: the
+        time until the earliest open expiry when that comes sooner, else the cadence.
+        """
+        with self._tick_lock:
+            self._not_ticking.clear()
+            self.status.alive()
+            try:
+                if self._stop_requested or not self._take_lease():
+                    return self.cadence_s
+                return self._sweep()
+            finally:
+                self._not_ticking.set()
+                if not self._stop_requested and "redis" not in self._down:
+                    self.status.beat(self._holds_lease)  # (an outage is logged once already)
+                self.log_summary_if_due()
+
+    def close(self) -> None:
+        """Stop, wait for a tick in progress to finish its batch, and release the lease.
+
+        Releasing is compare-and-delete: it never removes another process's lease.
+        """
+        self.request_stop()
+        with self._tick_lock:
+            self.log_summary_if_due(force=True)
+            try:
+                released = self.lease.release(self.owner)
+            except StoreUnavailable as exc:
+                self._log(
+                    logging.WARNING,
+                    "lease_release_failed",
+                    detail=str(exc),
+                    lapses_in_s=self.lease_ttl_s,
+                )
+                return
+            self._holds_lease = False
+            self.status.stopped()
+            if released:
+                self._log(logging.INFO, "lease_released")
+
+    # --- one round -------------------------------------------------------------------
+
+    def _take_lease(self) -> bool:
+        """True if this sweeper should sweep: it holds the lease, or Redis cannot say."""
+        asked_at_ms = self.service.clock()
+        try:
+            held = self.lease.acquire(self.owner, self.lease_ttl_ms)
+        except StoreUnavailable as exc:
+            self._store_down("redis", exc, "sweeping without the lease until redis is back")
+            return True
+        self._store_up("redis")
+        self._renewed_at = time.monotonic()
+        self._set_holds(held, asked_at_ms)
+        return held
+
+    def reconcile_if_due(self) -> None:
+        """Rebuild the Redis index from SQL when this sweeper becomes active, on schedule,
+        and at once when the epoch marker is gone (Redis lost its data).
+
+        Only the lease holder does it. The scheduler runs it as a job of its own, so a long
+        rebuild never holds back the closing of expired orders, and the sweep goes first:
+        the rebuild waits for a tick in progress before it starts and between its chunks
+        of users. A stop request ends it between two chunks (the marker is then left as it
+        was, so the next active sweeper rebuilds again).
+        """
+        if self._stop_requested or not self._holds_lease:
+            return
+        now = time.monotonic()
+        if self._reconcile_at is not None and now < self._reconcile_at:
+            try:
+                if self.service.index.get_epoch() is not None:
+                    return
+            except StoreUnavailable:
+                return  # _take_lease already logged the outage
+            reason = "index_lost"
+        else:
+            reason = "scheduled" if self._reconcile_at is not None else "startup"
+        try:
+            self._wait_for_tick()
+            started = time.monotonic()
+            report = self.service.reconcile(on_progress=self._between_chunks)
+        except _RebuildStopped:
+            self._log(logging.DEBUG, "reconcile_stopped", reason=reason)
+            return
+        except StoreUnavailable as exc:
+            self._store_down(exc.store, exc, "reconcile retried in a second")
+            return
+        self._store_up("sql")
+        self._reconcile_at = now + self.reconcile_interval_s
+        self._log(
+            logging.INFO if report.fixes or reason == "index_lost" else logging.DEBUG,
+            "reconcile",
+            reason=reason,
+            duration_ms=round((time.monotonic() - started) * 1000),
+            **report.as_dict(),
+        )
+
+    def _between_chunks(self, users: int) -> None:
+        self._wait_for_tick()
+
+    def _wait_for_tick(self) -> None:
+        """Return once no tick runs; raise _RebuildStopped when asked to stop meanwhile."""
+        while True:
+            if self._stop_requested:
+                raise _RebuildStopped
+            if self._not_ticking.wait(REBUILD_WAIT_S):
+                return
+
+    def _sweep(self) -> float:
+        self._lost_lease = False
+        started = time.monotonic()
+        try:
+            result = self.service.sweep_expired(
+                batch_size=self.batch_size, should_stop=self._should_stop
+            )
+            duration_ms = round((time.monotonic() - started) * 1000)
+            earliest_ms = self.service.earliest_unpaid_expiry_ms()
+            now_ms = self.service.clock()
+        except StoreUnavailable as exc:
+            self._store_down(exc.store, exc, "retrying every tick")
+            return self.cadence_s
+        self._store_up("sql")
+        whole = not (self._stop_requested or self._lost_lease)
+        self.status.swept(earliest_ms, now_ms, whole=whole)
+        if result.closed:
+            self._log(
+                logging.DEBUG,
+                "sweep",
+                closed=result.closed,
+                batches=result.batches,
+                users=result.users,
+                max_lag_ms=result.max_lag_ms,
+                duration_ms=duration_ms,
+            )
+        self.summary.add_sweep(result)
+        due: int | None = None
+        with contextlib.suppress(StoreUnavailable):
+            due = self.service.count_due()
+            metrics.BACKLOG.set(due)
+        if self._stop_requested or self._lost_lease:
+            return self.cadence_s  # the backlog is no longer ours to judge
+        self._watch_backlog(result, earliest_ms, now_ms, due)
+        return self._next_delay_s(result, earliest_ms, now_ms)
+
+    def _watch_backlog(
+        self, result: SweepResult, earliest_ms: int | None, now_ms: int, due: int | None
+    ) -> None:
+        oldest_due_ms = 0 if earliest_ms is None else max(0, now_ms - earliest_ms)
+        edge = self._backlog.after_sweep(result, oldest_due_ms, due)
+        if edge is not None:
+            event, fields = edge
+            self._log(logging.WARNING if self._backlog.behind else logging.INFO, event, **fields)
+
+    def _next_delay_s(self, result: SweepResult, earliest_ms: int | None, now_ms: int) -> float:
+        if earliest_ms is None:
+            return self.cadence_s
+        if earliest_ms <= result.cutoff_ms and result.closed == 0:
+            # Due orders this sweep could not take (another sweeper holds their rows):
+            # come back at the normal pace instead of spinning.
+            return self.cadence_s
+        return min(self.cadence_s, max(MIN_DELAY_S, (earliest_ms - now_ms) / 1000))
+
+    def _should_stop(self) -> bool:
+        """Asked before each batch: stop if asked to, or if another sweeper took over."""
+        if self._stop_requested:
+            return True
+        self.status.alive()
+        if time.monotonic() - self._renewed_at < self._renew_every_s:
+            return False
+        self._renewed_at = time.monotonic()  # also paces retries while Redis is down
+        asked_at_ms = self.service.clock()
+        try:
+            held = self.lease.acquire(self.owner, self.lease_ttl_ms)
+        except StoreUnavailable as exc:
+            self._store_down("redis", exc, "sweeping without the lease until redis is back")
+            return False
+        self._store_up("redis")
+        self._set_holds(held, asked_at_ms)
+        self._lost_lease = not held
+        return not held
+
+    # --- what is logged -----------------------------------------------------------------
+
+    def add_handler_run(self, consumer: str, result: ConsumeResult) -> None:
+        """Count a closed-order handlers' run in the summary (its own line is DEBUG)."""
+        if result.handled or result.failed or result.retried_ok:
+            self._log(
+                logging.DEBUG,
+                "handlers",
+                consumer=consumer,
+                handled=result.handled,
+                failed=result.failed,
+                retried_ok=result.retried_ok,
+            )
+            self.summary.add_handlers(result)
+        self.log_summary_if_due()
+
+    def log_summary_if_due(self, *, force: bool = False) -> None:
+        """Write the summary line if its period has passed and there is something in it."""
+        fields = self.summary.take(force=force)
+        if fields is not None:
+            self._log(logging.INFO, "summary", **fields)
+
+    # --- state changes, each logged once ---------------------------------------------
+
+    def _set_holds(self, held: bool, asked_at_ms: int) -> None:
+        self.status.lease_seen(held, asked_at_ms)
+        if held and not self._holds_lease:
+            self._log(logging.INFO, "lease_acquired", lease_ttl_s=self.lease_ttl_s)
+        elif self._holds_lease and not held:
+            self._log(logging.INFO, "lease_lost")
+        self._holds_lease = held
+
+    def _store_down(self, store: str, exc: Exception, consequence: str) -> None:
+        if store not in self._down:
+            self._down.add(store)
+            self._log(
+                logging.WARNING, "store_unavailable", store=store, detail=str(exc), then=consequence
+            )
+
+    def _store_up(self, store: str) -> None:
+        if store in self._down:
+            self._down.discard(store)
+            self._log(logging.INFO, "store_back", store=store)
+
+    def _log(self, level: int, event: str, **fields: Any) -> None:
+        log_event(level, event, owner=self.owner, **fields)
+
+
+def log_event(level: int, event: str, *, owner: str, **fields: Any) -> None:
+    """One log line of ``orders.sweeper``: a JSON object naming the event and the owner."""
+    log.log(level, "%s", json.dumps({"event": event, **fields, "owner": owner}))

@@ -1,0 +1,114 @@
+"""Schema migrations, run from code: ``orders db upgrade`` and the embedded default use this.
+
+The Alembic scripts live in the top-level ``migrations/`` folder of the source tree, and
+are installed with the package as ``orders._migrations``. Alembic is imported only to
+migrate or to ask it about the scripts: :func:`is_current`, which every command runs
+before its first query, reads the version table and the scripts' revision ids itself.
+"""
+
+from __future__ import annotations
+
+import ast
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Engine, String, column, inspect, select, table
+
+from orders.sql.models import sql_errors
+
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+#: Where Alembic records the revision of a database (its default name).
+VERSION_TABLE = "alembic_version"
+
+
+def script_location() -> str:
+    return str(resources.files("orders._migrations"))
+
+
+def alembic_config() -> Config:
+    from alembic.config import Config  # noqa: PLC0415
+
+    config = Config()
+    config.set_main_option("script_location", script_location())
+    return config
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Bring the schema of ``engine``'s database up to ``revision``."""
+    from alembic import command  # noqa: PLC0415
+
+    config = alembic_config()
+    with sql_errors(), engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    from alembic import command  # noqa: PLC0415
+
+    config = alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+
+def head_revision() -> str | None:
+    from alembic.script import ScriptDirectory  # noqa: PLC0415
+
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext  # noqa: PLC0415
+
+    with sql_errors(), engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()
+
+
+def is_current(engine: Engine) -> bool:
+    """Whether the database is at the newest revision (one head, recorded alone)."""
+    heads = script_heads()
+    return len(heads) == 1 and stored_revisions(engine) == heads
+
+
+def stored_revisions(engine: Engine) -> set[str]:
+    """The revisions the version table records (none when there is no such table)."""
+    with sql_errors(), engine.connect() as connection:
+        if not inspect(connection).has_table(VERSION_TABLE):
+            return set()
+        version_num = column("version_num", String)
+        query = select(version_num).select_from(table(VERSION_TABLE))
+        return set(connection.execute(query).scalars())
+
+
+def script_heads() -> set[str]:
+    """The revisions no script builds on, read from the scripts' ``revision`` and
+    ``down_revision`` assignments without running them (they import Alembic)."""
+    revisions: set[str] = set()
+    parents: set[str] = set()
+    for script in (resources.files("orders._migrations") / "versions").iterdir():
+        if script.name.endswith(".py") and script.name != "__init__.py":
+            revision, builds_on = _revision_ids(script.read_text(encoding="utf-8"))
+            revisions.add(revision)
+            parents.update(builds_on)
+    return revisions - parents
+
+
+def _revision_ids(source: str) -> tuple[str, tuple[str, ...]]:
+    """A script's ``revision`` and the revisions it builds on (its ``down_revision``)."""
+    found: dict[str, Any] = {}
+    for node in ast.parse(source).body:
+        target: ast.expr
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id in ("revision", "down_revision"):
+            found[target.id] = ast.literal_eval(value)
+    down = found.get("down_revision")
+    builds_on = () if down is None else (down,) if isinstance(down, str) else tuple(down)
+    return str(found["revision"]), builds_on

@@ -1,0 +1,152 @@
+"""The read-only SQL statements reconcile runs, built once at import.
+
+Each reads the open unpaid orders (:func:`orders.sql.models.open_at`) through the partial index
+``ix_orders_unpaid_user_id_expires_at_ms``: a page in user order, a user range again, or a
+batch of users; none takes a lock or writes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    String,
+    and_,
+    bindparam,
+    func,
+    or_,
+    select,
+)
+from sqlalchemy.dialects import postgresql
+
+from orders.domain import is_open
+from orders.sql.models import open_at, orders_table
+from orders.sql.transactions import Transactions
+
+ORDER = orders_table.c
+
+#: The maximum number of ids per ``IN (...)`` list (SQLite accepts 32,766 parameters).
+IN_CHUNK = 5000
+
+_OPEN_COLUMNS = (ORDER.user_id, ORDER.id, ORDER.expires_at_ms)
+#: The index's own order, then the id: each user's orders come in the order of their set.
+_PAGE_ORDER = (ORDER.user_id, ORDER.expires_at_ms, ORDER.id)
+_FIRST_PAGE = (
+    select(*_OPEN_COLUMNS)
+    .where(open_at(bindparam("now_ms")))
+    .order_by(*_PAGE_ORDER)
+    .limit(bindparam("size"))
+)
+# (user_id, expires_at_ms, id) > the last row's, spelled so that the index's user_id bound
+# is plain to the planner.
+_NEXT_PAGE = (
+    select(*_OPEN_COLUMNS)
+    .where(
+        open_at(bindparam("now_ms")),
+        ORDER.user_id >= bindparam("after_user"),
+        or_(
+            ORDER.user_id > bindparam("after_user"),
+            ORDER.expires_at_ms > bindparam("after_expiry"),
+            and_(
+                ORDER.expires_at_ms == bindparam("after_expiry"),
+                ORDER.id > bindparam("after_id"),
+            ),
+        ),
+    )
+    .order_by(*_PAGE_ORDER)
+    .limit(bindparam("size"))
+)
+_OPEN_IN_RANGE = select(ORDER.id).where(
+    open_at(bindparam("now_ms")),
+    and_(ORDER.user_id >= bindparam("first"), ORDER.user_id <= bindparam("last")),
+)
+# The users of a batch with no open order: the batch goes as one parameter (a JSON array on
+# SQLite, an array on PostgreSQL), each user is one probe of the index, and only the users
+# without an open order come back (on a right index, hardly any).
+_SQLITE_BATCH = func.json_each(bindparam("users", type_=String)).table_valued("value")
+_PG_BATCH = func.unnest(bindparam("users", type_=postgresql.ARRAY(String))).column_valued(
+    "batch_user"
+)
+
+
+def _idle_users(user: ColumnElement[str]) -> Select[Any]:
+    has_open = select(ORDER.id).where(ORDER.user_id == user, open_at(bindparam("now_ms")))
+    return select(user).where(~has_open.exists())
+
+
+#: Public for the plan checks of the tests. A thousand IN parameters cost PostgreSQL ten
+#: times as much as one array, most of it in planning.
+IDLE_USERS_SQLITE = _idle_users(_SQLITE_BATCH.c.value)
+IDLE_USERS_POSTGRESQL = _idle_users(_PG_BATCH)
+
+
+class ReconcileReads:
+    """The queries of :mod:`orders.reconcile`, over the records' transactions."""
+
+    def __init__(self, tx: Transactions) -> None:
+        self.tx = tx
+
+    def open_page(
+        self, now_ms: int, after: tuple[str, str, int] | None, size: int
+    ) -> list[tuple[str, str, int]]:
+        """Up to ``size`` open orders as (user id, order id, expiry) in (user, expiry, id)
+        order, after the row ``after`` (keyset paging: pass the last row of a page)."""
+        params: dict[str, str | int] = {"now_ms": now_ms, "size": size}
+        query = _FIRST_PAGE
+        if after is not None:
+            query = _NEXT_PAGE
+            params.update(after_user=after[0], after_id=after[1], after_expiry=after[2])
+        with self.tx.read() as conn:
+            rows: list[Any] = list(conn.execute(query, params).all())  # rows unpack as tuples
+        return rows
+
+    def open_in_range(self, first: str, last: str, now_ms: int) -> set[str]:
+        """The ids of the open orders of the users from ``first`` to ``last`` (SQL's order)."""
+        params = {"now_ms": now_ms, "first": first, "last": last}
+        with self.tx.read() as conn:
+            return set(conn.scalars(_OPEN_IN_RANGE, params).all())
+
+    def users_without_open(self, user_ids: Sequence[str], now_ms: int) -> list[str]:
+        """The users of ``user_ids`` that have no open order."""
+        users: list[str] | str = list(user_ids)
+        query = IDLE_USERS_POSTGRESQL
+        if self.tx.dialect != "postgresql":
+            query, users = IDLE_USERS_SQLITE, json.dumps(users)
+        with self.tx.read() as conn:
+            return list(conn.scalars(query, {"users": users, "now_ms": now_ms}).all())
+
+    def users_with_open(self, now_ms: int, after: str, limit: int) -> list[str]:
+        """Up to ``limit`` users with open orders whose id sorts after ``after`` (keyset)."""
+        query = (
+            select(ORDER.user_id)
+            .where(open_at(now_ms), ORDER.user_id > after)
+            .group_by(ORDER.user_id)
+            .order_by(ORDER.user_id)
+            .limit(limit)
+        )
+        with self.tx.read() as conn:
+            return list(conn.scalars(query))
+
+    def open_by_user(self, user_ids: Sequence[str], now_ms: int) -> dict[str, dict[str, int]]:
+        """For each user: open order id -> expiry."""
+        query = select(*_OPEN_COLUMNS).where(ORDER.user_id.in_(user_ids), open_at(now_ms))
+        wanted: dict[str, dict[str, int]] = {user: {} for user in user_ids}
+        with self.tx.read() as conn:
+            for user, order_id, expires_at_ms in conn.execute(query):
+                wanted[user][order_id] = expires_at_ms
+        return wanted
+
+    def open_owners(self, order_ids: Sequence[str], now_ms: int) -> dict[str, str | None]:
+        """For each id that has a row: its user if the order is open, else None."""
+        found: dict[str, str | None] = {}
+        columns = (ORDER.id, ORDER.user_id, ORDER.status, ORDER.expires_at_ms)
+        with self.tx.read() as conn:
+            for start in range(0, len(order_ids), IN_CHUNK):
+                query = select(*columns).where(ORDER.id.in_(order_ids[start : start + IN_CHUNK]))
+                for order_id, user, status, expires_at_ms in conn.execute(query):
+                    found[order_id] = user if is_open(status, expires_at_ms, now_ms) else None
+        return found

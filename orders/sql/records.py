@@ -1,0 +1,225 @@
+"""The SQL record: every statement the use cases run, built once, and rows as Order values.
+
+Rules that hold for every method here:
+
+* a transition out of ``unpaid`` is one compare-and-set ``UPDATE ... WHERE status =
+  'unpaid'`` (:mod:`orders.sql.transitions`) that writes its ``order_events`` row in the
+  same transaction, so an event exists exactly when its transition committed (an outbox);
+* methods taking a ``conn`` run inside the caller's transaction and never commit; the
+  others open and commit their own (``orders.sql.transactions``);
+* the open and due predicates come from :mod:`orders.sql.models`, never written again here.
+
+Statements on the create path are built once at import: building them per call (coercions
+and cache keys) cost about as much client CPU as running them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Row,
+    bindparam,
+    func,
+    select,
+)
+
+from orders.domain import Order, OrderStatus
+from orders.errors import OrderNotFound
+from orders.sql.models import UNPAID_PREDICATE, due_at, open_at, orders_table
+from orders.sql.reconcile_reads import ReconcileReads
+from orders.sql.slots import InsertConflict, LimitReachedInSql, SlotGuard
+from orders.sql.transactions import Transactions
+from orders.sql.transitions import (
+    CANCEL,
+    CLOSE_EXPIRED,
+    EXPIRED_REASON,
+    EXTEND_OPEN,
+    PAY,
+    PAY_STRICT,
+    REOPEN_EXPIRED,
+)
+
+__all__ = ["EXPIRED_REASON", "InsertConflict", "LimitReachedInSql", "OrderRecords", "to_order"]
+
+ORDER = orders_table.c
+#: Creates that find their slot taken by a racing create try again, a few times at most.
+SLOT_RACE_RETRIES = 3
+
+_SELECT_ORDER = select(*orders_table.c).where(ORDER.id == bindparam("oid"))
+
+
+def to_order(row: Row[Any], read_at_ms: int) -> Order:
+    m = row._mapping
+    amount = m["amount"]
+    return Order(
+        id=m["id"],
+        user_id=m["user_id"],
+        status=OrderStatus(m["status"]),
+        created_at_ms=m["created_at_ms"],
+        expires_at_ms=m["expires_at_ms"],
+        read_at_ms=read_at_ms,
+        amount=None if amount is None else Decimal(amount),
+        currency=m["currency"],
+        paid_at_ms=m["paid_at_ms"],
+        closed_at_ms=m["closed_at_ms"],
+        close_reason=m["close_reason"],
+        payment_ref=m["payment_ref"],
+        metadata=dict(m["metadata"] or {}),
+        extensions=m["extensions"],
+    )
+
+
+class OrderRecords:
+    """The orders table and its event outbox, over one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.tx = Transactions(engine)
+        self.dialect = self.tx.dialect
+        #: The read-only queries of reconcile.
+        self.reads = ReconcileReads(self.tx)
+        #: The SQL limit guard.
+        self.slots = SlotGuard(self.tx)
+
+    @property
+    def engine(self) -> Engine:
+        return self.tx.engine
+
+    # --- reading -----------------------------------------------------------------------
+
+    def find(self, order_id: str, now_ms: int) -> Order | None:
+        with self.tx.read() as conn:
+            row = conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
+        return None if row is None else to_order(row, now_ms)
+
+    def list_open(self, user_id: str, now_ms: int) -> list[Order]:
+        """The user's open orders, soonest expiry first."""
+        query = (
+            select(*orders_table.c)
+            .where(ORDER.user_id == user_id, open_at(now_ms))
+            .order_by(ORDER.expires_at_ms, ORDER.id)
+        )
+        with self.tx.read() as conn:
+            return [to_order(row, now_ms) for row in conn.execute(query)]
+
+    def earliest_unpaid_expiry_ms(self) -> int | None:
+        """The expiry of the unpaid order due first (overdue ones included), or None."""
+        query = select(func.min(ORDER.expires_at_ms)).where(UNPAID_PREDICATE)
+        with self.tx.read() as conn:
+            value: int | None = conn.scalar(query)
+        return value
+
+    def count_due(self, cutoff_ms: int) -> int:
+        query = select(func.count()).select_from(orders_table).where(due_at(cutoff_ms))
+        with self.tx.read() as conn:
+            return int(conn.scalar(query) or 0)
+
+    def any_due(self, cutoff_ms: int) -> bool:
+        query = select(ORDER.id).where(due_at(cutoff_ms)).limit(1)
+        with self.tx.read() as conn:
+            return conn.execute(query).first() is not None
+
+    def due_not_extended(self, cutoff_ms: int, limit: int) -> list[Order]:
+        """The next due orders that were never extended (the pre-close check asks about them)."""
+        query = (
+            select(*orders_table.c)
+            .where(due_at(cutoff_ms), ORDER.extensions == 0)
+            .order_by(ORDER.expires_at_ms)
+            .limit(limit)
+        )
+        with self.tx.read() as conn:
+            return [to_order(row, cutoff_ms) for row in conn.execute(query)]
+
+    # --- writing -----------------------------------------------------------------------
+
+    def transition_or_current(
+        self,
+        order_id: str,
+        now_ms: int,
+        attempt: Callable[[Connection], Row[Any] | None],
+    ) -> tuple[Order, bool]:
+        """Run ``attempt`` (compare-and-sets) in one transaction and commit.
+
+        Returns the order after it and whether ``attempt`` won; when it lost, the order as
+        it stands, for the caller to decide what the loss means. Raises OrderNotFound.
+        """
+        with self.tx.statements() as conn:
+            row = attempt(conn)
+            current = row or conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
+            conn.commit()
+        if current is None:
+            raise OrderNotFound(order_id)
+        return to_order(current, now_ms), row is not None
+
+    def pay(
+        self, conn: Connection, order_id: str, now_ms: int, ref: str | None, *, strict: bool
+    ) -> Row[Any] | None:
+        """Unpaid -> paid; under ``strict``, only while the expiry is still ahead."""
+        params = {"oid": order_id, "now_ms": now_ms, "ref": ref}
+        return (PAY_STRICT if strict else PAY).run(conn, params, {"payment_ref": ref})
+
+    def cancel(
+        self, conn: Connection, order_id: str, now_ms: int, reason: str | None
+    ) -> Row[Any] | None:
+        """Unpaid -> cancelled."""
+        params = {"oid": order_id, "now_ms": now_ms, "reason": reason or "cancelled"}
+        return CANCEL.run(conn, params, {"reason": reason} if reason else None)
+
+    def extend_open(
+        self, conn: Connection, order_id: str, now_ms: int, extra_ms: int, max_life_ms: int
+    ) -> Row[Any] | None:
+        """Move an open order's expiry ``extra_ms`` later, within its maximum lifetime."""
+        params = {
+            "oid": order_id,
+            "now_ms": now_ms,
+            "extra_ms": extra_ms,
+            "max_life_ms": max_life_ms,
+        }
+        return EXTEND_OPEN.run(conn, params, {"extra_ms": extra_ms})
+
+    def reopen_expired(
+        self, conn: Connection, order_id: str, expires_at_ms: int, now_ms: int, extra_ms: int
+    ) -> Row[Any] | None:
+        """Give an unpaid order never extended before a new expiry (the pre-close check)."""
+        params = {"oid": order_id, "now_ms": now_ms, "expires_at_ms": expires_at_ms}
+        data = {"extra_ms": extra_ms, "trigger": "pre_close_check"}
+        return REOPEN_EXPIRED.run(conn, params, data)
+
+    def close_expired(
+        self, conn: Connection, order_id: str, now_ms: int, data: dict[str, Any]
+    ) -> Row[Any] | None:
+        """Close one expired unpaid order in the caller's transaction (strict expiry)."""
+        return CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, data)
+
+    # --- the SQL limit guard (orders.sql.slots) --------------------------------------------
+
+    def insert_guarded(self, values: Mapping[str, Any], limit: int, now_ms: int) -> Order:
+        """Insert the order and its ``created`` event into a free slot of its user.
+
+        Raises LimitReachedInSql when live orders hold all ``limit`` slots, or
+        InsertConflict when a constraint refuses the row (the caller finds out whether the
+        id exists).
+        """
+        live: dict[str, int] = {}
+        # Each retry follows a slot freed or taken by someone else meanwhile: a few suffice.
+        for _attempt in range(limit + SLOT_RACE_RETRIES):
+            row = self.slots.insert(values, limit)
+            if row is not None:
+                return to_order(row, now_ms)
+            live = self.slots.make_room(values, limit, now_ms)
+        raise LimitReachedInSql(live)
+
+    # --- reconcile (read-only: orders.sql.reconcile_reads) -------------------------------------
+
+    def users_with_open(self, now_ms: int, after: str, limit: int) -> list[str]:
+        return self.reads.users_with_open(now_ms, after, limit)
+
+    def open_by_user(self, user_ids: Sequence[str], now_ms: int) -> dict[str, dict[str, int]]:
+        return self.reads.open_by_user(user_ids, now_ms)
+
+    def open_owners(self, order_ids: Sequence[str], now_ms: int) -> dict[str, str | None]:
+        return self.reads.open_owners(order_ids, now_ms)

@@ -1,0 +1,195 @@
+"""The SQL side of the unpaid limit: every unpaid order holds one of its user's slots.
+
+A user's slots are numbered 1 to ``limit``; a partial unique index on ``(user_id, slot)``
+over unpaid orders (migration 0006) makes two unpaid orders in one slot impossible. A
+create inserts its order into the lowest free slot, so the insert is the guard: no lock,
+no count, and the limit holds in SQL whatever Redis lost.
+
+The fast path is one statement on PostgreSQL, run in autocommit (so one round trip and one
+commit): find the free slot, insert the order (``ON CONFLICT DO NOTHING`` on the slot
+index), and insert its ``created`` event from the inserted row, atomically. Two creates
+racing for one slot: one inserts, the other inserts nothing and tries again. SQLite runs
+the same insert and then the event in one ``BEGIN IMMEDIATE`` transaction, which already
+serialises writers.
+
+When no slot is free, :meth:`SlotGuard.make_room` looks at the holders in a transaction of
+its own: a holder whose expiry has passed but which the sweep has not closed yet is closed
+there and then (the same compare-and-set as the sweep's, with its ``closed`` event) and the
+insert is tried again; if every slot is held by a live order, SQL refuses
+(:class:`LimitReachedInSql`, with the holders, from which the caller repairs the index).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Integer,
+    Row,
+    String,
+    bindparam,
+    exists,
+    insert,
+    literal_column,
+    select,
+    union_all,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.exc import IntegrityError
+
+from orders.domain import EventKind, OrderStatus
+from orders.sql.models import UNPAID_PREDICATE, orders_table
+from orders.sql.transactions import Transactions
+from orders.sql.transitions import CLOSE_EXPIRED, record_events, with_events
+
+ORDER = orders_table.c
+
+#: Event data of a close that a create made to take the slot of an expired order.
+SLOT_REUSE = {"trigger": "slot_reuse"}
+
+#: The columns a create writes, each from a bind parameter of its own name.
+CREATE_COLUMNS = (
+    "id",
+    "user_id",
+    "status",
+    "amount",
+    "currency",
+    "created_at_ms",
+    "expires_at_ms",
+    "updated_at_ms",
+    "metadata",
+)
+
+
+class InsertConflict(Exception):
+    """The database refused a create's insert (a duplicate id, or another constraint)."""
+
+
+class LimitReachedInSql(Exception):
+    """Every slot of the user is held by a live order (the caller turns this into
+    :class:`~orders.errors.UnpaidOrderLimitReached`); ``holders`` maps their ids to their
+    expiries, what the user's index should hold."""
+
+    def __init__(self, holders: Mapping[str, int]) -> None:
+        super().__init__(len(holders))
+        self.holders = dict(holders)
+        self.open_count = len(holders)
+        self.earliest_ms = min(holders.values(), default=None)
+
+
+def _free_slot() -> Any:
+    """The lowest slot from 1 to ``:slot_limit`` no unpaid order of ``:user_id`` holds.
+
+    The candidates are 1 and each held slot + 1: the lowest free slot is one of them, so
+    the query reads only the user's few index entries, for any limit.
+    """
+    held = orders_table.alias("held")
+    holder = orders_table.alias("holder")
+    user = bindparam("user_id", type_=String)
+    # The status as a literal in the SQL, never a parameter: only then may the planner use
+    # the partial index over unpaid orders (it must prove the predicate at plan time).
+    unpaid: ColumnElement[str] = literal_column(f"'{OrderStatus.UNPAID.value}'")
+    one = literal_column("1", Integer)
+    candidates = union_all(
+        select(one.label("n")),
+        select((held.c.slot + one).label("n")).where(
+            held.c.user_id == user, held.c.status == unpaid
+        ),
+    ).subquery("candidate")
+    taken = exists().where(
+        holder.c.user_id == user,
+        holder.c.slot == candidates.c.n,
+        holder.c.status == unpaid,
+    )
+    return (
+        select(candidates.c.n)
+        .where(candidates.c.n <= bindparam("slot_limit", type_=Integer), ~taken)
+        .order_by(candidates.c.n)
+        .limit(1)
+        .subquery("free")
+    )
+
+
+def _insert_in_free_slot(dialect: str) -> Any:
+    """INSERT INTO orders ... SELECT the values, the free slot: no row when none is free."""
+    free = _free_slot()
+    values = [bindparam(name, type_=ORDER[name].type) for name in CREATE_COLUMNS]
+    source = select(*values, free.c.n)
+    columns = [*CREATE_COLUMNS, "slot"]
+    if dialect == "postgresql":
+        return (
+            postgresql.insert(orders_table)
+            .from_select(columns, source)
+            .on_conflict_do_nothing(
+                index_elements=[ORDER.user_id, ORDER.slot], index_where=UNPAID_PREDICATE
+            )
+            .returning(*orders_table.c)
+        )
+    return insert(orders_table).from_select(columns, source).returning(*orders_table.c)
+
+
+_HOLDERS = select(ORDER.id, ORDER.expires_at_ms, ORDER.slot).where(
+    ORDER.user_id == bindparam("user_id"), UNPAID_PREDICATE
+)
+_ID_TAKEN = select(ORDER.id).where(ORDER.id == bindparam("oid"))
+
+
+class SlotGuard:
+    """Inserts creates into free slots; see the module docstring."""
+
+    def __init__(self, tx: Transactions) -> None:
+        self.tx = tx
+        dialect = tx.dialect
+        self._insert = _insert_in_free_slot(dialect)
+        self._in_one_statement = dialect == "postgresql"
+        if self._in_one_statement:
+            created_at = bindparam("created_at_ms", type_=BigInteger)
+            self._insert = with_events(self._insert, "created", EventKind.CREATED, created_at)
+
+    def insert(self, values: Mapping[str, Any], limit: int) -> Row[Any] | None:
+        """Insert the order and its event into the lowest free slot; None if none is free
+        (or, on PostgreSQL, a concurrent create took it first). Raises InsertConflict."""
+        params = {name: values[name] for name in CREATE_COLUMNS}
+        params["slot_limit"] = limit
+        if self._in_one_statement:
+            with self.tx.statements() as conn:
+                try:
+                    return conn.execute(self._insert, params).one_or_none()
+                except IntegrityError as exc:
+                    raise InsertConflict(values["id"]) from exc
+        with self.tx.write() as conn:
+            try:
+                row = conn.execute(self._insert, params).one_or_none()
+            except IntegrityError as exc:
+                raise InsertConflict(values["id"]) from exc
+            if row is not None:
+                created = [(row.id, row.user_id)]
+                record_events(conn, created, EventKind.CREATED, values["created_at_ms"], None)
+                conn.commit()
+            return row
+
+    def make_room(self, values: Mapping[str, Any], limit: int, now_ms: int) -> dict[str, int]:
+        """No slot was free: close the holders whose time is up, so that a retry may find one.
+
+        Returns the live holders (id -> expiry) when a retry is worth it: a holder was due
+        (closed here, or by someone else meanwhile), or a slot is free after all (a create
+        that raced ours took one, then something freed another). Raises InsertConflict when
+        the order's id exists already (a retry of a create, or another order's id), and
+        LimitReachedInSql when live orders hold every slot.
+        """
+        with self.tx.write() as conn:
+            if conn.execute(_ID_TAKEN, {"oid": values["id"]}).first() is not None:
+                raise InsertConflict(values["id"])
+            holders = conn.execute(_HOLDERS, {"user_id": values["user_id"]}).all()
+            due = [h.id for h in holders if h.expires_at_ms <= now_ms]
+            for order_id in due:
+                CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE)
+            conn.commit()
+        live = {h.id: h.expires_at_ms for h in holders if h.expires_at_ms > now_ms}
+        held = {h.slot for h in holders if h.id in live}
+        if due or any(n not in held for n in range(1, limit + 1)):
+            return live
+        raise LimitReachedInSql(live)

@@ -1,0 +1,87 @@
+"""How a use case opens its one SQL transaction on each engine.
+
+* SQLite: ``BEGIN IMMEDIATE`` takes the database's write lock up front, so a read-then-write
+  transaction never fails to upgrade, and it serialises the limit guard. Threads of one
+  process queue on a lock of their own first: SQLite's busy handler sleeps and retries,
+  which left writers waiting far longer than the lock was held (the bench measured p99
+  85 ms, 13.5 ms with the queue).
+* PostgreSQL: READ COMMITTED, the server's default. No use case counts then writes: the
+  unpaid limit is a unique index (``orders.sql.slots``), every transition a compare-and-set.
+
+Driver errors leave as :class:`~orders.errors.StoreUnavailable` (``models.sql_errors``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from orders.sql.greenlet import LoopLock
+from orders.sql.models import sql_errors
+
+_SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, AbstractContextManager[Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_SQLITE_WRITERS_GUARD = threading.Lock()
+
+
+def _sqlite_write_lock(engine: Engine) -> AbstractContextManager[Any]:
+    """One lock per SQLite engine in this process, shared by every service on it.
+
+    The engine of an ``AsyncEngine`` (aiosqlite) runs on an event loop (:mod:`orders.aio`),
+    where a waiting writer must yield to the loop, not stop its thread.
+    """
+    with _SQLITE_WRITERS_GUARD:
+        lock = _SQLITE_WRITERS.get(engine)
+        if lock is None:
+            lock = LoopLock() if engine.dialect.is_async else threading.Lock()
+            _SQLITE_WRITERS[engine] = lock
+        return lock
+
+
+class Transactions:
+    """Opens read connections and write transactions on one engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        self._autocommit = (
+            engine.execution_options(isolation_level="AUTOCOMMIT")
+            if self.dialect == "postgresql"
+            else None
+        )
+
+    @contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A connection for reads. At READ COMMITTED every statement reads a snapshot of its
+        own anyway, so on PostgreSQL the reads run in autocommit: no BEGIN, no ROLLBACK."""
+        with sql_errors(), (self._autocommit or self.engine).connect() as conn:
+            yield conn
+
+    @contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A write transaction; the caller commits. Leaving without commit rolls back."""
+        if self.dialect == "sqlite":
+            with _sqlite_write_lock(self.engine), sql_errors(), self.engine.connect() as conn:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                yield conn
+            return
+        with sql_errors(), self.engine.connect() as conn:
+            yield conn
+
+    @contextmanager
+    def statements(self) -> Iterator[Connection]:
+        """For work where each statement is a whole transaction on its own (a compare-and-set
+        with its event in one statement, a read): PostgreSQL runs them in autocommit, which
+        saves the BEGIN and COMMIT round trips; elsewhere this is :meth:`write`."""
+        if self._autocommit is None:
+            with self.write() as conn:
+                yield conn
+            return
+        with sql_errors(), self._autocommit.connect() as conn:
+            yield conn

@@ -1,0 +1,179 @@
+"""The transitions out of ``unpaid``, each one compare-and-set statement built once.
+
+A transition is ``UPDATE orders SET ... WHERE id = :oid AND <the state it leaves> RETURNING
+*``: of a payment, a cancel, a sweep and an extension racing for one order, exactly one
+matches the row. When it wins, its ``order_events`` row is written in the same transaction
+(the outbox). On PostgreSQL both are one statement (the event inserted from the UPDATE's
+RETURNING in a CTE): one round trip, and in autocommit one transaction on its own.
+
+The statements are built at import with bind parameters for everything a call varies:
+building them per call (SQLAlchemy's coercions and cache keys) cost about as much client
+CPU as running them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Connection,
+    Row,
+    String,
+    bindparam,
+    insert,
+    literal,
+    select,
+    update,
+)
+
+from orders.domain import EventKind, OrderStatus
+from orders.sql.models import UNPAID_PREDICATE, due_at, events_table, open_at, orders_table
+
+ORDER = orders_table.c
+EXPIRED_REASON = "expired"
+
+_NOW = bindparam("now_ms", type_=BigInteger)
+_OID = bindparam("oid", type_=String)
+_EXTRA = bindparam("extra_ms", type_=BigInteger)
+_INSERT_EVENT = insert(events_table)
+
+
+def _update(where: list[ColumnElement[bool]], values: Mapping[str, Any]) -> Any:
+    return (
+        update(orders_table)
+        .where(ORDER.id == _OID, *where)
+        .values(updated_at_ms=_NOW, **values)
+        .returning(*orders_table.c)
+    )
+
+
+def with_events(dml: Any, name: str, kind: EventKind, at_ms: Any, data: Any = None) -> Any:
+    """PostgreSQL: ``dml`` (an INSERT or UPDATE ... RETURNING the order rows) and one
+    ``kind`` event per returned row, in one statement: ``WITH name AS (dml), recorded AS
+    (INSERT INTO order_events SELECT ... FROM name) SELECT * FROM name``."""
+    changed = dml.cte(name)
+    columns = [changed.c.id, changed.c.user_id, literal(kind.value), at_ms]
+    names = ["order_id", "user_id", "kind", "at_ms"]
+    if data is not None:
+        columns.append(data)
+        names.append("data")
+    record = insert(events_table).from_select(names, select(*columns)).cte("recorded")
+    return select(changed).add_cte(record)
+
+
+def _with_event(change: Any, kind: EventKind) -> Any:
+    data = bindparam("event_data", type_=events_table.c.data.type)
+    return with_events(change, "changed", kind, _NOW, data)
+
+
+def record_events(
+    conn: Connection,
+    orders: Sequence[tuple[str, str]],
+    kind: EventKind,
+    at_ms: int,
+    data: dict[str, Any] | None,
+) -> None:
+    """Write one event per (order id, user id), in the caller's transaction: for the
+    transitions that SQLite cannot return from one statement with their event."""
+    rows = [
+        {"order_id": oid, "user_id": uid, "kind": kind.value, "at_ms": at_ms, "data": data}
+        for oid, uid in orders
+    ]
+    if len(rows) == 1:
+        conn.execute(_INSERT_EVENT, rows[0])  # one row: no executemany machinery
+    elif rows:
+        conn.execute(_INSERT_EVENT, rows)
+
+
+@dataclass(frozen=True)
+class CompareAndSet:
+    """One transition: its UPDATE and the kind of event it records when it wins."""
+
+    kind: EventKind
+    change: Any
+    in_one_statement: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "in_one_statement", _with_event(self.change, self.kind))
+
+    def run(
+        self, conn: Connection, params: Mapping[str, Any], data: dict[str, Any] | None
+    ) -> Row[Any] | None:
+        """Run it in ``conn``'s transaction; the row after it if it won, else None."""
+        if conn.dialect.name == "postgresql":
+            statement_params = {**params, "event_data": data}
+            return conn.execute(self.in_one_statement, statement_params).one_or_none()
+        row = conn.execute(self.change, params).one_or_none()
+        if row is not None:
+            event = {
+                "order_id": row.id,
+                "user_id": row.user_id,
+                "kind": self.kind.value,
+                "at_ms": params["now_ms"],
+                "data": data,
+            }
+            conn.execute(_INSERT_EVENT, event)
+        return row
+
+
+_PAID = {
+    "status": OrderStatus.PAID.value,
+    "paid_at_ms": _NOW,
+    "payment_ref": bindparam("ref", type_=String),
+}
+
+#: Unpaid -> paid, whatever the expiry (a payment that beats the sweep wins).
+PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))
+#: Unpaid -> paid while the expiry is still ahead (``strict_expiry``).
+PAY_STRICT = CompareAndSet(EventKind.PAID, _update([open_at(_NOW)], _PAID))
+#: Unpaid -> cancelled.
+CANCEL = CompareAndSet(
+    EventKind.CANCELLED,
+    _update(
+        [UNPAID_PREDICATE],
+        {
+            "status": OrderStatus.CANCELLED.value,
+            "closed_at_ms": _NOW,
+            "close_reason": bindparam("reason", type_=String),
+        },
+    ),
+)
+#: Unpaid and due -> closed (the sweep's rule, for one order).
+CLOSE_EXPIRED = CompareAndSet(
+    EventKind.CLOSED,
+    _update(
+        [due_at(_NOW)],
+        {
+            "status": OrderStatus.CLOSED.value,
+            "closed_at_ms": _NOW,
+            "close_reason": EXPIRED_REASON,
+        },
+    ),
+)
+#: An open order's expiry ``:extra_ms`` later, within ``:max_life_ms`` of its creation.
+EXTEND_OPEN = CompareAndSet(
+    EventKind.EXTENDED,
+    _update(
+        [
+            open_at(_NOW),
+            ORDER.expires_at_ms + _EXTRA - ORDER.created_at_ms
+            <= bindparam("max_life_ms", type_=BigInteger),
+        ],
+        {"expires_at_ms": ORDER.expires_at_ms + _EXTRA, "extensions": ORDER.extensions + 1},
+    ),
+)
+#: An unpaid order never extended gets the expiry ``:expires_at_ms`` (the pre-close check).
+REOPEN_EXPIRED = CompareAndSet(
+    EventKind.EXTENDED,
+    _update(
+        [UNPAID_PREDICATE, ORDER.extensions == 0],
+        {
+            "expires_at_ms": bindparam("expires_at_ms", type_=BigInteger),
+            "extensions": ORDER.extensions + 1,
+        },
+    ),
+)
