@@ -1,4 +1,4 @@
-"""Run ``orders bench`` on durable stores, as the README's benchmark table is made.
+"""Run ``orders bench`` on durable stores, as the benchmark table of docs/bench.md is made.
 
 Starts a throwaway PostgreSQL with fsync, synchronous_commit and full_page_writes on (the
 tests' server, tests/postgres.py, with ``durable=True``) and a redis-server on a unix socket

@@ -1,4 +1,4 @@
-"""The README's benchmark table, from two saved ``orders bench --json`` reports.
+"""The benchmark table of docs/bench.md, from two saved ``orders bench --json`` reports.
 
     .venv/bin/python scripts/bench_table.py /tmp/bench/sqlite.json /tmp/bench/postgresql.json
 

@@ -3,7 +3,7 @@
 Starts a redis-server on a unix socket and the chosen database (SQLite: a fresh file; or a
 throwaway PostgreSQL with fsync on, tests/postgres.py), migrates it, then creates ``--ops``
 orders for new users on one thread, printing the rate. Run it under a profiler for the
-README's flame graphs (the servers run in their own processes, so the graph is the client):
+flame graphs of docs/bench.md (the servers run in their own processes, so the graph is the client):
 
     .venv/bin/py-spy record --format flamegraph -o docs/profiles/create-postgresql.svg -- \\
         .venv/bin/python scripts/profile_create.py --engine postgresql --ops 5000

@@ -39,7 +39,7 @@ from orders.scheduler.status import SweeperStatus
 from orders.service import OrderService
 from orders.validation import check_count, check_seconds
 
-#: The scheduler process's one logger, documented by that name (README, operators' filters).
+#: The scheduler process's one logger; operators filter on this name (docs/operations.md).
 LOGGER_NAME = "orders.sweeper"
 log = logging.getLogger(LOGGER_NAME)
 
