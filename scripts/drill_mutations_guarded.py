@@ -1,7 +1,8 @@
 """The mutation drill's list, third part: breaks that no test caught until the tests in
 ``tests/unit/test_guarded_rules.py`` and ``tests/integration/test_guarded_rules.py`` were
-written for them (what a mutation is: drill_mutations.py; the runner joins the parts in
-drill_mutations_processes.py). Kept apart so that each list stays a readable length.
+written for them, and two rules whose existing tests had no break in the drill yet (what a
+mutation is: drill_mutations.py; the runner joins the parts in drill_mutations_processes.py).
+Kept apart so that each list stays a readable length.
 """
 
 from __future__ import annotations
@@ -129,13 +130,21 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
         "a consumer's saved position only moves forward (a twin behind cannot move it back)",
         f"{INTEGRATION}::test_a_consumer_that_fell_behind_its_twin_never_moves_the_cursor_back",
     ),
-    # --- retried creates ---------------------------------------------------------------------
+    # --- rules an existing test already pinned, with no break in the drill yet ---------------
     mutation(
         "retry-with-another-amount-accepted",
         "orders/domain.py",
         "if order.amount != amount or order.currency != currency:",
         "if False:",
         "the same order id with another amount or currency is an OrderConflict",
-        f"{INTEGRATION}::test_a_retry_with_the_same_order_id_and_another_amount_or_currency_is_a_conflict",
+        "tests/integration/test_create.py::test_the_same_order_id_with_another_amount_or_currency_is_a_conflict",
+    ),
+    mutation(
+        "sweep-claims-in-any-order",
+        "orders/sql/closing.py",
+        "        .order_by(ORDER.expires_at_ms)\n",
+        "",
+        "a sweep batch claims the due orders soonest expiry first",
+        "tests/integration/test_sweep.py::test_sweep_closes_orders_in_expiry_order_one_batch_at_a_time",
     ),
 )
