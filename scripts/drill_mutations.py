@@ -103,7 +103,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "slot-of-an-expired-order-not-taken",
         "orders/sql/slots.py",
-        "                self.records.close_expired(conn, order_id, now_ms, SLOT_REUSE)",
+        '                CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE)',
         "                pass",
         "a create closes the expired, unswept holder of a slot to take it",
         "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",
@@ -120,8 +120,8 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "compensation-keeps-the-member",
         "orders/admission.py",
-        "            self.release_after_commit(user_id, order_id)",
-        "            pass",
+        "existing.is_open):\n            self.release_after_commit(user_id, order_id)",
+        "existing.is_open):\n            pass",
         "a failed insert removes the member it admitted",
         "tests/integration/test_create.py::test_sql_failure_on_insert_removes_the_member_again",
         "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",

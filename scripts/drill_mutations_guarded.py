@@ -1,0 +1,150 @@
+"""The mutation drill's list, third part: breaks that no test caught until the tests in
+``tests/unit/test_guarded_rules.py`` and ``tests/integration/test_guarded_rules.py`` were
+written for them, and two rules whose existing tests had no break in the drill yet (what a
+mutation is: drill_mutations.py; the runner joins the parts in drill_mutations_processes.py).
+Kept apart so that each list stays a readable length.
+"""
+
+from __future__ import annotations
+
+from drill_mutations import Mutation, mutation
+
+UNIT = "tests/unit/test_guarded_rules.py"
+INTEGRATION = "tests/integration/test_guarded_rules.py"
+
+GUARDED_MUTATIONS: tuple[Mutation, ...] = (
+    # --- input checks and secrets ------------------------------------------------------------
+    mutation(
+        "user-id-closing-brackets-allowed",
+        "orders/validation.py",
+        'KEY_UNSAFE = frozenset("{}*?[]")',
+        'KEY_UNSAFE = frozenset("{*?[")',
+        "user ids refuse each of {}*?[] on its own, closing brackets too",
+        f"{UNIT}::test_a_user_id_with_a_key_unsafe_or_line_separating_character_is_refused",
+    ),
+    mutation(
+        "user-id-line-separators-allowed",
+        "orders/validation.py",
+        '("Cc", "Cs", "Cn", "Zl", "Zp")',
+        '("Cc", "Cs", "Cn")',
+        "ids refuse the line and paragraph separators U+2028, U+2029",
+        f"{UNIT}::test_a_user_id_with_a_key_unsafe_or_line_separating_character_is_refused",
+    ),
+    mutation(
+        "metadata-limit-in-characters",
+        "orders/validation.py",
+        'if len(encoded.encode("utf-8", "surrogatepass")) > max_bytes:',
+        "if len(encoded) > max_bytes:",
+        "the metadata limit counts UTF-8 bytes, not characters",
+        f"{UNIT}::test_the_metadata_limit_counts_utf8_bytes_not_characters",
+    ),
+    mutation(
+        "password-in-the-path-shown",
+        "orders/config.py",
+        'path = parts.path if _PLAIN.fullmatch(parts.path) else f"/{HIDDEN}"',
+        "path = parts.path",
+        "a password spilled into a URL's path is hidden",
+        f"{UNIT}::test_a_password_spilled_into_a_urls_path_is_hidden",
+    ),
+    # --- the asyncio API ---------------------------------------------------------------------
+    mutation(
+        "loop-retry-sleeps-on-the-loop",
+        "orders/aio/greenlets.py",
+        "wait_for(asyncio.sleep(pause_s))",
+        '__import__("time").sleep(pause_s)',
+        "the asyncio retry's back-off awaits on the loop, never blocks it",
+        f"{UNIT}::test_the_loop_retry_backs_off_on_the_event_loop_and_never_blocks_it",
+    ),
+    # --- the pre-close check -----------------------------------------------------------------
+    mutation(
+        "pre-close-extension-uncapped",
+        "orders/sweep.py",
+        "extra_ms = min(check_ttl_ms(answer, self.settings.max_ttl_ms), max_extension_ms)",
+        "extra_ms = check_ttl_ms(answer, self.settings.max_ttl_ms)",
+        "a pre-close extension is at most max_extension_s",
+        f"{INTEGRATION}::test_a_pre_close_extension_is_cut_to_max_extension_s",
+    ),
+    mutation(
+        "pre-close-past-the-max-lifetime",
+        "orders/sweep.py",
+        "if expires_at_ms - order.created_at_ms > round(self.settings.max_lifetime_s * 1000):",
+        "if False:",
+        "a pre-close extension never moves an expiry past created_at + max_lifetime_s",
+        f"{INTEGRATION}::test_a_pre_close_extension_never_passes_the_maximum_lifetime",
+    ),
+    mutation(
+        "pre-close-reopens-a-paid-order",
+        "orders/sql/transitions.py",
+        "[UNPAID_PREDICATE, ORDER.extensions == 0],",
+        "[ORDER.extensions == 0],",
+        "the pre-close check reopens only an order still unpaid",
+        f"{INTEGRATION}::test_a_pre_close_check_that_sees_the_order_paid_does_not_reopen_it",
+    ),
+    # --- admission, reconcile, the sweep -----------------------------------------------------
+    mutation(
+        "create-takes-the-highest-free-slot",
+        "orders/sql/slots.py",
+        ".order_by(candidates.c.n)",
+        ".order_by(candidates.c.n.desc())",
+        "a create takes its user's lowest free slot",
+        f"{INTEGRATION}::test_a_create_takes_the_lowest_free_slot",
+    ),
+    mutation(
+        "write-back-latest-first",
+        "orders/admission.py",
+        "sorted(holders.items(), key=lambda h: h[1])",
+        "sorted(holders.items(), key=lambda h: -h[1])",
+        "after Redis lost data, SQL's holders go back soonest expiry first",
+        f"{INTEGRATION}::test_the_write_back_after_redis_lost_data_puts_the_soonest_expiries_back_first",
+    ),
+    mutation(
+        "stale-add-check-reads-one-order-per-user",
+        "orders/reconcile.py",
+        "added = [(user, order_id) for user in found.written for order_id in wanted[user]]",
+        "added = [(user, next(iter(wanted[user]))) for user in found.written]",
+        "reconcile's stale-add check reads every order it added",
+        f"{INTEGRATION}::test_reconcile_undoes_every_add_that_raced_a_payment_not_only_the_first",
+    ),
+    mutation(
+        "sweep-update-without-status-check",
+        "orders/sql/closing.py",
+        ".where(claim, UNPAID_PREDICATE)",
+        ".where(claim)",
+        "the sweep's UPDATE re-checks status = 'unpaid' (compare-and-set)",
+        f"{INTEGRATION}::test_the_sweeps_update_itself_closes_only_rows_still_unpaid",
+    ),
+    # --- event consumers ---------------------------------------------------------------------
+    mutation(
+        "parked-event-overwritten-by-a-twin",
+        "orders/events/consumer.py",
+        "upsert(conn, retries_table, key, values, only_if=lambda new: RETRYING)",
+        "upsert(conn, retries_table, key, values)",
+        "a parked event's entry is kept when a twin consumer fails on it again",
+        f"{INTEGRATION}::test_a_parked_event_is_not_overwritten_by_a_twins_failure",
+    ),
+    mutation(
+        "consumer-cursor-moves-back",
+        "orders/events/consumer.py",
+        'upsert(conn, cursors_table, {"name": self.name}, values, only_if=ahead)',
+        'upsert(conn, cursors_table, {"name": self.name}, values)',
+        "a consumer's saved position only moves forward (a twin behind cannot move it back)",
+        f"{INTEGRATION}::test_a_consumer_that_fell_behind_its_twin_never_moves_the_cursor_back",
+    ),
+    # --- rules an existing test already pinned, with no break in the drill yet ---------------
+    mutation(
+        "retry-with-another-amount-accepted",
+        "orders/domain.py",
+        "if order.amount != amount or order.currency != currency:",
+        "if False:",
+        "the same order id with another amount or currency is an OrderConflict",
+        "tests/integration/test_create.py::test_the_same_order_id_with_another_amount_or_currency_is_a_conflict",
+    ),
+    mutation(
+        "sweep-claims-in-any-order",
+        "orders/sql/closing.py",
+        "        .order_by(ORDER.expires_at_ms)\n",
+        "",
+        "a sweep batch claims the due orders soonest expiry first",
+        "tests/integration/test_sweep.py::test_sweep_closes_orders_in_expiry_order_one_batch_at_a_time",
+    ),
+)
