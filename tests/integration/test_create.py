@@ -25,7 +25,7 @@ from tests.conftest import ManualClock, RoundTripCounter, StatementCounter
 from tests.helpers import refuse_inserts
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.cluster_too, pytest.mark.both_apis]
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too, pytest.mark.both_apis]
 
 
 def sql_rows(engine: Engine) -> list[Any]:

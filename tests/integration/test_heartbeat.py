@@ -13,7 +13,7 @@ from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.index.nodes import RedisClient
 from tests.conftest import ManualClock, RoundTripCounter
 
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
 
 FORGET_MS = 15_000
 

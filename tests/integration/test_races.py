@@ -25,6 +25,8 @@ from orders.validation import MAX_TIMESTAMP_MS
 from tests.conftest import ManualClock
 from tests.doubles import pausing_after_admit
 
+pytestmark = pytest.mark.redis_6_2_too
+
 OC = orders_table.c
 EC = events_table.c
 JOIN_TIMEOUT_S = 60

@@ -28,7 +28,7 @@ from tests.helpers import child_env, flush_db, run_orders, stop_process
 from tests.plans import explain, explain_sql
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
 
 
 def index_state(service: OrderService, users: list[str]) -> dict[str, dict[str, int]]:

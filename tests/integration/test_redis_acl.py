@@ -48,6 +48,8 @@ from orders.service import OrderService
 from tests.conftest import ManualClock, RedisServer
 from tests.helpers import record_texts
 
+pytestmark = pytest.mark.redis_6_2_too
+
 PREFIX = "UnpaidOrder-"
 #: Characters that must be percent-encoded in a URL, so the test also shows that the
 #: password survives the trip through ``redis_url``.

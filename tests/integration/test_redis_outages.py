@@ -21,6 +21,8 @@ from orders.service import OrderService
 from orders.sql.models import orders_table
 from tests.conftest import ManualClock, RedisServer
 
+pytestmark = pytest.mark.redis_6_2_too
+
 
 @pytest.fixture
 def own_redis(redis_binary: Path | None) -> Iterator[RedisServer]:

@@ -34,7 +34,10 @@ from tests.helpers import create_orders
 
 MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.redis_6_2_too,
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+]
 
 
 def sample(name: str, **labels: str) -> float:

@@ -29,7 +29,7 @@ from tests.conftest import ManualClock, RoundTripCounter
 from tests.helpers import closed_event_counts, create_orders, refuse_inserts, sql_rows
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
 
