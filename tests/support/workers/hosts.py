@@ -1,7 +1,7 @@
 """Processes that play the hosts of one deployment, each on a clock of its own.
 
-Started as ``python -m tests.concurrency.hosts_worker MODE CONFIG_JSON`` through
-:func:`tests.concurrency.worker.started` (same protocol: ``READY``, then ``GO``, then the
+Started as ``python -m tests.support.workers.hosts MODE CONFIG_JSON`` through
+:func:`tests.support.processes.started` (same protocol: ``READY``, then ``GO``, then the
 counts as the last stdout line; ``STOP`` on stdin ends the loops). Its Settings come from the
 environment (``ORDERS_DATABASE_URL``, ``ORDERS_REDIS_URL`` and whatever else the test passes
 through, ``ORDERS_REDIS_CLUSTER`` included), so a test may point it at any Redis.
@@ -42,9 +42,11 @@ from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from tests.concurrency.worker import Tally, close_service, now_ms, run_threads, stop_on_stdin
+from tests.support.clocks import now_ms
+from tests.support.tally import Tally, run_threads
+from tests.support.workers.protocol import close_service, stop_on_stdin
 
-MODULE = "tests.concurrency.hosts_worker"
+MODULE = "tests.support.workers.hosts"
 
 
 def skewed_clock(offset_ms: int) -> Clock:
