@@ -125,7 +125,8 @@ class ChildProcess:
     ``close()`` always ends it by its PID (``signum``, then SIGKILL) and reaps it.
 
     ``talk``: stdin and stdout are pipes, for the worker protocol (the module docstring);
-    else both are /dev/null, and the test watches the stderr (:meth:`wait_for`)."""
+    else both are /dev/null, and the test watches the stderr (:meth:`wait_for`). ``name``:
+    a worker's, from its config (tests name its files after it)."""
 
     def __init__(
         self,
@@ -133,7 +134,7 @@ class ChildProcess:
         env: dict[str, str],
         log_path: Path,
         *,
-        name: str = "process",
+        name: str = "",
         talk: bool = False,
     ) -> None:
         self.name = name
@@ -168,8 +169,9 @@ class ChildProcess:
 
     def fail(self, what: str) -> AssertionError:
         """An AssertionError naming the process, its exit status, ``what``, and its stderr."""
+        who = f"worker {self.name}" if self.name else "process"
         return AssertionError(
-            f"{self.name} (pid {self.pid}, exit {self.proc.poll()}): {what}\n"
+            f"{who} (pid {self.pid}, exit {self.proc.poll()}): {what}\n"
             f"--- its stderr ---\n{self.log()[-3000:]}"
         )
 
@@ -286,7 +288,7 @@ def started(
             name = str(config.get("name", mode))
             args = ["-m", module, mode, json.dumps(config)]
             log_path = log_dir / f"worker-{name}.stderr"
-            workers.append(ChildProcess(args, env, log_path, name=f"worker {name}", talk=True))
+            workers.append(ChildProcess(args, env, log_path, name=name, talk=True))
         deadline = time.monotonic() + ready_timeout_s
         for worker in workers:
             worker.wait_ready(deadline)
