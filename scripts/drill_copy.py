@@ -48,10 +48,10 @@ def child_env(copy: Path) -> dict[str, str]:
 def check_imports(copy: Path) -> None:
     """Python in the copy must import ``orders`` (and its Lua) and ``tests`` from the copy."""
     probe = (
-        "import importlib.resources, orders, tests.helpers\n"
+        "import importlib.resources, orders, tests.support.processes\n"
         "print(orders.__file__)\n"
         "print(importlib.resources.files('orders').joinpath('lua', 'admit.lua'))\n"
-        "print(tests.helpers.REPO / 'tests')\n"
+        "print(tests.support.processes.REPO / 'tests')\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe],

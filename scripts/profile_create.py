@@ -1,7 +1,7 @@
 """Where a create's time goes: many ``create_unpaid_order`` calls on durable stores, to profile.
 
 Starts a redis-server on a unix socket and the chosen database (SQLite: a fresh file; or a
-throwaway PostgreSQL with fsync on, tests/postgres.py), migrates it, then creates ``--ops``
+throwaway PostgreSQL with fsync on, tests/support/postgres.py), migrates it, then creates ``--ops``
 orders for new users on one thread, printing the rate. Run it under a profiler for the
 flame graphs of docs/bench.md (the servers run in their own processes, so the graph is the client):
 

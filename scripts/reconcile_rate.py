@@ -39,8 +39,8 @@ from orders.service import OrderService
 from orders.sql import migrate
 from orders.sql.models import orders_table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server
-from tests.postgres import PostgresServer, find_postgres_bin
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the tests' server
+from tests.support.postgres import PostgresServer, find_postgres_bin
 
 NOW_MS = 1_800_000_000_000
 

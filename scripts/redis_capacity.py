@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 from orders.domain import OrderIdGenerator  # noqa: E402
 from orders.embedded.binary import find_redis_server  # noqa: E402
 from orders.index.unpaid import load_script  # noqa: E402
-from tests.helpers import stop_process  # noqa: E402
+from tests.support.processes import stop_process  # noqa: E402
 
 PREFIX = "UnpaidOrder-"
 TTL_MS = 900_000

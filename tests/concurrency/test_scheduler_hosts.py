@@ -33,10 +33,11 @@ from sqlalchemy import Engine
 from orders.config import Settings
 from orders.index.lease import SweeperLease
 from orders.service import OrderService
-from tests.concurrency.hosts_worker import MODULE as HOSTS
-from tests.concurrency.worker import WorkerProcess, started
-from tests.conftest import ManualClock
-from tests.helpers import closed_event_counts, figures, sql_rows
+from tests.support.clocks import ManualClock
+from tests.support.processes import ChildProcess, started
+from tests.support.reports import figures
+from tests.support.stores import closed_event_counts, sql_rows
+from tests.support.workers.hosts import MODULE as HOSTS
 
 OFFSETS_MS = [-2000, 0, 2000]
 LEASE_TTL_S = 1.5
@@ -129,7 +130,7 @@ def test_one_active_scheduler_across_skewed_hosts_and_takeover_after_sigkill(
     ) as workers:
         by_pid = {w.pid: w for w in workers}
 
-        def holder() -> WorkerProcess | None:
+        def holder() -> ChildProcess | None:
             owner = lease.owner()
             return None if owner is None else by_pid[int(owner.split(":")[-2])]
 

@@ -1,7 +1,7 @@
 """Faults of a real Redis Cluster under load: a primary SIGKILLed (its replica promoted),
 slots resharded, a primary restarted empty.
 
-Two worker processes (tests/crash/pg_worker.py, mode ``load``) create orders for a few
+Two worker processes (tests/support/workers/pg.py, mode ``load``) create orders for a few
 users each at a limit of 2, pay some and sweep, on PostgreSQL and a local cluster of 3
 primaries and 3 replicas of the test's own (a short node timeout: a failover takes a
 second or two). Mid-run the fault strikes; the load goes on through it and after it.
@@ -26,17 +26,16 @@ from sqlalchemy import Engine
 from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.embedded.binary import find_redis_server
-from tests.cluster import LocalCluster, running_cluster
-from tests.concurrency.worker import started
-from tests.crash.checks import (
-    UnpaidMonitor,
+from tests.support.checks import (
     assert_acknowledged_in_sql,
     assert_index_equals_sql_after_reconcile,
     assert_typed_outcomes,
-    most_unpaid_of_one_user,
     read_acks,
 )
-from tests.crash.pg_worker import MODULE as PG_WORKER
+from tests.support.cluster import LocalCluster, running_cluster
+from tests.support.monitor import LimitMonitor
+from tests.support.processes import started
+from tests.support.workers.pg import MODULE as PG_WORKER
 
 WORKERS = 2
 LIMIT = 2
@@ -52,7 +51,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def busy_key() -> str:
-    """The key of a user the workers use (tests/crash/pg_worker.py names users so)."""
+    """The key of a user the workers use (tests/support/workers/pg.py names users so)."""
     return "UnpaidOrder-w0-user-0"
 
 
@@ -131,7 +130,7 @@ def test_a_cluster_fault_under_load_loses_nothing_acknowledged_and_keeps_the_lim
             module=PG_WORKER,
             extra_env=TIMEOUTS,
         ) as workers,
-        UnpaidMonitor(engine) as monitor,
+        LimitMonitor(engine, limit=LIMIT) as monitor,
     ):
         for worker in workers:
             worker.go()
@@ -151,7 +150,8 @@ def test_a_cluster_fault_under_load_loses_nothing_acknowledged_and_keeps_the_lim
         assert creates["last_ok_s"] > healed_at, (r["name"], "no create after the fault")
     assert monitor.samples > 0
     assert monitor.max_unpaid <= LIMIT, f"a user held {monitor.max_unpaid} unpaid orders in SQL"
-    assert most_unpaid_of_one_user(engine) <= LIMIT
+    assert monitor.violations == [], monitor.violations[:5]
+    assert monitor.sample().unpaid <= LIMIT  # and at the end
     acked = assert_acknowledged_in_sql(
         engine, [read_acks(tmp_path / f"w{n}.acks") for n in range(WORKERS)]
     )

@@ -26,15 +26,13 @@ import queue
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import redis
@@ -48,8 +46,10 @@ from orders.index.lease import SweeperLease
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
-from tests.conftest import ManualClock, RedisServer
-from tests.helpers import REPO, child_env, stop_process
+from tests.support.clocks import ManualClock
+from tests.support.monitor import LimitMonitor
+from tests.support.processes import ChildProcess, child_env
+from tests.support.redis_server import RedisServer
 
 UNPAID = OrderStatus.UNPAID.value
 OC = orders_table.c
@@ -70,60 +70,6 @@ def stores_env(database_url: str, redis_url: str) -> dict[str, str]:
     env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
     env.pop("PYTHONWARNINGS", None)
     return env
-
-
-class Child:
-    """A process of ours, its stderr in a file. ``stop()`` ends it by its PID and reaps it."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self._log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, *args],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=self._log,
-                cwd=REPO,
-                env=env,
-            )
-        except BaseException:
-            self._log.close()
-            raise
-        self.pid = self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def fail(self, what: str) -> AssertionError:
-        return AssertionError(
-            f"process {self.pid} (exit {self.proc.poll()}): {what}\n--- stderr ---\n"
-            + self.log()[-3000:]
-        )
-
-    def wait_for(self, needle: str, timeout_s: float) -> float:
-        """Wait until ``needle`` appears in its stderr; the monotonic time it was seen."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if needle in self.log():
-                return time.monotonic()
-            if self.proc.poll() is not None:
-                raise self.fail(f"exited before it printed {needle!r}")
-            if time.monotonic() > deadline:
-                raise self.fail(f"did not print {needle!r} within {timeout_s} s")
-            time.sleep(0.005)
-
-    def sigkill(self) -> int:
-        """SIGKILL it by PID and reap it; its exit status (-9 if it was still running)."""
-        returncode = stop_process(self.proc, signum=signal.SIGKILL, timeout_s=30)
-        self._log.close()
-        return returncode
-
-    def stop(self) -> None:
-        """For ``finally``: end it however it is (SIGKILL by PID) unless it already ended."""
-        if self.proc.poll() is None:
-            self.sigkill()
-        self._log.close()
 
 
 def sleep_until(monotonic_at: float) -> None:
@@ -287,7 +233,7 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
         else:
             tranche = []
         closed_before = count_closed(engine)
-        child = Child(SCHEDULER_ARGS, env, tmp_path / f"scheduler-{kill}.log")
+        child = ChildProcess(SCHEDULER_ARGS, env, tmp_path / f"scheduler-{kill}.log")
         try:
             # The lease of the process killed last lapses 0.5 s after its last renewal; this
             # one starts sweeping as soon as it holds the lease. Kill it 50-400 ms later.
@@ -315,7 +261,7 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
             sleep_until(kill_at)
             returncode = child.sigkill()
         finally:
-            child.stop()
+            child.close(signum=signal.SIGKILL)
         if returncode != -signal.SIGKILL:
             raise child.fail(f"seed {seed}: exited by itself ({returncode}) before the kill")
         closed_now, due_now = count_closed(engine), service.count_due()
@@ -329,7 +275,7 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
     closed_before_final = count_closed(engine)
     # A clean scheduler takes over once the last lease lapses and finishes the job; SIGTERM
     # then stops it after the batch in hand.
-    final = Child(SCHEDULER_ARGS, env, tmp_path / "scheduler-final.log")
+    final = ChildProcess(SCHEDULER_ARGS, env, tmp_path / "scheduler-final.log")
     try:
         final.wait_for(LEASE_ACQUIRED, 60)
         deadline = time.monotonic() + 120
@@ -343,7 +289,7 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
         final.proc.send_signal(signal.SIGTERM)
         returncode = final.proc.wait(30)
     finally:
-        final.stop()
+        final.close(signum=signal.SIGKILL)
     assert returncode == 0, final.log()[-3000:]
     assert service.sweep_expired().closed == 0
     closed_by_final = count_closed(engine) - closed_before_final
@@ -413,8 +359,8 @@ def test_a_create_killed_between_redis_and_sql_holds_its_slot_until_its_expiry_a
     ]
     markers = tmp_path / "markers"
     markers.mkdir()
-    worker = Child(
-        ["-m", "tests.crash.worker", str(markers), json.dumps(creates)],
+    worker = ChildProcess(
+        ["-m", "tests.support.workers.crash", str(markers), json.dumps(creates)],
         stores_env(database_url, redis_url),
         tmp_path / "worker.log",
     )
@@ -431,7 +377,7 @@ def test_a_create_killed_between_redis_and_sql_holds_its_slot_until_its_expiry_a
                 time.sleep(0.005)
         returncode = worker.sigkill()
     finally:
-        worker.stop()
+        worker.close(signum=signal.SIGKILL)
     assert returncode == -signal.SIGKILL
 
     clock = RecordingClock()
@@ -514,49 +460,6 @@ LOAD_USERS = [f"lu{i:02d}" for i in range(20)]
 LOAD_LIMIT = 2
 
 
-class LimitMonitor:
-    """Samples every load user's open orders in SQL, all users in one statement.
-
-    A sample reads ``t0``, runs the statement for unpaid rows expiring after ``t0``, reads
-    ``t1``, and counts per user the rows expiring after ``t1``. That count is exact (see
-    tests/concurrency/test_limit_under_contention.py): every create whose row the statement
-    sees ran its guard with a clock reading before ``t1``, so at most ``limit`` of them expire
-    after ``t1``. The rows between ``t0`` and ``t1`` are ones a later create could rightly
-    ignore.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.samples = 0
-        self.max_open = 0
-        self.violations: list[str] = []
-        self.errors: list[BaseException] = []
-
-    def sample(self) -> None:
-        query = select(OC.user_id, OC.expires_at_ms).where(
-            OC.user_id.in_(LOAD_USERS), OC.status == UNPAID
-        )
-        with self.engine.connect() as conn:
-            t0 = system_clock()
-            rows = conn.execute(query.where(OC.expires_at_ms > t0)).all()
-            t1 = system_clock()
-        per_user = Counter(user for user, expires_at_ms in rows if expires_at_ms > t1)
-        self.samples += 1
-        if per_user:
-            self.max_open = max(self.max_open, *per_user.values())
-        for user, n in per_user.items():
-            if n > LOAD_LIMIT:
-                self.violations.append(f"t={t1}: {user} holds {n} open orders")
-
-    def run(self, stop: threading.Event) -> None:
-        try:
-            while not stop.is_set():
-                self.sample()
-                time.sleep(0.002)
-        except BaseException as exc:
-            self.errors.append(exc)
-
-
 @pytest.fixture
 def own_redis(redis_binary: Path | None) -> Iterator[RedisServer]:
     """A redis-server this test may stop and start again (without persistence)."""
@@ -636,11 +539,11 @@ def test_redis_restarted_without_persistence_under_load_never_breaks_the_limit_a
         finally:
             sweeping.close()
 
-    monitor = LimitMonitor(engine)
+    monitor = LimitMonitor(engine, users=LOAD_USERS, limit=LOAD_LIMIT)
     threads = [threading.Thread(target=guarded(creator, random.Random(seed + i))) for i in range(4)]
     threads += [threading.Thread(target=guarded(payer)), threading.Thread(target=guarded(sweeper))]
-    threads.append(threading.Thread(target=monitor.run, args=(stop,)))
     try:
+        monitor.start()
         for thread in threads:
             thread.start()
         time.sleep(load_s / 2)
@@ -653,6 +556,7 @@ def test_redis_restarted_without_persistence_under_load_never_breaks_the_limit_a
         stop.set()
         for thread in threads:
             thread.join(60)
+        monitor.stop()
     assert not any(thread.is_alive() for thread in threads)
     epoch_rebuilt = service.index.get_epoch() is not None  # the sweeper's own rebuild
 
@@ -675,14 +579,13 @@ def test_redis_restarted_without_persistence_under_load_never_breaks_the_limit_a
     print(
         f"CRASH-REPORT redis-restart [{engine.dialect.name}] seed={seed} load_s={load_s} "
         f"samples={monitor.samples} violations={len(monitor.violations)} "
-        f"max_open_seen={monitor.max_open} counts={dict(counts)} "
+        f"max_open_seen={monitor.max_sql} counts={dict(counts)} "
         f"created_before_restart={created_before_restart} epoch_rebuilt={epoch_rebuilt} "
         f"wrong_before_final_reconcile={before.fixes} final_reconcile={report.as_dict()} "
         f"open_at_end={sum(len(m) for m in sql_open.values())}"
     )
     client.close()
     assert errors == [], f"seed {seed}"
-    assert monitor.errors == [], f"seed {seed}"
     assert monitor.violations == [], f"seed {seed}: {monitor.violations[:10]}"
     assert monitor.samples >= 100
     assert counts["created"] > created_before_restart > 0  # load ran on both sides of it

@@ -1,7 +1,7 @@
 """PostgreSQL restarted (fast shutdown, then start) under load from worker processes.
 
 The test starts a PostgreSQL of its own, with fsync and synchronous commits on, as in
-production. Two worker processes (tests/crash/pg_worker.py) create, pay and sweep without
+production. Two worker processes (tests/support/workers/pg.py) create, pay and sweep without
 pause and log every acknowledged result (fsynced per line); meanwhile the server is shut down
 "fast" (SIGINT: what ``pg_ctl stop -m fast`` sends), kept down a moment, and started again.
 
@@ -29,15 +29,15 @@ from orders.config import Settings
 from orders.errors import StoreUnavailable
 from orders.sql import migrate
 from orders.sql.records import OrderRecords
-from tests.concurrency.worker import started
-from tests.crash.checks import (
+from tests.support.checks import (
     assert_acknowledged_in_sql,
     assert_index_equals_sql_after_reconcile,
     assert_typed_outcomes,
     read_acks,
 )
-from tests.crash.pg_worker import MODULE as PG_WORKER
-from tests.postgres import PostgresServer, find_postgres_bin
+from tests.support.postgres import PostgresServer, find_postgres_bin
+from tests.support.processes import started
+from tests.support.workers.pg import MODULE as PG_WORKER
 
 WORKERS = 2
 #: The children's timeouts (ORDERS_* variables), small so an outage is felt quickly.

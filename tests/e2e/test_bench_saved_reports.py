@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 
 from orders.bench.compare import compare_lines
 from orders.cli import main
-from tests.bench_reports import NEW, OLD, save
+from tests.support.bench_reports import NEW, OLD, save
 
 
 def bench(*args: str) -> Result:

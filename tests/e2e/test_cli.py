@@ -9,23 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import CliRunner
 
 from orders.cli import main
 from orders.embedded.server import redis_status
 from orders.sql.migrate import head_revision
-from tests.helpers import child_env, run_orders, run_python
-
-
-@pytest.fixture
-def run(database_url: str, redis_url: str, redis_client: Any) -> Any:
-    """Run ``orders ARGS`` in process against the test's stores."""
-    env = {"ORDERS_DATABASE_URL": database_url, "ORDERS_REDIS_URL": redis_url}
-
-    def invoke(*args: str) -> Result:
-        return CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
-
-    return invoke
+from tests.support.processes import child_env, run_orders, run_python
 
 
 def test_create_show_pay_round_trip_with_json(run: Any) -> None:

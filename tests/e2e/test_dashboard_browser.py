@@ -46,7 +46,7 @@ from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.index.lease import SweeperLease
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
 
 # One engine is enough: the browser sees the same JSON whichever store answers it.
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

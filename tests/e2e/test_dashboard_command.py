@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from orders.cli import main
-from tests.helpers import REPO, child_env, free_port, stop_process
+from tests.support.processes import REPO, child_env, free_port, stop_process
 
 TOKEN = "a-dashboard-token-for-tests"
 

@@ -17,7 +17,7 @@ from orders.dashboard import start_dashboard
 from orders.errors import InvalidInput
 from orders.httpd import Served
 from orders.service import OrderService
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
 
 TOKEN = "s3cret-dashboard-token"
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)

@@ -33,7 +33,7 @@ from orders.embedded.server import redis_status, stop_redis
 from orders.index.lease import SweeperLease
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
-from tests.helpers import REPO, child_env, servers_under, stop_process
+from tests.support.processes import REPO, child_env, servers_under, stop_process
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/cwd").exists(), reason="finds servers through /proc (Linux)"

@@ -10,9 +10,8 @@ from sqlalchemy import Engine
 
 from orders.events.consumer import EventConsumer
 from orders.service import OrderService
-from tests.conftest import ManualClock
-from tests.e2e.test_cli import run  # noqa: F401 - the fixture: `orders ARGS` on the test's stores
-from tests.integration.test_event_retries import Poison
+from tests.support.clocks import ManualClock
+from tests.support.doubles import Poison
 
 HOUR_S = 3600
 
@@ -31,7 +30,7 @@ def stock(service: OrderService, engine: Engine, clock: ManualClock) -> Poison:
 
 
 def test_consumers_json_and_text_show_lag_retrying_and_parked(
-    run: Any,  # noqa: F811
+    run: Any,
     stock: Poison,
     service: OrderService,
 ) -> None:
@@ -51,7 +50,7 @@ def test_consumers_json_and_text_show_lag_retrying_and_parked(
 
 
 def test_parked_shows_each_entry_on_one_line_with_the_error_cut(
-    run: Any,  # noqa: F811
+    run: Any,
     stock: Poison,
 ) -> None:
     listed = run("events", "parked", "--consumer", "stock", "--json")
@@ -73,7 +72,7 @@ def test_parked_shows_each_entry_on_one_line_with_the_error_cut(
 
 
 def test_requeue_then_the_consumer_runs_it_and_discard_removes_an_entry(
-    run: Any,  # noqa: F811
+    run: Any,
     stock: Poison,
     engine: Engine,
     clock: ManualClock,
@@ -93,7 +92,7 @@ def test_requeue_then_the_consumer_runs_it_and_discard_removes_an_entry(
 
 
 def test_discard_removes_the_parked_entry(
-    run: Any,  # noqa: F811
+    run: Any,
     stock: Poison,
 ) -> None:
     discarded = run("events", "discard", "stock", "1")
@@ -123,7 +122,7 @@ def test_discard_removes_the_parked_entry(
     ],
 )
 def test_what_is_not_a_parked_event_exits_2_with_one_line(
-    run: Any,  # noqa: F811
+    run: Any,
     stock: Poison,
     args: list[str],
     words: str,

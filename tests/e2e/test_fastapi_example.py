@@ -26,8 +26,8 @@ from sqlalchemy import Engine, select
 from orders.config import Settings
 from orders.service import OrderService
 from orders.sql.models import orders_table
-from tests.conftest import ManualClock
-from tests.helpers import REPO, child_env, free_port
+from tests.support.clocks import ManualClock
+from tests.support.processes import REPO, child_env, free_port
 
 EXAMPLE = REPO / "examples" / "fastapi_checkout"
 WORKERS = 3

@@ -21,7 +21,7 @@ from orders.embedded.server import redis_status
 from orders.index.lease import SweeperLease
 from orders.service import OrderService
 from orders.sql.models import events_table
-from tests.helpers import (
+from tests.support.processes import (
     REPO,
     child_env,
     free_port,

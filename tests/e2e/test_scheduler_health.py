@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RedisServer
-from tests.helpers import REPO, child_env, free_port, run_orders, stop_process
+from tests.support.processes import REPO, child_env, free_port, run_orders, stop_process
+from tests.support.redis_server import RedisServer
 
 
 def get(url: str) -> tuple[int, dict[str, Any]]:

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine
 
 from orders.sql import migrate
-from tests.helpers import child_env, run_orders, run_python
+from tests.support.processes import child_env, run_orders, run_python
 
 #: Libraries that cost tens to hundreds of milliseconds to import.
 HEAVY = ("sqlalchemy", "redis", "apscheduler", "rich", "prometheus_client", "alembic")

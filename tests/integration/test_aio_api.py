@@ -22,7 +22,7 @@ from orders.bootstrap import build_async_engine
 from orders.config import Settings
 from orders.errors import InvalidInput, OrderClosed, StoreUnavailable
 from orders.sql.models import events_table, orders_table
-from tests.aio_support import new_async_service, run_checked
+from tests.support.aio import new_async_service, run_checked
 
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"
 DEAD_DATABASE_URL = "postgresql://u:p@127.0.0.1:1/x"

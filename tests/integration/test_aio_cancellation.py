@@ -28,8 +28,8 @@ from orders.aio import AsyncOrderService
 from orders.config import Settings
 from orders.index.nodes import RedisClient
 from orders.sql.models import events_table, orders_table
-from tests.aio_support import new_async_service, run_checked
-from tests.conftest import ManualClock
+from tests.support.aio import new_async_service, run_checked
+from tests.support.clocks import ManualClock
 
 pytestmark = pytest.mark.cluster_too
 

@@ -21,11 +21,11 @@ from orders import (
 from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.sql.models import events_table, orders_table
-from tests.conftest import ManualClock, RoundTripCounter, StatementCounter
-from tests.helpers import refuse_inserts
+from tests.support.clocks import ManualClock
+from tests.support.stores import RoundTripCounter, StatementCounter, refuse_inserts
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.cluster_too, pytest.mark.both_apis]
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too, pytest.mark.both_apis]
 
 
 def sql_rows(engine: Engine) -> list[Any]:

@@ -12,7 +12,7 @@ from orders.dashboard.snapshot import compare_user, read_overview
 from orders.errors import InvalidInput
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
 
 TOKEN = "s3cret-dashboard-token"
 

@@ -2,7 +2,7 @@
 
 The statements are not listed here by hand: a listener on the engine records what
 ``read_overview`` and ``compare_user`` actually send, and each is planned the way the
-driver runs it (prepared, generic plan, sequential scans off: ``tests.plans.explain_sql``),
+driver runs it (prepared, generic plan, sequential scans off: ``tests.support.plans.explain_sql``),
 so a partial index counts only where a literal in the SQL lets it serve. A plan may read
 tables only through named indexes. The number of statements is pinned too: one added to
 the dashboard later is planned here without anyone listing it, and one that escaped the
@@ -24,9 +24,9 @@ from orders.dashboard.snapshot import compare_user, read_overview
 from orders.events.consumer import EventConsumer
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
-from tests.conftest import ManualClock
-from tests.integration.test_event_retries import Poison
-from tests.plans import Statement, captured, explain_sql
+from tests.support.clocks import ManualClock
+from tests.support.doubles import Poison
+from tests.support.plans import Statement, captured, explain_sql
 
 pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 

@@ -37,11 +37,14 @@ from orders.embedded.server import (
 )
 from orders.errors import StoreUnavailable
 from orders.index.unpaid import UnpaidIndex
-from tests.helpers import child_env, run_python, servers_under, stop_process
+from tests.support.processes import child_env, run_python, servers_under, stop_process
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/cwd").exists(), reason="finds servers through /proc (Linux)"
-)
+pytestmark = [
+    pytest.mark.redis_6_2_too,
+    pytest.mark.skipif(
+        not Path("/proc/self/cwd").exists(), reason="finds servers through /proc (Linux)"
+    ),
+]
 
 
 CHILD_ENSURE = """

@@ -18,9 +18,9 @@ from orders.events.admin import (
 from orders.events.consumer import EventConsumer, EventPosition, read_events
 from orders.service import OrderService
 from orders.sql.models import retries_table
-from tests.conftest import ManualClock
-from tests.integration.test_event_retries import Poison
-from tests.plans import explain
+from tests.support.clocks import ManualClock
+from tests.support.doubles import Poison
+from tests.support.plans import explain
 
 HOUR_S = 3600
 

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, event, select
 from orders.events.consumer import EventConsumer, EventPosition, OrderEvent, read_events
 from orders.service import OrderService
 from orders.sql.models import cursors_table, retries_table
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
 
 
 class FirstWriteBarrier:

@@ -15,10 +15,11 @@ from sqlalchemy import Engine, select
 
 from orders.config import Settings
 from orders.errors import InvalidInput
-from orders.events.consumer import EventConsumer, OrderEvent
+from orders.events.consumer import EventConsumer
 from orders.service import OrderService
 from orders.sql.models import retries_table
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
+from tests.support.doubles import Poison
 
 HOUR_S = 3600
 
@@ -26,21 +27,6 @@ HOUR_S = 3600
 def retry_rows(engine: Engine) -> list[Any]:
     with engine.connect() as conn:
         return conn.execute(select(retries_table).order_by(retries_table.c.event_id)).all()
-
-
-class Poison:
-    """A handler that fails on the events of ``order_ids`` and records every call."""
-
-    def __init__(self, *order_ids: str) -> None:
-        self.order_ids = set(order_ids)
-        self.calls: list[int] = []
-        self.handled: list[str] = []
-
-    def __call__(self, event: OrderEvent) -> None:
-        self.calls.append(event.id)
-        if event.order_id in self.order_ids:
-            raise RuntimeError(f"no stock row for {event.order_id}\nsecond line")
-        self.handled.append(event.order_id)
 
 
 def test_attempts_are_counted_and_the_last_error_kept_on_one_line(

@@ -7,12 +7,8 @@ from sqlalchemy import Engine, inspect, select, text
 from orders.events.consumer import RC, RETRYING
 from orders.sql import migrate
 from orders.sql.models import retries_table
-from tests.integration.test_schema import (  # the schema tests' fixtures and readers
-    empty_engine,  # noqa: F401
-    empty_url,  # noqa: F401
-    schema_differences,
-)
-from tests.plans import explain
+from tests.support.plans import explain
+from tests.support.stores import schema_differences
 
 RETRY_COLUMNS = "consumer, event_id, attempts, next_at_ms, last_error"
 
@@ -22,7 +18,7 @@ def retry_indexes(engine: Engine) -> set[str]:
 
 
 def test_0004_keeps_retries_as_retrying_and_downgrade_keeps_parked_ones(
-    empty_engine: Engine,  # noqa: F811
+    empty_engine: Engine,
 ) -> None:
     migrate.upgrade(empty_engine, "0003")
     with empty_engine.begin() as conn:

@@ -24,8 +24,9 @@ from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table
-from tests.conftest import ManualClock, RunningClock
-from tests.helpers import REPO, child_env, sql_rows, stop_process
+from tests.support.clocks import ManualClock, RunningClock
+from tests.support.processes import REPO, child_env, stop_process
+from tests.support.stores import sql_rows
 
 
 def kinds_of(engine: Engine, order_id: str) -> list[str]:

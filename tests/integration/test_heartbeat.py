@@ -11,9 +11,10 @@ from orders.config import Settings
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.index.nodes import RedisClient
-from tests.conftest import ManualClock, RoundTripCounter
+from tests.support.clocks import ManualClock
+from tests.support.stores import RoundTripCounter
 
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
 
 FORGET_MS = 15_000
 

@@ -38,7 +38,7 @@ from orders.cli import main
 from orders.config import Settings
 from orders.events.consumer import EventPosition
 from orders.sql.models import events_table, orders_table
-from tests.helpers import record_texts
+from tests.support.reports import record_texts
 
 PREFIX = "UnpaidOrder-"
 MAX_TTL_MS = 7 * 24 * 3600 * 1000

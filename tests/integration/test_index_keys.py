@@ -16,10 +16,10 @@ import redis
 from orders.config import Settings
 from orders.index.unpaid import UnpaidIndex
 from orders.service import OrderService
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
 
 KEY = "UnpaidOrder-u1"
 

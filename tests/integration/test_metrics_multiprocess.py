@@ -13,8 +13,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import child_env, run_python
-from tests.metrics_workers import GAUGE_MODES, GAUGE_VALUES
+from tests.support.processes import child_env, run_python
+from tests.support.workers.metrics import GAUGE_MODES, GAUGE_VALUES
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -35,7 +35,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 def run_workers(folder: Path) -> dict[str, Any]:
     done = run_python(
-        "-m", "tests.metrics_workers", env=child_env(PROMETHEUS_MULTIPROC_DIR=str(folder))
+        "-m", "tests.support.workers.metrics", env=child_env(PROMETHEUS_MULTIPROC_DIR=str(folder))
     )
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])

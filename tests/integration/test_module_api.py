@@ -22,8 +22,8 @@ import orders
 from orders.config import Settings
 from orders.errors import InvalidInput
 from orders.sql.models import events_table, orders_table
-from tests.conftest import ManualClock
-from tests.helpers import child_env, run_python
+from tests.support.clocks import ManualClock
+from tests.support.processes import child_env, run_python
 
 DEAD_DATABASE_URL = "postgresql://u:p@127.0.0.1:1/x"
 DEAD_REDIS_URL = "redis://127.0.0.1:1/0"

@@ -10,7 +10,7 @@ from orders import OrderClosed, UnpaidOrderLimitReached
 from orders.metrics import serve
 from orders.service import OrderService
 from orders.sql.stats import CloseLag, LagBucket, collect_stats
-from tests.conftest import ManualClock
+from tests.support.clocks import ManualClock
 
 
 def scrape(port: int) -> dict[str, float]:

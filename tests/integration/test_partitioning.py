@@ -27,7 +27,8 @@ from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.errors import OrderConflict, UnpaidOrderLimitReached
 from orders.service import OrderService
-from tests.conftest import ManualClock, PostgresTarget
+from tests.support.clocks import ManualClock
+from tests.support.postgres import PostgresTarget
 
 DDL = Path(__file__).resolve().parents[2] / "docs" / "partitioning.sql"
 PARTITIONS = 16

@@ -15,15 +15,18 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, select
 
 from orders.domain import OrderStatus
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, UnpaidOrderLimitReached
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from orders.validation import MAX_TIMESTAMP_MS
-from tests.conftest import ManualClock
-from tests.doubles import pausing_after_admit
+from tests.support.clocks import ManualClock
+from tests.support.doubles import pausing_after_admit
+from tests.support.monitor import LimitMonitor
+
+pytestmark = pytest.mark.redis_6_2_too
 
 OC = orders_table.c
 EC = events_table.c
@@ -66,13 +69,6 @@ def sql_unpaid_ids(engine: Engine, user_id: str) -> set[str]:
     return {row.id for row in rows}
 
 
-def sql_unpaid_count(engine: Engine, user_id: str) -> int:
-    with engine.connect() as conn:
-        return conn.execute(
-            select(func.count()).where(OC.user_id == user_id, OC.status == OrderStatus.UNPAID.value)
-        ).scalar_one()
-
-
 def sql_orders(engine: Engine, **where: Any) -> dict[str, Any]:
     """Order rows by id, filtered by column equality."""
     query = select(*orders_table.c).where(*(OC[name] == value for name, value in where.items()))
@@ -88,44 +84,6 @@ def sql_events(engine: Engine) -> dict[str, list[str]]:
     for row in rows:
         out.setdefault(row.order_id, []).append(row.kind)
     return out
-
-
-class Monitor:
-    """Samples the user's unpaid count in SQL and the ZCARD of its key until stopped."""
-
-    def __init__(self, engine: Engine, client: redis.Redis, key: str, user_id: str) -> None:
-        self.engine = engine
-        self.client = client
-        self.key = key
-        self.user_id = user_id
-        self.sql_samples: list[int] = []
-        self.redis_samples: list[int] = []
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        self.sql_samples.append(sql_unpaid_count(self.engine, self.user_id))
-        self.redis_samples.append(int(self.client.zcard(self.key)))
-
-    def _run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                self._sample()
-            self._sample()
-        except BaseException as exc:
-            self.error = exc
-
-    def __enter__(self) -> Monitor:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop.set()
-        self.thread.join(JOIN_TIMEOUT_S)
-        assert not self.thread.is_alive(), "the monitor did not stop"
-        if self.error is not None:
-            raise self.error
 
 
 # --- the limit under contention -----------------------------------------------------------
@@ -160,7 +118,10 @@ def test_thirty_two_threads_racing_one_user_get_exactly_the_limit_in_both_stores
 
     # Half the threads share the fixture's service, half have one of their own.
     targets = [creator(service if n % 2 else make_service()) for n in range(threads)]
-    with Monitor(engine, redis_client, service.index.key(user), user) as monitor:
+    key = service.index.key(user)
+    with LimitMonitor(
+        engine, redis_client, key, user, limit=limit, clock=service.clock, pause_s=0
+    ) as monitor:
         run_threads(targets)
 
     assert len(created) == limit
@@ -169,10 +130,12 @@ def test_thirty_two_threads_racing_one_user_get_exactly_the_limit_in_both_stores
     assert all(exc.limit == limit and exc.open_count == limit for exc in refused)
     assert sql_unpaid_ids(engine, user) == set(created)
     assert set(service.index.members(user)) == set(created)
-    assert monitor.sql_samples, "the monitor took no sample"
-    assert max(monitor.sql_samples) <= limit
-    assert max(monitor.redis_samples) <= limit
-    assert monitor.sql_samples[-1] == monitor.redis_samples[-1] == limit
+    assert monitor.samples > 0, "the monitor took no sample"
+    assert monitor.violations == [], monitor.violations[:5]
+    assert monitor.max_unpaid <= limit
+    assert monitor.max_zcard <= limit
+    final = monitor.sample()
+    assert final.unpaid == final.zcard == limit
 
 
 def test_limit_holds_in_both_stores_while_payers_free_slots_concurrently(
@@ -241,7 +204,10 @@ def test_limit_holds_in_both_stores_while_payers_free_slots_concurrently(
 
     targets = [creator_then_signal(t) for t in creator_targets]
     targets += [payer(n, service if n == 0 else make_service()) for n in range(payers)]
-    with Monitor(engine, redis_client, service.index.key(user), user) as monitor:
+    key = service.index.key(user)
+    with LimitMonitor(
+        engine, redis_client, key, user, limit=limit, clock=service.clock, pause_s=0
+    ) as monitor:
         run_threads(targets)
 
     still_unpaid = sql_unpaid_ids(engine, user)
@@ -257,9 +223,10 @@ def test_limit_holds_in_both_stores_while_payers_free_slots_concurrently(
     assert set(members) == still_unpaid
     assert not set(members) & set(paid)
     assert len(still_unpaid) <= limit
-    assert monitor.sql_samples, "the monitor took no sample"
-    assert max(monitor.sql_samples) <= limit
-    assert max(monitor.redis_samples) <= limit
+    assert monitor.samples > 0, "the monitor took no sample"
+    assert monitor.violations == [], monitor.violations[:5]
+    assert monitor.max_unpaid <= limit
+    assert monitor.max_zcard <= limit
     events = sql_events(engine)
     for oid in paid:
         assert events[oid] == ["created", "paid"]

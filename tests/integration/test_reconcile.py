@@ -23,12 +23,13 @@ from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql import reconcile_reads as record_reads
 from orders.sql.models import orders_table
-from tests.conftest import ManualClock
-from tests.helpers import child_env, flush_db, run_orders, stop_process
-from tests.plans import explain, explain_sql
+from tests.support.clocks import ManualClock
+from tests.support.plans import explain, explain_sql
+from tests.support.processes import child_env, run_orders, stop_process
+from tests.support.stores import flush_db
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
 
 
 def index_state(service: OrderService, users: list[str]) -> dict[str, dict[str, int]]:
@@ -467,7 +468,8 @@ def test_the_scan_batch_check_is_served_by_the_partial_index(engine: Any) -> Non
         plan = explain(engine, record_reads.IDLE_USERS_SQLITE.params(users='["a", "b"]', now_ms=5))
         assert "SEARCH orders USING INDEX ix_orders_unpaid_user_id_expires_at_ms (user_id=?" in plan
     else:
-        # tests.plans spells parameters as literals: the array goes as a string split in SQL.
+        # tests.support.plans spells parameters as literals: the array goes as a string split
+        # in SQL.
         sql = str(record_reads.IDLE_USERS_POSTGRESQL.compile(engine))
         sql = sql.replace("%(users)s::VARCHAR[]", "string_to_array(%(users)s, ',')")
         plan = explain_sql(engine, sql, {"users": "a,b", "now_ms": 5})

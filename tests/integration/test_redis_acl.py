@@ -45,8 +45,11 @@ from orders.config import Settings
 from orders.index.unpaid import Admission, UnpaidIndex
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from tests.conftest import ManualClock, RedisServer
-from tests.helpers import record_texts
+from tests.support.clocks import ManualClock
+from tests.support.redis_server import RedisServer
+from tests.support.reports import record_texts
+
+pytestmark = pytest.mark.redis_6_2_too
 
 PREFIX = "UnpaidOrder-"
 #: Characters that must be percent-encoded in a URL, so the test also shows that the

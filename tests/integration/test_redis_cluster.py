@@ -1,4 +1,4 @@
-"""What a Redis Cluster changes, on a real local cluster (tests/cluster.py): the epoch
+"""What a Redis Cluster changes, on a real local cluster (tests/support/cluster.py): the epoch
 marker lives on every primary, bulk calls go to each node at once, and a cluster no node of
 which answers is a store failure, not a crash. The contract itself runs on the cluster
 through the ``cluster_too`` suites."""
@@ -17,8 +17,8 @@ from orders.errors import StoreUnavailable
 from orders.index.nodes import group_by_node, marker_keys, primaries
 from orders.index.pipeline import run_per_key
 from orders.index.unpaid import UnpaidIndex
-from tests.cluster import LocalCluster
-from tests.helpers import flush_db
+from tests.support.cluster import LocalCluster
+from tests.support.stores import flush_db
 
 
 @pytest.fixture

@@ -19,7 +19,10 @@ from orders.bootstrap import build_redis, build_service
 from orders.config import Settings
 from orders.service import OrderService
 from orders.sql.models import orders_table
-from tests.conftest import ManualClock, RedisServer
+from tests.support.clocks import ManualClock
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis_6_2_too
 
 
 @pytest.fixture

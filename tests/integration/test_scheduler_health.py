@@ -29,12 +29,15 @@ from orders.scheduler.health import HealthServer
 from orders.scheduler.jobs import EVENTS_JOB_ID, JOB_ID, build_scheduler, consumer_name
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from tests.conftest import ManualClock
-from tests.helpers import create_orders
+from tests.support.clocks import ManualClock
+from tests.support.stores import create_orders
 
 MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+pytestmark = [
+    pytest.mark.redis_6_2_too,
+    pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
+]
 
 
 def sample(name: str, **labels: str) -> float:

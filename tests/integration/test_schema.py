@@ -7,27 +7,25 @@ the repository root, reading the database URL from ``ORDERS_DATABASE_URL`` like 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from alembic.autogenerate import compare_metadata
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event, inspect, select
 
-from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.errors import SchemaNotReady, StoreUnavailable, UnpaidOrderLimitReached
 from orders.service import OrderService
 from orders.sql import migrate
-from orders.sql.models import Base, orders_table
+from orders.sql.models import orders_table
 from orders.sql.stats import collect_stats
-from tests.conftest import ENGINES, ManualClock
-from tests.helpers import child_env, run_python
-from tests.plans import explain_sql
+from tests.support.clocks import ManualClock
+from tests.support.plans import explain_sql
+from tests.support.processes import child_env, run_python
+from tests.support.stores import schema_differences
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"orders", "order_events"}
@@ -41,34 +39,6 @@ TERMINAL_INDEXES = {
     "ix_orders_cancelled_closed_at_ms": (["closed_at_ms"], "cancelled"),
     "ix_orders_closed_closed_at_ms_expires_at_ms": (["closed_at_ms", "expires_at_ms"], "closed"),
 }
-
-
-@pytest.fixture(params=ENGINES)
-def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A database without any schema, on each engine."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'empty.db'}"
-        return
-    target, _ = request.getfixturevalue("postgres_template")
-    name = target.new_database()
-    try:
-        yield target.url(name)
-    finally:
-        target.drop_database(name)
-
-
-@pytest.fixture
-def empty_engine(empty_url: str) -> Iterator[Engine]:
-    engine = build_engine(Settings(database_url=empty_url))
-    try:
-        yield engine
-    finally:
-        engine.dispose()
-
-
-def schema_differences(engine: Engine) -> list[object]:
-    with engine.connect() as conn:
-        return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
 
 
 def table_names(engine: Engine) -> set[str]:

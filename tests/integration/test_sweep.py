@@ -25,11 +25,17 @@ from orders.errors import InvalidInput, StoreUnavailable
 from orders.index.nodes import group_by_node
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
-from tests.conftest import ManualClock, RoundTripCounter
-from tests.helpers import closed_event_counts, create_orders, refuse_inserts, sql_rows
+from tests.support.clocks import ManualClock
+from tests.support.stores import (
+    RoundTripCounter,
+    closed_event_counts,
+    create_orders,
+    refuse_inserts,
+    sql_rows,
+)
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = pytest.mark.cluster_too
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
 

@@ -38,8 +38,9 @@ from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from orders.validation import check_user_id
-from tests.conftest import ManualClock
-from tests.helpers import child_env, closed_event_counts, create_orders, sql_rows, stop_process
+from tests.support.clocks import ManualClock
+from tests.support.processes import child_env, stop_process
+from tests.support.stores import closed_event_counts, create_orders, sql_rows
 
 MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
 T = TypeVar("T")

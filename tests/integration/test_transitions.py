@@ -27,10 +27,11 @@ from orders.errors import (
 )
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
-from tests.conftest import ManualClock, redis_commands
+from tests.support.clocks import ManualClock
+from tests.support.stores import redis_commands
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.cluster_too, pytest.mark.both_apis]
+pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too, pytest.mark.both_apis]
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
 TTL_S = 60

@@ -9,7 +9,7 @@ import pytest
 
 from orders.bench.compare import compare_lines
 from orders.bench.plot import write_plots
-from tests.bench_reports import NEW, OLD
+from tests.support.bench_reports import NEW, OLD
 
 
 def test_compare_prints_old_new_and_the_change_of_every_headline_figure() -> None:

@@ -26,7 +26,7 @@ from orders.errors import (
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
-from tests.helpers import REPO
+from tests.support.processes import REPO
 
 
 @pytest.fixture(scope="module")

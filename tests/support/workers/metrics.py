@@ -1,7 +1,7 @@
 """A host process and its workers in Prometheus multiprocess mode, for
 ``tests/integration/test_metrics_multiprocess.py``.
 
-``python -m tests.metrics_workers`` (``PROMETHEUS_MULTIPROC_DIR`` set to an empty folder)
+``python -m tests.support.workers.metrics`` (``PROMETHEUS_MULTIPROC_DIR`` set to an empty folder)
 starts ``WORKERS`` spawned children one after the other, each counting creates, observing a
 close lag and setting one gauge per multiprocess mode to its value in ``GAUGE_VALUES``.
 Then it prints one JSON line: the children's pids, and the exposition of

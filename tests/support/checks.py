@@ -1,27 +1,25 @@
-"""What a run of tests/crash/pg_worker.py must leave behind, whatever broke under it.
+"""What a run of tests/support/workers/pg.py must leave behind, whatever broke under it.
 
 Shared by the PostgreSQL restart test and the Redis Cluster fault tests: every worker's
 calls ended in a result or a typed error; nothing the workers were told has happened is
-missing from SQL; no user ever held more unpaid orders than the limit; after a reconcile
-the Redis index equals SQL.
+missing from SQL; after a reconcile the Redis index equals SQL. (That no user ever held
+more unpaid orders than the limit: ``tests.support.monitor``.)
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine
 
 from orders.config import Settings
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
-from orders.sql.models import orders_table
-from tests.conftest import ManualClock
-from tests.helpers import sql_rows
+from tests.support.clocks import ManualClock
+from tests.support.stores import sql_rows
 
 
 def read_acks(path: Path) -> list[dict[str, Any]]:
@@ -64,50 +62,6 @@ def assert_acknowledged_in_sql(engine: Engine, acks: list[list[dict[str, Any]]])
     missing = closes - in_sql
     assert not missing, f"acknowledged closes missing from SQL: {list(missing)[:5]}"
     return Counter(create=len(creates), pay=len(pays), close=sum(closes.values()))
-
-
-def most_unpaid_of_one_user(engine: Engine) -> int:
-    """The largest number of unpaid orders any user holds in SQL now."""
-    per_user = (
-        select(func.count().label("n"))
-        .where(orders_table.c.status == "unpaid")
-        .group_by(orders_table.c.user_id)
-        .subquery()
-    )
-    with engine.connect() as conn:
-        return int(conn.execute(select(func.coalesce(func.max(per_user.c.n), 0))).scalar_one())
-
-
-class UnpaidMonitor:
-    """Samples the most unpaid orders any one user holds in SQL, in a thread, until the
-    ``with`` block ends (an error of the thread is raised there)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.samples = 0
-        self.max_unpaid = 0
-        self.stop_event = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            while not self.stop_event.wait(0.005):
-                self.max_unpaid = max(self.max_unpaid, most_unpaid_of_one_user(self.engine))
-                self.samples += 1
-        except BaseException as exc:
-            self.error = exc
-
-    def __enter__(self) -> UnpaidMonitor:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop_event.set()
-        self.thread.join(30)
-        assert not self.thread.is_alive(), "the monitor did not stop"
-        if self.error is not None:
-            raise self.error
 
 
 def assert_index_equals_sql_after_reconcile(

@@ -1,4 +1,5 @@
-"""A throwaway PostgreSQL server for the test session: initdb + postgres on a unix socket.
+"""A throwaway PostgreSQL server for the test session: initdb + postgres on a unix socket;
+and where the tests make their databases (that server, or ``ORDERS_TEST_DATABASE_URL``).
 
 The binaries come from the system (/usr/lib/postgresql/*/bin, or initdb on PATH). PostgreSQL
 refuses to run as root, so as root the server runs as the unprivileged user ``nobody``.
@@ -9,6 +10,7 @@ session stops it by its PID.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import shutil
 import signal
@@ -18,6 +20,8 @@ import time
 from pathlib import Path
 
 import psycopg
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
 
 UNPRIVILEGED_USER = "nobody"
 #: What a test server gives up for speed: the tests never outlive a crash of it.
@@ -138,3 +142,31 @@ class PostgresServer:
     def stop(self) -> None:
         self.shut_down()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class PostgresTarget:
+    """Where PostgreSQL test databases are made: our own server, or ORDERS_TEST_DATABASE_URL."""
+
+    def __init__(self, base_url: str, server: PostgresServer | None) -> None:
+        self.base = make_url(base_url)
+        self.server = server
+        self._counter = itertools.count()
+
+    def url(self, dbname: str) -> str:
+        return self.base.set(database=dbname).render_as_string(hide_password=False)
+
+    def execute(self, sql: str) -> None:
+        engine = create_engine(self.url("postgres"), isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql(sql)
+        finally:
+            engine.dispose()
+
+    def new_database(self, template: str | None = None) -> str:
+        name = f"orders_test_{os.getpid()}_{next(self._counter)}"
+        self.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {template}" if template else ""))
+        return name
+
+    def drop_database(self, name: str) -> None:
+        self.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -1,7 +1,7 @@
 """Processes that play the hosts of one deployment, each on a clock of its own.
 
-Started as ``python -m tests.concurrency.hosts_worker MODE CONFIG_JSON`` through
-:func:`tests.concurrency.worker.started` (same protocol: ``READY``, then ``GO``, then the
+Started as ``python -m tests.support.workers.hosts MODE CONFIG_JSON`` through
+:func:`tests.support.processes.started` (same protocol: ``READY``, then ``GO``, then the
 counts as the last stdout line; ``STOP`` on stdin ends the loops). Its Settings come from the
 environment (``ORDERS_DATABASE_URL``, ``ORDERS_REDIS_URL`` and whatever else the test passes
 through, ``ORDERS_REDIS_CLUSTER`` included), so a test may point it at any Redis.
@@ -32,7 +32,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from orders.bootstrap import build_service
@@ -42,9 +42,13 @@ from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from tests.concurrency.worker import Tally, close_service, now_ms, run_threads, stop_on_stdin
+from orders.sql.slots import SLOT_REUSE
+from orders.sql.transitions import CLOSE_EXPIRED, CompareAndSet
+from tests.support.clocks import now_ms
+from tests.support.tally import Tally, run_threads
+from tests.support.workers.protocol import close_service, stop_on_stdin
 
-MODULE = "tests.concurrency.hosts_worker"
+MODULE = "tests.support.workers.hosts"
 
 
 def skewed_clock(offset_ms: int) -> Clock:
@@ -59,25 +63,29 @@ def skewed_clock(offset_ms: int) -> Clock:
 # --- checkout --------------------------------------------------------------------------------
 
 
-def record_slot_reuse_closes(service: OrderService, tally: Tally) -> None:
+def record_slot_reuse_closes(tally: Tally) -> None:
     """Note each order this process's creates close to take its slot (instrumentation only:
-    the wrapped call is the same, its result passed on)."""
-    close_expired = service.records.close_expired
+    the wrapped call is the same, its result passed on). The SQL guard closes them with
+    ``CLOSE_EXPIRED`` itself (``orders.sql.slots``), so the hook is on the transition, for
+    this whole process (a worker holds one service)."""
+    run = CompareAndSet.run
 
-    def recording(conn: Any, order_id: str, now: int, data: dict[str, Any]) -> Any:
-        row = close_expired(conn, order_id, now, data)
-        if row is not None:
-            tally.append("slot_reuse_closed", order_id)
+    def recording(
+        self: CompareAndSet, conn: Any, params: Mapping[str, Any], data: dict[str, Any] | None
+    ) -> Any:
+        row = run(self, conn, params, data)
+        if row is not None and self is CLOSE_EXPIRED and data == SLOT_REUSE:
+            tally.append("slot_reuse_closed", params["oid"])
         return row
 
-    service.records.close_expired = recording  # type: ignore[method-assign]
+    CompareAndSet.run = recording  # type: ignore[method-assign]
 
 
 def checkout(service: OrderService, cfg: dict[str, Any], _stop: threading.Event) -> Tally:
     name, users, limit = cfg["name"], cfg["users"], cfg["limit"]
     ttl_lo, ttl_hi = cfg["ttl_ms"]
     tally = Tally(name=name, created={}, paid={}, pay_refused={}, refused=0)
-    record_slot_reuse_closes(service, tally)
+    record_slot_reuse_closes(tally)
     ends = time.monotonic() + cfg["run_s"]
     to_pay: list[tuple[int, str]] = []
     lock = threading.Lock()

@@ -1,10 +1,12 @@
 """Test doubles built on the real parts: they run the real Redis scripts and SQL, and let a
-test observe or pace the steps in between (composition: the service takes them as-is)."""
+test observe or pace the steps in between (composition: the service takes them as-is); and
+an event handler that fails on the orders it is told to (:class:`Poison`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from orders.events.consumer import OrderEvent
 from orders.index.unpaid import AdmitResult, UnpaidIndex
 from orders.service import OrderService
 
@@ -38,3 +40,18 @@ def pausing_after_admit(
         clock=service.clock,
         index=PausingIndex(service.index, after_admit),
     )
+
+
+class Poison:
+    """A handler that fails on the events of ``order_ids`` and records every call."""
+
+    def __init__(self, *order_ids: str) -> None:
+        self.order_ids = set(order_ids)
+        self.calls: list[int] = []
+        self.handled: list[str] = []
+
+    def __call__(self, event: OrderEvent) -> None:
+        self.calls.append(event.id)
+        if event.order_id in self.order_ids:
+            raise RuntimeError(f"no stock row for {event.order_id}\nsecond line")
+        self.handled.append(event.order_id)

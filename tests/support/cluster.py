@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from tests.helpers import stop_process
+from tests.support.processes import stop_process
 
 #: Cluster bus ports are the client port + 10000, so ports are taken below 55536.
 _BUS_OFFSET = 10000

@@ -2,13 +2,13 @@
 
 :func:`contend` runs ``creators`` tasks that create orders for one user in bursts (every
 task wakes on the same loop-clock ticks), while payer and canceller tasks take the orders
-they saw created (split by :func:`tests.concurrency.worker.bucket`: pay, cancel, or left
+they saw created (split by :func:`tests.support.tally.bucket`: pay, cancel, or left
 to expire) and a sweeper task closes the expired ones. Everything is counted in a
-:class:`~tests.concurrency.worker.Tally`, whose JSON form is what the tests check.
+:class:`~tests.support.tally.Tally`, whose JSON form is what the tests check.
 
 Used in process by ``tests/concurrency/test_async_contention.py``, and as a worker process
-(``python -m tests.concurrency.aio_worker contend CONFIG_JSON``) with the protocol of
-``tests/concurrency/worker.py``: ``READY``, then ``GO`` on stdin, then one JSON line of
+(``python -m tests.support.workers.aio contend CONFIG_JSON``) with the protocol of
+``tests/support/processes.py``: ``READY``, then ``GO`` on stdin, then one JSON line of
 counts. A worker runs its own event loop in asyncio's debug mode and reports the callbacks
 that held it longer than 20 ms (``slow_callbacks``) instead of failing on them.
 """
@@ -29,7 +29,7 @@ from orders.aio import AsyncOrderService
 from orders.aio.greenlets import run
 from orders.domain import Order, OrderStatus
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
-from tests.concurrency.worker import Tally, bucket, split
+from tests.support.tally import Tally, bucket, split
 
 T = TypeVar("T")
 
@@ -307,11 +307,7 @@ def main(argv: list[str]) -> int:
         print(f"unknown mode {mode!r}", file=sys.stderr)
         return 2
     from orders.config import Settings  # noqa: PLC0415
-    from tests.aio_support import (  # noqa: PLC0415
-        checked_runner,
-        new_async_service,
-        no_slow_callbacks,
-    )
+    from tests.support.aio import checked_runner, new_async_service, no_slow_callbacks  # noqa: PLC0415
 
     settings = Settings.from_env(
         sql_pool_size=cfg.get("pool_size", 5), sql_max_overflow=cfg.get("max_overflow", 10)

@@ -1,7 +1,7 @@
 """A checkout-and-sweeper process that keeps working while PostgreSQL is restarted under it.
 
-Started through :func:`tests.concurrency.worker.started` with
-``module="tests.crash.pg_worker"`` and mode ``load`` (same protocol: ``READY``, ``GO``,
+Started through :func:`tests.support.processes.started` with
+``module="tests.support.workers.pg"`` and mode ``load`` (same protocol: ``READY``, ``GO``,
 ``STOP``, the counts as the last stdout line). Its Settings come from the environment.
 
 Creator threads create orders (ids ``<name>-<thread>-<n>``, a few users, short TTLs), a
@@ -33,10 +33,10 @@ from typing import IO, Any
 
 from orders.errors import OrderClosed, StoreUnavailable, UnpaidOrderLimitReached
 from orders.service import OrderService
-from tests.concurrency.hosts_worker import serve
-from tests.concurrency.worker import Tally, run_threads
+from tests.support.tally import Tally, run_threads
+from tests.support.workers.hosts import serve
 
-MODULE = "tests.crash.pg_worker"
+MODULE = "tests.support.workers.pg"
 
 
 class AckLog:

@@ -1,17 +1,12 @@
-"""Worker processes for the concurrency tests, and the helpers the tests use to run them.
+"""The load worker of the concurrency tests, on the synchronous OrderService.
 
-A worker is started as ``python -m tests.concurrency.worker MODE CONFIG_JSON`` with the
+Started through :func:`tests.support.processes.started` (``python -m
+tests.support.workers.sync MODE CONFIG_JSON``, the protocol that module describes) with the
 repository root as its working directory and the test's stores in ``ORDERS_DATABASE_URL``
 and ``ORDERS_REDIS_URL`` (every other ``ORDERS_*`` variable stripped). It runs on the system
-clock, like a real checkout or scheduler process. The protocol, one line at a time:
-
-* the worker builds its service and prints ``READY`` on stdout;
-* the test writes ``GO`` (or ``GO <json>``, the mode's payload) on its stdin; all workers
-  of a test are released together that way, after their slow start-up;
-* the worker does its work and prints one JSON object of counts as its last stdout line,
-  then exits 0. Logs and tracebacks go to stderr;
-* ``STOP`` on stdin (or the end of stdin) ends a ``sweep`` worker's loop; the other modes
-  end on their own (their helpers stop when their creators or schedules are done).
+clock, like a real checkout or scheduler process. ``STOP`` ends a ``sweep`` worker's loop;
+the other modes end on their own (their helpers stop when their creators or schedules are
+done).
 
 Modes:
 
@@ -32,255 +27,17 @@ from __future__ import annotations
 import json
 import os
 import random
-import selectors
-import subprocess
 import sys
 import threading
 import time
-import traceback
-import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
-from pathlib import Path
-from typing import IO, Any
+from collections.abc import Callable
+from typing import Any
 
-from tests.helpers import REPO, child_env, stop_process
+from tests.support.clocks import now_ms, sleep_until_ms
+from tests.support.tally import Tally, bucket, run_threads, split
+from tests.support.workers.protocol import close_service, stop_on_stdin
 
-MODULE = "tests.concurrency.worker"
-
-
-def now_ms() -> int:
-    """Wall-clock integer milliseconds: the same clock the service's default uses."""
-    return time.time_ns() // 1_000_000
-
-
-def sleep_until_ms(target_ms: int) -> None:
-    delay = target_ms - now_ms()
-    if delay > 0:
-        time.sleep(delay / 1000)
-
-
-def bucket(order_id: str) -> str:
-    """Which helper in a ``contend`` run takes this order: ``pay``, ``cancel`` or ``expire``.
-
-    A fixed split by a hash of the id, so every outcome happens and no two helpers chase the
-    same order (two payers of one order still race: each worker has its own payer).
-    """
-    slot = zlib.crc32(order_id.encode()) % 10
-    if slot < 4:
-        return "pay"
-    if slot < 6:
-        return "cancel"
-    return "expire"
-
-
-# ============================================================================================
-# The test side: start, release, stop and collect workers.
-# ============================================================================================
-
-
-class WorkerProcess:
-    """One worker process. ``close()`` always stops it by its PID (terminate, then kill)."""
-
-    def __init__(
-        self,
-        mode: str,
-        config: dict[str, Any],
-        env: dict[str, str],
-        log_dir: Path,
-        module: str = MODULE,
-    ) -> None:
-        self.mode = mode
-        self.name = str(config.get("name", mode))
-        self.log_path = log_dir / f"worker-{self.name}.stderr"
-        self._stderr: IO[bytes] = open(self.log_path, "wb")  # noqa: SIM115
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", module, mode, json.dumps(config)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=self._stderr,
-                cwd=REPO,
-                env=env,
-            )
-        except BaseException:
-            self._stderr.close()
-            raise
-        self.pid = self.proc.pid
-        self._pending = b""
-
-    def stderr_tail(self, chars: int = 3000) -> str:
-        self._stderr.flush()
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def _fail(self, what: str) -> AssertionError:
-        return AssertionError(
-            f"worker {self.name} (pid {self.pid}, exit {self.proc.poll()}): {what}\n"
-            f"--- its stderr ---\n{self.stderr_tail()}"
-        )
-
-    def wait_ready(self, deadline: float) -> None:
-        """Read the READY line with os.read (no buffered reader holding later output)."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise self._fail("not ready in time")
-            # epoll (the default selector), not select(): select refuses descriptors past
-            # 1024, which a test process that has opened many connections reaches.
-            with selectors.DefaultSelector() as selector:
-                selector.register(fd, selectors.EVENT_READ)
-                readable = selector.select(remaining)
-            if readable:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    raise self._fail("exited before it was ready")
-                self._pending += chunk
-        line, _, self._pending = self._pending.partition(b"\n")
-        if line.strip() != b"READY":
-            raise self._fail(f"said {line[:200]!r} instead of READY")
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(line.encode() + b"\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise self._fail(f"stdin closed before {line[:20]!r}") from None
-
-    def go(self, payload: Any = None) -> None:
-        self.send("GO" if payload is None else "GO " + json.dumps(payload))
-
-    def stop(self) -> None:
-        self.send("STOP")
-
-    def result(self, timeout_s: float) -> dict[str, Any]:
-        """Wait for the worker to exit 0 and return its JSON counts."""
-        try:
-            out, _ = self.proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise self._fail(f"did not finish within {timeout_s} s") from None
-        out = self._pending + out
-        if self.proc.returncode != 0:
-            raise self._fail(f"exited with {self.proc.returncode}; stdout {out[-500:]!r}")
-        lines = [line for line in out.decode().splitlines() if line.strip()]
-        if not lines:
-            raise self._fail("printed no result")
-        result: dict[str, Any] = json.loads(lines[-1])
-        return result
-
-    def close(self) -> None:
-        """Stop the process by its PID if it still runs, reap it, close the pipes."""
-        try:
-            stop_process(self.proc)
-        finally:
-            for stream in (self.proc.stdin, self.proc.stdout):
-                if stream is not None:
-                    with suppress(OSError):
-                        stream.close()
-            self._stderr.close()
-
-
-@contextmanager
-def started(
-    specs: list[tuple[str, dict[str, Any]]],
-    *,
-    database_url: str,
-    redis_options: dict[str, Any],
-    log_dir: Path,
-    ready_timeout_s: float = 90,
-    module: str = MODULE,
-    extra_env: dict[str, str] | None = None,
-) -> Iterator[list[WorkerProcess]]:
-    """Start one worker per (mode, config), wait until all are READY, stop them all at the end.
-
-    ``module`` is the worker's module (run with ``python -m``); ``extra_env`` adds variables
-    (more ``ORDERS_*`` settings) to the children's environment."""
-    env = child_env(
-        ORDERS_DATABASE_URL=database_url,
-        ORDERS_REDIS_URL=redis_options["redis_url"],
-        ORDERS_REDIS_CLUSTER=str(redis_options["redis_cluster"]).lower(),
-        **(extra_env or {}),
-    )
-    workers: list[WorkerProcess] = []
-    try:
-        for mode, config in specs:
-            workers.append(WorkerProcess(mode, config, env, log_dir, module))
-        deadline = time.monotonic() + ready_timeout_s
-        for worker in workers:
-            worker.wait_ready(deadline)
-        yield workers
-    finally:
-        errors: list[BaseException] = []
-        for worker in workers:
-            try:
-                worker.close()
-            except BaseException as exc:  # close the others whatever happens
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-
-def split(total: int, parts: int) -> list[int]:
-    """``total`` as ``parts`` near-equal integers (the first ones one larger)."""
-    return [total // parts + (1 if n < total % parts else 0) for n in range(parts)]
-
-
-# ============================================================================================
-# The worker side.
-# ============================================================================================
-
-
-class Tally:
-    """Thread-safe counters, id lists and a few error samples, as one JSON object."""
-
-    def __init__(self, **initial: Any) -> None:
-        self._lock = threading.Lock()
-        self.data: dict[str, Any] = {"errors": 0, "error_samples": [], **initial}
-
-    def add(self, key: str, n: int = 1) -> None:
-        with self._lock:
-            self.data[key] = self.data.get(key, 0) + n
-
-    def append(self, key: str, value: Any) -> None:
-        with self._lock:
-            self.data.setdefault(key, []).append(value)
-
-    def put(self, key: str, sub: str, value: Any) -> None:
-        with self._lock:
-            self.data.setdefault(key, {})[sub] = value
-
-    def error(self, where: str, exc: BaseException | str) -> None:
-        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-        with self._lock:
-            self.data["errors"] += 1
-            if len(self.data["error_samples"]) < 10:
-                self.data["error_samples"].append(f"{where}: {text}")
-
-
-def run_threads(targets: list[Callable[[], None]], tally: Tally) -> None:
-    """Run the targets in threads and wait; an escaping exception counts as an error."""
-
-    def wrap(name: str, target: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as exc:
-                tally.error(f"{name} crashed", "".join(traceback.format_exception(exc))[-800:])
-
-        return run
-
-    threads = [
-        threading.Thread(target=wrap(f"thread {n}", t), daemon=True) for n, t in enumerate(targets)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+MODULE = "tests.support.workers.sync"
 
 
 def contend(service: Any, cfg: dict[str, Any], stop: threading.Event, deadline: float) -> Tally:
@@ -578,26 +335,6 @@ def main(argv: list[str]) -> int:
         return 0
     finally:
         close_service(service)
-
-
-def stop_on_stdin() -> threading.Event:
-    """An event set by ``STOP`` on stdin, or by the end of stdin (read in a thread)."""
-    stop = threading.Event()
-
-    def watch_stdin() -> None:
-        for command in sys.stdin:
-            if command.strip() == "STOP":
-                break
-        stop.set()
-
-    threading.Thread(target=watch_stdin, daemon=True).start()
-    return stop
-
-
-def close_service(service: Any) -> None:
-    """Close what a worker's service opened: the SQL pool and the Redis client."""
-    service.engine.dispose()
-    service.index.client.close()
 
 
 if __name__ == "__main__":

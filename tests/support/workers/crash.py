@@ -1,14 +1,16 @@
 """A checkout process that stops for good between a create's Redis admission and its SQL insert.
 
-Started by the crash tests as ``python -m tests.crash.worker MARKER_DIR CREATES_JSON`` with the
-repository root as its working directory and the test's stores in ``ORDERS_DATABASE_URL`` and
-``ORDERS_REDIS_URL``. It runs on the system clock, like a real checkout process.
+Started by the crash tests as ``python -m tests.support.workers.crash MARKER_DIR
+CREATES_JSON`` with the repository root as its working directory and the test's stores in
+``ORDERS_DATABASE_URL`` and ``ORDERS_REDIS_URL``. It runs on the system clock, like a real
+checkout process.
 
 ``CREATES_JSON`` is a list of ``{"user": ..., "order_id": ..., "ttl_s": ..., "limit": ...}``;
-each create runs in a thread of its own. A pausing index (tests/doubles.py), which runs after
-the Redis admission and before the SQL insert, writes ``<MARKER_DIR>/<order_id>.admitted``
-(atomically: written under another name, then renamed) and then blocks forever, so the test
-knows every create is between its two steps and can SIGKILL the process there. A create that
+each create runs in a thread of its own. A pausing index (tests/support/doubles.py), which
+runs after the Redis admission and before the SQL insert, writes
+``<MARKER_DIR>/<order_id>.admitted`` (atomically: written under another name, then renamed)
+and then blocks forever, so the test knows every create is between its two steps and can
+SIGKILL the process there. A create that
 fails before reaching the hook writes ``<order_id>.error`` with its traceback instead.
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 
 from orders.bootstrap import build_service
 from orders.config import Settings
-from tests.doubles import pausing_after_admit
+from tests.support.doubles import pausing_after_admit
 
 
 def _write_atomically(path: Path, text: str) -> None:

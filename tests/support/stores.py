@@ -1,0 +1,150 @@
+"""Readers and writers of the test's two stores, SQL and Redis, and counters of their traffic."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, func, select
+
+from orders.domain import Order
+from orders.index.nodes import RedisClient, primaries
+from orders.service import OrderService
+from orders.sql.models import Base, events_table, orders_table
+
+#: The SQL engines every database test runs on (``database_url``'s parameters).
+ENGINES = ["sqlite", "postgresql"]
+
+
+# --- SQL ------------------------------------------------------------------------------------
+
+
+def create_orders(
+    service: OrderService, ttls_s: Sequence[float], users: Sequence[str] = ("u1",)
+) -> list[Order]:
+    """One order per TTL, all created at the clock's current instant, users taken in turn."""
+    return [
+        service.create_unpaid_order(users[i % len(users)], ttl_s=ttl, limit=1000)
+        for i, ttl in enumerate(ttls_s)
+    ]
+
+
+def sql_rows(engine: Engine) -> dict[str, Any]:
+    """Every order row, by id."""
+    with engine.connect() as conn:
+        return {row.id: row for row in conn.execute(select(orders_table)).all()}
+
+
+def closed_event_counts(engine: Engine) -> Counter[str]:
+    """How many ``closed`` events each order has."""
+    query = select(events_table.c.order_id).where(events_table.c.kind == "closed")
+    with engine.connect() as conn:
+        return Counter(conn.execute(query).scalars().all())
+
+
+def refuse_inserts(engine: Engine, table: str, message: str) -> None:
+    """Install a trigger that makes every later INSERT into ``table`` fail with an
+    IntegrityError (a check violation) carrying ``message``, on either engine."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            conn.exec_driver_sql(
+                f"CREATE TRIGGER refuse_{table} BEFORE INSERT ON {table} "
+                f"BEGIN SELECT RAISE(ABORT, '{message}'); END"
+            )
+            return
+        conn.exec_driver_sql(
+            f"CREATE FUNCTION refuse_{table}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"RAISE EXCEPTION '{message}' USING ERRCODE = 'check_violation'; END $$"
+        )
+        conn.exec_driver_sql(
+            f"CREATE TRIGGER refuse_{table} BEFORE INSERT ON {table} "
+            f"FOR EACH ROW EXECUTE FUNCTION refuse_{table}()"
+        )
+
+
+def orders_of(engine: Engine, user_id: str) -> dict[str, Any]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(*orders_table.c).where(orders_table.c.user_id == user_id)).all()
+    return {row.id: row for row in rows}
+
+
+def events_of(engine: Engine, user_id: str) -> dict[str, list[str]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(events_table.c.order_id, events_table.c.kind)
+            .where(events_table.c.user_id == user_id)
+            .order_by(events_table.c.id)
+        ).all()
+    out: dict[str, list[str]] = {}
+    for row in rows:
+        out.setdefault(row.order_id, []).append(row.kind)
+    return out
+
+
+def closes_by_creates(engine: Engine, user_id: str) -> int:
+    """Closed events written by creates that took the slot of an expired, unswept order."""
+    with engine.connect() as conn:
+        data = conn.scalars(
+            select(events_table.c.data).where(
+                events_table.c.user_id == user_id, events_table.c.kind == "closed"
+            )
+        )
+        return sum(d == {"trigger": "slot_reuse"} for d in data)
+
+
+def unpaid_count(engine: Engine, user_id: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                select(func.count()).where(
+                    orders_table.c.user_id == user_id, orders_table.c.status == "unpaid"
+                )
+            ).scalar_one()
+        )
+
+
+def schema_differences(engine: Engine) -> list[object]:
+    with engine.connect() as conn:
+        return list(compare_metadata(MigrationContext.configure(conn), Base.metadata))
+
+
+class StatementCounter:
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+
+    def __call__(self, *args: Any) -> None:
+        self.statements.append(args[2])
+
+    @property
+    def count(self) -> int:
+        return len(self.statements)
+
+
+# --- Redis ----------------------------------------------------------------------------------
+
+
+def flush_db(client: RedisClient) -> None:
+    """FLUSHDB on the server, or on every primary of a cluster."""
+    for node in primaries(client):
+        node.flushdb()
+
+
+def key_count(client: RedisClient) -> int:
+    """Keys in the server, or in all the primaries of a cluster (a cluster client's own
+    DBSIZE asks one node only)."""
+    return sum(int(node.dbsize()) for node in primaries(client))
+
+
+def redis_commands(client: RedisClient) -> int:
+    """Commands the server (every primary of a cluster) has processed so far, this INFO
+    call (on each primary) and commands inside scripts included. To count round trips from
+    the service, use the ``redis_round_trips`` fixture."""
+    return sum(int(node.info("stats")["total_commands_processed"]) for node in primaries(client))
+
+
+class RoundTripCounter:
+    def __init__(self) -> None:
+        self.count = 0

@@ -1,0 +1,7 @@
+"""Scripts the tests run as child processes (``python -m tests.support.workers.NAME``).
+
+``sync``, ``aio``, ``hosts`` and ``pg`` speak the protocol of
+:class:`tests.support.processes.ChildProcess` (``READY``, ``GO``, one JSON line of counts;
+their side of it is ``protocol``); ``crash`` stops for good in the middle of a create;
+``metrics`` runs Prometheus in multiprocess mode, apart from pytest.
+"""
