@@ -99,7 +99,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "stale-add-check-reads-one-order-per-user",
-        "orders/reconcile.py",
+        "orders/reconciler.py",
         "added = [(user, order_id) for user in found.written for order_id in wanted[user]]",
         "added = [(user, next(iter(wanted[user]))) for user in found.written]",
         "reconcile's stale-add check reads every order it added",

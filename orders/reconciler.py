@@ -56,7 +56,7 @@ from orders.index.unpaid import KeysChecked, ReconcileBatch, UnpaidIndex
 from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
-log = logging.getLogger("orders.reconciler")  # its name before the rename
+log = logging.getLogger(__name__)
 
 #: Order rows per SQL page and keys per SCAN call: 1,000 measured best (scripts/reconcile_rate.py).
 DEFAULT_CHUNK_SIZE = 1000
