@@ -114,6 +114,12 @@ class RestartingConnection(UnixDomainSocketConnection):
     ``restarter`` with the other connection arguments. Only a refused connect or a missing
     socket restart the server: a timeout means a server that is alive but slow. A server
     still loading its data (just restarted, by this process or another) is waited for.
+
+    ``_connect`` is redis-py's, not public API (hence the cap on redis in pyproject.toml):
+    the one place every connect goes through, the pool's and the reconnect inside a
+    command's retry alike, and the only one that still sees the socket's own error. The
+    public ``connect()`` gets it wrapped in redis-py's ConnectionError and is skipped by the
+    reconnect of redis-py 6 and later; redis-py has no public hook that makes the socket.
     """
 
     def __init__(self, *, restarter: ServerRestarter, **kwargs: Any) -> None:
