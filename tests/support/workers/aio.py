@@ -105,6 +105,7 @@ async def contend(
     tally: Tally,
     *,
     before_sweep: Callable[[], object] | None = None,
+    after_create: Callable[[], object] | None = None,
 ) -> None:
     """The run the module docstring describes; returns when every task has ended.
 
@@ -112,8 +113,10 @@ async def contend(
     [lo, hi] (in the service's clock), ``tick_s`` and ``spread_ticks`` (each attempt waits
     1..spread_ticks tick boundaries), ``payers``, ``cancellers``, ``hold_s`` [lo, hi] (how
     long a payer or canceller lets an order hold its slot first), ``sweep_every_s``
-    [lo, hi], ``seed``, ``name``. ``before_sweep`` runs before each sweep (a test moves its
-    clock there).
+    [lo, hi], ``seed``, ``name``. ``before_sweep`` runs before each sweep, ``after_create``
+    after each attempt to create, whatever its outcome (a test moves its clock in one of
+    them: in the second, time passes with the run's progress, as fast on a slow machine as
+    on a fast one).
     """
     name, user, limit = cfg["name"], cfg["user"], cfg["limit"]
     seed = f"{cfg['seed']}-{name}"
@@ -149,6 +152,8 @@ async def contend(
                 queues[fate].put_nowait(order.id)
         finally:
             in_flight[0] -= 1
+            if after_create is not None:
+                after_create()
 
     async def creator(number: int, attempts: int) -> None:
         rng = random.Random(f"{seed}-creator-{number}")
