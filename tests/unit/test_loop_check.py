@@ -1,4 +1,4 @@
-"""The tests' event-loop check (``tests.aio_support``) itself: a step that blocks the loop
+"""The tests' event-loop check (``tests.support.aio``) itself: a step that blocks the loop
 fails it, whether it sleeps or computes, and a step that the machine only kept waiting for a
 CPU does not, however long it took on the wall clock."""
 
@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.aio_support import SLOW_CALLBACK_S, SlowCallbacks, checked_runner, no_slow_callbacks
-from tests.helpers import stop_process
+from tests.support.aio import SLOW_CALLBACK_S, SlowCallbacks, checked_runner, no_slow_callbacks
+from tests.support.processes import stop_process
 
 
 def compute_for(cpu_s: float) -> None:
