@@ -136,7 +136,6 @@ class UnpaidIndex:
         self.foreign_seen = 0
         self._foreign_logged: set[bytes] = set()
         self._admit: Script = client.register_script(load_script("admit"))
-        self._repair: Script = client.register_script(load_script("repair"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
         # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
         self._reconcile: Script = client.register_script(load_script("reconcile"))
@@ -277,21 +276,6 @@ class UnpaidIndex:
             what,
             repr(name[:80]),
         )
-
-    def repair(
-        self, user_id: str, *, now_ms: int, remove: list[str], add: dict[str, int]
-    ) -> tuple[int, int, int]:
-        """Drop expired members, remove ``remove``, add or re-score ``add``; one script.
-
-        Returns (expired dropped, removed, added or re-scored).
-        """
-        args: list[str | int] = [now_ms, len(remove), *remove]
-        for order_id, score in add.items():
-            args += [score, order_id]
-        with redis_errors("repair"):
-            reply: list[Any] = self._repair(keys=[self.key(user_id)], args=args)
-        dropped, removed, changed = (int(x) for x in reply)
-        return dropped, removed, changed
 
     def reconcile_batch(
         self, wanted: dict[str, dict[str, int]], *, now_ms: int, dry_run: bool
