@@ -37,7 +37,7 @@ from orders.errors import (
 
 if TYPE_CHECKING:
     from orders.events.consumer import EventPosition, OrderEvent
-    from orders.reconcile import ReconcileReport
+    from orders.reconciler import ReconcileReport
     from orders.service import OrderService
 
     __version__: str

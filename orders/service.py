@@ -6,7 +6,7 @@ it. The service owns no SQL and no Redis command itself; it composes:
 * :class:`~orders.sql.records.OrderRecords`: every SQL statement, the compare-and-sets;
 * :class:`~orders.index.unpaid.UnpaidIndex`: every admission-index script;
 * :class:`~orders.admission.Admitter`: Redis admit -> SQL guard -> compensation;
-* :class:`~orders.sweep.Sweep` and :class:`~orders.reconcile.Reconciler`.
+* :class:`~orders.sweep.Sweep` and :class:`~orders.reconciler.Reconciler`.
 
 Rules that shape every method: input is checked first (:mod:`orders.validation`); the
 clock is read once per use case and passed down; one SQL transaction per use case; Redis
@@ -45,7 +45,7 @@ from orders.errors import (
 from orders.events.consumer import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
-from orders.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
+from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.sql.models import TEXT_COLUMN_LENGTH
 from orders.sql.records import OrderRecords
 from orders.sweep import PreCloseCheck, Sweep
@@ -357,7 +357,7 @@ class OrderService:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
-        """Make the Redis index equal to SQL (see :mod:`orders.reconcile`)."""
+        """Make the Redis index equal to SQL (see :mod:`orders.reconciler`)."""
         return self.reconciler.reconcile(
             user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
         )

@@ -52,7 +52,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- reconcile ---------------------------------------------------------------------------
     mutation(
         "reconcile-removes-in-flight-members",
-        "orders/reconcile.py",
+        "orders/reconciler.py",
         "remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]",
         "remove = [(u, o) for u, o in extras if owners.get(o) != u]",
         "a member without a SQL row (a create in flight) stays until its expiry",
@@ -60,7 +60,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "reconcile-leaves-a-stale-add",
-        "orders/reconcile.py",
+        "orders/reconciler.py",
         "            self._undo_stale_adds(added, now_ms)",
         "            pass",
         "an add racing a payment does not leave a stale member",

@@ -85,7 +85,7 @@ IDLE_USERS_POSTGRESQL = _idle_users(_PG_BATCH)
 
 
 class ReconcileReads:
-    """The queries of :mod:`orders.reconcile`, over the records' transactions."""
+    """The queries of :mod:`orders.reconciler`, over the records' transactions."""
 
     def __init__(self, tx: Transactions) -> None:
         self.tx = tx

@@ -17,7 +17,7 @@ import pytest
 import redis
 from sqlalchemy import insert
 
-from orders import reconcile as reconciler
+from orders import reconciler
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
