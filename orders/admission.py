@@ -241,12 +241,9 @@ class Admitter:
     def rescore_after_commit(self, order: Order) -> None:
         """Move a member's score to the order's new expiry after SQL decided."""
         try:
-            self.index.repair(
-                order.user_id,
-                now_ms=order.read_at_ms,
-                remove=[],
-                add={order.id: order.expires_at_ms},
-            )
+            # The user's other members come back as reconcile's extras, left as they are.
+            wanted = {order.user_id: {order.id: order.expires_at_ms}}
+            self.index.reconcile_batch(wanted, now_ms=order.read_at_ms, dry_run=False).read()
         except StoreUnavailable:
             log.warning(
                 "redis rescore failed; reconcile will fix it",

@@ -8,7 +8,6 @@ and SQLAlchemy are imported only to check a URL that was given, so reading setti
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from orders.errors import InvalidInput
-from orders.validation import check_count
+from orders.validation import check_count, check_seconds
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import URL
@@ -165,7 +164,7 @@ class Settings:
             "pre_close_timeout_s",
             "max_extension_s",
         ):
-            _check_seconds(name, getattr(self, name), allow_zero=False)
+            check_seconds(name, getattr(self, name))
         if self.ttl_s > self.max_ttl_s:
             raise InvalidInput("ttl_s", "is above max_ttl_s")
         check_count("max_user_id_length", self.max_user_id_length, 1, 512)
@@ -181,7 +180,7 @@ class Settings:
             "sql_busy_timeout_s",
             "sql_connect_timeout_s",
         ):
-            _check_seconds(name, getattr(self, name), allow_zero=True)
+            check_seconds(name, getattr(self, name), allow_zero=True)
         check_handler_paths("on_closed", self.on_closed)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
@@ -193,6 +192,10 @@ class Settings:
     @property
     def max_ttl_ms(self) -> int:
         return round(self.max_ttl_s * 1000)
+
+    @property
+    def max_lifetime_ms(self) -> int:
+        return round(self.max_lifetime_s * 1000)
 
     @property
     def key_margin_ms(self) -> int:
@@ -215,14 +218,6 @@ class Settings:
     def describe(self) -> dict[str, str]:
         """The settings as text, URLs with their passwords hidden (safe to log)."""
         return {f.name: str(getattr(self, f.name)) for f in fields(self)}
-
-
-def _check_seconds(name: str, value: object, *, allow_zero: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidInput(name, "must be a number of seconds")
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        qualifier = "0 or more" if allow_zero else "positive"
-        raise InvalidInput(name, f"must be a finite number of seconds, {qualifier}")
 
 
 #: ``package.module:function`` or ``package.module.function``, as the scheduler loads it.

@@ -239,7 +239,7 @@ class OrderService:
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
         now_ms = self.clock()
-        max_life_ms = round(self.settings.max_lifetime_s * 1000)
+        max_life_ms = self.settings.max_lifetime_ms
         order, won = self._transition(
             oid,
             now_ms,

@@ -124,7 +124,7 @@ class Sweep:
     def _reopen(self, order: Order, extra_ms: int) -> None:
         now_ms = self.clock()
         expires_at_ms = now_ms + extra_ms
-        if expires_at_ms - order.created_at_ms > round(self.settings.max_lifetime_s * 1000):
+        if expires_at_ms - order.created_at_ms > self.settings.max_lifetime_ms:
             return
         reopened = self.admitter.reopen(
             order,

@@ -206,10 +206,26 @@ def check_count(name: str, value: object, low: int, high: int | None = None) -> 
     return value
 
 
-def check_seconds(name: str, value: object) -> float:
-    """A positive, finite number of seconds (int or float; bools refused)."""
+def check_row_id(name: str, value: object) -> int:
+    """A row's id in a BIGINT identity column: a positive integer below 2**63."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
+        raise InvalidInput(name, "must be a positive integer")
+    return value
+
+
+def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> float:
+    """A positive (or, with ``allow_zero``, not negative) finite number of seconds (int or
+    float; bools refused)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidInput(name, "must be a number of seconds")
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidInput(name, "must be a positive finite number of seconds")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        qualifier = "0 or more" if allow_zero else "positive"
+        raise InvalidInput(name, f"must be a finite number of seconds, {qualifier}")
     return float(value)
+
+
+def check_token(name: str, value: object) -> str:
+    """An opaque token the caller made (a lease or heartbeat owner): a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(name, "must be a non-empty string")
+    return value

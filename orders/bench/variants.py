@@ -19,6 +19,7 @@ from orders.bench.measure import Run, Variant, run_ops
 from orders.bench.workload import Workload
 from orders.domain import EventKind
 from orders.errors import UnpaidOrderLimitReached
+from orders.index.unpaid import admit_args
 from orders.sql.models import events_table, orders_table
 from orders.sql.records import LimitReachedInSql
 
@@ -96,11 +97,11 @@ def create(w: Workload, threads: int = 1, *, tasks: int | None = None) -> Varian
 def _admit(w: Workload) -> Callable[[str, str, int], None]:
     """One raw EVALSHA of the admission script that must admit (a new user each time)."""
     client, sha = w.client, w.admit_sha
-    s = w.service.settings
-    ttl, limit, margin = s.ttl_ms, s.unpaid_limit, s.key_margin_ms
+    ttl, limit = w.service.settings.ttl_ms, w.service.settings.unpaid_limit
 
     def admit(key: str, order_id: str, now: int) -> None:
-        reply = client.evalsha(sha, 1, key, order_id, now + ttl, now, limit, margin)
+        args = admit_args(order_id, expires_at_ms=now + ttl, now_ms=now, limit=limit)
+        reply = client.evalsha(sha, 1, key, *args)
         if int(reply[0]) == -1:
             raise RuntimeError("raw admission refused a new user")
 
@@ -206,7 +207,7 @@ def refusal(w: Workload, *, given_id: bool = False, tasks: int | None = None) ->
 def evalsha_refused(w: Workload) -> Variant:
     """One EVALSHA of the admission script that refuses (the same full users)."""
     client, sha, clock = w.client, w.admit_sha, w.service.clock
-    s = w.service.settings
+    ttl = w.service.settings.ttl_ms
     keys = [w.key(u) for u in w.full_users()]
 
     def variant(n: int) -> Run:
@@ -214,9 +215,8 @@ def evalsha_refused(w: Workload) -> Variant:
 
         def op(i: int) -> None:
             now = clock()
-            reply = client.evalsha(
-                sha, 1, keys[i % len(keys)], ids[i], now + s.ttl_ms, now, 1, s.key_margin_ms
-            )
+            args = admit_args(ids[i], expires_at_ms=now + ttl, now_ms=now, limit=1)
+            reply = client.evalsha(sha, 1, keys[i % len(keys)], *args)
             if int(reply[0]) != -1:
                 raise RuntimeError("raw admission at the limit was not refused")
 

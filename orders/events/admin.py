@@ -41,7 +41,7 @@ from orders.events.consumer import (
     events_after,
 )
 from orders.sql.models import events_table, retries_table, sql_errors
-from orders.validation import check_count
+from orders.validation import check_count, check_row_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +155,7 @@ def list_parked(
     engine: Engine, *, consumer: str | None = None, limit: int = 100
 ) -> list[ParkedEvent]:
     """Parked events, oldest parked first; of one consumer when ``consumer`` is given."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-        raise InvalidInput("limit", "must be an integer between 1 and 10000")
+    check_count("limit", limit, 1, 10_000)
     query = (
         select(retries_table, EC.order_id, EC.kind)
         .outerjoin(events_table, EC.id == RC.event_id)
@@ -209,8 +208,7 @@ def discard_parked(engine: Engine, consumer: str, event_id: int) -> None:
 
 def _parked_entry(consumer: str, event_id: int) -> ColumnElement[bool]:
     check_consumer_name("consumer", consumer)
-    if isinstance(event_id, bool) or not isinstance(event_id, int) or not 0 < event_id < 2**63:
-        raise InvalidInput("event_id", "must be a positive integer")
+    check_row_id("event_id", event_id)
     return and_(RC.consumer == consumer, RC.event_id == event_id, PARKED)
 
 

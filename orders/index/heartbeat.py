@@ -21,9 +21,9 @@ from typing import Any
 
 from redis.commands.core import Script
 
-from orders.errors import InvalidInput
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import load_script, redis_errors
+from orders.validation import check_count, check_token
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +54,9 @@ class Heartbeats:
         One script, one round trip; the hash expires ``forget_after_ms`` after this call
         unless someone beats again.
         """
-        if not isinstance(beat.owner, str) or not beat.owner:
-            raise InvalidInput("owner", "must be a non-empty string")
-        _check_ms("forget_after_ms", forget_after_ms, minimum=1)
-        _check_ms("seen_ms", beat.seen_ms, minimum=0)
+        check_token("owner", beat.owner)
+        check_count("forget_after_ms", forget_after_ms, 1)
+        check_count("seen_ms", beat.seen_ms, 0)
         value = json.dumps({**asdict(beat), "forget_after_ms": forget_after_ms})
         with redis_errors("publish_heartbeat"):
             self._heartbeat(
@@ -103,8 +102,3 @@ def _optional_int(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError("not an integer")
     return value
-
-
-def _check_ms(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidInput(name, f"must be an integer of milliseconds, at least {minimum}")

@@ -12,9 +12,9 @@ from typing import Any
 
 from redis.commands.core import Script
 
-from orders.errors import InvalidInput
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import load_script, redis_errors
+from orders.validation import check_count, check_token
 
 
 class SweeperLease:
@@ -54,7 +54,5 @@ class SweeperLease:
 
 
 def _check_lease_args(owner: str, ttl_ms: int) -> None:
-    if not isinstance(owner, str) or not owner:
-        raise InvalidInput("owner", "must be a non-empty string")
-    if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 1:
-        raise InvalidInput("ttl_ms", "must be a positive integer")
+    check_token("owner", owner)
+    check_count("ttl_ms", ttl_ms, 1)

@@ -123,6 +123,12 @@ def redis_errors(action: str) -> Iterator[None]:
         raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
 
 
+def admit_args(order_id: str, *, expires_at_ms: int, now_ms: int, limit: int) -> list[str | int]:
+    """``admit.lua``'s ARGV, in its header's order: for :meth:`UnpaidIndex.admit` and for
+    the bench's raw EVALSHA alike."""
+    return [order_id, expires_at_ms, now_ms, limit]
+
+
 class UnpaidIndex:
     """Per-user sorted sets of open unpaid orders, kept on a redis-py client."""
 
@@ -136,7 +142,6 @@ class UnpaidIndex:
         self.foreign_seen = 0
         self._foreign_logged: set[bytes] = set()
         self._admit: Script = client.register_script(load_script("admit"))
-        self._repair: Script = client.register_script(load_script("repair"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
         # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
         self._reconcile: Script = client.register_script(load_script("reconcile"))
@@ -150,15 +155,14 @@ class UnpaidIndex:
     ) -> AdmitResult:
         """Drop expired members, then add ``order_id`` unless the user is at ``limit``."""
         key = self.key(user_id)
+        args = admit_args(order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit)
         with redis_errors("admit"):
             try:
                 # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
                 # costs a few microseconds more; it still loads the script on NOSCRIPT).
-                reply: list[Any] = self.client.evalsha(
-                    self._admit.sha, 1, key, order_id, expires_at_ms, now_ms, limit
-                )
+                reply: list[Any] = self.client.evalsha(self._admit.sha, 1, key, *args)
             except NoScriptError:
-                reply = self._admit(keys=[key], args=[order_id, expires_at_ms, now_ms, limit])
+                reply = self._admit(keys=[key], args=args)
         code, count, score = reply
         return AdmitResult(Admission(int(code)), int(count), _score(score))
 
@@ -277,21 +281,6 @@ class UnpaidIndex:
             what,
             repr(name[:80]),
         )
-
-    def repair(
-        self, user_id: str, *, now_ms: int, remove: list[str], add: dict[str, int]
-    ) -> tuple[int, int, int]:
-        """Drop expired members, remove ``remove``, add or re-score ``add``; one script.
-
-        Returns (expired dropped, removed, added or re-scored).
-        """
-        args: list[str | int] = [now_ms, len(remove), *remove]
-        for order_id, score in add.items():
-            args += [score, order_id]
-        with redis_errors("repair"):
-            reply: list[Any] = self._repair(keys=[self.key(user_id)], args=args)
-        dropped, removed, changed = (int(x) for x in reply)
-        return dropped, removed, changed
 
     def reconcile_batch(
         self, wanted: dict[str, dict[str, int]], *, now_ms: int, dry_run: bool

@@ -122,30 +122,28 @@ def _exit(scheduler: BaseScheduler) -> None:
         scheduler.shutdown(wait=False)
 
 
-def _stop_jobs(scheduler: _BlockingSweepScheduler | _BackgroundSweepScheduler, wait: bool) -> None:
-    scheduler.sweeper.request_stop()
-    if wait:
-        for job in scheduler.pausing_jobs:
-            with job.lock:
-                pass
+class _SweepScheduler(BaseScheduler):  # type: ignore[misc]
+    """What the blocking and the background scheduler add alike: ``shutdown`` first asks
+    the sweeper to stop after the batch in hand and, with ``wait``, waits for the jobs."""
 
-
-class _BlockingSweepScheduler(BlockingScheduler):  # type: ignore[misc]
     sweeper: Sweeper
     pausing_jobs: list[_PausingJob]
 
     def shutdown(self, wait: bool = True) -> None:
-        _stop_jobs(self, wait)
+        self.sweeper.request_stop()
+        if wait:
+            for job in self.pausing_jobs:
+                with job.lock:
+                    pass
         super().shutdown(wait)
 
 
-class _BackgroundSweepScheduler(BackgroundScheduler):  # type: ignore[misc]
-    sweeper: Sweeper
-    pausing_jobs: list[_PausingJob]
+class _BlockingSweepScheduler(_SweepScheduler, BlockingScheduler):  # type: ignore[misc]
+    pass
 
-    def shutdown(self, wait: bool = True) -> None:
-        _stop_jobs(self, wait)
-        super().shutdown(wait)
+
+class _BackgroundSweepScheduler(_SweepScheduler, BackgroundScheduler):  # type: ignore[misc]
+    pass
 
 
 def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:

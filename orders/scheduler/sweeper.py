@@ -207,14 +207,19 @@ class Sweeper:
 
     def _take_lease(self) -> bool:
         """True if this sweeper should sweep: it holds the lease, or Redis cannot say."""
+        return self._renew() is not False
+
+    def _renew(self) -> bool | None:
+        """Take or renew the lease: whether this sweeper holds it now, or None when Redis
+        cannot say (the outage is logged; the sweeper sweeps without the lease)."""
+        self._renewed_at = time.monotonic()  # also paces retries while Redis is down
         asked_at_ms = self.service.clock()
         try:
             held = self.lease.acquire(self.owner, self.lease_ttl_ms)
         except StoreUnavailable as exc:
             self._store_down("redis", exc, "sweeping without the lease until redis is back")
-            return True
+            return None
         self._store_up("redis")
-        self._renewed_at = time.monotonic()
         self._set_holds(held, asked_at_ms)
         return held
 
@@ -332,15 +337,9 @@ class Sweeper:
         self.status.alive()
         if time.monotonic() - self._renewed_at < self._renew_every_s:
             return False
-        self._renewed_at = time.monotonic()  # also paces retries while Redis is down
-        asked_at_ms = self.service.clock()
-        try:
-            held = self.lease.acquire(self.owner, self.lease_ttl_ms)
-        except StoreUnavailable as exc:
-            self._store_down("redis", exc, "sweeping without the lease until redis is back")
+        held = self._renew()
+        if held is None:
             return False
-        self._store_up("redis")
-        self._set_holds(held, asked_at_ms)
         self._lost_lease = not held
         return not held
 

@@ -32,9 +32,9 @@ from sqlalchemy import (
 from orders.domain import EventKind, OrderStatus
 from orders.sql.models import UNPAID_PREDICATE, due_at, events_table, orders_table
 from orders.sql.records import EXPIRED_REASON, OrderRecords
+from orders.sql.transitions import EVENT_COLUMNS, with_events
 
 ORDER = orders_table.c
-_EVENT_COLUMNS = ["order_id", "user_id", "kind", "at_ms"]
 
 
 class DueCloser:
@@ -101,23 +101,17 @@ def _close_statement(*, postgresql: bool) -> Any:
         return close.returning(ORDER.id, ORDER.user_id, ORDER.expires_at_ms)
     # PostgreSQL: claim, close and write the events in one statement. Row-by-row event
     # inserts (psycopg's executemany) took most of a sweep's time there.
-    closed = close.returning(ORDER.id, ORDER.user_id, ORDER.expires_at_ms).cte("closed")
-    record = (
-        insert(events_table)
-        .from_select(
-            _EVENT_COLUMNS,
-            select(closed.c.id, closed.c.user_id, literal(EventKind.CLOSED.value), closed_at),
-        )
-        .cte("recorded")
-    )
-    return select(closed.c.user_id, closed.c.expires_at_ms).add_cte(record)
+    closed = close.returning(ORDER.id, ORDER.user_id, ORDER.expires_at_ms)
+    statement = with_events(closed, "closed", EventKind.CLOSED, closed_at)
+    columns = statement.selected_columns
+    return statement.with_only_columns(columns.user_id, columns.expires_at_ms)
 
 
 # SQLite: the batch's events in one statement, its ids passed as one JSON array. The
 # executemany it replaces cost a bound row (and a JSON 'null' for data) per event.
 _closed_ids = func.json_each(bindparam("ids", type_=String())).table_valued("value")
 _SQLITE_RECORD_CLOSED = insert(events_table).from_select(
-    _EVENT_COLUMNS,
+    EVENT_COLUMNS,
     select(
         ORDER.id,
         ORDER.user_id,

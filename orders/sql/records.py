@@ -15,7 +15,7 @@ and cache keys) cost about as much client CPU as running them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
 
@@ -212,14 +212,3 @@ class OrderRecords:
                 return to_order(row, now_ms)
             live = self.slots.make_room(values, limit, now_ms)
         raise LimitReachedInSql(live)
-
-    # --- reconcile (read-only: orders.sql.reconcile_reads) -------------------------------------
-
-    def users_with_open(self, now_ms: int, after: str, limit: int) -> list[str]:
-        return self.reads.users_with_open(now_ms, after, limit)
-
-    def open_by_user(self, user_ids: Sequence[str], now_ms: int) -> dict[str, dict[str, int]]:
-        return self.reads.open_by_user(user_ids, now_ms)
-
-    def open_owners(self, order_ids: Sequence[str], now_ms: int) -> dict[str, str | None]:
-        return self.reads.open_owners(order_ids, now_ms)

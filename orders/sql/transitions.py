@@ -40,6 +40,8 @@ _NOW = bindparam("now_ms", type_=BigInteger)
 _OID = bindparam("oid", type_=String)
 _EXTRA = bindparam("extra_ms", type_=BigInteger)
 _INSERT_EVENT = insert(events_table)
+#: The columns an event takes from its order, in the order the INSERT ... SELECTs name them.
+EVENT_COLUMNS = ("order_id", "user_id", "kind", "at_ms")
 
 
 def _update(where: list[ColumnElement[bool]], values: Mapping[str, Any]) -> Any:
@@ -57,7 +59,7 @@ def with_events(dml: Any, name: str, kind: EventKind, at_ms: Any, data: Any = No
     (INSERT INTO order_events SELECT ... FROM name) SELECT * FROM name``."""
     changed = dml.cte(name)
     columns = [changed.c.id, changed.c.user_id, literal(kind.value), at_ms]
-    names = ["order_id", "user_id", "kind", "at_ms"]
+    names = list(EVENT_COLUMNS)
     if data is not None:
         columns.append(data)
         names.append("data")

@@ -29,8 +29,8 @@ def index(redis_client: redis.Redis) -> UnpaidIndex:
     return UnpaidIndex(redis_client, key_prefix="UnpaidOrder-")
 
 
-#: Each script that adds members to a user's key: admit (a create), repair (a create's
-#: compensation, extend_order), reconcile (the index rebuild).
+#: Each script that adds members to a user's key: admit (a create), reconcile (the index
+#: rebuild, and the rescore after extend_order).
 Add = Callable[[UnpaidIndex, int, int], None]
 
 
@@ -38,16 +38,12 @@ def by_admit(index: UnpaidIndex, now_ms: int, expires_at_ms: int) -> None:
     index.admit("u1", "o-new", expires_at_ms=expires_at_ms, now_ms=now_ms, limit=3)
 
 
-def by_repair(index: UnpaidIndex, now_ms: int, expires_at_ms: int) -> None:
-    index.repair("u1", now_ms=now_ms, remove=[], add={"o-new": expires_at_ms})
-
-
 def by_reconcile(index: UnpaidIndex, now_ms: int, expires_at_ms: int) -> None:
     batch = index.reconcile_batch({"u1": {"o-new": expires_at_ms}}, now_ms=now_ms, dry_run=False)
     assert batch.read().added == 1
 
 
-ADDS = [by_admit, by_repair, by_reconcile]
+ADDS = [by_admit, by_reconcile]
 
 
 @pytest.mark.parametrize("add", ADDS, ids=lambda f: f.__name__)

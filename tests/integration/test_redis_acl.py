@@ -6,7 +6,7 @@ The commands, found in ``orders/index/unpaid.py`` and ``orders/index/lua/*.lua``
 * redis-py ``Script`` objects send EVALSHA, and SCRIPT LOAD when the server answers
   NOSCRIPT; never EVAL;
 * inside the scripts: ZREMRANGEBYSCORE, ZSCORE, ZCARD, ZRANGE, ZADD, PERSIST (admit,
-  repair: reconcile and extend_order), ZREM (repair), SET, GET, PEXPIRE, DEL (lease, lease_release),
+  reconcile: the rebuild and extend_order), SET, GET, PEXPIRE, DEL (lease, lease_release),
   HSET, HGETALL, HDEL, PEXPIRE (heartbeat);
 * outside them: ZREM (release), ZREMRANGEBYSCORE pipelines (sweep), ZRANGE (members,
   reconcile), GET/SET (index epoch, lease owner), SCAN (reconcile), HGETALL (reading the

@@ -34,7 +34,7 @@ from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.consumer import ConsumeResult, EventConsumer, OrderEvent
 from orders.index.lease import SweeperLease
 from orders.scheduler.jobs import JOB_ID, RECONCILE_CHECK_S, build_scheduler
-from orders.scheduler.sweeper import Sweeper
+from orders.scheduler.sweeper import LOGGER_NAME, Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from orders.validation import check_user_id
@@ -985,7 +985,7 @@ class Schedulers:
         return (self.tmp_path / f"{name}.log").read_text(errors="replace")
 
     def summary_lines(self, name: str) -> list[dict[str, Any]]:
-        prefix = "orders.scheduler.sweeper "
+        prefix = f"{LOGGER_NAME} "  # the logger kept its name through the move
         lines = [line[len(prefix) :] for line in self.log(name).splitlines()]
         return [
             json.loads(line)

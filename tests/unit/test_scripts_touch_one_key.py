@@ -24,7 +24,7 @@ def code_of(name: str) -> str:
 
 
 def test_the_scripts_are_all_found() -> None:
-    assert SCRIPTS == ["admit", "heartbeat", "lease", "lease_release", "reconcile", "repair"]
+    assert SCRIPTS == ["admit", "heartbeat", "lease", "lease_release", "reconcile"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -1,4 +1,5 @@
--- reconcile: make one user's set hold SQL's open orders, atomically (used by reconcile).
+-- reconcile: make one user's set hold SQL's open orders, atomically (used by reconcile, and
+-- by the rescore after an extension, which names the one order it moved).
 --
 -- KEYS[1]  the user's sorted set (member = order id, score = expiry in integer ms)
 -- ARGV[1]  now, integer ms since the epoch: members at or before it are dropped
