@@ -67,7 +67,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "pre-close-past-the-max-lifetime",
         "orders/sweep.py",
-        "if expires_at_ms - order.created_at_ms > round(self.settings.max_lifetime_s * 1000):",
+        "if expires_at_ms - order.created_at_ms > self.settings.max_lifetime_ms:",
         "if False:",
         "a pre-close extension never moves an expiry past created_at + max_lifetime_s",
         f"{INTEGRATION}::test_a_pre_close_extension_never_passes_the_maximum_lifetime",
