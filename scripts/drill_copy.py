@@ -50,7 +50,7 @@ def check_imports(copy: Path) -> None:
     probe = (
         "import importlib.resources, orders, tests.support.processes\n"
         "print(orders.__file__)\n"
-        "print(importlib.resources.files('orders').joinpath('lua', 'admit.lua'))\n"
+        "print(importlib.resources.files('orders.index').joinpath('lua', 'admit.lua'))\n"
         "print(tests.support.processes.REPO / 'tests')\n"
     )
     done = subprocess.run(

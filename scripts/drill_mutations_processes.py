@@ -49,7 +49,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
         "due = due.with_for_update(skip_locked=True)",
         "due = due.with_for_update()",
         "PostgreSQL: a sweeper skips rows another holds, never waits on them",
-        "tests/integration/test_sweep.py::test_sweep_skips_a_due_order_locked_by_another_transaction[redis6.2-postgresql]",
+        "tests/integration/test_sweep.py::test_sweep_skips_a_due_order_locked_by_another_transaction[redis7.0-postgresql-server]",
     ),
     # --- reconcile ---------------------------------------------------------------------------
     mutation(
@@ -135,7 +135,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
         "        query = query.where(EC.txid < horizon)",
         "        query = query",
         "PostgreSQL: readers never pass an event of a transaction still running",
-        "tests/integration/test_events.py::test_postgresql_readers_never_pass_an_event_of_a_transaction_still_running[redis6.2-postgresql]",
+        "tests/integration/test_events.py::test_postgresql_readers_never_pass_an_event_of_a_transaction_still_running[redis7.0-postgresql]",
     ),
     # --- what the scheduler logs, and its rebuild beside the sweep ---------------------------
     mutation(
