@@ -678,8 +678,11 @@ def test_sync_threads_and_async_tasks_on_the_same_stores_keep_the_limit(
     assert_counts_add_up(data, SYNC_ATTEMPTS + ASYNC_ATTEMPTS)
     for side in (sync.tally.data, sides[0].tally.data):
         assert side["admitted"] > 0, "one API never got an order in"
-    assert data["paid"] > 0
-    assert data["cancelled"] > 0
+    # Payments and cancels ran against the creates: each was decided, won or lost to the
+    # expiry (on a loaded machine the sweeps' clock can outrun every payer: CI once saw no
+    # payment win, which says nothing about the limit).
+    assert data["paid"] + data["pay_lost"] > 0
+    assert data["cancelled"] + data["cancel_lost"] > 0
     assert data["closed"] > 0
     assert_monitor_held(monitor, limit)
     assert all(count <= limit for count in monitor.sample(limit))
