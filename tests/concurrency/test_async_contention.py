@@ -79,8 +79,8 @@ STEP_MS = 400
 #: from TTL_MS: there, an order stays open for 50 to 400 of the attempts that finish after
 #: its own. (At 20 ms, 5 to 40, the bursts of refusals, quick in Redis, aged the admitted
 #: orders out while PostgreSQL committed them: SQL seldom held the limit, as with the wall
-#: clock before. The intact runs keep the sweeper's clock: at 2 ms a limit-1 run saw no
-#: order expire.)
+#: clock before. The intact runs move it at both: at 2 ms a create alone a limit-1 run saw no
+#: order expire, at 400 ms a sweep alone a run whose sweeper was starved neither.)
 CREATE_STEP_MS = 2
 TTL_MS = (100, 800)
 FLUSHES = 3
@@ -303,7 +303,13 @@ def test_500_tasks_on_one_loop_keep_the_limit_while_others_pay_cancel_and_sweep(
             if redis_index == "flushed":
                 moves = {"after_create": lambda: clock.advance(ms=CREATE_STEP_MS)}
             else:
-                moves = {"before_sweep": lambda: clock.advance(ms=STEP_MS)}
+                # Time passes with the sweeps and with the creates: under load the sweeper
+                # task got two turns in a whole run, its clock moved 0.8 s, no order
+                # expired and the run had nothing to close.
+                moves = {
+                    "before_sweep": lambda: clock.advance(ms=STEP_MS),
+                    "after_create": lambda: clock.advance(ms=CREATE_STEP_MS),
+                }
             running = asyncio.ensure_future(contend(service, plan, tally, **moves))
             if redis_index == "flushed":
                 checked["flushes"] = await flush_mid_run(
