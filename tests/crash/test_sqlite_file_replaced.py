@@ -144,7 +144,8 @@ def test_a_worker_creating_in_a_loop_has_every_create_after_the_rm_refused(
     assert result["errors"] == 0, result["error_samples"]
     outcomes: list[dict[str, Any]] = result["outcomes"]
     after = [o for o in outcomes if o["start_ms"] > removed_ms]
-    assert len(after) >= config["refusals"]
+    # It stops at 30 refusals; those of creates in flight at the rm may be among them.
+    assert len(after) >= config["refusals"] - config["threads"]
     assert [o for o in after if o["outcome"] != "refused"] == []
     assert {o["store"] for o in after} == {"sql"}
     assert all(str(path) in o["message"] for o in after)
