@@ -11,6 +11,7 @@ from sqlalchemy import Connection
 from orders.config import Settings
 from orders.embedded.server import database_url
 from orders.sql.engine import build_engine
+from orders.sql.migrate import migration_lock
 from orders.sql.models import Base
 
 config = context.config
@@ -18,6 +19,8 @@ target_metadata = Base.metadata
 
 
 def _configure(connection: Connection) -> None:
+    # First, so the revision Alembic reads next is read under the lock (orders.sql.migrate).
+    migration_lock(connection)
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
@@ -51,7 +54,9 @@ def run_migrations_online() -> None:
         settings, config.get_main_option("sqlalchemy.url") or database_url(settings)
     )
     try:
-        with engine.connect() as connection:
+        # One transaction around every migration, as orders.sql.migrate runs them: the
+        # migration lock lasts until it ends.
+        with engine.begin() as connection:
             _configure(connection)
     finally:
         engine.dispose()

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from sqlalchemy import URL, Engine, create_engine, event
 from sqlalchemy.exc import ArgumentError, DisconnectionError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import AsyncAdaptedQueuePool, ConnectionPoolEntry
 
+from orders import metrics
 from orders.config import Settings, check_database_url
-from orders.errors import InvalidInput
+from orders.errors import InvalidInput, StoreUnavailable
 
 log = logging.getLogger("orders.bootstrap")  # the name it logged under before the move
 
@@ -94,6 +98,7 @@ def _created(target: URL, create: Callable[[], EngineT]) -> EngineT:
 def _prepared(engine: Engine, target: URL) -> Engine:
     if target.get_backend_name() == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
+        refuse_replaced_sqlite_file(engine)
     else:
         ping_idle_connections(engine)
     log.debug("sql engine for %s", target.render_as_string(hide_password=True))
@@ -130,6 +135,84 @@ def ping_idle_connections(engine: Engine) -> None:
         except Exception as exc:
             # The pool discards this connection and checks out another (up to 3 times).
             raise DisconnectionError("an idle pooled connection failed its ping") from exc
+
+
+def sqlite_file(engine: Engine) -> str | None:
+    """The absolute path of the file an SQLite engine opens, or None for a memory database
+    (``sqlite://``, ``:memory:``, ``mode=memory``): as the driver receives it."""
+    cargs, cparams = engine.dialect.create_connect_args(engine.url)
+    filename = str(cargs[0]) if cargs else ""
+    if cparams.get("uri") and filename.startswith("file:"):
+        parts = urlsplit(filename)
+        if "memory" in parse_qs(parts.query).get("mode", []):
+            return None
+        filename = unquote(parts.path)
+    if filename in ("", ":memory:"):
+        return None
+    return os.path.abspath(filename)
+
+
+def refuse_replaced_sqlite_file(engine: Engine) -> None:
+    """Refuse every checkout once the file at the path is not the one the engine opened.
+
+    A pooled SQLite connection holds its file open: after ``rm orders.db`` (or a file moved
+    over it) it reads and writes the unlinked file, and whatever it commits is lost with it.
+    So each checkout stats the path (about a microsecond) and compares (st_dev, st_ino)
+    with the file of the engine's first connection; a connection about to be opened is
+    checked before it opens the path. A mismatch, or no file, is StoreUnavailable naming
+    the path, before any statement runs. It lasts until the process restarts: opening the
+    path again would give an empty database (or someone else's) as if nothing had
+    happened, while the rows are in the file this process still holds. The file put back
+    (the same inode, by a rename) serves again. A transaction that checked out before the
+    file went commits into the old one. Memory databases have no file to check.
+    """
+    path = sqlite_file(engine)
+    if path is None:
+        return
+    guard = SqliteFileGuard(path)
+
+    @event.listens_for(engine, "do_connect")
+    def before_connect(*_args: Any) -> None:
+        guard.check()  # returns None: the driver then connects as usual
+
+    @event.listens_for(engine, "checkout")
+    def at_checkout(*_args: Any) -> None:
+        guard.check()
+
+
+class SqliteFileGuard:
+    """The file behind ``path`` as first found, and the check that it is still there."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.opened: tuple[int, int] | None = None  # (st_dev, st_ino), set by the first check
+        self._told = threading.Event()
+
+    def check(self) -> None:
+        """Raise StoreUnavailable unless the path still leads to the first file found."""
+        found = self._identity()
+        if self.opened is None:
+            self.opened = found  # None until a connection has created the file
+            return
+        if found == self.opened:
+            return
+        metrics.STORE_ERRORS.labels("sql").inc()
+        what = "deleted" if found is None else "replaced by another file"
+        detail = f"the SQLite file {self.path} was {what} after this process opened it; restart it"
+        if not self._told.is_set():
+            self._told.set()
+            log.error("sql: %s (reads and writes are refused until then)", detail)
+        raise StoreUnavailable("sql", detail)
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            detail = f"the SQLite file {self.path} cannot be checked: {exc.strerror}"
+            raise StoreUnavailable("sql", detail) from exc
+        return stat.st_dev, stat.st_ino
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:

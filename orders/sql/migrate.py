@@ -4,6 +4,10 @@ The Alembic scripts live in the top-level ``migrations/`` folder of the source t
 are installed with the package as ``orders._migrations``. Alembic is imported only to
 migrate or to ask it about the scripts: :func:`is_current`, which every command runs
 before its first query, reads the version table and the scripts' revision ids itself.
+
+Migrations run one at a time: ``env.py`` takes :func:`migration_lock` first, in the one
+transaction Alembic then migrates in, so a second upgrade started beside the first waits
+for it, reads the revision the first left and has nothing to do.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import ast
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, String, column, inspect, select, table
+from sqlalchemy import Connection, Engine, String, column, inspect, select, table, text
 
 from orders.sql.models import sql_errors
 
@@ -21,6 +25,13 @@ if TYPE_CHECKING:
 
 #: Where Alembic records the revision of a database (its default name).
 VERSION_TABLE = "alembic_version"
+
+#: The PostgreSQL advisory lock of this package's migrations (the single-bigint key space):
+#: the first 8 bytes of sha256(b"orders schema migrations") as a signed integer. A host
+#: application that migrates its own tables in the same database (with its own lock, if
+#: any) collides with it only by choosing this very number; small numbers, a hashtext() of
+#: a name or the two-int4 form (a key space of its own) never meet it.
+MIGRATION_LOCK_KEY = -8803467110800572162
 
 
 def script_location() -> str:
@@ -43,6 +54,24 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     with sql_errors(), engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, revision)
+
+
+def migration_lock(connection: Connection) -> None:
+    """Serialise migrations on ``connection``'s database until its transaction ends.
+
+    Call it first in the transaction the migrations run in, before Alembic reads the
+    version table: the revision is then read under the lock. PostgreSQL: the transaction-
+    scoped advisory lock :data:`MIGRATION_LOCK_KEY`, released by the commit or rollback.
+    SQLite: ``BEGIN IMMEDIATE``, the database's write lock (pysqlite has not begun a
+    transaction of its own yet: it begins one before DML, and nothing ran before this).
+    A waiter waits as long as any statement may (PostgreSQL's statement timeout, SQLite's
+    busy timeout), then fails as StoreUnavailable. Other databases: no lock.
+    """
+    dialect = connection.dialect.name
+    if dialect == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+    elif dialect == "sqlite":
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def downgrade(engine: Engine, revision: str) -> None:

@@ -18,6 +18,9 @@ Modes:
              from several threads, and reports every outcome.
 ``sweep``    calls ``sweep_expired`` in a loop until told to stop.
 ``drain``    calls ``sweep_expired(batch_size=...)`` in a loop until nothing is due.
+``create``   creator threads create orders (a user each) until ``refusals`` creates were
+             refused with StoreUnavailable, recording every outcome with its times; prints
+             ``CREATED <n>`` on stderr when the ``report_at``-th create succeeds.
 
 Every worker also has a deadline: past it, loops end and the shortfall shows in the counts.
 """
@@ -296,6 +299,43 @@ def drain(service: Any, cfg: dict[str, Any], deadline: float) -> Tally:
     return tally
 
 
+def create(service: Any, cfg: dict[str, Any], deadline: float) -> Tally:
+    """Creates until ``refusals`` were refused as StoreUnavailable; every outcome recorded."""
+    from orders.errors import StoreUnavailable  # noqa: PLC0415
+
+    tally = Tally(name=cfg["name"], created=0, refused=0, outcomes=[])
+    report_at = cfg.get("report_at", 20)
+    reported = threading.Event()
+
+    def creator(number: int) -> Callable[[], None]:
+        def run() -> None:
+            n = 0
+            while tally.data["refused"] < cfg["refusals"] and time.monotonic() < deadline:
+                n += 1
+                outcome: dict[str, Any] = {"start_ms": now_ms()}
+                try:
+                    service.create_unpaid_order(f"{cfg['name']}-{number}-{n}")
+                except StoreUnavailable as exc:
+                    outcome.update(outcome="refused", store=exc.store, message=str(exc))
+                    tally.add("refused")
+                except Exception as exc:
+                    outcome.update(outcome="error", message=f"{type(exc).__name__}: {exc}")
+                    tally.error("create", exc)
+                else:
+                    outcome["outcome"] = "created"
+                    tally.add("created")
+                    if tally.data["created"] >= report_at and not reported.is_set():
+                        reported.set()
+                        print(f"CREATED {report_at}", file=sys.stderr, flush=True)
+                outcome["end_ms"] = now_ms()
+                tally.append("outcomes", outcome)
+
+        return run
+
+    run_threads([creator(n) for n in range(cfg["threads"])], tally)
+    return tally
+
+
 def main(argv: list[str]) -> int:
     mode, config = argv[0], json.loads(argv[1])
     from orders.bootstrap import build_service  # noqa: PLC0415
@@ -325,6 +365,8 @@ def main(argv: list[str]) -> int:
             tally = sweep(service, config, stop, deadline)
         elif mode == "drain":
             tally = drain(service, config, deadline)
+        elif mode == "create":
+            tally = create(service, config, deadline)
         else:
             print(f"unknown mode {mode!r}", file=sys.stderr)
             return 2
