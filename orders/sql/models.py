@@ -251,9 +251,9 @@ def sql_errors() -> Iterator[None]:
             raise SchemaNotReady("the orders tables are missing") from exc
         if "no such column" in reason or sqlstate == "42703":
             raise SchemaNotReady("the orders tables are older than this code") from exc
-        if sqlstate == "55P03":  # lock_timeout: another transaction held the row
+        if sqlstate == "55P03":  # lock_timeout: another transaction held a row or table
             raise StoreUnavailable(
-                "sql", "a row stayed locked past lock_timeout; nothing changed, retry"
+                "sql", "a lock stayed held past lock_timeout; nothing changed, retry"
             ) from exc
         if isinstance(exc, IntegrityError):
             raise StoreUnavailable("sql", "a constraint refused the write") from exc
