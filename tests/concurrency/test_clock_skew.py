@@ -19,8 +19,9 @@ The backlog warning (``orders.scheduler.log.BacklogWatch``) is then driven in on
 on clocks the test moves: a sweeper, and creating services whose clocks run 9 s behind and
 ahead of its own, past the 5 s threshold. Orders from the host behind look overdue the
 moment they appear; nothing is late, so nothing must be warned, over many sweeps. A real
-backlog under the same skew (each sweep closing fewer orders than fall due) is still
-warned, as soon as it is older than the threshold, and its end is logged.
+backlog under the same skew (each sweep closing fewer orders than fall due; or, on
+PostgreSQL, an order whose row another transaction holds while the sweeps close the rest)
+is still warned, as soon as it is older than the threshold, and its end is logged.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import pytest
 import redis
 from sqlalchemy import Engine, select
 
+from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.domain import SweepResult
 from orders.scheduler.sweeper import LOGGER_NAME, Sweeper
@@ -341,4 +343,40 @@ def test_a_real_backlog_is_still_warned_within_the_threshold_under_the_same_skew
     # The first sweep left orders due; the warning comes once they are older than the
     # threshold in the sweeper's sight (from the sweep before it), within a sweep more.
     assert BACKLOG_LAG_S - STEP_S <= warned_at - behind_from <= BACKLOG_LAG_S + STEP_S
+    assert skewed.sweeping.count_due() == 0
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_an_order_a_blocked_sweep_cannot_close_is_warned_amid_skewed_orders_it_closes(
+    skewed: SkewedDeployment, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    for _ in range(4):
+        skewed.create("behind", 2)
+        skewed.step()
+    stuck = skewed.creators["behind"].create_unpaid_order("stuck", ttl_s=3)
+    # Another transaction holds its row (PostgreSQL: the sweep skips it, SKIP LOCKED),
+    # while each sweep closes more orders than it leaves due. (Without the idle timeout
+    # the service's sessions carry: this holder is not frozen, only slow to commit.)
+    holder = build_engine(Settings(database_url=database_url, sql_idle_in_transaction_timeout_s=0))
+    warned_at = None
+    try:
+        with holder.begin() as conn:
+            conn.execute(
+                select(orders_table.c.id).where(orders_table.c.id == stuck.id).with_for_update()
+            )
+            blocked_from = skewed.mono()
+            for _ in range(20):
+                skewed.create("behind", 2)
+                skewed.step()
+                if warned_at is None and backlog_lines(caplog):
+                    warned_at = skewed.mono() - STEP_S
+        for _ in range(4):
+            skewed.step()
+    finally:
+        holder.dispose()
+
+    assert [line["event"] for line in backlog_lines(caplog)] == ["backlog", "backlog_cleared"]
+    assert warned_at is not None
+    assert BACKLOG_LAG_S - STEP_S <= warned_at - blocked_from <= BACKLOG_LAG_S + STEP_S
     assert skewed.sweeping.count_due() == 0
