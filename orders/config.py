@@ -136,6 +136,15 @@ class Settings:
     sql_busy_timeout_s: float = 30.0
     #: PostgreSQL: how long opening a connection may take (0 = no limit; psycopg: >= 2 s).
     sql_connect_timeout_s: float = 10.0
+    #: PostgreSQL: the server ends a session of the service's engine that sits inside a
+    #: transaction this long without a statement (a process frozen mid-transaction), so its
+    #: row locks go. None: half of ``lease_ttl_s``; it must stay below it; 0 = no limit.
+    #: Only the service's own connections carry it, not a host's passed to a use case.
+    sql_idle_in_transaction_timeout_s: float | None = None
+    #: PostgreSQL: the longest a statement waits for a row lock (a payment behind a
+    #: sweeper's batch) before it fails with StoreUnavailable. None: ``lease_ttl_s``, longer
+    #: than the idle timeout above, so a frozen holder's locks go first; 0 = no limit.
+    sql_lock_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -181,6 +190,7 @@ class Settings:
             "sql_connect_timeout_s",
         ):
             check_seconds(name, getattr(self, name), allow_zero=True)
+        _check_lock_timeouts(self)
         check_handler_paths("on_closed", self.on_closed)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
@@ -196,6 +206,18 @@ class Settings:
     @property
     def max_lifetime_ms(self) -> int:
         return round(self.max_lifetime_s * 1000)
+
+    @property
+    def sql_idle_in_transaction_timeout_ms(self) -> int:
+        """The PostgreSQL setting in ms (0: none); see ``sql_idle_in_transaction_timeout_s``."""
+        idle_s = self.sql_idle_in_transaction_timeout_s
+        return round((self.lease_ttl_s / 2 if idle_s is None else idle_s) * 1000)
+
+    @property
+    def sql_lock_timeout_ms(self) -> int:
+        """The PostgreSQL setting in ms (0: none); see ``sql_lock_timeout_s``."""
+        lock_s = self.sql_lock_timeout_s
+        return round((self.lease_ttl_s if lock_s is None else lock_s) * 1000)
 
     @property
     def key_margin_ms(self) -> int:
@@ -218,6 +240,17 @@ class Settings:
     def describe(self) -> dict[str, str]:
         """The settings as text, URLs with their passwords hidden (safe to log)."""
         return {f.name: str(getattr(self, f.name)) for f in fields(self)}
+
+
+def _check_lock_timeouts(settings: Settings) -> None:
+    """The two PostgreSQL lock bounds: seconds or None; the idle timeout below the lease."""
+    for name in ("sql_idle_in_transaction_timeout_s", "sql_lock_timeout_s"):
+        if getattr(settings, name) is not None:
+            check_seconds(name, getattr(settings, name), allow_zero=True)
+    idle_s = settings.sql_idle_in_transaction_timeout_s
+    if idle_s is not None and idle_s >= settings.lease_ttl_s:
+        # A frozen sweeper must lose its locks before a standby takes its place.
+        raise InvalidInput("sql_idle_in_transaction_timeout_s", "must be below lease_ttl_s")
 
 
 #: ``package.module:function`` or ``package.module.function``, as the scheduler loads it.
@@ -245,7 +278,7 @@ def _parse(name: str, type_name: object, raw: str) -> Any:
             raise ValueError(raw)
         if kind == "int":
             return int(raw)
-        if kind == "float":
+        if kind in ("float", "float | None"):
             return float(raw)
         if kind == "Path":
             return Path(raw)

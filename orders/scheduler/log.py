@@ -7,8 +7,9 @@ from a ``monotonic`` function in seconds (``time.monotonic`` unless a test injec
 * :class:`LogSummary` adds up sweeps and closed-order handler runs and gives their totals
   at most once per ``period_s``, only when something happened since the last summary.
 * :class:`BacklogWatch` says when the scheduler starts falling behind (an order closed, or
-  still due, more than ``lag_s`` after its expiry) and when it has caught up again (both
-  under half of that, so a lag hovering at the threshold does not log every tick).
+  still due, more than ``lag_s`` after its expiry, as far as its own clock can have seen
+  it due) and when it has caught up again (under half of that, so a lag hovering at the
+  threshold does not log every tick).
 
 Log lines of the ``orders.sweeper`` logger
 (:data:`~orders.scheduler.sweeper.LOGGER_NAME`, shared by the jobs and process modules) are
@@ -101,30 +102,88 @@ class LogSummary:
 
 
 class BacklogWatch:
-    """Whether the scheduler is behind: the edges only, each reported once."""
+    """Whether the scheduler is behind: the edges only, each reported once.
+
+    Lateness is judged on this sweeper's own clock. An order's expiry was written with its
+    creating host's clock; a host whose clock runs behind writes orders that look overdue
+    (to the sweeper's clock) the moment they appear, and such an order is not late: nobody
+    could have closed it earlier. So the lag of a sweep is the clocks' difference (a close
+    minus the expiry, or now minus the oldest due expiry) capped by how long this sweeper
+    could have seen the order due (its monotonic clock):
+
+    * an order closed by this sweep was not closable when the previous sweep started (that
+      sweep would have taken it), unless the previous sweep left it due: it counts from the
+      previous sweep's start, or from when the orders left due were first seen;
+    * orders left due count from the start of the sweep before the one that first left
+      them, for as long as each later sweep leaves some of them: it closed fewer orders
+      than were left, or the oldest expiry first left is still due. An order that appears
+      already overdue after a sweep, from a host whose clock runs behind, is closed by the
+      next one and starts no run.
+
+    On its first sweep (after a start or a takeover with no sweep of its own before) the
+    sweeper counts from that sweep's start: orders a dead predecessor left overdue are
+    warned only if they take longer than the threshold to close. The gauges
+    (``orders_oldest_overdue_unpaid_seconds``, the close-lag histogram) keep the clocks'
+    difference. Call :meth:`sweep_started` as each sweep starts.
+    """
 
     def __init__(self, lag_s: float, *, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.lag_ms = round(lag_s * 1000)
         self._monotonic = monotonic
         self._since: float | None = None
+        self._started: float | None = None
+        #: The start of the last sweep judged (monotonic).
+        self._last_start: float | None = None
+        #: While sweeps leave orders due: the oldest expiry when they were first left (ms),
+        #: since when (monotonic) they may have been due in this sweeper's sight, and how
+        #: many the last sweep left (None: not counted).
+        self._left: tuple[int, float, int | None] | None = None
 
     @property
     def behind(self) -> bool:
         return self._since is not None
 
+    def sweep_started(self) -> None:
+        self._started = self._monotonic()
+
     def after_sweep(
-        self, result: SweepResult, oldest_due_ms: int, due: int | None
+        self, result: SweepResult, earliest_ms: int | None, now_ms: int, due: int | None
     ) -> tuple[str, Fields] | None:
         """``("backlog", fields)`` when falling behind starts, ``("backlog_cleared", ...)``
         when it ends, else None.
 
-        ``oldest_due_ms``: how long ago the oldest order still due after the sweep expired
-        (0 if none is due); ``due``: how many are due (None if it could not be counted).
+        ``earliest_ms``: the earliest unpaid expiry after the sweep (None if none), read
+        before ``now_ms``, the service's clock then; ``due``: how many are due (None if it
+        could not be counted).
         """
-        lag_ms = max(result.max_lag_ms or 0, oldest_due_ms)
+        now = self._monotonic()
+        started = now if self._started is None else self._started
+        # Its first sweep counts from its own start: it saw nothing due before.
+        fresh = started if self._last_start is None else self._last_start
+        seen_since = fresh if self._left is None else self._left[1]
+        lag_ms = min(result.max_lag_ms or 0, _ms(now - seen_since))
+        oldest_due_ms = 0 if earliest_ms is None else max(0, now_ms - earliest_ms)
+        if earliest_ms is not None and earliest_ms <= now_ms:
+            left = self._left
+            if left is not None and _still_left(left, result, earliest_ms):
+                since = left[1]
+                self._left = (left[0], since, due)
+            else:
+                since = fresh
+                self._left = (earliest_ms, since, due)
+            lag_ms = max(lag_ms, min(oldest_due_ms, _ms(now - since)))
+        else:
+            self._left = None
+        self._last_start, self._started = started, None
+        return self._edge(lag_ms, result, oldest_due_ms, due)
+
+    def _edge(
+        self, lag_ms: int, result: SweepResult, oldest_due_ms: int, due: int | None
+    ) -> tuple[str, Fields] | None:
         if self._since is None and lag_ms > self.lag_ms:
             self._since = self._monotonic()
             return "backlog", {
+                "lag_ms": lag_ms,
                 "max_lag_ms": result.max_lag_ms,
                 "oldest_due_ms": oldest_due_ms,
                 "due": due,
@@ -135,3 +194,14 @@ class BacklogWatch:
             self._since = None
             return "backlog_cleared", {"lasted_s": lasted_s}
         return None
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+def _still_left(left: tuple[int, float, int | None], result: SweepResult, earliest_ms: int) -> bool:
+    """Whether some of the orders the previous sweep left due are still due: the oldest of
+    them still is, or this sweep closed fewer orders than were left."""
+    oldest_ms, _, left_count = left
+    return earliest_ms <= oldest_ms or (left_count is not None and result.closed < left_count)

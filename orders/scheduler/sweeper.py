@@ -279,6 +279,7 @@ class Sweeper:
     def _sweep(self) -> float:
         self._lost_lease = False
         started = time.monotonic()
+        self._backlog.sweep_started()
         try:
             result = self.service.sweep_expired(
                 batch_size=self.batch_size, should_stop=self._should_stop
@@ -315,8 +316,7 @@ class Sweeper:
     def _watch_backlog(
         self, result: SweepResult, earliest_ms: int | None, now_ms: int, due: int | None
     ) -> None:
-        oldest_due_ms = 0 if earliest_ms is None else max(0, now_ms - earliest_ms)
-        edge = self._backlog.after_sweep(result, oldest_due_ms, due)
+        edge = self._backlog.after_sweep(result, earliest_ms, now_ms, due)
         if edge is not None:
             event, fields = edge
             self._log(logging.WARNING if self._backlog.behind else logging.INFO, event, **fields)

@@ -1,6 +1,8 @@
 """The sweep's SQL: claim a batch of due orders, close them and record their events.
 
-One committed transaction per batch. The claim is ordered by expiry; on PostgreSQL rows
+One committed transaction per batch: on PostgreSQL a single statement in autocommit, so
+no transaction of the sweep outlives the statement; on SQLite (two statements) one
+``BEGIN IMMEDIATE`` transaction. The claim is ordered by expiry; on PostgreSQL rows
 another sweeper holds are skipped (``SKIP LOCKED``), so several sweepers never wait on or
 close the same order, and the compare-and-set (``status = 'unpaid'``) would refuse a second
 close anyway.
@@ -51,16 +53,20 @@ class DueCloser:
         Returns a (user_id, expires_at_ms) tuple per closed order.
         """
         params = {"cutoff_ms": cutoff_ms, "size": size, "closed_at_ms": closed_at_ms}
+        if self._postgresql:
+            # One statement in autocommit: the server commits it as it ends, without a
+            # COMMIT from us. A sweeper stopped after sending it (SIGSTOP, a GC pause, a
+            # frozen container) therefore holds no row of its batch locked: in a transaction
+            # of our own, the claimed rows stayed locked until the process woke to commit,
+            # and payments of those orders waited for it.
+            with self.records.tx.statements() as conn:
+                return conn.execute(self._close, params).all()
         with self.records.tx.write() as conn:
-            if self._postgresql:
-                rows: Sequence[Any] = conn.execute(self._close, params).all()
-            else:
-                rows = conn.execute(self._close, params).all()
-                ids = json.dumps([row.id for row in rows])
-                conn.execute(_SQLITE_RECORD_CLOSED, {"ids": ids, "closed_at_ms": closed_at_ms})
-                rows = [(row.user_id, row.expires_at_ms) for row in rows]
+            rows = conn.execute(self._close, params).all()
+            ids = json.dumps([row.id for row in rows])
+            conn.execute(_SQLITE_RECORD_CLOSED, {"ids": ids, "closed_at_ms": closed_at_ms})
             conn.commit()
-        return rows
+        return [(row.user_id, row.expires_at_ms) for row in rows]
 
 
 def _close_statement(*, postgresql: bool) -> Any:

@@ -70,8 +70,7 @@ def _engine_plan(settings: Settings, url: str) -> tuple[URL, dict[str, Any]]:
             pool_timeout=settings.sql_pool_timeout_s,
         )
     if backend == "postgresql" and target.get_driver_name() in ("psycopg", "psycopg2"):
-        timeout_ms = round(settings.sql_statement_timeout_s * 1000)
-        kwargs["connect_args"] = {"options": f"-c statement_timeout={timeout_ms}"}
+        kwargs["connect_args"] = {"options": _session_options(settings)}
         if settings.sql_connect_timeout_s > 0:
             # Without it, a connect to a server that accepts but never answers (a host
             # stuck in its start-up, a half-open proxy) waits forever: pool_timeout only
@@ -79,6 +78,21 @@ def _engine_plan(settings: Settings, url: str) -> tuple[URL, dict[str, Any]]:
             timeout_s = math.ceil(settings.sql_connect_timeout_s)
             kwargs["connect_args"]["connect_timeout"] = timeout_s
     return target, kwargs
+
+
+def _session_options(settings: Settings) -> str:
+    """The server settings of each session the engine opens (libpq ``options``).
+
+    Besides the statement timeout, two bound what a frozen process costs the others: a
+    session idle inside a transaction is ended (its locks go), and a statement waiting on a
+    row lock gives up, as ``StoreUnavailable``, instead of waiting out the statement timeout.
+    """
+    timeouts_ms = {
+        "statement_timeout": round(settings.sql_statement_timeout_s * 1000),
+        "lock_timeout": settings.sql_lock_timeout_ms,
+        "idle_in_transaction_session_timeout": settings.sql_idle_in_transaction_timeout_ms,
+    }
+    return " ".join(f"-c {name}={ms}" for name, ms in timeouts_ms.items())
 
 
 def _created(target: URL, create: Callable[[], EngineT]) -> EngineT:

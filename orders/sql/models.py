@@ -251,6 +251,10 @@ def sql_errors() -> Iterator[None]:
             raise SchemaNotReady("the orders tables are missing") from exc
         if "no such column" in reason or sqlstate == "42703":
             raise SchemaNotReady("the orders tables are older than this code") from exc
+        if sqlstate == "55P03":  # lock_timeout: another transaction held a row or table
+            raise StoreUnavailable(
+                "sql", "a lock stayed held past lock_timeout; nothing changed, retry"
+            ) from exc
         if isinstance(exc, IntegrityError):
             raise StoreUnavailable("sql", "a constraint refused the write") from exc
         detail = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__

@@ -1,4 +1,5 @@
-"""Checkout hosts and a scheduler whose clocks disagree by up to 2 s either way.
+"""Checkout hosts and a scheduler whose clocks disagree by up to 2 s either way; and the
+backlog warning with hosts whose clocks are further off than its threshold.
 
 Two checkout processes (clocks 2 s behind and 2 s ahead of the true one, the system clock
 here) create orders for a few shared users at a small limit and pay a share of them near
@@ -13,11 +14,24 @@ closes against its expiry in true time, by closer (the scheduler's sweep, or a c
 closing an expired holder to reuse its slot). Each close is exact in its closer's clock
 (``closed_at_ms >= expires_at_ms`` in SQL, asserted); in true time it is shifted by the
 closer's clock minus the creator's.
+
+The backlog warning (``orders.scheduler.log.BacklogWatch``) is then driven in one process,
+on clocks the test moves: a sweeper, and creating services whose clocks run 9 s behind and
+ahead of its own, past the 5 s threshold. Orders from the host behind look overdue the
+moment they appear; nothing is late, so nothing must be warned, over many sweeps. A real
+backlog under the same skew (each sweep closing fewer orders than fall due; or, on
+PostgreSQL, an order whose row another transaction holds while the sweeps close the rest)
+is still warned, as soon as it is older than the threshold, and its end is logged.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import random
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +39,13 @@ import pytest
 import redis
 from sqlalchemy import Engine, select
 
+from orders.bootstrap import build_engine
 from orders.config import Settings
+from orders.domain import SweepResult
+from orders.scheduler.sweeper import LOGGER_NAME, Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
-from tests.support.clocks import ManualClock
+from tests.support.clocks import ManualClock, Monotonic
 from tests.support.monitor import LimitMonitor
 from tests.support.processes import started
 from tests.support.reports import figures
@@ -199,3 +216,167 @@ def slot_reuse_closes(engine: Engine) -> set[str]:
         return {
             oid for oid, data in conn.execute(query) if (data or {}).get("trigger") == "slot_reuse"
         }
+
+
+# --- the backlog warning, with hosts' clocks further off than its threshold ------------------
+
+#: The creating hosts' clocks against the sweeper's, ms: beyond the 5 s backlog threshold.
+FAR_OFFSETS = {"behind": -9000, "ahead": 9000}
+BACKLOG_LAG_S = 5.0
+STEP_S = 0.5
+
+
+@dataclass
+class SkewedDeployment:
+    """A sweeper on the test's clock and creating services on clocks ``FAR_OFFSETS`` off;
+    :meth:`step` sweeps once and moves the sweeper's clock and monotonic clock on."""
+
+    clock: ManualClock
+    mono: Monotonic
+    sweeping: OrderService
+    creators: dict[str, OrderService]
+    sweeper: Sweeper
+    rng: random.Random
+    created: int = 0
+
+    def create(self, host: str, count: int) -> None:
+        for _ in range(count):
+            self.created += 1
+            self.creators[host].create_unpaid_order(
+                f"user-{self.created % 40}",
+                order_id=f"{host}-{self.created}",
+                ttl_s=self.rng.uniform(2.5, 4.0),
+                limit=1000,
+            )
+
+    def step(self) -> None:
+        self.sweeper.tick()
+        self.clock.advance(s=STEP_S)
+        self.mono.advance(STEP_S)
+
+
+@pytest.fixture
+def skewed(
+    engine: Engine, redis_client: redis.Redis, database_url: str, redis_options: dict[str, Any]
+) -> Iterator[SkewedDeployment]:
+    clock, mono = ManualClock(), Monotonic()
+    settings = Settings(database_url=database_url, **redis_options)
+    sweeping = OrderService(engine, redis_client, settings, clock=clock)
+
+    def offset(ms: int) -> Callable[[], int]:
+        return lambda: clock() + ms
+
+    creators = {
+        host: OrderService(engine, redis_client, settings, clock=offset(ms))
+        for host, ms in FAR_OFFSETS.items()
+    }
+    sweeper = Sweeper(sweeping, backlog_lag_s=BACKLOG_LAG_S, summary_period_s=3600, monotonic=mono)
+    yield SkewedDeployment(clock, mono, sweeping, creators, sweeper, random.Random(24))
+    sweeper.close()
+
+
+def backlog_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == LOGGER_NAME]
+    return [line for line in lines if line["event"].startswith("backlog")]
+
+
+def test_hosts_clocks_far_off_the_sweepers_raise_no_backlog_warning_while_nothing_is_late(
+    skewed: SkewedDeployment,
+    engine: Engine,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    # An order of the host behind also lands after each sweep's last batch, before it
+    # reads the earliest expiry: the sweep leaves it due, the next closes it.
+    earliest = skewed.sweeping.earliest_unpaid_expiry_ms
+
+    def with_a_landing() -> int | None:
+        skewed.create("behind", 1)
+        return earliest()
+
+    monkeypatch.setattr(skewed.sweeping, "earliest_unpaid_expiry_ms", with_a_landing)
+    for _ in range(120):  # a minute of the sweeper's time, a sweep every 0.5 s
+        skewed.create("behind", 2)
+        skewed.create("ahead", 2)
+        skewed.step()
+
+    assert backlog_lines(caplog) == []
+    # By the clocks alone many of those closes were more than 5 s late.
+    rows = sql_rows(engine).values()
+    lags = [row.closed_at_ms - row.expires_at_ms for row in rows if row.status == "closed"]
+    assert len(lags) > 300
+    assert sum(lag > BACKLOG_LAG_S * 1000 for lag in lags) > 100
+
+
+def test_a_real_backlog_is_still_warned_within_the_threshold_under_the_same_skew(
+    skewed: SkewedDeployment,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    for _ in range(10):
+        skewed.create("behind", 2)
+        skewed.step()
+    assert backlog_lines(caplog) == []
+
+    # Each sweep now closes 2 orders, and 4 fall due every 0.5 s.
+    sweep_expired = skewed.sweeping.sweep_expired
+
+    def too_small(**kwargs: Any) -> SweepResult:
+        return sweep_expired(**{**kwargs, "batch_size": 2}, max_batches=1)
+
+    monkeypatch.setattr(skewed.sweeping, "sweep_expired", too_small)
+    behind_from = skewed.mono()
+    warned_at = None
+    for _ in range(30):
+        skewed.create("behind", 4)
+        if warned_at is None and backlog_lines(caplog):
+            warned_at = skewed.mono() - STEP_S  # the sweep of the step before
+        skewed.step()
+    monkeypatch.undo()
+    for _ in range(10):
+        skewed.step()
+
+    assert [line["event"] for line in backlog_lines(caplog)] == ["backlog", "backlog_cleared"]
+    assert warned_at is not None
+    # The first sweep left orders due; the warning comes once they are older than the
+    # threshold in the sweeper's sight (from the sweep before it), within a sweep more.
+    assert BACKLOG_LAG_S - STEP_S <= warned_at - behind_from <= BACKLOG_LAG_S + STEP_S
+    assert skewed.sweeping.count_due() == 0
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_an_order_a_blocked_sweep_cannot_close_is_warned_amid_skewed_orders_it_closes(
+    skewed: SkewedDeployment, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    for _ in range(4):
+        skewed.create("behind", 2)
+        skewed.step()
+    stuck = skewed.creators["behind"].create_unpaid_order("stuck", ttl_s=3)
+    # Another transaction holds its row (PostgreSQL: the sweep skips it, SKIP LOCKED),
+    # while each sweep closes more orders than it leaves due. (Without the idle timeout
+    # the service's sessions carry: this holder is not frozen, only slow to commit.)
+    holder = build_engine(Settings(database_url=database_url, sql_idle_in_transaction_timeout_s=0))
+    warned_at = None
+    try:
+        with holder.begin() as conn:
+            conn.execute(
+                select(orders_table.c.id).where(orders_table.c.id == stuck.id).with_for_update()
+            )
+            blocked_from = skewed.mono()
+            for _ in range(20):
+                skewed.create("behind", 2)
+                skewed.step()
+                if warned_at is None and backlog_lines(caplog):
+                    warned_at = skewed.mono() - STEP_S
+        for _ in range(4):
+            skewed.step()
+    finally:
+        holder.dispose()
+
+    assert [line["event"] for line in backlog_lines(caplog)] == ["backlog", "backlog_cleared"]
+    assert warned_at is not None
+    assert BACKLOG_LAG_S - STEP_S <= warned_at - blocked_from <= BACKLOG_LAG_S + STEP_S
+    assert skewed.sweeping.count_due() == 0

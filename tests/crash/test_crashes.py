@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Connection, Engine, event, func, insert, select, text
+from sqlalchemy import Connection, Engine, event, func, select, text
 
 from orders.bootstrap import build_redis
 from orders.config import Settings
@@ -50,6 +50,7 @@ from tests.support.clocks import ManualClock
 from tests.support.monitor import LimitMonitor
 from tests.support.processes import ChildProcess, child_env
 from tests.support.redis_server import RedisServer
+from tests.support.stores import write_orders_as_of_old
 
 UNPAID = OrderStatus.UNPAID.value
 OC = orders_table.c
@@ -170,24 +171,7 @@ def insert_due_orders(service: OrderService, first: int, count: int) -> list[str
                 "updated_at_ms": expires_at_ms - 1_800_000,
             }
         )
-    with service.engine.begin() as conn:
-        conn.execute(insert(orders_table), orders)
-        conn.execute(
-            insert(events_table),
-            [
-                {
-                    "order_id": o["id"],
-                    "user_id": o["user_id"],
-                    "kind": "created",
-                    "at_ms": o["created_at_ms"],
-                }
-                for o in orders
-            ],
-        )
-    pipe = service.index.client.pipeline(transaction=False)
-    for o in orders:
-        pipe.zadd(service.index.key(o["user_id"]), {o["id"]: o["expires_at_ms"]})
-    pipe.execute()
+    write_orders_as_of_old(service, orders)
     return [o["id"] for o in orders]
 
 

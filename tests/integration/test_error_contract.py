@@ -509,6 +509,8 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_SQL_STATEMENT_TIMEOUT_S", "-1"),
     ("ORDERS_SQL_CONNECT_TIMEOUT_S", "-1"),
     ("ORDERS_SQL_BUSY_TIMEOUT_S", "ten"),
+    ("ORDERS_SQL_IDLE_IN_TRANSACTION_TIMEOUT_S", "5"),  # not below the lease (5 s)
+    ("ORDERS_SQL_LOCK_TIMEOUT_S", "-1"),
 ]
 #: Settings any value of which is well formed.
 ANY_VALUE = {"home"}  # a folder name; created (or refused as a store failure) when used

@@ -38,6 +38,11 @@ from tests.support.stores import (
 pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
+#: Where a test makes a batch's statement fail. SQLite: after it ran, inside the batch's
+#: transaction, which must roll back. PostgreSQL: before it runs, since the batch is one
+#: statement in autocommit, committed once it has run (a statement that fails on the
+#: server rolls back by itself: test_a_constraint_refusing_a_transition_...).
+FAILURE_POINT = {"sqlite": "after_cursor_execute", "postgresql": "before_cursor_execute"}
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -232,10 +237,10 @@ def test_batch_that_fails_midway_leaves_its_orders_unpaid_for_the_next_sweep(
             return
         calls += 1
         if calls == 2:
-            # The batch's UPDATE has run in this transaction: the whole batch must roll back.
+            # SQLite: the batch's UPDATE has run in its transaction, which must roll back.
             raise OperationalError(statement[:40], {}, Exception("disk I/O error"))
 
-    event.listen(engine, "after_cursor_execute", fail_after_second_close)
+    event.listen(engine, FAILURE_POINT[engine.dialect.name], fail_after_second_close)
 
     with pytest.raises(StoreUnavailable) as caught:
         service.sweep_expired(batch_size=3)
@@ -249,7 +254,7 @@ def test_batch_that_fails_midway_leaves_its_orders_unpaid_for_the_next_sweep(
     assert all(rows[oid].closed_at_ms is None for oid in rest)
     assert closed_event_counts(engine) == Counter(dict.fromkeys(first_batch, 1))
 
-    event.remove(engine, "after_cursor_execute", fail_after_second_close)
+    event.remove(engine, FAILURE_POINT[engine.dialect.name], fail_after_second_close)
     result = service.sweep_expired(batch_size=3)
 
     assert result.closed == len(rest)
@@ -270,12 +275,12 @@ def test_batch_whose_event_insert_fails_leaves_its_orders_unpaid(
         if "INSERT INTO order_events" in statement:
             raise OperationalError(statement[:40], {}, Exception("disk I/O error"))
 
-    event.listen(engine, "after_cursor_execute", fail_on_closed_events)
+    event.listen(engine, FAILURE_POINT[engine.dialect.name], fail_on_closed_events)
     try:
         with pytest.raises(StoreUnavailable):
             service.sweep_expired()
     finally:
-        event.remove(engine, "after_cursor_execute", fail_on_closed_events)
+        event.remove(engine, FAILURE_POINT[engine.dialect.name], fail_on_closed_events)
 
     assert ids_with_status(engine, "unpaid") == {o.id for o in orders}
     assert closed_events(engine) == []
@@ -400,13 +405,13 @@ def test_a_failing_batch_raises_only_after_the_previous_batch_cleanup_finished(
             if closes == 2:
                 raise OperationalError(statement[:40], {}, Exception("disk I/O error"))
 
-    event.listen(engine, "after_cursor_execute", fail_second_close)
+    event.listen(engine, FAILURE_POINT[engine.dialect.name], fail_second_close)
     try:
         with pytest.raises(StoreUnavailable):
             service.sweep_expired(batch_size=2)
         assert finished == [True]
     finally:
-        event.remove(engine, "after_cursor_execute", fail_second_close)
+        event.remove(engine, FAILURE_POINT[engine.dialect.name], fail_second_close)
 
     assert ids_with_status(engine, "closed") == {o.id for o in orders[:2]}
     assert redis_client.exists(*(service.index.key(o.user_id) for o in orders[:2])) == 0

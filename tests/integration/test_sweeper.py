@@ -37,8 +37,9 @@ from orders.scheduler.jobs import JOB_ID, RECONCILE_CHECK_S, build_scheduler
 from orders.scheduler.sweeper import LOGGER_NAME, Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
+from orders.sql.transactions import Transactions
 from orders.validation import check_user_id
-from tests.support.clocks import ManualClock
+from tests.support.clocks import ManualClock, Monotonic
 from tests.support.processes import child_env, stop_process
 from tests.support.stores import closed_event_counts, create_orders, sql_rows
 
@@ -96,19 +97,6 @@ def lease_of(service: OrderService) -> SweeperLease:
 def real_clock_service(engine: Engine, redis_client: redis.Redis) -> OrderService:
     """A service on the test's stores and the real clock, like the scheduler processes."""
     return OrderService(engine, redis_client, Settings())
-
-
-class Monotonic:
-    """A monotonic clock in seconds for a sweeper's log periods, moved by hand."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, s: float) -> None:
-        self.now += s
 
 
 def record_sweeps(service: OrderService, monkeypatch: pytest.MonkeyPatch) -> list[SweepResult]:
@@ -345,7 +333,8 @@ def test_tick_with_sql_down_sweeps_nothing_warns_once_and_recovers(
     caplog.set_level(logging.INFO, logger="orders.sweeper")
     monkeypatch = pytest.MonkeyPatch()
     try:
-        monkeypatch.setattr(service.records.tx, "engine", dead)  # every SQL call goes there
+        # Every SQL call goes there (PostgreSQL's autocommit statements too).
+        monkeypatch.setattr(service.records, "tx", Transactions(dead))
         assert sweeper.tick() == sweeper.cadence_s
         assert sweeper.tick() == sweeper.cadence_s
     finally:
@@ -574,7 +563,7 @@ def test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     mono = Monotonic()
-    sweeper = Sweeper(service, batch_size=2, backlog_lag_s=5, monotonic=mono)
+    sweeper = Sweeper(service, batch_size=2, backlog_lag_s=5, summary_period_s=3600, monotonic=mono)
     sweeper.tick()
     original = service.sweep_expired
 
@@ -586,6 +575,7 @@ def test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears(
     caplog.clear()
     create_orders(service, [1] * 5, users=["u1", "u2", "u3"])
     clock.advance(s=61)  # the scheduler was away for a minute
+    mono.advance(61)
 
     sweeper.tick()  # closes 2 a minute late, leaves 3 as old
 
@@ -594,6 +584,7 @@ def test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears(
             logging.WARNING,
             {
                 "event": "backlog",
+                "lag_ms": 60_000,
                 "max_lag_ms": 60_000,
                 "oldest_due_ms": 60_000,
                 "due": 3,
@@ -608,7 +599,7 @@ def test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears(
         sweeper.tick()
     create_orders(service, [1])
     clock.advance(s=4)  # 3 s late: under the threshold, yet over half of it
-    mono.advance(1)
+    mono.advance(4)
     sweeper.tick()
     assert sweeper_records(caplog, logging.INFO) == []
 
@@ -619,7 +610,7 @@ def test_backlog_is_logged_at_once_when_it_starts_and_once_when_it_clears(
         sweeper.tick()
 
     assert sweeper_records(caplog, logging.INFO) == [
-        {"event": "backlog_cleared", "lasted_s": 4.0, "owner": sweeper.owner}
+        {"event": "backlog_cleared", "lasted_s": 7.0, "owner": sweeper.owner}
     ]
     assert service.count_due() == 0
 

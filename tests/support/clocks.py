@@ -60,3 +60,16 @@ def sleep_until_ms(target_ms: int) -> None:
     delay = target_ms - now_ms()
     if delay > 0:
         time.sleep(delay / 1000)
+
+
+class Monotonic:
+    """A monotonic clock in seconds for a sweeper's log periods, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s

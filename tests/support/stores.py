@@ -8,7 +8,7 @@ from typing import Any
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, insert, select
 
 from orders.domain import Order
 from orders.index.nodes import RedisClient, primaries
@@ -63,6 +63,23 @@ def refuse_inserts(engine: Engine, table: str, message: str) -> None:
             f"CREATE TRIGGER refuse_{table} BEFORE INSERT ON {table} "
             f"FOR EACH ROW EXECUTE FUNCTION refuse_{table}()"
         )
+
+
+def write_orders_as_of_old(service: OrderService, orders: Sequence[dict[str, Any]]) -> None:
+    """Order rows (``orders`` columns), each with its ``created`` event, written straight
+    into SQL as if created long ago, and their members into the index at their expiries."""
+    with service.engine.begin() as conn:
+        conn.execute(insert(orders_table), list(orders))
+        created = [
+            {"order_id": o["id"], "user_id": o["user_id"], "kind": "created", "at_ms": at_ms}
+            for o in orders
+            for at_ms in [o["created_at_ms"]]
+        ]
+        conn.execute(insert(events_table), created)
+    pipe = service.index.client.pipeline(transaction=False)
+    for o in orders:
+        pipe.zadd(service.index.key(o["user_id"]), {o["id"]: o["expires_at_ms"]})
+    pipe.execute()
 
 
 def orders_of(engine: Engine, user_id: str) -> dict[str, Any]:

@@ -82,3 +82,20 @@ def test_a_cluster_needs_a_url_naming_a_node_over_tcp(redis_url: str | None) -> 
     assert refused.value.field == "redis_cluster"
     assert "hunter2" not in str(refused.value)
     Settings(redis_url="redis://:hunter2@cache:7000", redis_cluster=True)  # well formed
+
+
+def test_the_postgresql_lock_bounds_follow_the_lease_unless_given() -> None:
+    # A frozen holder's locks go (idle timeout) before a waiting payment gives up (lock
+    # timeout), and both before a standby takes over from a frozen sweeper.
+    assert (Settings().sql_idle_in_transaction_timeout_ms, Settings().sql_lock_timeout_ms) == (
+        2500,
+        5000,
+    )
+    longer = Settings(lease_ttl_s=30)
+    assert (longer.sql_idle_in_transaction_timeout_ms, longer.sql_lock_timeout_ms) == (15000, 30000)
+    given = Settings.from_env(
+        {"ORDERS_SQL_IDLE_IN_TRANSACTION_TIMEOUT_S": "0", "ORDERS_SQL_LOCK_TIMEOUT_S": "1.5"}
+    )
+    assert (given.sql_idle_in_transaction_timeout_ms, given.sql_lock_timeout_ms) == (0, 1500)
+    with pytest.raises(InvalidInput, match="below lease_ttl_s"):
+        Settings(lease_ttl_s=2, sql_idle_in_transaction_timeout_s=2)
