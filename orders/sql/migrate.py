@@ -65,10 +65,15 @@ def migration_lock(connection: Connection) -> None:
     SQLite: ``BEGIN IMMEDIATE``, the database's write lock (pysqlite has not begun a
     transaction of its own yet: it begins one before DML, and nothing ran before this).
     A waiter waits as long as any statement may (PostgreSQL's statement timeout, SQLite's
-    busy timeout), then fails as StoreUnavailable. Other databases: no lock.
+    busy timeout), then fails as StoreUnavailable; on PostgreSQL the service's shorter
+    ``lock_timeout`` is lifted for the migration's transaction. Other databases: no lock.
     """
     dialect = connection.dialect.name
     if dialect == "postgresql":
+        # The service's sessions carry a lock_timeout of about a lease (a payment must not
+        # wait on a frozen sweeper); a migration waits on the other upgrade and on the
+        # tables' users instead, bounded by the statement timeout alone, as it did before.
+        connection.exec_driver_sql("SET LOCAL lock_timeout = 0")
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
     elif dialect == "sqlite":
         connection.exec_driver_sql("BEGIN IMMEDIATE")
