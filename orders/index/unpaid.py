@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoPermissionError, NoScriptError
+from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
@@ -137,7 +137,15 @@ def redis_errors(action: str) -> Iterator[None]:
     except redis.RedisError as exc:
         metrics.STORE_ERRORS.labels("redis").inc()
         # The exception text names host and port at most, never the password.
-        raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
+        raise StoreUnavailable("redis", f"{action} failed: {_cause(exc)}") from exc
+
+
+def _cause(exc: redis.RedisError) -> str:
+    """What failed, for the error's message: the exception's type, or out-of-memory (Redis 7
+    passes a script's OOM refusal on as it is, 6.2 inside a script error's text)."""
+    if isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc):
+        return "out of memory (redis is at maxmemory and refuses writes that need memory)"
+    return type(exc).__name__
 
 
 def admit_args(order_id: str, *, expires_at_ms: int, now_ms: int, limit: int) -> list[str | int]:

@@ -6,9 +6,10 @@ the next round is wanted, which is the earliest open expiry, never later than th
 :mod:`orders.scheduler.jobs` runs it in APScheduler and :mod:`orders.scheduler.process` is the
 ``orders scheduler`` process.
 
-Several processes may run at once. The lease (``SET NX PX`` with an owner token, renewed and
-released only by its owner) makes one of them active and the others standbys that take
-over within ``lease_ttl_s`` of its death. The lease is an economy, not a guard: the SQL
+Several processes may run at once. The lease (an owner token with a ``PX`` expiry, taken
+when free, renewed and released only by its owner; still renewed when Redis is at
+maxmemory) makes one of them active and the others standbys that take over within
+``lease_ttl_s`` of its death. The lease is an economy, not a guard: the SQL
 compare-and-set is what keeps an order from being closed twice, so when Redis is down every
 process sweeps SQL regardless.
 
