@@ -6,7 +6,9 @@ that warning. The worker thread of a run can stall anywhere (a GC pause, a proce
 with SIGSTOP, a starved thread): here it stalls inside APScheduler's own ``modify_job`` (a
 blocking listener of the job's EVENT_JOB_MODIFIED, dispatched on the thread that modifies
 the job), right after the run set its next run time. Each stall lasts until APScheduler
-has either submitted the job again or skipped it; after many runs, no skip.
+has either submitted the job again or skipped it; after many runs, no skip. And a run that
+ends before APScheduler has finished submitting it (common for a short run on a new
+thread) keeps its job going.
 """
 
 from __future__ import annotations
