@@ -36,10 +36,12 @@ and memory stays bounded by the page size. Writes landing during the run:
   their own expiry; the run itself never leaves a wrong member behind. The passes the
   other way round had the mirror case.
 
-A full run finishes by writing the index epoch marker: its absence tells the scheduler
-that Redis lost its data and a rebuild is due. Data under the key prefix that the service
-did not write (a key that names no user, a member that is not UTF-8, a key of another type)
-is skipped, counted in the report and logged once: it never stops a rebuild.
+A full run finishes by writing the index epoch marker, naming the run of the Redis server
+(its ``run_id``, read before the run's first write) it was rebuilt on: its absence tells the
+scheduler that Redis lost its data, and another run id that Redis restarted or failed over
+(perhaps from an older snapshot); either way a rebuild is due. Data under the key prefix
+that the service did not write (a key that names no user, a member that is not UTF-8, a key
+of another type) is skipped, counted in the report and logged once: it never stops a rebuild.
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ class Reconciler:
         report = ReconcileReport(dry_run=dry_run)
         foreign_before = self.index.foreign_seen
         progress = _Progress(on_progress, logged=user_id is None)
+        whole = user_id is None and not dry_run
+        # The servers' runs before the first write: one restarted during the run is named
+        # wrongly by its marker, so the next check rebuilds it again.
+        runs = self.index.server_runs() if whole else {}
         if user_id is not None:
             uid = check_user_id(user_id, self.max_user_id_length)
             self._fix(self.reads.open_by_user([uid], now_ms), now_ms, dry_run, report)
@@ -126,8 +132,8 @@ class Reconciler:
             self._scan_pass(now_ms, chunk_size, dry_run, report, progress)
             self._sql_pass(now_ms, chunk_size, dry_run, report, progress)
         report.foreign_skipped = self.index.foreign_seen - foreign_before
-        if user_id is None and not dry_run:
-            self.index.set_epoch(str(now_ms))
+        if whole:
+            self.index.set_epoch(str(now_ms), runs)
         if not dry_run:
             for kind in ("added", "rescored", "removed_terminal", "removed_expired"):
                 metrics.RECONCILE_FIXES.labels(kind).inc(getattr(report, kind))

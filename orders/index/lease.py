@@ -30,7 +30,9 @@ class SweeperLease:
     def acquire(self, owner: str, ttl_ms: int) -> bool:
         """Take the lease for ``ttl_ms`` if it is free, or renew it if ``owner`` holds it.
 
-        One script, one round trip. False: another owner holds it (and keeps it).
+        One script, one round trip. False: another owner holds it (and keeps it). On a
+        Redis at maxmemory under noeviction both still work (GET, then PEXPIRE or nothing);
+        only a free lease cannot be taken: StoreUnavailable naming out of memory.
         """
         _check_lease_args(owner, ttl_ms)
         with redis_errors("acquire_lease"):

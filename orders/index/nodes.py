@@ -5,7 +5,7 @@ commands and scripts need nothing from here: each touches exactly one key, and t
 client sends it to the node serving that key's slot, following MOVED and ASK. What a cluster
 changes is bulk traffic (one round trip per node, not per cluster) and anything that walks
 the whole keyspace (SCAN runs on every primary), and markers that must tell whether any
-node lost its data (one marker per primary).
+node lost or rewound its data (one marker per primary, checked on that primary).
 """
 
 from __future__ import annotations
@@ -60,20 +60,30 @@ def group_by_node(
 
 
 def marker_keys(client: RedisClient, base: str) -> list[str]:
-    """Keys for a marker that vanishes when any part of the keyspace loses its data.
+    """Keys for a marker that vanishes when any part of the keyspace loses its data: the
+    keys of :func:`marker_nodes`."""
+    return [key for _, key in marker_nodes(client, base)]
 
-    One server: ``base`` itself. A cluster: one key per primary, each with a hash tag
-    placing it on a slot that primary serves now (its lowest), so a primary restarted empty
-    loses its copy. After a reshard a primary may find its marker missing although no data
-    was lost: the marker then only asks for one rebuild too many.
+
+def marker_nodes(client: RedisClient, base: str) -> list[tuple[redis.Redis, str]]:
+    """Each server holding part of the keyspace, with the key of its copy of a marker.
+
+    One server: the client and ``base`` itself. A cluster: each primary (as the cluster
+    client knows them now) with ``base`` plus a hash tag placing the key on a slot that
+    primary serves now (its lowest), so a primary restarted empty loses its copy. After a
+    reshard a primary may find its marker missing although no data was lost: the marker
+    then only asks for one rebuild too many.
     """
-    if not is_cluster(client):
-        return [base]
-    lowest: dict[str, int] = {}
+    if not isinstance(client, RedisCluster):
+        return [(client, base)]
+    lowest: dict[str, tuple[int, Any]] = {}
     for slot, nodes in sorted(client.nodes_manager.slots_cache.items()):
         if nodes:
-            lowest.setdefault(nodes[0].name, slot)
-    return [f"{base}{{{hash_tag(slot)}}}" for slot in sorted(lowest.values())]
+            lowest.setdefault(nodes[0].name, (slot, nodes[0]))
+    return [
+        (node.redis_connection, f"{base}{{{hash_tag(slot)}}}")
+        for slot, node in sorted(lowest.values(), key=lambda found: int(found[0]))
+    ]
 
 
 _TAGS: dict[int, str] = {}

@@ -27,11 +27,11 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError
 
 from orders import metrics
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.index.nodes import RedisClient, marker_keys
+from orders.index.nodes import REDIRECTIONS, RedisClient, marker_keys, marker_nodes
 from orders.index.pipeline import (
     CallPacker,
     ClusterCalls,
@@ -51,6 +51,17 @@ _FOREIGN_LOG_CAP = 1000
 
 def load_script(name: str) -> str:
     return resources.files("orders.index").joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+class IndexEpoch(enum.Enum):
+    """What the epoch markers say about the index (the worst of all primaries); the value
+    names the reason of the rebuild it asks for."""
+
+    INTACT = "intact"
+    #: A marker is missing: its server lost its data (a restart without it, a flush).
+    LOST = "index_lost"
+    #: A marker names another server run: a restart or a failover, maybe from older data.
+    REWOUND = "index_rewound"
 
 
 class Admission(enum.IntEnum):
@@ -106,6 +117,12 @@ def _user_of(key: bytes | str, prefix_length: int) -> str | None:
         return None
 
 
+def _epoch_value(marker: bytes) -> str:
+    """A marker's value without its run id (a marker of an older version has none)."""
+    value, _, _ = _text(marker).rpartition(":")
+    return value or _text(marker)
+
+
 def _score(value: bytes | str | float) -> int:
     # Redis prints integer-valued doubles in full; Decimal also copes with exponent form.
     if isinstance(value, float):
@@ -120,7 +137,15 @@ def redis_errors(action: str) -> Iterator[None]:
     except redis.RedisError as exc:
         metrics.STORE_ERRORS.labels("redis").inc()
         # The exception text names host and port at most, never the password.
-        raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
+        raise StoreUnavailable("redis", f"{action} failed: {_cause(exc)}") from exc
+
+
+def _cause(exc: redis.RedisError) -> str:
+    """What failed, for the error's message: the exception's type, or out-of-memory (Redis 7
+    passes a script's OOM refusal on as it is, 6.2 inside a script error's text)."""
+    if isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc):
+        return "out of memory (redis is at maxmemory and refuses writes that need memory)"
+    return type(exc).__name__
 
 
 def admit_args(order_id: str, *, expires_at_ms: int, now_ms: int, limit: int) -> list[str | int]:
@@ -141,6 +166,7 @@ class UnpaidIndex:
         #: service did not write: not UTF-8, not a user id, not a sorted set).
         self.foreign_seen = 0
         self._foreign_logged: set[bytes] = set()
+        self._info_refused = False
         self._admit: Script = client.register_script(load_script("admit"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
         # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
@@ -192,24 +218,77 @@ class UnpaidIndex:
         return server_warnings(self.client)
 
     def epoch_key(self) -> str:
-        """The marker written after a complete rebuild from SQL. Redis losing its data loses
-        this key too, which is how the service notices that the index must be rebuilt."""
+        """The marker written after a complete rebuild from SQL (see :meth:`check_epoch`)."""
         return f"{self.key_prefix}[index-epoch]"
 
+    def server_runs(self) -> dict[str, str]:
+        """Each marker key with the ``run_id`` of the server holding it now ("" where INFO
+        is refused): read before a rebuild, handed to :meth:`set_epoch` after it."""
+        return {key: run for key, _, run in self._markers()}
+
+    def check_epoch(self) -> IndexEpoch:
+        """Whether the index may have lost or rewound data since the last complete rebuild.
+
+        Every server start has a new ``run_id``, and a promoted replica has its own; the
+        marker names the run it was written on. A marker that is missing means its server
+        lost its data; one naming another run means that server restarted or failed over,
+        perhaps from an older snapshot (a clean restart looks the same: it is rebuilt too).
+        One pipelined round trip per primary (GET + ``INFO server``).
+        """
+        found = IndexEpoch.INTACT
+        for _, value, run in self._markers():
+            if value is None:
+                return IndexEpoch.LOST
+            if run and _text(value).rpartition(":")[2] != run:
+                found = IndexEpoch.REWOUND
+        return found
+
     def get_epoch(self) -> str | None:
-        """The marker's value; None when it is missing (on a cluster: from any primary)."""
-        with redis_errors("get_epoch"):
-            values: list[bytes | str | None] = [
-                self.client.get(key) for key in marker_keys(self.client, self.epoch_key())
-            ]
+        """The value the last complete rebuild wrote (the run id left out); None when a
+        marker is missing (on a cluster: on any primary)."""
+        values = [value for _, value, _ in self._markers()]
         if any(value is None for value in values):
             return None
-        return min(_text(value) for value in values if value is not None)
+        return min(_epoch_value(value) for value in values if value is not None)
 
-    def set_epoch(self, value: str) -> None:
+    def set_epoch(self, value: str, runs: dict[str, str] | None = None) -> None:
+        """Write the marker on every primary as ``value:run_id``; ``runs`` (from
+        :meth:`server_runs` before the rebuild) names the runs the rebuild wrote to: a
+        server that restarted during it is then rebuilt again. None: the runs now."""
+        runs = self.server_runs() if runs is None else runs
         with redis_errors("set_epoch"):
             for key in marker_keys(self.client, self.epoch_key()):
-                self.client.set(key, value)
+                self.client.set(key, f"{value}:{runs.get(key, '')}")
+
+    def _markers(self) -> list[tuple[str, bytes | None, str]]:
+        """(key, value, run_id of its server) of each marker: a redirected GET (a stale
+        cluster map) counts as missing; a refused INFO gives "" (and one warning)."""
+        found = []
+        with redis_errors("check_epoch"):
+            for node, key in marker_nodes(self.client, self.epoch_key()):
+                pipe = node.pipeline(transaction=False)
+                pipe.get(key)
+                pipe.info("server")
+                value, info = pipe.execute(raise_on_error=False)
+                if isinstance(value, REDIRECTIONS):
+                    value = None
+                elif isinstance(value, Exception):
+                    raise value
+                found.append((key, value, self._run_id(info)))
+        return found
+
+    def _run_id(self, info: Any) -> str:
+        if isinstance(info, NoPermissionError):
+            if not self._info_refused:
+                self._info_refused = True
+                log.warning(
+                    "redis refused INFO: a Redis restarted or failed over from an older "
+                    "snapshot is not noticed until the scheduled rebuild (grant +info)"
+                )
+            return ""
+        if isinstance(info, Exception):
+            raise info
+        return str(info["run_id"])
 
     def scan_users(self, *, chunk: int = 500) -> Generator[list[str]]:
         """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking); the

@@ -20,7 +20,11 @@ from datetime import UTC, datetime, timedelta
 from importlib import import_module
 from typing import Any
 
-from apscheduler.events import EVENT_JOB_ERROR, JobExecutionEvent  # type: ignore[import-untyped]
+from apscheduler.events import (  # type: ignore[import-untyped]
+    EVENT_JOB_ERROR,
+    EVENT_JOB_EXECUTED,
+    JobExecutionEvent,
+)
 from apscheduler.executors.pool import ThreadPoolExecutor  # type: ignore[import-untyped]
 from apscheduler.jobstores.base import JobLookupError  # type: ignore[import-untyped]
 from apscheduler.schedulers.background import (  # type: ignore[import-untyped]
@@ -31,7 +35,7 @@ from apscheduler.schedulers.base import (  # type: ignore[import-untyped]
     SchedulerNotRunningError,
 )
 from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[import-untyped]
-from apscheduler.triggers.interval import IntervalTrigger  # type: ignore[import-untyped]
+from apscheduler.triggers.base import BaseTrigger  # type: ignore[import-untyped]
 
 from orders import metrics
 from orders.domain import EventKind
@@ -55,19 +59,58 @@ RECONCILE_JOB_ID = "orders-reconcile"
 RECONCILE_CHECK_S = 1.0
 
 
+#: How far ahead a submitted run parks its job until the run's end sets the next run.
+PARKED = timedelta(days=365)
+
+
+class _RescheduledByEachRun(BaseTrigger):  # type: ignore[misc]
+    """The trigger of each of our jobs: the first run ``first_s`` after the job is added,
+    then the time each run's end asked for (:meth:`_PausingJob.rescheduled`).
+
+    APScheduler asks a job's trigger for its next run time as it submits a run. Unless that
+    run has ended already, this one answers :data:`PARKED` (a year ahead), so the job is
+    never due again while the run is counted as running, however long the run or its
+    thread takes (an interval trigger answered one interval ahead, and a thread stalled
+    that long before the run paused its job made APScheduler skip it with a warning).
+    """
+
+    def __init__(self, first_s: float) -> None:
+        self.first_s = first_s
+        #: (the scheduled time of the last run that ended, the next run it asked for).
+        self.ended: tuple[datetime, datetime] | None = None
+
+    def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime) -> datetime:
+        if previous_fire_time is None:
+            return now + timedelta(seconds=self.first_s)
+        ended = self.ended
+        if ended is not None and ended[0] == previous_fire_time:
+            # The run ended before APScheduler finished submitting it (its future was done
+            # when the callback was added, so the callback ran here, on the scheduler's
+            # thread): what the run asked for stands.
+            return ended[1]
+        return now + PARKED
+
+    def __str__(self) -> str:
+        return f"first after {self.first_s} s, then as each run says"
+
+
 class _PausingJob:
-    """What APScheduler runs for each of our jobs: ``step`` with the job paused meanwhile,
-    then the job's next run moved to the seconds ``step`` returned.
+    """What APScheduler runs for each of our jobs: ``step``, then, once APScheduler no
+    longer counts the run, the job's next run set to the seconds ``step`` returned.
 
-    Paused while it runs, a job longer than its interval (a big sweep, a long index
-    rebuild, a slow handler) is never due again meanwhile, so the scheduler never skips a
-    run with a "maximum number of running instances" warning; the ``finally`` always sets
-    the next run again. ``lock`` is held for a whole run, the rescheduling included, which
-    lets shutdown wait for a run to finish *before* it takes the scheduler's locks
-    (shutting down holds them while joining the worker threads, and a rescheduling run
-    needs them: waiting inside would deadlock).
+    APScheduler counts a run from its submission until its thread has returned from the
+    function and run the future's callback; a job due again meanwhile is skipped with a
+    "maximum number of running instances" warning. So the job is never due during that time:
+    the trigger (:class:`_RescheduledByEachRun`) parks it a year ahead at submission, and
+    the next run is set by :meth:`rescheduled`, a listener of the run's end, which
+    APScheduler calls after it stopped counting the run (setting it at the end of the run
+    itself left a window: a thread stalled there for longer than the delay, a GC pause or
+    a stopped process, made the job due while still counted).
 
-    Once the sweeper stops, the job is not rescheduled and ``on_stop`` (if any) is called.
+    ``lock`` is held for a run and for its rescheduling, which lets shutdown wait for both
+    *before* it takes the scheduler's locks (shutting down holds them while joining the
+    worker threads, and rescheduling needs them: waiting inside would deadlock). Once the
+    sweeper stops, the job is not rescheduled and ``on_stop`` (if any) is called.
     """
 
     def __init__(
@@ -76,44 +119,41 @@ class _PausingJob:
         sweeper: Sweeper,
         step: Callable[[], float],
         *,
+        first_s: float,
         on_stop: Callable[[], None] | None = None,
     ) -> None:
         self.job_id = job_id
         self.sweeper = sweeper
         self.step = step
         self.on_stop = on_stop
+        self.trigger = _RescheduledByEachRun(first_s)
         self.lock = threading.Lock()
         self.scheduler: Any = None
+        #: What the last run asked for (the cadence if it raised).
+        self.delay_s = sweeper.cadence_s
 
     def __call__(self) -> None:
         with self.lock:
+            self.delay_s = self.sweeper.cadence_s
+            if not self.sweeper.stopping:
+                self.delay_s = self.step()
+
+    def rescheduled(self, event: JobExecutionEvent) -> None:
+        """The listener of a run's end (EVENT_JOB_EXECUTED or EVENT_JOB_ERROR): set the
+        job's next run, or call ``on_stop`` once the sweeper stops."""
+        if event.job_id != self.job_id:
+            return
+        with self.lock:
             if self.sweeper.stopping:
-                self._stopped()
+                if self.on_stop is not None:
+                    self.on_stop()
                 return
-            self._move(None)
-            delay_s = self.sweeper.cadence_s
+            at = datetime.now(UTC) + timedelta(seconds=self.delay_s)
+            self.trigger.ended = (event.scheduled_run_time, at)
             try:
-                delay_s = self.step()
-            finally:
-                self._after(delay_s)
-
-    def _after(self, delay_s: float) -> None:
-        if self.sweeper.stopping:
-            self._stopped()
-        else:
-            self._move(delay_s)
-
-    def _move(self, delay_s: float | None) -> None:
-        """Set the job's next run ``delay_s`` from now (None: pause it)."""
-        at = None if delay_s is None else datetime.now(UTC) + timedelta(seconds=delay_s)
-        try:
-            self.scheduler.modify_job(self.job_id, next_run_time=at)
-        except JobLookupError:
-            log.debug("the job %s is gone; not rescheduled", self.job_id)
-
-    def _stopped(self) -> None:
-        if self.on_stop is not None:
-            self.on_stop()
+                self.scheduler.modify_job(self.job_id, next_run_time=at)
+            except JobLookupError:
+                log.debug("the job %s is gone; not rescheduled", self.job_id)
 
 
 def _exit(scheduler: BaseScheduler) -> None:
@@ -150,11 +190,11 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     """An APScheduler 3 scheduler (UTC) running ``sweeper`` now and then as it asks.
 
     The job: ``max_instances=1``, ``coalesce=True``, ``misfire_grace_time=None`` (a late run
-    is run, never dropped), an interval trigger of ``sweeper.cadence_s`` as the fallback,
-    and after each tick its next run moved to what the tick returned. The index rebuild
-    and the handlers run in jobs of their own, every ``RECONCILE_CHECK_S`` and
-    ``EVENTS_INTERVAL_S`` after the end of the last run. Each job is paused while it runs
-    (:class:`_PausingJob`), so none is ever skipped with a warning, however long it takes.
+    is run, never dropped), run at once, and after each tick its next run set to what the
+    tick returned. The index rebuild and the handlers run in jobs of their own, every
+    ``RECONCILE_CHECK_S`` and ``EVENTS_INTERVAL_S`` after the end of the last run. No job
+    is due while a run of it is counted as running (:class:`_PausingJob`), so none is
+    ever skipped with a warning, however long a run or its thread takes.
 
     ``shutdown(wait=...)`` asks the sweeper to stop after the batch in hand, and with
     ``wait=True`` waits for it. It does not release the lease: call ``sweeper.close()``.
@@ -171,23 +211,25 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
         JOB_ID,
         sweeper,
         lambda: _tick(sweeper),
+        first_s=sweeper.cadence_s,
         on_stop=(lambda: _exit(scheduler)) if blocking else None,
     )
-    rebuild = _PausingJob(RECONCILE_JOB_ID, sweeper, lambda: _reconcile(sweeper))
-    scheduler.pausing_jobs = [sweep, rebuild]
-    _add_job(
-        scheduler, sweep, sweeper.cadence_s, JOB_ID, "orders sweep", next_run_time=datetime.now(UTC)
+    rebuild = _PausingJob(
+        RECONCILE_JOB_ID, sweeper, lambda: _reconcile(sweeper), first_s=RECONCILE_CHECK_S
     )
-    _add_job(scheduler, rebuild, RECONCILE_CHECK_S, RECONCILE_JOB_ID, "orders index rebuild")
+    scheduler.pausing_jobs = [sweep, rebuild]
+    _add_job(scheduler, sweep, "orders sweep", next_run_time=datetime.now(UTC))
+    _add_job(scheduler, rebuild, "orders index rebuild")
     consumers = closed_order_consumers(sweeper.service)
     if consumers:
-        handlers = _PausingJob(EVENTS_JOB_ID, sweeper, _EventsJob(sweeper, consumers))
-        scheduler.pausing_jobs.append(handlers)
-        _add_job(
-            scheduler, handlers, EVENTS_INTERVAL_S, EVENTS_JOB_ID, "orders closed-order handlers"
+        handlers = _PausingJob(
+            EVENTS_JOB_ID, sweeper, _EventsJob(sweeper, consumers), first_s=EVENTS_INTERVAL_S
         )
+        scheduler.pausing_jobs.append(handlers)
+        _add_job(scheduler, handlers, "orders closed-order handlers")
     for job in scheduler.pausing_jobs:
         job.scheduler = scheduler
+        scheduler.add_listener(job.rescheduled, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
     scheduler.add_listener(_count_failure, EVENT_JOB_ERROR)
     for job in scheduler.get_jobs():
         # Each job's series starts at 0, so increase() sees its first failure too.
@@ -214,23 +256,17 @@ def _reconcile(sweeper: Sweeper) -> float:
     return RECONCILE_CHECK_S
 
 
-def _add_job(
-    scheduler: BaseScheduler,
-    func: Callable[[], None],
-    every_s: float,
-    job_id: str,
-    name: str,
-    **options: Any,
-) -> None:
-    """Every job runs one at a time, coalesced, and late runs are run, never dropped.
+def _add_job(scheduler: BaseScheduler, job: _PausingJob, name: str, **options: Any) -> None:
+    """Every job runs one at a time, coalesced, and late runs are run, never dropped; the
+    first run comes ``first_s`` after now, the others when each run's end sets them.
 
     ``options`` go to ``add_job`` as they are (``next_run_time``: None would pause the job,
     so it is passed only when given).
     """
     scheduler.add_job(
-        func,
-        IntervalTrigger(seconds=every_s, timezone=UTC),
-        id=job_id,
+        job,
+        job.trigger,
+        id=job.job_id,
         name=name,
         max_instances=1,
         coalesce=True,

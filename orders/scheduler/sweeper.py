@@ -6,9 +6,10 @@ the next round is wanted, which is the earliest open expiry, never later than th
 :mod:`orders.scheduler.jobs` runs it in APScheduler and :mod:`orders.scheduler.process` is the
 ``orders scheduler`` process.
 
-Several processes may run at once. The lease (``SET NX PX`` with an owner token, renewed and
-released only by its owner) makes one of them active and the others standbys that take
-over within ``lease_ttl_s`` of its death. The lease is an economy, not a guard: the SQL
+Several processes may run at once. The lease (an owner token with a ``PX`` expiry, taken
+when free, renewed and released only by its owner; still renewed when Redis is at
+maxmemory) makes one of them active and the others standbys that take over within
+``lease_ttl_s`` of its death. The lease is an economy, not a guard: the SQL
 compare-and-set is what keeps an order from being closed twice, so when Redis is down every
 process sweeps SQL regardless.
 
@@ -34,6 +35,7 @@ from orders.domain import SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.consumer import ConsumeResult
 from orders.index.lease import SweeperLease
+from orders.index.unpaid import IndexEpoch
 from orders.scheduler.log import BacklogWatch, LogSummary
 from orders.scheduler.status import SweeperStatus
 from orders.service import OrderService
@@ -49,6 +51,8 @@ MIN_DELAY_S = 0.001
 SUMMARY_PERIOD_S = 10.0
 #: A close lag (or a due order's age) beyond this is a backlog.
 BACKLOG_LAG_S = 5.0
+#: The reasons of a rebuild that the epoch check asked for (logged at INFO).
+UNSCHEDULED = (IndexEpoch.LOST.value, IndexEpoch.REWOUND.value)
 #: While a sweep runs, how often a waiting index rebuild looks for a stop request.
 REBUILD_WAIT_S = 0.1
 
@@ -73,7 +77,7 @@ class Sweeper:
     The active sweeper rebuilds the Redis index from SQL as soon as it takes the lease,
     then every ``reconcile_interval_s``; ``reconcile_at_start=False`` skips the first
     rebuild (the next comes one interval after construction, or at once if the index's
-    epoch marker is gone).
+    epoch marker is gone or names another Redis run).
 
     ``summary_period_s`` and ``backlog_lag_s`` shape the log (see the module docstring);
     ``monotonic`` is the clock, in seconds, of those two (tests inject one).
@@ -225,7 +229,9 @@ class Sweeper:
 
     def reconcile_if_due(self) -> None:
         """Rebuild the Redis index from SQL when this sweeper becomes active, on schedule,
-        and at once when the epoch marker is gone (Redis lost its data).
+        and at once when an epoch marker is gone (Redis lost its data: reason
+        ``index_lost``) or names another server run (Redis restarted or failed over, maybe
+        from an older snapshot: ``index_rewound``); see ``UnpaidIndex.check_epoch``.
 
         Only the lease holder does it. The scheduler runs it as a job of its own, so a long
         rebuild never holds back the closing of expired orders, and the sweep goes first:
@@ -238,11 +244,12 @@ class Sweeper:
         now = time.monotonic()
         if self._reconcile_at is not None and now < self._reconcile_at:
             try:
-                if self.service.index.get_epoch() is not None:
-                    return
+                found = self.service.index.check_epoch()
             except StoreUnavailable:
                 return  # _take_lease already logged the outage
-            reason = "index_lost"
+            if found is IndexEpoch.INTACT:
+                return
+            reason = found.value
         else:
             reason = "scheduled" if self._reconcile_at is not None else "startup"
         try:
@@ -258,7 +265,7 @@ class Sweeper:
         self._store_up("sql")
         self._reconcile_at = now + self.reconcile_interval_s
         self._log(
-            logging.INFO if report.fixes or reason == "index_lost" else logging.DEBUG,
+            logging.INFO if report.fixes or reason in UNSCHEDULED else logging.DEBUG,
             "reconcile",
             reason=reason,
             duration_ms=round((time.monotonic() - started) * 1000),

@@ -9,13 +9,16 @@ The commands, found in ``orders/index/unpaid.py`` and ``orders/index/lua/*.lua``
   reconcile: the rebuild and extend_order), SET, GET, PEXPIRE, DEL (lease, lease_release),
   HSET, HGETALL, HDEL, PEXPIRE (heartbeat);
 * outside them: ZREM (release), ZREMRANGEBYSCORE pipelines (sweep), ZRANGE (members,
-  reconcile), GET/SET (index epoch, lease owner), SCAN (reconcile), HGETALL (reading the
-  heartbeats), HDEL (a stopping scheduler's beat);
+  reconcile), GET/SET (index epoch, lease owner), INFO (the server's run id, which the
+  index epoch names: reconcile and the scheduler's check), SCAN (reconcile), HGETALL
+  (reading the heartbeats), HDEL (a stopping scheduler's beat);
 * PING, which redis-py sends as its health check on a connection idle for 30 s.
 
 Not granted, and shown to be unnecessary: CONFIG GET (the startup warnings give up
 quietly), CLIENT SETINFO (redis-py ignores the refusal), SELECT (db 0 is never selected),
-INFO, EVAL, and every key outside ``UnpaidOrder-*``. The default user is switched off.
+EVAL, and every key outside ``UnpaidOrder-*``. The default user is switched off. Without
+INFO the service still works, but a Redis rewound to older data goes unnoticed until the
+scheduled rebuild (said once in a warning).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from orders import OrderStatus, StoreUnavailable
 from orders.bootstrap import build_redis, build_service
 from orders.cli import main
 from orders.config import Settings
-from orders.index.unpaid import Admission, UnpaidIndex
+from orders.index.unpaid import Admission, IndexEpoch, UnpaidIndex
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
@@ -76,6 +79,7 @@ SERVICE_COMMANDS = (
     "hgetall",
     "hdel",
     "scan",
+    "info",
     "ping",
 )
 #: The ACL of the service's user, minus its password.
@@ -279,7 +283,8 @@ def test_every_use_case_works_through_the_restricted_user_and_needs_every_grant(
             assert admin.zscore(f"{PREFIX}u2", kept.id) == kept.expires_at_ms
             admin.delete(f"{PREFIX}u2")
             assert service.reconcile().added == 1
-            assert admin.get(f"{PREFIX}[index-epoch]") == str(clock()).encode()
+            run_id = admin.info("server")["run_id"]
+            assert admin.get(f"{PREFIX}[index-epoch]") == f"{clock()}:{run_id}".encode()
             extended = service.extend_order(kept.id, 60)
             assert admin.zscore(f"{PREFIX}u2", kept.id) == extended.expires_at_ms
 
@@ -315,6 +320,30 @@ def test_every_use_case_works_through_the_restricted_user_and_needs_every_grant(
     # The password went nowhere.
     assert secrets_in(all_log_text(logs)) == []
     assert secrets_in(repr(settings)) == []
+
+
+def test_without_the_info_grant_a_lost_index_is_still_noticed_and_the_gap_warned_once(
+    acl_redis: AclRedis, admin: redis.Redis, database_url: str, logs: pytest.LogCaptureFixture
+) -> None:
+    grants = ORDERS_ACL.replace(" +info", "").split()
+    admin.execute_command("ACL", "SETUSER", "no-info", "reset", *grants, f">{PASSWORD}")
+    settings = Settings(database_url=database_url, redis_url=acl_redis.url(user="no-info"))
+    service = build_service(settings, clock=ManualClock())
+    try:
+        service.reconcile()
+        assert service.index.check_epoch() is IndexEpoch.INTACT
+        assert service.index.check_epoch() is IndexEpoch.INTACT
+        admin.delete(f"{PREFIX}[index-epoch]")
+        assert service.index.check_epoch() is IndexEpoch.LOST
+    finally:
+        service.engine.dispose()
+        service.index.client.close()
+        admin.execute_command("ACL", "DELUSER", "no-info")
+    warnings = [r.getMessage() for r in logs.records if r.levelno >= logging.WARNING]
+    assert warnings == [
+        "redis refused INFO: a Redis restarted or failed over from an older snapshot is not "
+        "noticed until the scheduled rebuild (grant +info)"
+    ]
 
 
 @pytest.mark.parametrize("form", ["userinfo", "query"])
