@@ -11,6 +11,13 @@ and the pre-close check's extension of an expired order (which no longer held a 
    A refusal by SQL after Redis admitted means Redis had lost the user's members: they are
    written back from SQL's holders, so the next create is refused by Redis alone.
 
+When the Redis step itself fails without an answer (a timeout, a broken connection, an
+interrupt), the script may have run, or may still be queued in a stalled server: the call
+sends ``abandon.lua`` (:meth:`Admitter.abandon`), which removes the member if that attempt
+added it and otherwise makes a late run of the attempt add nothing; if Redis does not take
+it, it goes again before the process's next admission. What none of this reaches,
+reconcile removes once the admission window has passed since the create started.
+
 The outage policy, once: when Redis cannot be reached, admission fails with
 :class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
 guard alone decides (it stays exact) and reconcile adds the member later.
@@ -23,16 +30,22 @@ next reconcile.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
 from orders.domain import Order, same_order
 from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
-from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
+from orders.index.unpaid import Admission, AdmitResult, ServerRefused, UnpaidIndex
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
 log = logging.getLogger(__name__)
+
+#: Abandons kept for Redis to take later (about 100 bytes each); past it the oldest is
+#: dropped, and its member, if any, left to reconcile.
+UNSENT_ABANDONS_MAX = 10_000
 
 
 def interrupted(stop: BaseException) -> bool:
@@ -57,6 +70,10 @@ class Admitter:
         self.index = index
         self.records = records
         self.create_without_redis = create_without_redis
+        #: Abandons Redis did not take (user id, order id, attempt's start): sent before
+        #: the next admission, when Redis may answer again. Bounded: past it, reconcile.
+        self.unsent_abandons: deque[tuple[str, str, int]] = deque(maxlen=UNSENT_ABANDONS_MAX)
+        self._unsent_lock = threading.Lock()
 
     def reserve(
         self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
@@ -76,17 +93,28 @@ class Admitter:
             # As if a retry found its member: nothing of ours to compensate; SQL decides.
             return AdmitResult(Admission.EXISTS, 0, expires_at_ms)
 
-    def _reserve_or_settle(
+    def _reserve_or_abandon(
         self, user_id: str, order_id: str, expires_at_ms: int, now_ms: int, limit: int
     ) -> AdmitResult:
+        if self.unsent_abandons:
+            self.send_abandons()
         try:
-            return self.reserve(
+            admitted = self.reserve(
                 user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
             )
+        except ServerRefused:
+            raise  # Redis answered: nothing was written
         except BaseException as stop:
-            if interrupted(stop):  # the script may have run, its reply unread
-                self.settle(order_id, now_ms, user_id=user_id)
+            # Cut off, timed out, or the connection broke: the script may have run with its
+            # reply unread, or may still be waiting in a stalled server, to run later.
+            if interrupted(stop) or isinstance(stop, StoreUnavailable):
+                self.abandon(user_id, order_id, now_ms)
             raise
+        if admitted.outcome is Admission.ABANDONED:
+            # An attempt at this order that started later (by its host's clock) was given
+            # up: a new attempt starts after it.
+            raise StoreUnavailable("redis", "admit refused: a later attempt was abandoned")
+        return admitted
 
     def create(
         self,
@@ -103,7 +131,7 @@ class Admitter:
         is no longer open (one read by primary key tells).
         """
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
-        admitted = self._reserve_or_settle(uid, oid, values["expires_at_ms"], now_ms, limit)
+        admitted = self._reserve_or_abandon(uid, oid, values["expires_at_ms"], now_ms, limit)
         if admitted.outcome is Admission.REFUSED:
             earlier = self.records.find(oid, now_ms) if caller_id else None
             if earlier is not None:
@@ -171,7 +199,7 @@ class Admitter:
             )
         except StoreUnavailable:
             return False
-        if admitted.outcome is Admission.REFUSED:
+        if admitted.outcome in (Admission.REFUSED, Admission.ABANDONED):
             return False
         # The order still holds its SQL slot (it is unpaid): only Redis needed the check.
         with self.records.tx.write() as conn:
@@ -197,6 +225,43 @@ class Admitter:
                 self.release_after_commit(user_id, order_id)
         except OrdersError:
             log.warning("settling an interrupted call failed; reconcile will fix it")
+
+    def abandon(self, user_id: str, order_id: str, started_ms: int) -> None:
+        """Undo the admission a create started at ``started_ms`` may have sent, when its
+        outcome is unknown; a stalled server that runs it later then adds nothing.
+
+        A concurrent twin's order (the id open for this user in SQL) keeps its member.
+        When Redis does not take it (still stalled: a new connection cannot even say hello),
+        it is sent again before this process's next admission. A member that stays anyway
+        names its create's start, so reconcile removes it once the create is certainly over.
+        """
+        try:
+            existing = self.records.find(order_id, started_ms)
+        except OrdersError:
+            existing = None
+        if existing is not None and existing.user_id == user_id and existing.is_open:
+            return
+        with self._unsent_lock:
+            self.unsent_abandons.append((user_id, order_id, started_ms))
+        self.send_abandons()
+
+    def send_abandons(self) -> None:
+        """Send the abandons Redis has not taken yet, oldest first, until one fails."""
+        while True:
+            with self._unsent_lock:
+                if not self.unsent_abandons:
+                    return
+                user_id, order_id, started_ms = self.unsent_abandons.popleft()
+            try:
+                self.index.abandon(user_id, order_id, started_ms=started_ms)
+            except StoreUnavailable:
+                with self._unsent_lock:
+                    self.unsent_abandons.appendleft((user_id, order_id, started_ms))
+                log.warning(
+                    "redis abandon failed; sent again before the next admission",
+                    extra={"order_id": order_id, "user_id": user_id},
+                )
+                return
 
     def _compensate(self, user_id: str, order_id: str, now_ms: int) -> Order | None:
         """Undo our admission after the insert failed, unless the member indexes a real order.
