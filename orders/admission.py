@@ -108,7 +108,9 @@ class Admitter:
             # Cut off, timed out, or the connection broke: the script may have run with its
             # reply unread, or may still be waiting in a stalled server, to run later.
             if interrupted(stop) or isinstance(stop, StoreUnavailable):
-                self.abandon(user_id, order_id, now_ms)
+                # After a timeout Redis is likely still stalled: the abandon waits for the
+                # next admission rather than doubling this caller's wait.
+                self.abandon(user_id, order_id, now_ms, send_now=interrupted(stop))
             raise
         if admitted.outcome is Admission.ABANDONED:
             # An attempt at this order that started later (by its host's clock) was given
@@ -226,14 +228,17 @@ class Admitter:
         except OrdersError:
             log.warning("settling an interrupted call failed; reconcile will fix it")
 
-    def abandon(self, user_id: str, order_id: str, started_ms: int) -> None:
+    def abandon(
+        self, user_id: str, order_id: str, started_ms: int, *, send_now: bool = True
+    ) -> None:
         """Undo the admission a create started at ``started_ms`` may have sent, when its
         outcome is unknown; a stalled server that runs it later then adds nothing.
 
         A concurrent twin's order (the id open for this user in SQL) keeps its member.
-        When Redis does not take it (still stalled: a new connection cannot even say hello),
-        it is sent again before this process's next admission. A member that stays anyway
-        names its create's start, so reconcile removes it once the create is certainly over.
+        Unless ``send_now``, and whenever Redis does not take it (still stalled: a new
+        connection cannot even say hello), it is sent before this process's next admission.
+        A member that stays anyway names its create's start, so reconcile removes it once
+        the create is certainly over.
         """
         try:
             existing = self.records.find(order_id, started_ms)
@@ -243,7 +248,8 @@ class Admitter:
             return
         with self._unsent_lock:
             self.unsent_abandons.append((user_id, order_id, started_ms))
-        self.send_abandons()
+        if send_now:
+            self.send_abandons()
 
     def send_abandons(self) -> None:
         """Send the abandons Redis has not taken yet, oldest first, until one fails."""
