@@ -13,9 +13,9 @@ and the pre-close check's extension of an expired order (which no longer held a 
 
 When the Redis step itself fails without an answer (a timeout, a broken connection, an
 interrupt), the script may have run, or may still be queued in a stalled server: the call
-sends ``abandon.lua`` (:meth:`Admitter.abandon`), which removes the member if that attempt
-added it and otherwise makes a late run of the attempt add nothing; if Redis does not take
-it, it goes again before the process's next admission. What none of this reaches,
+sends ``abandon.lua`` (:meth:`Admitter.abandon`) before the process's next admission (at
+once after an interrupt), which removes the member if that attempt added it and otherwise
+makes a late run of the attempt add nothing. What none of this reaches,
 reconcile removes once the admission window has passed since the create started.
 
 The outage policy, once: when Redis cannot be reached, admission fails with
