@@ -102,8 +102,8 @@ class Admitter:
             admitted = self.reserve(
                 user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
             )
-        except ServerRefused:
-            raise  # Redis answered: nothing was written
+        except ServerRefused as refused:  # Redis answered: nothing was written
+            raise StoreUnavailable(refused.store, refused.detail) from refused.__cause__
         except BaseException as stop:
             # Cut off, timed out, or the connection broke: the script may have run with its
             # reply unread, or may still be waiting in a stalled server, to run later.

@@ -121,23 +121,29 @@ def _score(value: bytes | str | float) -> int:
 
 
 class ServerRefused(StoreUnavailable):
-    """Redis answered the call with an error (out of memory, an ACL refusal, ...): unlike a
-    timeout or a broken connection, the call certainly wrote nothing it was refused."""
+    """Redis answered the admission with an error (out of memory, an ACL refusal, ...):
+    unlike a timeout or a broken connection, the script certainly wrote nothing. Only
+    :meth:`UnpaidIndex.admit` raises it; the admission turns it into a plain
+    :class:`StoreUnavailable` for its caller."""
 
 
 @contextmanager
-def redis_errors(action: str) -> Iterator[None]:
+def redis_errors(
+    action: str, *, refused: type[StoreUnavailable] = StoreUnavailable
+) -> Iterator[None]:
+    """redis-py's exceptions as :class:`StoreUnavailable`; an error Redis answered with is
+    raised as ``refused`` (:class:`ServerRefused` where the caller needs to tell)."""
     try:
         yield
     except redis.ResponseError as exc:
         metrics.STORE_ERRORS.labels("redis").inc()
-        # The reply's leading code only (6.2 wraps a script's error in "ERR Error running
-        # script ... -OOM ...", 7.x starts with it); the text names no secret, but keep it short.
+        # 6.2 wraps a script's error in "ERR Error running script ... -OOM ...", 7.x starts
+        # with it; redis-py 8 names the class. Only the kind is shown, never the text.
         if isinstance(exc, OutOfMemoryError) or "OOM" in str(exc):
-            raise ServerRefused(
+            raise refused(
                 "redis", f"{action} failed: out of memory (maxmemory reached, noeviction)"
             ) from exc
-        raise ServerRefused("redis", f"{action} failed: {type(exc).__name__}") from exc
+        raise refused("redis", f"{action} failed: {type(exc).__name__}") from exc
     except redis.RedisError as exc:
         metrics.STORE_ERRORS.labels("redis").inc()
         # The exception text names host and port at most, never the password.
@@ -228,7 +234,7 @@ class UnpaidIndex:
             limit=limit,
             window_ms=self.window_ms,
         )
-        with redis_errors("admit"):
+        with redis_errors("admit", refused=ServerRefused):
             try:
                 # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
                 # costs a few microseconds more; it still loads the script on NOSCRIPT).
