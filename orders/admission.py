@@ -13,9 +13,9 @@ and the pre-close check's extension of an expired order (which no longer held a 
 
 When the Redis step itself fails without an answer (a timeout, a broken connection, an
 interrupt), the script may have run, or may still be queued in a stalled server: the call
-sends ``abandon.lua`` (:meth:`Admitter.abandon`) before the process's next admission (at
-once after an interrupt), which removes the member if that attempt added it and otherwise
-makes a late run of the attempt add nothing. What none of this reaches,
+sends ``abandon.lua`` (:meth:`Admitter.abandon`) after the process's next admission that
+Redis answers (at once after an interrupt), which removes the member if that attempt added
+it and otherwise makes a late run of the attempt add nothing. What none of this reaches,
 reconcile removes once the admission window has passed since the create started.
 
 The outage policy, once: when Redis cannot be reached, admission fails with
@@ -70,19 +70,30 @@ class Admitter:
         self.index = index
         self.records = records
         self.create_without_redis = create_without_redis
-        #: Abandons Redis did not take (user id, order id, attempt's start): sent before
-        #: the next admission, when Redis may answer again. Bounded: past it, reconcile.
+        #: Abandons Redis did not take (user id, order id, attempt's start): sent after
+        #: the next admission Redis answers. Bounded: past it, reconcile.
         self.unsent_abandons: deque[tuple[str, str, int]] = deque(maxlen=UNSENT_ABANDONS_MAX)
         self._unsent_lock = threading.Lock()
 
     def reserve(
         self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
     ) -> AdmitResult:
-        """The Redis step, under the one outage policy."""
+        """The Redis step, under the one outage policy.
+
+        Once Redis answers, the abandons it did not take before go; when one removed a
+        member of this user, an answer other than "admitted" is asked again (the member
+        refused or found may have been the one removed).
+        """
         try:
-            return self.index.admit(
+            admitted = self.index.admit(
                 user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
             )
+            freed = bool(self.unsent_abandons) and self.send_abandons(user_id)
+            if freed and admitted.outcome is not Admission.ADMITTED:
+                admitted = self.index.admit(
+                    user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                )
+            return admitted
         except StoreUnavailable:
             if not self.create_without_redis:
                 raise
@@ -96,8 +107,6 @@ class Admitter:
     def _reserve_or_abandon(
         self, user_id: str, order_id: str, expires_at_ms: int, now_ms: int, limit: int
     ) -> AdmitResult:
-        if self.unsent_abandons:
-            self.send_abandons()
         try:
             admitted = self.reserve(
                 user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
@@ -108,8 +117,8 @@ class Admitter:
             # Cut off, timed out, or the connection broke: the script may have run with its
             # reply unread, or may still be waiting in a stalled server, to run later.
             if interrupted(stop) or isinstance(stop, StoreUnavailable):
-                # After a timeout Redis is likely still stalled: the abandon waits for the
-                # next admission rather than doubling this caller's wait.
+                # After a timeout Redis is likely still stalled: the abandon waits for an
+                # admission Redis answers rather than doubling this caller's wait.
                 self.abandon(user_id, order_id, now_ms, send_now=interrupted(stop))
             raise
         if admitted.outcome is Admission.ABANDONED:
@@ -236,7 +245,8 @@ class Admitter:
 
         A concurrent twin's order (the id open for this user in SQL) keeps its member.
         Unless ``send_now``, and whenever Redis does not take it (still stalled: a new
-        connection cannot even say hello), it is sent before this process's next admission.
+        connection cannot even say hello), it is sent after this process's next admission
+        that Redis answers.
         A member that stays anyway names its create's start, so reconcile removes it once
         the create is certainly over.
         """
@@ -251,23 +261,26 @@ class Admitter:
         if send_now:
             self.send_abandons()
 
-    def send_abandons(self) -> None:
-        """Send the abandons Redis has not taken yet, oldest first, until one fails."""
+    def send_abandons(self, freeing: str | None = None) -> bool:
+        """Send the abandons Redis has not taken yet, oldest first, until one fails; True
+        if one removed a member of user ``freeing``."""
+        freed = False
         while True:
             with self._unsent_lock:
                 if not self.unsent_abandons:
-                    return
+                    return freed
                 user_id, order_id, started_ms = self.unsent_abandons.popleft()
             try:
-                self.index.abandon(user_id, order_id, started_ms=started_ms)
+                removed = self.index.abandon(user_id, order_id, started_ms=started_ms)
             except StoreUnavailable:
                 with self._unsent_lock:
                     self.unsent_abandons.appendleft((user_id, order_id, started_ms))
                 log.warning(
-                    "redis abandon failed; sent again before the next admission",
+                    "redis abandon failed; sent again after the next admission",
                     extra={"order_id": order_id, "user_id": user_id},
                 )
-                return
+                return freed
+            freed = freed or (removed and user_id == freeing)
 
     def _compensate(self, user_id: str, order_id: str, now_ms: int) -> Order | None:
         """Undo our admission after the insert failed, unless the member indexes a real order.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -111,13 +112,33 @@ def test_a_create_timed_out_by_a_stalled_redis_leaves_no_member_once_it_wakes(
 
     assert info.value.store == "redis"
     assert failed_after_s < STALL_S  # the create failed while Redis slept
-    service.create_unpaid_order("other")  # the process's next create sends what was left
-    assert service.index.members("u1") == {}
     assert rows_of(engine, "u1") == 0
-    # The user is not held: the one slot is free at once, for a new order or for a retry.
+    # The user is not held: its next create is refused by the late admission, sends the
+    # abandon, which frees the one slot, and is admitted in it.
+    clock.advance(ms=1)
+    fresh = service.create_unpaid_order("u1")
+    assert service.index.members("u1") == {fresh.id: fresh.expires_at_ms}
+    assert rows_of(engine, "u1") == 1
+    assert service.admitter.unsent_abandons == deque()
+
+
+@pytest.mark.timeout(120)
+def test_a_retry_after_a_stall_completes_the_order_with_its_own_expiry(
+    stallable_redis: RedisServer, stalled_service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    service = stalled_service
+    service.create_unpaid_order("warm")
+    woken = stall(stallable_redis, STALL_S)
+    with pytest.raises(StoreUnavailable):
+        service.create_unpaid_order("u1", order_id="stalled-1", ttl_s=60)
+    woken()
+
     clock.advance(ms=1)  # a retry starts after the attempt it retries
-    assert service.create_unpaid_order("u1", order_id="stalled-1").id == "stalled-1"
-    assert set(service.index.members("u1")) == {"stalled-1"}
+    retried = service.create_unpaid_order("u1", order_id="stalled-1", ttl_s=120)
+
+    # Not the abandoned attempt's member (found as "exists"), but a fresh admission.
+    assert retried.expires_at_ms == clock() + 120_000
+    assert service.index.members("u1") == {"stalled-1": retried.expires_at_ms}
     assert rows_of(engine, "u1") == 1
 
 
