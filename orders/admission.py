@@ -11,6 +11,13 @@ and the pre-close check's extension of an expired order (which no longer held a 
    A refusal by SQL after Redis admitted means Redis had lost the user's members: they are
    written back from SQL's holders, so the next create is refused by Redis alone.
 
+When the Redis step itself fails without an answer (a timeout, a broken connection, an
+interrupt), the script may have run, or may still be queued in a stalled server: the call
+sends ``abandon.lua`` (:meth:`Admitter.abandon`) after the process's next admission that
+Redis answers (at once after an interrupt), which removes the member if that attempt added
+it and otherwise makes a late run of the attempt add nothing. What none of this reaches,
+reconcile removes once the admission window has passed since the create started.
+
 The outage policy, once: when Redis cannot be reached, admission fails with
 :class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
 guard alone decides (it stays exact) and reconcile adds the member later.
@@ -23,16 +30,22 @@ next reconcile.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
 from orders.domain import Order, same_order
 from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
-from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
+from orders.index.unpaid import Admission, AdmitResult, ServerRefused, UnpaidIndex
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
 log = logging.getLogger(__name__)
+
+#: Abandons kept for Redis to take later (about 100 bytes each); past it the oldest is
+#: dropped, and its member, if any, left to reconcile.
+UNSENT_ABANDONS_MAX = 10_000
 
 
 def interrupted(stop: BaseException) -> bool:
@@ -57,15 +70,30 @@ class Admitter:
         self.index = index
         self.records = records
         self.create_without_redis = create_without_redis
+        #: Abandons Redis did not take (user id, order id, attempt's start): sent after
+        #: the next admission Redis answers. Bounded: past it, reconcile.
+        self.unsent_abandons: deque[tuple[str, str, int]] = deque(maxlen=UNSENT_ABANDONS_MAX)
+        self._unsent_lock = threading.Lock()
 
     def reserve(
         self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
     ) -> AdmitResult:
-        """The Redis step, under the one outage policy."""
+        """The Redis step, under the one outage policy.
+
+        Once Redis answers, the abandons it did not take before go; when one removed a
+        member of this user, an answer other than "admitted" is asked again (the member
+        refused or found may have been the one removed).
+        """
         try:
-            return self.index.admit(
+            admitted = self.index.admit(
                 user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
             )
+            freed = bool(self.unsent_abandons) and self.send_abandons(user_id)
+            if freed and admitted.outcome is not Admission.ADMITTED:
+                admitted = self.index.admit(
+                    user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                )
+            return admitted
         except StoreUnavailable:
             if not self.create_without_redis:
                 raise
@@ -76,17 +104,28 @@ class Admitter:
             # As if a retry found its member: nothing of ours to compensate; SQL decides.
             return AdmitResult(Admission.EXISTS, 0, expires_at_ms)
 
-    def _reserve_or_settle(
+    def _reserve_or_abandon(
         self, user_id: str, order_id: str, expires_at_ms: int, now_ms: int, limit: int
     ) -> AdmitResult:
         try:
-            return self.reserve(
+            admitted = self.reserve(
                 user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
             )
+        except ServerRefused as refused:  # Redis answered: nothing was written
+            raise StoreUnavailable(refused.store, refused.detail) from refused.__cause__
         except BaseException as stop:
-            if interrupted(stop):  # the script may have run, its reply unread
-                self.settle(order_id, now_ms, user_id=user_id)
+            # Cut off, timed out, or the connection broke: the script may have run with its
+            # reply unread, or may still be waiting in a stalled server, to run later.
+            if interrupted(stop) or isinstance(stop, StoreUnavailable):
+                # After a timeout Redis is likely still stalled: the abandon waits for an
+                # admission Redis answers rather than doubling this caller's wait.
+                self.abandon(user_id, order_id, now_ms, send_now=interrupted(stop))
             raise
+        if admitted.outcome is Admission.ABANDONED:
+            # An attempt at this order that started later (by its host's clock) was given
+            # up: a new attempt starts after it.
+            raise StoreUnavailable("redis", "admit refused: a later attempt was abandoned")
+        return admitted
 
     def create(
         self,
@@ -103,7 +142,7 @@ class Admitter:
         is no longer open (one read by primary key tells).
         """
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
-        admitted = self._reserve_or_settle(uid, oid, values["expires_at_ms"], now_ms, limit)
+        admitted = self._reserve_or_abandon(uid, oid, values["expires_at_ms"], now_ms, limit)
         if admitted.outcome is Admission.REFUSED:
             earlier = self.records.find(oid, now_ms) if caller_id else None
             if earlier is not None:
@@ -171,7 +210,7 @@ class Admitter:
             )
         except StoreUnavailable:
             return False
-        if admitted.outcome is Admission.REFUSED:
+        if admitted.outcome in (Admission.REFUSED, Admission.ABANDONED):
             return False
         # The order still holds its SQL slot (it is unpaid): only Redis needed the check.
         with self.records.tx.write() as conn:
@@ -197,6 +236,51 @@ class Admitter:
                 self.release_after_commit(user_id, order_id)
         except OrdersError:
             log.warning("settling an interrupted call failed; reconcile will fix it")
+
+    def abandon(
+        self, user_id: str, order_id: str, started_ms: int, *, send_now: bool = True
+    ) -> None:
+        """Undo the admission a create started at ``started_ms`` may have sent, when its
+        outcome is unknown; a stalled server that runs it later then adds nothing.
+
+        A concurrent twin's order (the id open for this user in SQL) keeps its member.
+        Unless ``send_now``, and whenever Redis does not take it (still stalled: a new
+        connection cannot even say hello), it is sent after this process's next admission
+        that Redis answers.
+        A member that stays anyway names its create's start, so reconcile removes it once
+        the create is certainly over.
+        """
+        try:
+            existing = self.records.find(order_id, started_ms)
+        except OrdersError:
+            existing = None
+        if existing is not None and existing.user_id == user_id and existing.is_open:
+            return
+        with self._unsent_lock:
+            self.unsent_abandons.append((user_id, order_id, started_ms))
+        if send_now:
+            self.send_abandons()
+
+    def send_abandons(self, freeing: str | None = None) -> bool:
+        """Send the abandons Redis has not taken yet, oldest first, until one fails; True
+        if one removed a member of user ``freeing``."""
+        freed = False
+        while True:
+            with self._unsent_lock:
+                if not self.unsent_abandons:
+                    return freed
+                user_id, order_id, started_ms = self.unsent_abandons.popleft()
+            try:
+                removed = self.index.abandon(user_id, order_id, started_ms=started_ms)
+            except StoreUnavailable:
+                with self._unsent_lock:
+                    self.unsent_abandons.appendleft((user_id, order_id, started_ms))
+                log.warning(
+                    "redis abandon failed; sent again after the next admission",
+                    extra={"order_id": order_id, "user_id": user_id},
+                )
+                return freed
+            freed = freed or (removed and user_id == freeing)
 
     def _compensate(self, user_id: str, order_id: str, now_ms: int) -> Order | None:
         """Undo our admission after the insert failed, unless the member indexes a real order.

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from sqlalchemy.engine import URL
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
+#: How far apart the hosts' clocks may be when one host judges another's timestamps (a
+#: create's start, read on the checkout host, compared by reconcile on the scheduler's).
+CLOCK_SKEW_MARGIN_S = 5.0
+#: The SQL wait a create is assumed to need at most when neither the statement timeout nor
+#: the busy timeout bounds it (both set to 0).
+UNBOUNDED_SQL_WAIT_S = 60.0
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 HIDDEN = "***"
 
@@ -218,6 +224,28 @@ class Settings:
         """The PostgreSQL setting in ms (0: none); see ``sql_lock_timeout_s``."""
         lock_s = self.sql_lock_timeout_s
         return round((self.lease_ttl_s if lock_s is None else lock_s) * 1000)
+
+    @property
+    def admission_window_ms(self) -> int:
+        """How long after its start a create may still be between its Redis and its SQL step.
+
+        Past it, a member with no SQL row belongs to a create that is over (it failed, or
+        its process died), so reconcile removes it. The bound adds up what a create waits
+        for at most: the admission script (connect and reply, each under the Redis socket
+        timeout, with one retry), then SQL (a pooled connection, opening it, and two
+        statements' waits on a lock: the insert and the slot repair before its retry),
+        plus :data:`CLOCK_SKEW_MARGIN_S`. 87 s with the defaults. A create slower than this
+        loses its member early; the SQL guard still holds the limit, and the next reconcile
+        (or the next create refused by SQL) writes the member back.
+        """
+        redis_s = 4 * self.redis_socket_timeout_s
+        lock_wait_s = max(self.sql_statement_timeout_s, self.sql_busy_timeout_s)
+        sql_s = (
+            self.sql_pool_timeout_s
+            + self.sql_connect_timeout_s
+            + 2 * (lock_wait_s or UNBOUNDED_SQL_WAIT_S)
+        )
+        return round((redis_s + sql_s + CLOCK_SKEW_MARGIN_S) * 1000)
 
     @property
     def key_margin_ms(self) -> int:

@@ -113,7 +113,7 @@ def _define() -> dict[str, Any]:
         "RECONCILE_FIXES": Counter(
             "orders_reconcile_fixes_total",
             "index members reconcile fixed, by kind",
-            ["kind"],  # added, rescored, removed_terminal, removed_expired
+            ["kind"],  # added, rescored, removed_terminal, removed_expired, removed_abandoned
         ),
         "FOREIGN_KEYS": Counter(
             "orders_foreign_keys_total",

@@ -7,8 +7,10 @@ user's set equal to SQL's view:
 
 * an unpaid order whose expiry is ahead gets its member, with its exact expiry as score;
 * a member whose order is paid, cancelled or closed, or whose expiry has passed, goes;
-* a member with no SQL row at all stays (a create may be between its Redis and SQL steps)
-  until its own expiry drops it;
+* a member with no SQL row at all stays while its create may still be between its Redis
+  and SQL steps (its admission, on record beside the set, started less than the admission
+  window ago); once the create is certainly over (it started longer ago, or no admission
+  of it is on record: every record outlives the window), it goes;
 * a key left with no members disappears (Redis deletes empty sets).
 
 A full run makes two passes; ``now`` is read once at the start, and every SCAN batch and
@@ -75,6 +77,10 @@ class ReconcileReport:
     rescored: int = 0
     removed_terminal: int = 0
     removed_expired: int = 0
+    #: Members with no SQL row whose create is certainly over (it started more than the
+    #: admission window ago, or no admission of it is on record): removed.
+    removed_abandoned: int = 0
+    #: Members with no SQL row whose create may still be running: kept.
     kept_in_flight: int = 0
     #: Keys or members under the prefix the service did not write: skipped, left alone.
     foreign_skipped: int = 0
@@ -83,7 +89,7 @@ class ReconcileReport:
     @property
     def fixes(self) -> int:
         """Members that were wrong (expired ones are routine: the sweep drops them too)."""
-        return self.added + self.rescored + self.removed_terminal
+        return self.added + self.rescored + self.removed_terminal + self.removed_abandoned
 
     def as_dict(self) -> dict[str, int | bool]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -135,7 +141,13 @@ class Reconciler:
         if whole:
             self.index.set_epoch(str(now_ms), runs)
         if not dry_run:
-            for kind in ("added", "rescored", "removed_terminal", "removed_expired"):
+            for kind in (
+                "added",
+                "rescored",
+                "removed_terminal",
+                "removed_expired",
+                "removed_abandoned",
+            ):
                 metrics.RECONCILE_FIXES.labels(kind).inc(getattr(report, kind))
         progress.done(report)
         return report
@@ -239,14 +251,20 @@ class Reconciler:
         self, extras: list[tuple[str, str]], now_ms: int, dry_run: bool, report: ReconcileReport
     ) -> None:
         """Live members SQL did not list for their user: one whose order is open for another
-        user or no longer open goes; one with no SQL row stays (a create may be between its
-        Redis and SQL steps) until its own expiry; one just opened for its user stays."""
+        user or no longer open goes; one just opened for its user stays; one with no SQL row
+        stays while its create may be between its Redis and SQL steps, and goes once that
+        create is certainly over (see the module docstring)."""
         owners = self.reads.open_owners([order_id for _, order_id in extras], now_ms)
         remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]
         report.removed_terminal += len(remove)
-        report.kept_in_flight += sum(1 for _, o in extras if o not in owners)
+        rowless = [(u, o) for u, o in extras if o not in owners]
+        starts = self.index.admission_starts(rowless)
+        over = now_ms - self.index.window_ms
+        abandoned = [member for member in rowless if starts.get(member, over) <= over]
+        report.removed_abandoned += len(abandoned)
+        report.kept_in_flight += len(rowless) - len(abandoned)
         if not dry_run:
-            self.index.remove_members(remove)
+            self.index.remove_members(remove + abandoned)
 
     def _undo_stale_adds(self, added: list[tuple[str, str]], now_ms: int) -> None:
         """Remove what we just added if its order stopped being open meanwhile.

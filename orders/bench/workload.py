@@ -84,6 +84,11 @@ class Workload:
     def key(self, user_id: str) -> str:
         return self.service.index.key(user_id)
 
+    def admit_keys(self, user_id: str) -> list[str]:
+        """``admit.lua``'s KEYS for the user: its set and its admissions hash."""
+        index = self.service.index
+        return [index.key(user_id), index.admits_key(user_id)]
+
     @staticmethod
     def row(order_id: str, user_id: str, created_ms: int, expires_ms: int) -> dict[str, Any]:
         """An orders row of the shape ``create_unpaid_order`` inserts (no amount, no metadata)."""

@@ -248,7 +248,8 @@ def reconcile_command(
     click.echo(
         f"{report.users} users checked; {verb}: {report.added} added, {report.rescored} "
         f"re-scored, {report.removed_terminal} removed (order no longer open), "
-        f"{report.removed_expired} expired dropped; {report.kept_in_flight} in flight kept"
+        f"{report.removed_expired} expired dropped, {report.removed_abandoned} left by a "
+        f"failed create removed; {report.kept_in_flight} in flight kept"
     )
 
 

@@ -156,7 +156,10 @@ STATES = {
     "expired_in_sql": "due in SQL: the sweep closes it and drops the member",
     "terminal_in_sql": "paid, cancelled or closed in SQL: reconcile removes the member",
     "expired_in_index": "no open row, score passed: the next admit or reconcile drops it",
-    "no_row": "no SQL row (a create in flight, or left over): dropped at its expiry",
+    "no_row": (
+        "no SQL row: kept while its create may be in flight; reconcile removes it once the"
+        " create is certainly over (the admission window passed), else it drops at its expiry"
+    ),
 }
 
 

@@ -5,8 +5,12 @@ milliseconds. The keys carry no expiry (its expires entry would cost about 45 by
 a set emptied of its last member vanishes, and reconcile drops any member left behind
 (expired, or no longer open in SQL). The service's own keys sit under the same prefix in
 brackets (the index epoch here, the scheduler's lease in :mod:`orders.index.lease`; ``[`` never
-occurs in a user id). Every script and command touches exactly one key, so the scripts run
-unchanged on a Redis Cluster (:mod:`orders.index.nodes` says what a cluster changes).
+occurs in a user id). Beside each user's set, for as long as a create may be in flight, an
+admissions hash (:func:`admits_key`) says when the create behind each member started, so a
+member left by a create that failed can be told from one whose SQL row is still coming.
+Every command touches one key and every script one user's keys, which share a hash slot, so
+the scripts run unchanged on a Redis Cluster (:mod:`orders.index.nodes` says what a cluster
+changes).
 
 Every redis-py exception becomes :class:`StoreUnavailable` (:func:`redis_errors`, which the
 lease shares). Data under the prefix that the service did not write is skipped and
@@ -30,6 +34,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError
 
 from orders import metrics
+from orders.config import Settings
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.index.nodes import REDIRECTIONS, RedisClient, marker_keys, marker_nodes
 from orders.index.pipeline import (
@@ -68,6 +73,8 @@ class Admission(enum.IntEnum):
     ADMITTED = 1
     EXISTS = 0
     REFUSED = -1
+    #: A late run of an attempt its caller abandoned (``abandon.lua``): nothing written.
+    ABANDONED = -2
 
 
 @dataclass(slots=True)
@@ -130,36 +137,91 @@ def _score(value: bytes | str | float) -> int:
     return int(Decimal(_text(value)))
 
 
+class ServerRefused(StoreUnavailable):
+    """Redis answered the admission with an error (out of memory, an ACL refusal, ...):
+    unlike a timeout or a broken connection, the script certainly wrote nothing. Only
+    :meth:`UnpaidIndex.admit` raises it; the admission turns it into a plain
+    :class:`StoreUnavailable` for its caller."""
+
+
 @contextmanager
-def redis_errors(action: str) -> Iterator[None]:
+def redis_errors(
+    action: str, *, refused: type[StoreUnavailable] = StoreUnavailable
+) -> Iterator[None]:
+    """redis-py's exceptions as :class:`StoreUnavailable`; an error Redis answered with is
+    raised as ``refused`` (:class:`ServerRefused` where the caller needs to tell)."""
     try:
         yield
+    except redis.ResponseError as exc:
+        metrics.STORE_ERRORS.labels("redis").inc()
+        if out_of_memory(exc):
+            raise refused(
+                "redis", f"{action} failed: out of memory (maxmemory reached, noeviction)"
+            ) from exc
+        raise refused("redis", f"{action} failed: {type(exc).__name__}") from exc
     except redis.RedisError as exc:
         metrics.STORE_ERRORS.labels("redis").inc()
         # The exception text names host and port at most, never the password.
-        raise StoreUnavailable("redis", f"{action} failed: {_cause(exc)}") from exc
+        raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
 
 
-def _cause(exc: redis.RedisError) -> str:
-    """What failed, for the error's message: the exception's type, or out-of-memory (Redis 7
-    passes a script's OOM refusal on as it is, 6.2 inside a script error's text)."""
-    if isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc):
-        return "out of memory (redis is at maxmemory and refuses writes that need memory)"
-    return type(exc).__name__
+def out_of_memory(exc: redis.ResponseError) -> bool:
+    """Whether Redis refused a write for want of memory (maxmemory under noeviction).
+
+    redis-py names the class when the reply starts with OOM (7.x passes a script's OOM on
+    as it is); 6.2 wraps it in "ERR Error running script ...". Only the kind is shown to
+    callers, never the text.
+    """
+    return isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc)
 
 
-def admit_args(order_id: str, *, expires_at_ms: int, now_ms: int, limit: int) -> list[str | int]:
+def admit_args(
+    order_id: str, *, expires_at_ms: int, now_ms: int, limit: int, window_ms: int
+) -> list[str | int]:
     """``admit.lua``'s ARGV, in its header's order: for :meth:`UnpaidIndex.admit` and for
-    the bench's raw EVALSHA alike."""
-    return [order_id, expires_at_ms, now_ms, limit]
+    the bench's raw EVALSHA alike (whose KEYS are the user's key and :func:`admits_key`)."""
+    return [order_id, expires_at_ms, now_ms, limit, window_ms]
+
+
+ADMITS_TAG = "[admits]"
+
+
+def hash_tag_of(key: str) -> str | None:
+    """The part of ``key`` Redis Cluster hashes instead of the whole name, if any: the text
+    between the first ``{`` and the first ``}`` after it, when not empty."""
+    start = key.find("{")
+    end = key.find("}", start + 1)
+    if start < 0 or end < 0 or end == start + 1:
+        return None
+    return key[start + 1 : end]
+
+
+def admits_key(user_key: str, key_prefix: str) -> str:
+    """The name of a user's admissions hash (see ``admit.lua``), the one place it is built.
+
+    It must share the hash slot of ``user_key`` (both are KEYS of one script): its hash tag
+    is the user key's own tag, else the whole user key. It starts with the prefix (a Redis
+    ACL that grants ``~<prefix>*`` covers it) followed by ``[``, which names the service's
+    own keys and which :meth:`UnpaidIndex.scan_users` leaves out of its pattern.
+    """
+    tag = hash_tag_of(user_key)
+    if tag is None:
+        if "}" in user_key:
+            raise InvalidInput("key_prefix", "must not contain { or }")
+        tag = user_key
+    return f"{key_prefix}{ADMITS_TAG}{{{tag}}}{'' if tag == user_key else user_key}"
 
 
 class UnpaidIndex:
     """Per-user sorted sets of open unpaid orders, kept on a redis-py client."""
 
-    def __init__(self, client: RedisClient, *, key_prefix: str) -> None:
+    def __init__(
+        self, client: RedisClient, *, key_prefix: str, window_ms: int | None = None
+    ) -> None:
         self.client = client
         self.key_prefix = key_prefix
+        #: How long a create may still be in flight (``Settings.admission_window_ms``).
+        self.window_ms = Settings().admission_window_ms if window_ms is None else window_ms
         if client.get_encoder().decode_responses:
             raise InvalidInput("redis_client", "must not decode responses (ids are read as bytes)")
         #: Pieces of foreign data skipped so far (keys or members under the prefix that the
@@ -168,6 +230,7 @@ class UnpaidIndex:
         self._foreign_logged: set[bytes] = set()
         self._info_refused = False
         self._admit: Script = client.register_script(load_script("admit"))
+        self._abandon: Script = client.register_script(load_script("abandon"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
         # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
         self._reconcile: Script = client.register_script(load_script("reconcile"))
@@ -176,21 +239,60 @@ class UnpaidIndex:
         """The one place a user's key name is built."""
         return f"{self.key_prefix}{user_id}"
 
+    def admits_key(self, user_id: str) -> str:
+        """The user's admissions hash (see :func:`admits_key`)."""
+        return admits_key(self.key(user_id), self.key_prefix)
+
     def admit(
         self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
     ) -> AdmitResult:
-        """Drop expired members, then add ``order_id`` unless the user is at ``limit``."""
-        key = self.key(user_id)
-        args = admit_args(order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit)
-        with redis_errors("admit"):
+        """Add ``order_id`` unless the user is at ``limit`` (expired members do not count),
+        noting that a create which started at ``now_ms`` added it.
+
+        A server that refuses the script (out of memory, an ACL) raises
+        :class:`ServerRefused`: then nothing was written.
+        """
+        keys = [self.key(user_id), self.admits_key(user_id)]
+        args = admit_args(
+            order_id,
+            expires_at_ms=expires_at_ms,
+            now_ms=now_ms,
+            limit=limit,
+            window_ms=self.window_ms,
+        )
+        with redis_errors("admit", refused=ServerRefused):
             try:
                 # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
                 # costs a few microseconds more; it still loads the script on NOSCRIPT).
-                reply: list[Any] = self.client.evalsha(self._admit.sha, 1, key, *args)
+                reply: list[Any] = self.client.evalsha(self._admit.sha, 2, *keys, *args)
             except NoScriptError:
-                reply = self._admit(keys=[key], args=args)
+                reply = self._admit(keys=keys, args=args)
         code, count, score = reply
         return AdmitResult(Admission(int(code)), int(count), _score(score))
+
+    def abandon(self, user_id: str, order_id: str, *, started_ms: int) -> bool:
+        """Undo the admission that a create started at ``started_ms`` may have sent, and
+        make a late run of it add nothing (``abandon.lua``); True if a member went."""
+        keys = [self.key(user_id), self.admits_key(user_id)]
+        with redis_errors("abandon"):
+            return bool(self._abandon(keys=keys, args=[order_id, started_ms, self.window_ms]))
+
+    def admission_starts(self, members: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """When the create that admitted each (user id, order id) started, for those the
+        admissions hashes still name (an abandoned attempt's start too), in one pipelined
+        round trip."""
+        if not members:
+            return {}
+        with redis_errors("admission_starts"):
+            pipe = self.client.pipeline(transaction=False)
+            for user_id, order_id in members:
+                pipe.hget(self.admits_key(user_id), order_id)
+            replies: list[Any] = pipe.execute()
+        return {
+            member: abs(int(reply))
+            for member, reply in zip(members, replies, strict=True)
+            if reply is not None
+        }
 
     def release(self, user_id: str, order_id: str) -> bool:
         """Remove one order from its user's set; True if it was there."""
@@ -298,7 +400,8 @@ class UnpaidIndex:
         A key under the prefix that no user id can name (not UTF-8, not a valid id) is
         foreign: it is skipped and reported through :meth:`foreign`, never an error.
         """
-        pattern = _glob_escape(self.key_prefix) + "*"
+        # "[^[]": not the service's own keys, whose names go on with "[" (no user id does).
+        pattern = _glob_escape(self.key_prefix) + "[^\\[]*"
         start = len(self.key_prefix)
         with (
             redis_errors("scan_users"),

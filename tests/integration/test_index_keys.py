@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 import pytest
 import redis
+from redis.crc import key_slot
 
 from orders.config import Settings
-from orders.index.unpaid import UnpaidIndex
+from orders.index.nodes import is_cluster
+from orders.index.unpaid import UnpaidIndex, admits_key
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
 
@@ -108,3 +110,28 @@ def test_the_deprecated_key_margin_is_still_accepted_and_sets_no_expiry(
     service.create_unpaid_order("u1")
 
     assert redis_client.pttl(KEY) == -1
+
+
+@pytest.mark.parametrize("user_key", ["UnpaidOrder-u1", "{shop}UnpaidOrder-u1"])
+def test_a_users_admissions_hash_shares_its_slot_and_is_no_user_key(
+    redis_client: redis.Redis, user_key: str
+) -> None:
+    prefix = user_key.removesuffix("u1")
+    hash_key = admits_key(user_key, prefix)
+
+    assert hash_key.startswith(prefix)  # an ACL that grants ~<prefix>* covers it
+    assert key_slot(hash_key.encode()) == key_slot(user_key.encode())
+    if is_cluster(redis_client):  # the server says the same
+        assert redis_client.cluster_keyslot(hash_key) == redis_client.cluster_keyslot(user_key)
+    assert admits_key(prefix + "u2", prefix) != hash_key
+
+
+def test_the_admissions_hash_expires_after_the_window_and_the_scan_skips_it(
+    index: UnpaidIndex, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    index.admit("u1", "o-new", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=3)
+
+    assert redis_client.hget(index.admits_key("u1"), "o-new") == str(clock()).encode()
+    assert 0 < redis_client.pttl(index.admits_key("u1")) <= index.window_ms
+    assert redis_client.pttl(KEY) == -1
+    assert list(index.scan_users()) == [["u1"]]

@@ -181,7 +181,8 @@ def test_reconcile_covers_keys_of_users_sql_no_longer_has_open_orders_for(
     report = service.reconcile(chunk_size=5)
 
     assert report.removed_terminal == 12
-    assert [k for k in redis_client.scan_iter() if b"gone" in k] == []
+    # The users' keys are gone (their admissions hashes expire by themselves, in the window).
+    assert list(redis_client.scan_iter(match=service.index.key("gone") + "*")) == []
 
 
 def test_the_active_scheduler_rebuilds_the_index_at_start_and_when_redis_lost_it(
@@ -398,7 +399,8 @@ def test_a_dry_run_changes_nothing_in_redis_whatever_it_finds(
     redis_client.zadd(prefix + "u3", {paid.id: paid.expires_at_ms})  # terminal
     redis_client.zadd(prefix + "u1", {rescore.id: rescore.expires_at_ms + 5})  # wrong score
     redis_client.zadd(prefix + "u1", {"gone": clock() - 1})  # expired
-    redis_client.zadd(prefix + "u1", {"in-flight": clock() + 9_000})  # no SQL row
+    redis_client.zadd(prefix + "u1", {"in-flight": clock() + 9_000})  # no SQL row yet:
+    redis_client.hset(service.index.admits_key("u1"), "in-flight", clock())  # its create runs
     redis_client.zadd(prefix + "u1", {other.id: other.expires_at_ms})  # another user's
     redis_client.zrem(prefix + "u2", missing.id)
     redis_client.set(prefix + "stray", b"x")  # foreign
@@ -420,6 +422,7 @@ def test_a_dry_run_changes_nothing_in_redis_whatever_it_finds(
         "rescored": 1,
         "removed_terminal": 2,
         "removed_expired": 1,
+        "removed_abandoned": 0,
         "kept_in_flight": 1,
         "foreign_skipped": 1,
         "dry_run": True,
@@ -699,7 +702,7 @@ def test_the_command_shows_progress_on_a_terminal_only(
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == (
         "3 users checked; fixed: 0 added, 0 re-scored, 0 removed (order no longer open), "
-        "0 expired dropped; 0 in flight kept\n"
+        "0 expired dropped, 0 left by a failed create removed; 0 in flight kept\n"
     )
     assert as_json[0] == 0
     assert "reconciling" not in as_json[1]

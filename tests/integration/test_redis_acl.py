@@ -5,13 +5,15 @@ The commands, found in ``orders/index/unpaid.py`` and ``orders/index/lua/*.lua``
 
 * redis-py ``Script`` objects send EVALSHA, and SCRIPT LOAD when the server answers
   NOSCRIPT; never EVAL;
-* inside the scripts: ZREMRANGEBYSCORE, ZSCORE, ZCARD, ZRANGE, ZADD, PERSIST (admit,
-  reconcile: the rebuild and extend_order), SET, GET, PEXPIRE, DEL (lease, lease_release),
-  HSET, HGETALL, HDEL, PEXPIRE (heartbeat);
+* inside the scripts: ZREMRANGEBYSCORE, ZSCORE, ZCOUNT, ZRANGE, ZADD, PERSIST (admit,
+  reconcile: the rebuild and extend_order), HGET, HGETALL, HSET, HDEL, PEXPIRE, ZREM (admit
+  and abandon: the admissions hash), SET, GET, PEXPIRE, DEL (lease, lease_release), HSET,
+  HGETALL, HDEL, PEXPIRE (heartbeat);
 * outside them: ZREM (release), ZREMRANGEBYSCORE pipelines (sweep), ZRANGE (members,
   reconcile), GET/SET (index epoch, lease owner), INFO (the server's run id, which the
   index epoch names: reconcile and the scheduler's check), SCAN (reconcile), HGETALL
-  (reading the heartbeats), HDEL (a stopping scheduler's beat);
+  (reading the heartbeats), HDEL (a stopping scheduler's beat), HGET (reconcile: when a
+  create started);
 * PING, which redis-py sends as its health check on a connection idle for 30 s.
 
 Not granted, and shown to be unnecessary: CONFIG GET (the startup warnings give up
@@ -66,7 +68,7 @@ SERVICE_COMMANDS = (
     "script|load",
     "zremrangebyscore",
     "zscore",
-    "zcard",
+    "zcount",
     "zrange",
     "zadd",
     "persist",
@@ -76,6 +78,7 @@ SERVICE_COMMANDS = (
     "pexpire",
     "del",
     "hset",
+    "hget",
     "hgetall",
     "hdel",
     "scan",

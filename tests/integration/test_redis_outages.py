@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ from orders.config import Settings
 from orders.service import OrderService
 from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, own_server
 
 pytestmark = pytest.mark.redis_6_2_too
 
@@ -28,15 +26,8 @@ pytestmark = pytest.mark.redis_6_2_too
 @pytest.fixture
 def own_redis(redis_binary: Path | None) -> Iterator[RedisServer]:
     """A redis-server of this test's own, which the test may stop, freeze or reconfigure."""
-    folder = Path(tempfile.mkdtemp(prefix="orx", dir="/tmp"))
-    server = RedisServer(folder, binary=redis_binary).start()
-    try:
+    with own_server(redis_binary) as server:
         yield server
-    finally:
-        if server.proc is not None:
-            server.proc.send_signal(signal.SIGCONT)
-        server.stop()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def service_on(
@@ -211,3 +202,30 @@ def test_passwords_never_reach_logs_or_errors(
     text = "\n".join(r.getMessage() for r in caplog.records) + str(info.value) + repr(settings)
     assert "127.0.0.1" in text or "redis" in text
     assert "hunter2secret" not in text
+
+
+def test_a_create_on_a_redis_at_maxmemory_is_store_unavailable_and_writes_nothing(
+    own_redis: RedisServer, engine: Engine, clock: ManualClock
+) -> None:
+    service = service_on(own_redis, engine, clock)
+    # An expired member: the old script dropped it first, and that first write let its ZADD
+    # pass a full server.
+    service.create_unpaid_order("u1", ttl_s=1)
+    clock.advance(s=2)
+    members_before = service.index.members("u1")
+    with redis.Redis.from_url(own_redis.url) as admin:
+        admin.config_set("maxmemory-policy", "noeviction")
+        used = int(admin.info("memory")["used_memory"])
+        admin.config_set("maxmemory", used // 2)  # full: every write that may grow is refused
+
+        with pytest.raises(StoreUnavailable) as info:
+            service.create_unpaid_order("u1", order_id="full-1")
+
+        assert info.value.store == "redis"
+        assert "out of memory" in str(info.value)
+        assert row_count(engine) == 1
+        assert service.index.members("u1") == members_before
+        admin.config_set("maxmemory", 0)
+    assert service.create_unpaid_order("u1", order_id="full-1").id == "full-1"
+    assert row_count(engine) == 2
+    service.index.client.close()

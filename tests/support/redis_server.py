@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -24,6 +30,24 @@ def wait_for_ping(client: redis.Redis, proc: subprocess.Popen[bytes], timeout_s:
             if time.monotonic() > deadline:
                 raise
         time.sleep(0.01)
+
+
+def debug_command_args(binary: Path | None) -> tuple[str, ...]:
+    """The options that let a local client send DEBUG: 7.x refuses it unless told, and 6.2
+    knows no such option."""
+    found = re.search(
+        r"v=(\d+)\.",
+        subprocess.run(
+            [str(binary or find_redis_server()), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout,
+    )
+    if found is None or int(found[1]) < 7:
+        return ()
+    return ("--enable-debug-command", "local")
 
 
 class RedisServer:
@@ -65,3 +89,18 @@ class RedisServer:
             return
         stop_process(self.proc)
         self.proc = None
+
+
+@contextmanager
+def own_server(binary: Path | None, *extra: str) -> Iterator[RedisServer]:
+    """A redis-server of one test's own, which the test may stop, freeze or reconfigure;
+    thawed, stopped and removed at the end."""
+    folder = Path(tempfile.mkdtemp(prefix="orx", dir="/tmp"))
+    server = RedisServer(folder, *extra, binary=binary).start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)

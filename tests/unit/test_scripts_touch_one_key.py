@@ -1,7 +1,9 @@
-"""Every Lua script touches exactly one key, its KEYS[1]: on a Redis Cluster a script may
-only touch keys of one slot, and one key a script is what lets each user's key live on any
-node. The cluster suites run the scripts for real; a cluster refuses a script that touches
-a key of another node (tests/integration/test_redis_cluster.py)."""
+"""Every Lua script touches only the keys it is given, its KEYS[1] and, for the admission
+scripts, the user's admissions hash as KEYS[2]: on a Redis Cluster a script may only touch
+keys of one slot, and one user's keys a script is what lets each user live on any node.
+The hash shares the set's slot by its name (tests/integration/test_index_keys.py); the
+cluster suites run the scripts for real, and a cluster refuses a script that touches a key
+of another slot (tests/integration/test_redis_cluster.py)."""
 
 from __future__ import annotations
 
@@ -24,17 +26,27 @@ def code_of(name: str) -> str:
 
 
 def test_the_scripts_are_all_found() -> None:
-    assert SCRIPTS == ["admit", "heartbeat", "lease", "lease_release", "reconcile"]
+    assert SCRIPTS == ["abandon", "admit", "heartbeat", "lease", "lease_release", "reconcile"]
+
+
+#: The scripts that also get the user's admissions hash.
+WITH_ADMITS = ("abandon", "admit")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_a_script_names_one_key_and_every_command_uses_it(name: str) -> None:
+def test_a_script_names_its_keys_once_and_every_command_uses_them(name: str) -> None:
     code = code_of(name)
 
-    assert re.findall(r"KEYS\[[^\]]*\]", code) == ["KEYS[1]"]
+    keys = ["KEYS[1]", "KEYS[2]"] if name in WITH_ADMITS else ["KEYS[1]"]
+    assert re.findall(r"KEYS\[[^\]]*\]", code) == keys
     assert "local key = KEYS[1]" in code
     calls = CALL.findall(code)
     assert calls, "no redis.call found: the pattern no longer matches the scripts"
-    assert {key for _command, key in calls} == {"key"}, calls
+    used = {key for _command, key in calls}
+    if name in WITH_ADMITS:
+        assert "local admits = KEYS[2]" in code
+        assert used == {"key", "admits"}, calls
+    else:
+        assert used == {"key"}, calls
     # Every redis.call is one the pattern read (none with a key built some other way).
     assert len(calls) == len(re.findall(r"redis\.p?call\(", code))

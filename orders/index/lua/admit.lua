@@ -1,34 +1,56 @@
 -- admit: count a user's open unpaid orders and add one if the limit allows, atomically.
 --
 -- KEYS[1]  the user's sorted set (member = order id, score = expiry in integer ms)
+-- KEYS[2]  the user's admissions hash, in KEYS[1]'s slot: order id -> the start (ms) of the
+--          create that added it, or minus the start of an attempt its caller abandoned
+--          (abandon.lua). It lets reconcile tell a create still in flight from one that is over.
 -- ARGV[1]  order id
 -- ARGV[2]  its expiry, integer ms since the epoch
--- ARGV[3]  now, integer ms since the epoch (the caller's clock, never the server's)
+-- ARGV[3]  now, integer ms since the epoch (the caller's clock, never the server's): the
+--          start of this create
 -- ARGV[4]  the limit: how many open orders the user may hold
+-- ARGV[5]  the admission window, ms: how long a create can still be in flight (the hash
+--          keeps an entry that long, and expires that long after its last write)
 --
 -- Returns {code, open_count, score} where code is
 --   1  admitted: the order was added; score is its expiry
 --   0  exists:   the order was already a member (a retry); score is its stored expiry
 --  -1  refused:  open_count >= limit; score is the earliest open expiry
+--  -2  abandoned: an attempt at this order that started at or after now was abandoned by
+--      its caller, so this is a late run of it (or of an older one): nothing is written;
+--      open_count and score are 0
 -- Scores are returned as strings; they are exact integers below 2^53.
 --
--- The key has no expiry of its own (an expires entry costs ~45 bytes a user): an emptied
+-- The set has no expiry of its own (an expires entry costs ~45 bytes a user): an emptied
 -- set vanishes by itself, the sweep drops the members it closes, and reconcile any stray
 -- (expired, or no longer open in SQL).
+--
+-- On a server at maxmemory (noeviction) Redis refuses a script's first write when it is a
+-- command that may grow memory, and lets every later one pass. So an admission's first
+-- write is its ZADD: a full server refuses it with an OOM error and nothing is written.
 local key = KEYS[1]
+local admits = KEYS[2]
 local order_id = ARGV[1]
+local now = tonumber(ARGV[3])
 local limit = tonumber(ARGV[4])
 
 -- An order whose expiry is not ahead of now no longer counts. ARGV[3] is passed on as the
 -- string it came in as: a Lua number would be printed with 14 digits and lose precision.
-redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])
-
+local count = redis.call('ZCOUNT', key, '(' .. ARGV[3], '+inf')
 local existing = redis.call('ZSCORE', key, order_id)
-local count = redis.call('ZCARD', key)
-if existing then
+if existing and tonumber(existing) > now then
   return {0, count, existing}
 end
+
+local entry = tonumber(redis.call('HGET', admits, order_id))
+if entry and entry < 0 and -entry >= now then
+  return {-2, 0, '0'}
+end
+
 if count >= limit then
+  -- Expired members go here, not before the count: ZREMRANGEBYSCORE only frees memory,
+  -- which a full server allows.
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])
   local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
   return {-1, count, first[2]}
 end
@@ -37,4 +59,16 @@ redis.call('ZADD', key, ARGV[2], order_id)
 -- A key written before expiries were dropped may still carry one, set for its members of
 -- then: it would take this later order with it.
 redis.call('PERSIST', key)
+redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])
+
+-- Entries older than the window belong to creates that are over: they go.
+local oldest = now - tonumber(ARGV[5])
+local entries = redis.call('HGETALL', admits)
+for i = 1, #entries, 2 do
+  if math.abs(tonumber(entries[i + 1])) < oldest then
+    redis.call('HDEL', admits, entries[i])
+  end
+end
+redis.call('HSET', admits, order_id, ARGV[3])
+redis.call('PEXPIRE', admits, ARGV[5])
 return {1, count + 1, ARGV[2]}
