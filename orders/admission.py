@@ -38,7 +38,8 @@ from typing import Any
 
 from orders.domain import Order, same_order
 from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
-from orders.index.unpaid import Admission, AdmitResult, ServerRefused, UnpaidIndex
+from orders.index.errors import ServerRefused
+from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
 log = logging.getLogger(__name__)

@@ -129,7 +129,7 @@ class Reconciler:
         whole = user_id is None and not dry_run
         # The servers' runs before the first write: one restarted during the run is named
         # wrongly by its marker, so the next check rebuilds it again.
-        runs = self.index.server_runs() if whole else {}
+        runs = self.index.epoch.server_runs() if whole else {}
         if user_id is not None:
             uid = check_user_id(user_id, self.max_user_id_length)
             self._fix(self.reads.open_by_user([uid], now_ms), now_ms, dry_run, report)
@@ -139,7 +139,7 @@ class Reconciler:
             self._sql_pass(now_ms, chunk_size, dry_run, report, progress)
         report.foreign_skipped = self.index.foreign_seen - foreign_before
         if whole:
-            self.index.set_epoch(str(now_ms), runs)
+            self.index.epoch.set(str(now_ms), runs)
         if not dry_run:
             for kind in (
                 "added",

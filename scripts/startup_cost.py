@@ -178,7 +178,7 @@ def first_sweep(database_url: str, redis_url: str, *, rebuild: bool) -> Run:
     client.flushdb()
     service = OrderService(build_engine(settings), client, settings)
     # The marker of a whole index: without it even reconcile_at_start=False rebuilds at once.
-    service.index.set_epoch("startup-cost")
+    service.index.epoch.set("startup-cost")
     sweeper = Sweeper(service, reconcile_at_start=rebuild)
     ticks: list[tuple[float, float]] = []
     rebuilds: list[tuple[float, float]] = []
@@ -196,7 +196,7 @@ def first_sweep(database_url: str, redis_url: str, *, rebuild: bool) -> Run:
         due_after = service.count_due()
         # Let the rebuild finish too (it writes a new marker): it must not just be put off.
         deadline = time.monotonic() + 600
-        while rebuild and service.index.get_epoch() == "startup-cost":
+        while rebuild and service.index.epoch.get() == "startup-cost":
             if time.monotonic() > deadline:
                 raise RuntimeError("the rebuild did not end within 10 minutes")
             time.sleep(0.05)

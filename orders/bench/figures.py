@@ -124,7 +124,7 @@ def close_lag(w: Workload) -> dict[str, Any] | None:
     sweeper = Sweeper(lagged, reconcile_at_start=False)
     # The startup reconcile would index every unpaid order in the database under the
     # bench's prefix (all are open in 2001); the bench's orders need no Redis members.
-    lagged.index.set_epoch("orders-bench")
+    lagged.index.epoch.set("orders-bench")
 
     w.status(f"close lag: inserting {n:,} orders expiring at {sz.lag_rate:g}/s")
     users = w.users("l", n)

@@ -21,10 +21,10 @@ from sqlalchemy import Connection, select
 from orders.domain import OrderStatus
 from orders.errors import StoreUnavailable
 from orders.events.admin import list_consumers
+from orders.index.errors import redis_errors
 from orders.index.heartbeat import Heartbeats
 from orders.index.lease import SweeperLease
 from orders.index.nodes import primaries
-from orders.index.unpaid import redis_errors
 from orders.service import OrderService
 from orders.sql.models import UNPAID_PREDICATE, orders_table, sql_errors
 from orders.sql.stats import read_stats, status_is

@@ -12,8 +12,9 @@ from typing import Any
 
 from redis.commands.core import Script
 
+from orders.index.errors import redis_errors
 from orders.index.nodes import RedisClient
-from orders.index.unpaid import load_script, redis_errors
+from orders.index.unpaid import load_script
 from orders.validation import check_count, check_token
 
 

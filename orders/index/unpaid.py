@@ -4,17 +4,17 @@ One sorted set per user, ``<prefix><user_id>``: member = order id, score = expir
 milliseconds. The keys carry no expiry (its expires entry would cost about 45 bytes a user):
 a set emptied of its last member vanishes, and reconcile drops any member left behind
 (expired, or no longer open in SQL). The service's own keys sit under the same prefix in
-brackets (the index epoch here, the scheduler's lease in :mod:`orders.index.lease`; ``[`` never
-occurs in a user id). Beside each user's set, for as long as a create may be in flight, an
-admissions hash (:func:`admits_key`) says when the create behind each member started, so a
-member left by a create that failed can be told from one whose SQL row is still coming.
-Every command touches one key and every script one user's keys, which share a hash slot, so
-the scripts run unchanged on a Redis Cluster (:mod:`orders.index.nodes` says what a cluster
-changes).
+brackets (the index epoch in :mod:`orders.index.epoch`, the lease in
+:mod:`orders.index.lease`; ``[`` never occurs in a user id). Beside each user's set, for as
+long as a create may be in flight, an admissions hash (:func:`admits_key`) says when the
+create behind each member started, so a member left by a create that failed can be told
+from one whose SQL row is still coming. Every command touches one key and every script one
+user's keys, which share a hash slot, so the scripts run unchanged on a Redis Cluster
+(:mod:`orders.index.nodes` says what a cluster changes).
 
-Every redis-py exception becomes :class:`StoreUnavailable` (:func:`redis_errors`, which the
-lease shares). Data under the prefix that the service did not write is skipped and
-reported, never an error (:meth:`UnpaidIndex.foreign`).
+Every redis-py exception becomes :class:`StoreUnavailable` (:mod:`orders.index.errors`).
+Data under the prefix that the service did not write is skipped and reported, never an
+error (:meth:`UnpaidIndex.foreign`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from collections.abc import Generator, Iterable, Iterator
-from contextlib import closing, contextmanager
+from collections.abc import Generator, Iterable
+from contextlib import closing
 from dataclasses import dataclass, field
 from decimal import Decimal
 from importlib import resources
@@ -31,12 +31,14 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError
+from redis.exceptions import NoScriptError
 
 from orders import metrics
 from orders.config import Settings
-from orders.errors import InvalidInput, StoreUnavailable
-from orders.index.nodes import REDIRECTIONS, RedisClient, marker_keys, marker_nodes
+from orders.errors import InvalidInput
+from orders.index.epoch import EpochMarker
+from orders.index.errors import ServerRefused, redis_errors
+from orders.index.nodes import RedisClient
 from orders.index.pipeline import (
     CallPacker,
     ClusterCalls,
@@ -56,17 +58,6 @@ _FOREIGN_LOG_CAP = 1000
 
 def load_script(name: str) -> str:
     return resources.files("orders.index").joinpath("lua", f"{name}.lua").read_text("utf-8")
-
-
-class IndexEpoch(enum.Enum):
-    """What the epoch markers say about the index (the worst of all primaries); the value
-    names the reason of the rebuild it asks for."""
-
-    INTACT = "intact"
-    #: A marker is missing: its server lost its data (a restart without it, a flush).
-    LOST = "index_lost"
-    #: A marker names another server run: a restart or a failover, maybe from older data.
-    REWOUND = "index_rewound"
 
 
 class Admission(enum.IntEnum):
@@ -124,55 +115,11 @@ def _user_of(key: bytes | str, prefix_length: int) -> str | None:
         return None
 
 
-def _epoch_value(marker: bytes) -> str:
-    """A marker's value without its run id (a marker of an older version has none)."""
-    value, _, _ = _text(marker).rpartition(":")
-    return value or _text(marker)
-
-
 def _score(value: bytes | str | float) -> int:
     # Redis prints integer-valued doubles in full; Decimal also copes with exponent form.
     if isinstance(value, float):
         return int(value)
     return int(Decimal(_text(value)))
-
-
-class ServerRefused(StoreUnavailable):
-    """Redis answered the admission with an error (out of memory, an ACL refusal, ...):
-    unlike a timeout or a broken connection, the script certainly wrote nothing. Only
-    :meth:`UnpaidIndex.admit` raises it; the admission turns it into a plain
-    :class:`StoreUnavailable` for its caller."""
-
-
-@contextmanager
-def redis_errors(
-    action: str, *, refused: type[StoreUnavailable] = StoreUnavailable
-) -> Iterator[None]:
-    """redis-py's exceptions as :class:`StoreUnavailable`; an error Redis answered with is
-    raised as ``refused`` (:class:`ServerRefused` where the caller needs to tell)."""
-    try:
-        yield
-    except redis.ResponseError as exc:
-        metrics.STORE_ERRORS.labels("redis").inc()
-        if out_of_memory(exc):
-            raise refused(
-                "redis", f"{action} failed: out of memory (maxmemory reached, noeviction)"
-            ) from exc
-        raise refused("redis", f"{action} failed: {type(exc).__name__}") from exc
-    except redis.RedisError as exc:
-        metrics.STORE_ERRORS.labels("redis").inc()
-        # The exception text names host and port at most, never the password.
-        raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
-
-
-def out_of_memory(exc: redis.ResponseError) -> bool:
-    """Whether Redis refused a write for want of memory (maxmemory under noeviction).
-
-    redis-py names the class when the reply starts with OOM (7.x passes a script's OOM on
-    as it is); 6.2 wraps it in "ERR Error running script ...". Only the kind is shown to
-    callers, never the text.
-    """
-    return isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc)
 
 
 def admit_args(
@@ -228,7 +175,8 @@ class UnpaidIndex:
         #: service did not write: not UTF-8, not a user id, not a sorted set).
         self.foreign_seen = 0
         self._foreign_logged: set[bytes] = set()
-        self._info_refused = False
+        #: The index epoch marker (:mod:`orders.index.epoch`).
+        self.epoch = EpochMarker(client, key_prefix=key_prefix)
         self._admit: Script = client.register_script(load_script("admit"))
         self._abandon: Script = client.register_script(load_script("abandon"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
@@ -318,79 +266,6 @@ class UnpaidIndex:
         """What about the server's configuration could lose the index (see
         :func:`orders.index.server_config.server_warnings`)."""
         return server_warnings(self.client)
-
-    def epoch_key(self) -> str:
-        """The marker written after a complete rebuild from SQL (see :meth:`check_epoch`)."""
-        return f"{self.key_prefix}[index-epoch]"
-
-    def server_runs(self) -> dict[str, str]:
-        """Each marker key with the ``run_id`` of the server holding it now ("" where INFO
-        is refused): read before a rebuild, handed to :meth:`set_epoch` after it."""
-        return {key: run for key, _, run in self._markers()}
-
-    def check_epoch(self) -> IndexEpoch:
-        """Whether the index may have lost or rewound data since the last complete rebuild.
-
-        Every server start has a new ``run_id``, and a promoted replica has its own; the
-        marker names the run it was written on. A marker that is missing means its server
-        lost its data; one naming another run means that server restarted or failed over,
-        perhaps from an older snapshot (a clean restart looks the same: it is rebuilt too).
-        One pipelined round trip per primary (GET + ``INFO server``).
-        """
-        found = IndexEpoch.INTACT
-        for _, value, run in self._markers():
-            if value is None:
-                return IndexEpoch.LOST
-            if run and _text(value).rpartition(":")[2] != run:
-                found = IndexEpoch.REWOUND
-        return found
-
-    def get_epoch(self) -> str | None:
-        """The value the last complete rebuild wrote (the run id left out); None when a
-        marker is missing (on a cluster: on any primary)."""
-        values = [value for _, value, _ in self._markers()]
-        if any(value is None for value in values):
-            return None
-        return min(_epoch_value(value) for value in values if value is not None)
-
-    def set_epoch(self, value: str, runs: dict[str, str] | None = None) -> None:
-        """Write the marker on every primary as ``value:run_id``; ``runs`` (from
-        :meth:`server_runs` before the rebuild) names the runs the rebuild wrote to: a
-        server that restarted during it is then rebuilt again. None: the runs now."""
-        runs = self.server_runs() if runs is None else runs
-        with redis_errors("set_epoch"):
-            for key in marker_keys(self.client, self.epoch_key()):
-                self.client.set(key, f"{value}:{runs.get(key, '')}")
-
-    def _markers(self) -> list[tuple[str, bytes | None, str]]:
-        """(key, value, run_id of its server) of each marker: a redirected GET (a stale
-        cluster map) counts as missing; a refused INFO gives "" (and one warning)."""
-        found = []
-        with redis_errors("check_epoch"):
-            for node, key in marker_nodes(self.client, self.epoch_key()):
-                pipe = node.pipeline(transaction=False)
-                pipe.get(key)
-                pipe.info("server")
-                value, info = pipe.execute(raise_on_error=False)
-                if isinstance(value, REDIRECTIONS):
-                    value = None
-                elif isinstance(value, Exception):
-                    raise value
-                found.append((key, value, self._run_id(info)))
-        return found
-
-    def _run_id(self, info: Any) -> str:
-        if isinstance(info, NoPermissionError):
-            if not self._info_refused:
-                self._info_refused = True
-                log.warning(
-                    "redis refused INFO: a Redis restarted or failed over from an older "
-                    "snapshot is not noticed until the scheduled rebuild (grant +info)"
-                )
-            return ""
-        if isinstance(info, Exception):
-            raise info
-        return str(info["run_id"])
 
     def scan_users(self, *, chunk: int = 500) -> Generator[list[str]]:
         """The user ids that have a key, ``chunk`` or so at a time (SCAN: no blocking); the

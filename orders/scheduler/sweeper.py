@@ -34,8 +34,8 @@ from orders import metrics
 from orders.domain import SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.consumer import ConsumeResult
+from orders.index.epoch import IndexEpoch
 from orders.index.lease import SweeperLease
-from orders.index.unpaid import IndexEpoch
 from orders.scheduler.log import BacklogWatch, LogSummary
 from orders.scheduler.status import SweeperStatus
 from orders.service import OrderService
@@ -231,7 +231,7 @@ class Sweeper:
         """Rebuild the Redis index from SQL when this sweeper becomes active, on schedule,
         and at once when an epoch marker is gone (Redis lost its data: reason
         ``index_lost``) or names another server run (Redis restarted or failed over, maybe
-        from an older snapshot: ``index_rewound``); see ``UnpaidIndex.check_epoch``.
+        from an older snapshot: ``index_rewound``); see :mod:`orders.index.epoch`.
 
         Only the lease holder does it. The scheduler runs it as a job of its own, so a long
         rebuild never holds back the closing of expired orders, and the sweep goes first:
@@ -244,7 +244,7 @@ class Sweeper:
         now = time.monotonic()
         if self._reconcile_at is not None and now < self._reconcile_at:
             try:
-                found = self.service.index.check_epoch()
+                found = self.service.index.epoch.check()
             except StoreUnavailable:
                 return  # _take_lease already logged the outage
             if found is IndexEpoch.INTACT:

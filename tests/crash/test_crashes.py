@@ -542,7 +542,7 @@ def test_redis_restarted_without_persistence_under_load_never_breaks_the_limit_a
             thread.join(60)
         monitor.stop()
     assert not any(thread.is_alive() for thread in threads)
-    epoch_rebuilt = service.index.get_epoch() is not None  # the sweeper's own rebuild
+    epoch_rebuilt = service.index.epoch.get() is not None  # the sweeper's own rebuild
 
     # One reconcile at a frozen instant, then compare with SQL at that same instant.
     at_ms = system_clock()

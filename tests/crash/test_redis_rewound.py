@@ -98,7 +98,7 @@ class Scenario:
         then two users' orders."""
         self.sweeper.tick()
         self.sweeper.reconcile_if_due()
-        assert self.service.index.get_epoch() is not None
+        assert self.service.index.epoch.get() is not None
         self.payer = [self.service.create_unpaid_order("payer", ttl_s=600) for _ in range(LIMIT)]
         self.keeper = self.service.create_unpaid_order("keeper", ttl_s=600)
 

@@ -61,7 +61,7 @@ def test_after_a_flush_reconcile_restores_every_open_order_with_its_exact_score(
     assert index_state(service, users) == expected
     assert report.added == sum(len(m) for m in expected.values())
     assert report.removed_terminal == report.removed_expired == report.rescored == 0
-    assert service.index.get_epoch() == str(clock())
+    assert service.index.epoch.get() == str(clock())
 
 
 def test_reconcile_removes_members_of_paid_cancelled_closed_and_expired_orders(
@@ -134,7 +134,7 @@ def test_dry_run_reports_without_changing_anything(
     assert report.added == 2
     assert report.dry_run
     assert redis_client.dbsize() == 0
-    assert service.index.get_epoch() is None
+    assert service.index.epoch.get() is None
 
 
 def test_one_user_only(service: OrderService, redis_client: redis.Redis) -> None:
@@ -147,7 +147,7 @@ def test_one_user_only(service: OrderService, redis_client: redis.Redis) -> None
     assert report.users == 1
     assert len(service.index.members("u1")) == 1
     assert service.index.members("u2") == {}
-    assert service.index.get_epoch() is None  # not a complete rebuild
+    assert service.index.epoch.get() is None  # not a complete rebuild
 
 
 def test_an_add_that_races_a_payment_does_not_leave_a_stale_member(
@@ -191,10 +191,10 @@ def test_the_active_scheduler_rebuilds_the_index_at_start_and_when_redis_lost_it
     orders = [service.create_unpaid_order(f"u{i}", ttl_s=60) for i in range(3)]
     sweeper = Sweeper(service)
     sweeper.reconcile_if_due()
-    assert service.index.get_epoch() is None  # only the lease holder rebuilds
+    assert service.index.epoch.get() is None  # only the lease holder rebuilds
     sweeper.tick()  # takes the lease
     sweeper.reconcile_if_due()
-    assert service.index.get_epoch() is not None  # the startup rebuild wrote the marker
+    assert service.index.epoch.get() is not None  # the startup rebuild wrote the marker
 
     redis_client.flushdb()  # a restart without persistence, say
     caplog.set_level(logging.INFO, logger="orders.sweeper")
@@ -202,7 +202,7 @@ def test_the_active_scheduler_rebuilds_the_index_at_start_and_when_redis_lost_it
     sweeper.reconcile_if_due()
 
     assert all(service.index.members(o.user_id) == {o.id: o.expires_at_ms} for o in orders)
-    assert service.index.get_epoch() is not None
+    assert service.index.epoch.get() is not None
     events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "orders.sweeper"]
     rebuilt = [e for e in events if e["event"] == "reconcile"]
     assert len(rebuilt) == 1
@@ -235,7 +235,7 @@ def test_a_running_scheduler_rebuilds_a_lost_index_by_itself(
     scheduler.start()
     try:
         deadline = time.monotonic() + 20
-        while real.index.get_epoch() is None:  # the startup rebuild
+        while real.index.epoch.get() is None:  # the startup rebuild
             assert time.monotonic() < deadline
             time.sleep(0.02)
         redis_client.flushdb()  # Redis loses everything, the marker included
@@ -271,7 +271,7 @@ def test_foreign_data_under_the_prefix_is_skipped_counted_and_logged_once(
     second = service.reconcile(chunk_size=2)
 
     assert first.foreign_skipped == second.foreign_skipped == 4
-    assert service.index.get_epoch() is not None  # the rebuild finished
+    assert service.index.epoch.get() is not None  # the rebuild finished
     assert service.index.members("real")[order.id] == order.expires_at_ms
     warnings = [r for r in caplog.records if r.name == "orders.index"]
     assert len(warnings) == 4  # once per key, not again on the second run
@@ -406,7 +406,7 @@ def test_a_dry_run_changes_nothing_in_redis_whatever_it_finds(
     redis_client.set(prefix + "stray", b"x")  # foreign
     for key in redis_client.scan_iter(match=prefix + "u*"):
         redis_client.pexpire(key, 10**9)  # far below what PEXPIREAT would set
-    redis_client.delete(service.index.epoch_key())
+    redis_client.delete(service.index.epoch.key())
     before = redis_picture(redis_client)
 
     report = service.reconcile(dry_run=True, chunk_size=2)

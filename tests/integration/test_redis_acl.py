@@ -47,7 +47,8 @@ from orders import OrderStatus, StoreUnavailable
 from orders.bootstrap import build_redis, build_service
 from orders.cli import main
 from orders.config import Settings
-from orders.index.unpaid import Admission, IndexEpoch, UnpaidIndex
+from orders.index.epoch import IndexEpoch
+from orders.index.unpaid import Admission, UnpaidIndex
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
@@ -334,10 +335,10 @@ def test_without_the_info_grant_a_lost_index_is_still_noticed_and_the_gap_warned
     service = build_service(settings, clock=ManualClock())
     try:
         service.reconcile()
-        assert service.index.check_epoch() is IndexEpoch.INTACT
-        assert service.index.check_epoch() is IndexEpoch.INTACT
+        assert service.index.epoch.check() is IndexEpoch.INTACT
+        assert service.index.epoch.check() is IndexEpoch.INTACT
         admin.delete(f"{PREFIX}[index-epoch]")
-        assert service.index.check_epoch() is IndexEpoch.LOST
+        assert service.index.epoch.check() is IndexEpoch.LOST
     finally:
         service.engine.dispose()
         service.index.client.close()

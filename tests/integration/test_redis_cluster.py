@@ -14,9 +14,10 @@ from redis.cluster import RedisCluster
 from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.errors import StoreUnavailable
+from orders.index.epoch import IndexEpoch
 from orders.index.nodes import group_by_node, marker_keys, marker_nodes, primaries
 from orders.index.pipeline import run_per_key
-from orders.index.unpaid import IndexEpoch, UnpaidIndex
+from orders.index.unpaid import UnpaidIndex
 from tests.support.cluster import LocalCluster
 from tests.support.stores import flush_db
 
@@ -34,35 +35,35 @@ def test_the_epoch_marker_is_gone_when_any_one_primary_loses_its_data(
 ) -> None:
     index = UnpaidIndex(cluster_client, key_prefix="UnpaidOrder-")
     nodes = primaries(cluster_client)
-    keys = marker_keys(cluster_client, index.epoch_key())
+    keys = marker_keys(cluster_client, index.epoch.key())
     # One marker on each primary, each on a slot that primary serves.
     assert len(nodes) == 3
     assert sorted(
         len(group) for _, group in group_by_node(cluster_client, [k.encode() for k in keys])
     ) == [1, 1, 1]
     for node in nodes:
-        index.set_epoch("1800000000000")
-        assert index.get_epoch() == "1800000000000"
-        assert index.check_epoch() is IndexEpoch.INTACT
+        index.epoch.set("1800000000000")
+        assert index.epoch.get() == "1800000000000"
+        assert index.epoch.check() is IndexEpoch.INTACT
         node.flushdb()  # this primary alone loses its data
-        assert index.get_epoch() is None
-        assert index.check_epoch() is IndexEpoch.LOST
+        assert index.epoch.get() is None
+        assert index.epoch.check() is IndexEpoch.LOST
 
 
 def test_the_epoch_marker_names_the_run_of_its_own_primary_and_one_rewound_is_noticed(
     cluster_client: RedisCluster,
 ) -> None:
     index = UnpaidIndex(cluster_client, key_prefix="UnpaidOrder-")
-    index.set_epoch("1800000000000")
-    for node, key in marker_nodes(cluster_client, index.epoch_key()):
+    index.epoch.set("1800000000000")
+    for node, key in marker_nodes(cluster_client, index.epoch.key()):
         assert node.get(key) == f"1800000000000:{node.info('server')['run_id']}".encode()
-    for node, key in marker_nodes(cluster_client, index.epoch_key()):
-        index.set_epoch("1800000000000")
+    for node, key in marker_nodes(cluster_client, index.epoch.key()):
+        index.epoch.set("1800000000000")
         # This primary alone holds data of another run (restarted from a snapshot, or a
         # replica promoted): its marker names a run that is not its own.
         node.set(key, "1800000000000:0123456789abcdef0123456789abcdef01234567")
-        assert index.check_epoch() is IndexEpoch.REWOUND
-        assert index.get_epoch() == "1800000000000"
+        assert index.epoch.check() is IndexEpoch.REWOUND
+        assert index.epoch.get() == "1800000000000"
 
 
 def test_bulk_commands_go_to_each_node_at_once_and_answer_in_order(

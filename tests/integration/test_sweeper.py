@@ -462,20 +462,20 @@ def test_sweeper_rebuilds_the_index_once_active_unless_told_to_skip_the_startup_
 ) -> None:
     order = service.create_unpaid_order("u1", ttl_s=60)
     service.index.client.delete(service.index.key("u1"))  # the member is lost
-    service.index.set_epoch("before")  # but the index looks whole: no "index_lost" rebuild
+    service.index.epoch.set("before")  # but the index looks whole: no "index_lost" rebuild
 
     skipping = Sweeper(service, reconcile_at_start=False)
     skipping.tick()
     assert skipping.holds_lease
     skipping.reconcile_if_due()
-    assert service.index.get_epoch() == "before"
+    assert service.index.epoch.get() == "before"
     assert service.index.members("u1") == {}
     skipping.close()
 
     default = Sweeper(service)
     default.tick()
     default.reconcile_if_due()
-    assert service.index.get_epoch() != "before"
+    assert service.index.epoch.get() != "before"
     assert service.index.members("u1") == {order.id: order.expires_at_ms}
     default.close()
 
@@ -743,7 +743,7 @@ def test_a_stop_request_ends_a_rebuild_between_two_chunks(
     sweeper.reconcile_if_due()
 
     assert chunks == [1]
-    assert service.index.get_epoch() is None  # not a whole rebuild: no marker
+    assert service.index.epoch.get() is None  # not a whole rebuild: no marker
     assert [r["event"] for r in sweeper_records(caplog, logging.DEBUG)] == ["reconcile_stopped"]
     sweeper.close()
 
@@ -847,7 +847,7 @@ def test_a_slow_rebuild_is_never_warned_about_and_the_sweep_goes_on_meanwhile(
         )
         assert len(started) == 1
         release.set()
-        wait_until(service.index.get_epoch, "the rebuild to end", check=noop)
+        wait_until(service.index.epoch.get, "the rebuild to end", check=noop)
     finally:
         release.set()
         scheduler.shutdown(wait=True)

@@ -1,0 +1,52 @@
+"""redis-py's exceptions as the service's :class:`StoreUnavailable`, for every module of
+the index (the admission index, the epoch marker, the lease, the heartbeat) and the
+dashboard's Redis reads: one place decides what a caller is told."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
+from redis.exceptions import OutOfMemoryError
+
+from orders import metrics
+from orders.errors import StoreUnavailable
+
+
+class ServerRefused(StoreUnavailable):
+    """Redis answered the admission with an error (out of memory, an ACL refusal, ...):
+    unlike a timeout or a broken connection, the script certainly wrote nothing. Only
+    :meth:`UnpaidIndex.admit` raises it; the admission turns it into a plain
+    :class:`StoreUnavailable` for its caller."""
+
+
+@contextmanager
+def redis_errors(
+    action: str, *, refused: type[StoreUnavailable] = StoreUnavailable
+) -> Iterator[None]:
+    """redis-py's exceptions as :class:`StoreUnavailable`; an error Redis answered with is
+    raised as ``refused`` (:class:`ServerRefused` where the caller needs to tell)."""
+    try:
+        yield
+    except redis.ResponseError as exc:
+        metrics.STORE_ERRORS.labels("redis").inc()
+        if out_of_memory(exc):
+            raise refused(
+                "redis", f"{action} failed: out of memory (maxmemory reached, noeviction)"
+            ) from exc
+        raise refused("redis", f"{action} failed: {type(exc).__name__}") from exc
+    except redis.RedisError as exc:
+        metrics.STORE_ERRORS.labels("redis").inc()
+        # The exception text names host and port at most, never the password.
+        raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
+
+
+def out_of_memory(exc: redis.ResponseError) -> bool:
+    """Whether Redis refused a write for want of memory (maxmemory under noeviction).
+
+    redis-py names the class when the reply starts with OOM (7.x passes a script's OOM on
+    as it is); 6.2 wraps it in "ERR Error running script ...". Only the kind is shown to
+    callers, never the text.
+    """
+    return isinstance(exc, OutOfMemoryError) or "OOM command not allowed" in str(exc)
