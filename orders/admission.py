@@ -214,7 +214,9 @@ class Admitter:
         if admitted.outcome in (Admission.REFUSED, Admission.ABANDONED):
             return False
         # The order still holds its SQL slot (it is unpaid): only Redis needed the check.
-        with self.records.tx.write() as conn:
+        # One statement with its event (autocommit on PostgreSQL): a process frozen here
+        # holds no lock on the order.
+        with self.records.tx.statements() as conn:
             row = self.records.reopen_expired(conn, order.id, expires_at_ms, now_ms, extra_ms)
             conn.commit()
         if row is None and admitted.outcome is Admission.ADMITTED:
