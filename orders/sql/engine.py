@@ -178,7 +178,7 @@ def refuse_replaced_sqlite_file(engine: Engine) -> None:
     path again would give an empty database (or someone else's) as if nothing had
     happened, while the rows are in the file this process still holds. The file put back
     (the same inode, by a rename) serves again. A transaction that checked out before the
-    file went commits into the old one. Memory databases have no file to check.
+    file went is refused at its commit (and rolled back). Memory databases have no file to check.
     """
     path = sqlite_file(engine)
     if path is None:
@@ -191,6 +191,12 @@ def refuse_replaced_sqlite_file(engine: Engine) -> None:
 
     @event.listens_for(engine, "checkout")
     def at_checkout(*_args: Any) -> None:
+        guard.check()
+
+    @event.listens_for(engine, "commit")
+    def before_commit(*_args: Any) -> None:
+        # A transaction that checked out before the file went must not commit into it:
+        # refused here, it is rolled back, and its caller undoes what it did in Redis.
         guard.check()
 
 

@@ -13,6 +13,7 @@ touches a file moved in its place.
    leave nothing in Redis, the other file keeps its bytes, and /readyz reports SQL down.
 2. A worker process creating in a loop while the test removes the file: every create that
    starts after the ``rm`` is refused, typed, naming the file.
+3. A transaction that checked out before the ``rm`` is refused at its commit.
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def test_a_worker_creating_in_a_loop_has_every_create_after_the_rm_refused(
     assert [o for o in after if o["outcome"] != "refused"] == []
     assert {o["store"] for o in after} == {"sql"}
     assert all(str(path) in o["message"] for o in after)
-    # A create in flight at the rm (checked out before it) may still commit into the deleted
-    # file: the check runs at checkout, not at commit. The report counts them.
+    # A create in flight at the rm was checked out before it: the check at its commit
+    # refuses it unless it committed before the rm (with the rest of the file's rows).
+    # The report counts those acknowledged.
     in_flight = [o for o in outcomes if o["start_ms"] <= removed_ms < o["end_ms"]]
     acknowledged = sum(o["outcome"] == "created" for o in in_flight)
     print(
@@ -158,3 +160,20 @@ def test_a_worker_creating_in_a_loop_has_every_create_after_the_rm_refused(
         f"{len(in_flight)} of them in flight ({acknowledged} acknowledged), "
         f"{len(after)} began after it, all refused"
     )
+
+
+def test_a_transaction_begun_before_the_rm_is_refused_at_its_commit(
+    make_service: Callable[..., OrderService], database_url: str
+) -> None:
+    service = make_service()
+    path = database_path(database_url)
+    engine = service.records.tx.engine
+    with engine.connect() as conn:
+        conn.exec_driver_sql("CREATE TABLE probe (n INTEGER)")
+        conn.commit()
+        conn.exec_driver_sql("INSERT INTO probe VALUES (1)")
+        path.unlink()  # the connection was checked out before: only its commit can tell
+        with pytest.raises(StoreUnavailable) as committed:
+            conn.commit()
+        assert_refused_naming(committed, path)
+    assert not path.exists()
