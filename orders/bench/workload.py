@@ -255,9 +255,15 @@ class Workload:
         self.loop.close()
 
     def bench_keys(self) -> list[str]:
-        pattern = _glob_escape(self.key_tag) + "*"
-        found = self.client.scan_iter(match=pattern, count=1000)
-        return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
+        """The bench users' keys: their sets, and their admissions hashes, which the
+        index names after the set (``orders.index.unpaid.admits_key``)."""
+        admits = self.service.index.admits_key(self.tag)
+        hashes = admits[: admits.rindex(self.key_tag) + len(self.key_tag)]
+        found: list[str] = []
+        for start in (self.key_tag, hashes):
+            keys = self.client.scan_iter(match=_glob_escape(start) + "*", count=1000)
+            found.extend(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
+        return found
 
     def left_behind(self) -> dict[str, int]:
         mine = OC.user_id.startswith(self.tag, autoescape=True)
