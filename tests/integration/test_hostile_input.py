@@ -37,6 +37,7 @@ from orders import InvalidInput, OrderNotFound, OrderService, OrderStatus
 from orders.cli import main
 from orders.config import Settings
 from orders.events.consumer import EventPosition
+from orders.index.unpaid import admits_key
 from orders.sql.models import events_table, orders_table
 from tests.support.reports import record_texts
 
@@ -412,6 +413,8 @@ class Stores:
         for key, kind in zip(keys, types, strict=True):
             if kind == b"zset":
                 pipe.zrange(key, 0, -1, withscores=True)
+            elif kind == b"hash":  # a user's admissions hash
+                pipe.hgetall(key)
             else:
                 pipe.get(key)
         values = pipe.execute()
@@ -547,7 +550,9 @@ def test_create_with_any_user_id_refuses_cleanly_or_stores_it_exactly(
     assert order.id in [o.id for o in api.list_unpaid(expected)]
     assert_indexed_exactly(redis_client, expected, order.id, order.expires_at_ms)
     new_keys = stores.keys() - set(call.before[1])
-    assert new_keys <= {(PREFIX + expected).encode("utf-8")}
+    # The user's set, and the admissions hash the create wrote beside it.
+    user_key = PREFIX + expected
+    assert new_keys <= {user_key.encode("utf-8"), admits_key(user_key, PREFIX).encode("utf-8")}
     call.assert_quiet()
 
 
@@ -930,7 +935,10 @@ def test_ids_that_look_alike_stay_different_users_and_orders(
     assert [o.id for o in api.list_unpaid(other)] == [f"o-{other}"]
     assert redis_client.zrange(PREFIX + one, 0, -1) == [f"o-{one}".encode()]
     assert redis_client.zrange(PREFIX + other, 0, -1) == [f"o-{other}".encode()]
-    assert stores.keys() == {(PREFIX + one).encode(), (PREFIX + other).encode()}
+    # Two sets, and two admissions hashes beside them.
+    user_keys = [PREFIX + one, PREFIX + other]
+    expected = {*user_keys, *(admits_key(key, PREFIX) for key in user_keys)}
+    assert stores.keys() == {key.encode() for key in expected}
 
 
 # --- the command ------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from sqlalchemy import Engine, func, insert, select
 
 from orders.domain import Order
 from orders.index.nodes import RedisClient, primaries
+from orders.index.unpaid import ADMITS_TAG
 from orders.service import OrderService
 from orders.sql.models import Base, events_table, orders_table
 
@@ -153,6 +154,20 @@ def key_count(client: RedisClient) -> int:
     """Keys in the server, or in all the primaries of a cluster (a cluster client's own
     DBSIZE asks one node only)."""
     return sum(int(node.dbsize()) for node in primaries(client))
+
+
+def keys_but_admissions(client: RedisClient, window_ms: int) -> list[bytes]:
+    """Every key but the users' admissions hashes (server, or each primary of a cluster),
+    after checking that each of those expires within ``window_ms``: they outlive the
+    orders they note by design, and go by themselves."""
+    left: list[bytes] = []
+    for node in primaries(client):
+        for key in node.scan_iter(count=1000):
+            if ADMITS_TAG.encode() in key:
+                assert 0 < node.pttl(key) <= window_ms, key
+            else:
+                left.append(key)
+    return left
 
 
 def redis_commands(client: RedisClient) -> int:
