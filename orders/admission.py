@@ -296,7 +296,7 @@ class Admitter:
         except OrdersError:
             existing = None
         if not (existing is not None and existing.user_id == user_id and existing.is_open):
-            self.release_after_commit(user_id, order_id)
+            self.release_after_commit(user_id, order_id, forget_admission=True)
         return existing
 
     def _restore(self, user_id: str, holders: Mapping[str, int], now_ms: int, limit: int) -> None:
@@ -315,10 +315,13 @@ class Admitter:
         except StoreUnavailable:
             log.warning("redis repair failed; reconcile will fix it", extra={"user_id": user_id})
 
-    def release_after_commit(self, user_id: str, order_id: str) -> None:
-        """Remove a member after SQL decided; a Redis failure only delays the cleanup."""
+    def release_after_commit(
+        self, user_id: str, order_id: str, *, forget_admission: bool = False
+    ) -> None:
+        """Remove a member after SQL decided; a Redis failure only delays the cleanup.
+        ``forget_admission``: the create failed (see :meth:`UnpaidIndex.release`)."""
         try:
-            self.index.release(user_id, order_id)
+            self.index.release(user_id, order_id, forget_admission=forget_admission)
         except StoreUnavailable:
             log.warning(
                 "redis release failed; the member expires by its score or at reconcile",

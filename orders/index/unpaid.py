@@ -242,10 +242,23 @@ class UnpaidIndex:
             if reply is not None
         }
 
-    def release(self, user_id: str, order_id: str) -> bool:
-        """Remove one order from its user's set; True if it was there."""
+    def release(self, user_id: str, order_id: str, *, forget_admission: bool = False) -> bool:
+        """Remove one order from its user's set; True if it was there.
+
+        ``forget_admission``: also drop the note of its admission (the hash goes with its
+        last note), for an admission undone because its create failed: the create then
+        leaves nothing behind. Both commands go in one round trip (the keys share a slot).
+        A payment or a cancel keeps the note, which expires with the admission window,
+        and costs one command.
+        """
         with redis_errors("release"):
-            return bool(self.client.zrem(self.key(user_id), order_id))
+            if not forget_admission:
+                return bool(self.client.zrem(self.key(user_id), order_id))
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrem(self.key(user_id), order_id)
+            pipe.hdel(self.admits_key(user_id), order_id)
+            removed, _ = pipe.execute()
+            return bool(removed)
 
     def drop_expired(self, user_ids: Iterable[str], now_ms: int) -> None:
         """``ZREMRANGEBYSCORE -inf now`` on each user's key, in one round trip, packed by
