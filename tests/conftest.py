@@ -278,15 +278,20 @@ def postgres() -> Iterator[PostgresTarget | str]:
     """A PostgreSQL target, or the reason there is none."""
     external = os.environ.get("ORDERS_TEST_DATABASE_URL")
     if external:
-        yield PostgresTarget(external, None)
+        target = PostgresTarget(external, None)
+        try:
+            yield target
+        finally:
+            target.drop_free()  # not ours to keep on someone else's server
         return
     bindir = find_postgres_bin()
     if bindir is None:
         yield "no PostgreSQL server binaries (initdb) found; set ORDERS_TEST_DATABASE_URL"
         return
     server = PostgresServer(bindir).start()
+    target = PostgresTarget(server.url("postgres"), server)
     try:
-        yield PostgresTarget(server.url("postgres"), server)
+        yield target
     finally:
         server.stop()
 
@@ -317,11 +322,11 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         yield f"sqlite:///{path}"
         return
     target, template_name = request.getfixturevalue("postgres_template")
-    name = target.new_database(template_name)
+    name = target.copy_of(template_name)
     try:
         yield target.url(name)
     finally:
-        target.drop_database(name)
+        target.hand_back(name, template_name)
 
 
 @pytest.fixture

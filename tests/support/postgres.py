@@ -151,6 +151,9 @@ class PostgresTarget:
         self.base = make_url(base_url)
         self.server = server
         self._counter = itertools.count()
+        #: Emptied copies of each template, and each template's shape (see copy_of).
+        self._free: dict[str, list[str]] = {}
+        self._shapes: dict[str, str] = {}
 
     def url(self, dbname: str) -> str:
         return self.base.set(database=dbname).render_as_string(hide_password=False)
@@ -170,3 +173,106 @@ class PostgresTarget:
 
     def drop_database(self, name: str) -> None:
         self.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    # --- copies of a migrated template, emptied and used again --------------------------
+
+    def copy_of(self, template: str) -> str:
+        """A database in the state of ``template``: one handed back clean (see
+        :meth:`hand_back`), else a new copy. A copy costs about 300 ms (CREATE DATABASE
+        ... TEMPLATE); emptying one about a tenth of that."""
+        free = self._free.setdefault(template, [])
+        if template not in self._shapes:
+            self._shapes[template] = self._shape(template)
+        return free.pop() if free else self.new_database(template)
+
+    def hand_back(self, name: str, template: str) -> None:
+        """Empty ``name`` for the next test if nothing but rows differs from ``template``;
+        else drop it. Anything a test changed beyond rows (a table, an index, a trigger, a
+        function, a schema, a database setting, the recorded revision), statistics it
+        gathered (ANALYZE, which plans depend on), a session still connected or a prepared
+        transaction: dropped, never used again."""
+        try:
+            reusable = self._reusable(name, template)
+        except Exception:  # the database is in a state this cannot read: not reused
+            reusable = False
+        if reusable:
+            self._free.setdefault(template, []).append(name)
+        else:
+            self.drop_database(name)
+
+    def drop_free(self) -> None:
+        for names in self._free.values():
+            for name in names:
+                self.drop_database(name)
+        self._free.clear()
+
+    def _shape(self, name: str) -> str:
+        engine = create_engine(self.url(name), isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                return str(conn.exec_driver_sql(_SHAPE).scalar_one())
+        finally:
+            engine.dispose()
+
+    def _reusable(self, name: str, template: str) -> bool:
+        engine = create_engine(self.url(name), isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                if conn.exec_driver_sql(_IN_USE).scalar_one():
+                    return False
+                if str(conn.exec_driver_sql(_SHAPE).scalar_one()) != self._shapes[template]:
+                    return False
+                tables = conn.exec_driver_sql(_TABLES).scalars().all()
+                if tables:
+                    listed = ", ".join(f'public."{table}"' for table in tables)
+                    conn.exec_driver_sql("SET lock_timeout = '2s'")
+                    conn.exec_driver_sql(f"TRUNCATE {listed} RESTART IDENTITY CASCADE")
+                return True
+        finally:
+            engine.dispose()
+
+
+#: Everything about a database but its rows, as one digest: relations and their columns,
+#: indexes, constraints, triggers, functions, schemas, per-database settings, the recorded
+#: migration revision, and whether statistics were gathered.
+_SHAPE = """
+SELECT md5(string_agg(item, ' | ' ORDER BY item)) FROM (
+  SELECT 'rel ' || c.relname || ' ' || c.relkind::text AS item
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+   WHERE n.nspname = 'public'
+  UNION ALL
+  SELECT 'col ' || table_name || '.' || column_name || ' ' || data_type || ' '
+         || is_nullable || ' ' || coalesce(column_default, '')
+    FROM information_schema.columns WHERE table_schema = 'public'
+  UNION ALL
+  SELECT 'idx ' || indexdef FROM pg_indexes WHERE schemaname = 'public'
+  UNION ALL
+  SELECT 'con ' || conname || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
+   WHERE connamespace = 'public'::regnamespace
+  UNION ALL
+  SELECT 'trg ' || tgname || ' ' || tgrelid::regclass::text FROM pg_trigger WHERE NOT tgisinternal
+  UNION ALL
+  SELECT 'fn ' || proname || ' ' || md5(prosrc) FROM pg_proc
+   WHERE pronamespace = 'public'::regnamespace
+  UNION ALL
+  SELECT 'nsp ' || nspname FROM pg_namespace
+   WHERE nspname !~ '^pg_' AND nspname <> 'information_schema'
+  UNION ALL
+  SELECT 'set ' || array_to_string(setconfig, ',') FROM pg_db_role_setting
+   WHERE setdatabase = (SELECT oid FROM pg_database WHERE datname = current_database())
+  UNION ALL
+  SELECT 'rev ' || version_num FROM alembic_version
+  UNION ALL
+  SELECT 'analyzed ' || relname FROM pg_stat_user_tables
+   WHERE analyze_count + autoanalyze_count > 0
+) AS shape
+"""
+#: Another session still connected, or a prepared transaction left behind.
+_IN_USE = """
+SELECT (SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid())
+     + (SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database())
+"""
+_TABLES = (
+    "SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename <> 'alembic_version'"
+)
