@@ -235,5 +235,7 @@ def test_with_yes_the_bench_runs_beside_other_orders_and_leaves_them_alone(
     assert list(report["figures"]) == ["refusal", "sweep", "close_lag"], report["notes"]
     assert rows(engine) == (1, 1)
     assert service.get_order(order.id) == order
-    assert redis_client.keys("*") == keys
+    # As sets: KEYS lists in hash-table order, which the bench's keys come and go through
+    # (the user's set and its admissions hash swapped places once).
+    assert set(redis_client.keys("*")) == set(keys)
     assert service.index.members("someone") == {order.id: order.expires_at_ms}
