@@ -396,6 +396,7 @@ def make_service(
             return sync
         loop = loop or LoopThread()
         built.append(loop.call(new_async_service(settings, clock=clock)))
+        loop.start_up(built[-1])
         forward_sql_events(built[-1].engine.sync_engine, engine)
         return cast(OrderService, AwaitedService(sync, loop, built[-1]))
 
