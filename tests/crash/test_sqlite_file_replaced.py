@@ -30,11 +30,10 @@ from sqlalchemy import make_url
 
 from orders.errors import StoreUnavailable
 from orders.index.nodes import RedisClient
-from orders.scheduler.health import HealthServer
-from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from tests.support.clocks import now_ms
+from tests.support.health import health_of
 from tests.support.processes import started
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -111,14 +110,12 @@ def test_readyz_reports_sql_down_once_the_file_is_gone(
 ) -> None:
     service = make_service()
     sweeper = Sweeper(service, owner="A", reconcile_at_start=False)
-    health = HealthServer("127.0.0.1", 0)
-    health.attach(sweeper, build_scheduler(sweeper, blocking=False))
     try:
-        assert health.readyz()[0] == 200
-        database_path(database_url).unlink()
-        status, body = health.readyz()
+        with health_of(sweeper) as health:
+            assert health.readyz()[0] == 200
+            database_path(database_url).unlink()
+            status, body = health.readyz()
     finally:
-        health.close()
         sweeper.close()
     assert (status, body["checks"]) == (503, {"sql": "down: StoreUnavailable", "redis": "ok"})
 

@@ -31,6 +31,7 @@ from orders.service import OrderService
 from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
 from tests.support.redis_server import RedisServer, debug_command_args, own_server
+from tests.support.threads import errors_of_threads
 
 pytestmark = pytest.mark.redis_6_2_too
 
@@ -150,22 +151,11 @@ def test_creates_of_several_users_during_a_stall_leave_the_stores_agreeing(
     service.create_unpaid_order("warm")
     users = [f"s{i}" for i in range(4)]
     woken = stall(stallable_redis, STALL_S)
-    failures: list[BaseException] = []
-
-    def create(user_id: str) -> None:
-        try:
-            service.create_unpaid_order(user_id)
-        except StoreUnavailable as failed:
-            failures.append(failed)
-
-    threads = [threading.Thread(target=create, args=(user,)) for user in users]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    failures = errors_of_threads(service.create_unpaid_order, [(user,) for user in users])
     woken()
 
     assert len(failures) == len(users)
+    assert all(isinstance(failed, StoreUnavailable) for failed in failures), failures
     service.create_unpaid_order("other")  # the process's next create sends what was left
     for user in users:
         assert service.index.members(user) == {}

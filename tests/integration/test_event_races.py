@@ -21,6 +21,7 @@ from orders.events.consumer import EventConsumer, EventPosition, OrderEvent, rea
 from orders.service import OrderService
 from orders.sql.models import cursors_table, retries_table
 from tests.support.clocks import ManualClock
+from tests.support.threads import errors_of_threads
 
 
 class FirstWriteBarrier:
@@ -55,20 +56,7 @@ def line_up(engine: Engine) -> Iterator[Any]:
 
 
 def run_twice_at_once(consumers: list[EventConsumer]) -> list[BaseException]:
-    errors: list[BaseException] = []
-
-    def run(consumer: EventConsumer) -> None:
-        try:
-            consumer.run_once()
-        except BaseException as exc:  # the test reports whatever escaped
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(c,)) for c in consumers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return errors
+    return errors_of_threads(EventConsumer.run_once, [(c,) for c in consumers], timeout_s=30)
 
 
 def test_two_consumers_of_one_name_creating_the_cursor_at_once_both_succeed(

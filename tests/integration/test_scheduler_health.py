@@ -30,6 +30,7 @@ from orders.scheduler.jobs import EVENTS_JOB_ID, JOB_ID, build_scheduler, consum
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
+from tests.support.health import health_of
 from tests.support.stores import create_orders
 
 MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
@@ -315,12 +316,8 @@ def test_readyz_names_the_store_that_does_not_answer(
     settings = Settings(redis_url=MISSING_SOCKET_URL)
     no_redis = OrderService(service.engine, build_redis(settings), settings, clock=clock)
     sweeper = Sweeper(no_redis, owner="A")
-    health = HealthServer("127.0.0.1", 0)
-    health.attach(sweeper, build_scheduler(sweeper, blocking=False))
-    try:
+    with health_of(sweeper) as health:
         status, body = get(f"{health.url}/readyz")
-    finally:
-        health.close()
     assert body is not None
     assert (status, body["status"]) == (503, "failing")
     assert body["checks"] == {"sql": "ok", "redis": "down: ConnectionError"}
