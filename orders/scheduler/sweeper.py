@@ -34,9 +34,9 @@ from orders import metrics
 from orders.domain import SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.consumer import ConsumeResult
-from orders.index.epoch import IndexEpoch
 from orders.index.lease import SweeperLease
 from orders.scheduler.log import BacklogWatch, LogSummary
+from orders.scheduler.rebuild import UNSCHEDULED, IndexRebuilds, RebuildStopped
 from orders.scheduler.status import SweeperStatus
 from orders.service import OrderService
 from orders.validation import check_count, check_seconds
@@ -51,14 +51,6 @@ MIN_DELAY_S = 0.001
 SUMMARY_PERIOD_S = 10.0
 #: A close lag (or a due order's age) beyond this is a backlog.
 BACKLOG_LAG_S = 5.0
-#: The reasons of a rebuild that the epoch check asked for (logged at INFO).
-UNSCHEDULED = (IndexEpoch.LOST.value, IndexEpoch.REWOUND.value)
-#: While a sweep runs, how often a waiting index rebuild looks for a stop request.
-REBUILD_WAIT_S = 0.1
-
-
-class _RebuildStopped(Exception):
-    """Raised between two chunks of a rebuild when the sweeper is asked to stop."""
 
 
 def default_owner() -> str:
@@ -75,9 +67,8 @@ class Sweeper:
     configured shorter than two intervals.
 
     The active sweeper rebuilds the Redis index from SQL as soon as it takes the lease,
-    then every ``reconcile_interval_s``; ``reconcile_at_start=False`` skips the first
-    rebuild (the next comes one interval after construction, or at once if the index's
-    epoch marker is gone or names another Redis run).
+    then every ``reconcile_interval_s`` (:class:`~orders.scheduler.rebuild.IndexRebuilds`);
+    ``reconcile_at_start=False`` skips the first rebuild.
 
     ``summary_period_s`` and ``backlog_lag_s`` shape the log (see the module docstring);
     ``monotonic`` is the clock, in seconds, of those two (tests inject one).
@@ -120,9 +111,6 @@ class Sweeper:
         # A plain attribute: request_stop() may be called from a signal handler.
         self._stop_requested = False
         self._tick_lock = threading.Lock()
-        # Clear while a tick runs: an index rebuild waits for it between chunks.
-        self._not_ticking = threading.Event()
-        self._not_ticking.set()
         #: Totals for the periodic summary line; the events job adds the handlers' runs.
         self.summary = LogSummary(
             check_seconds("summary_period_s", summary_period_s), monotonic=monotonic
@@ -133,10 +121,11 @@ class Sweeper:
         self._renewed_at = 0.0
         self._lost_lease = False
         self._down: set[str] = set()
-        self.reconcile_interval_s = s.reconcile_interval_s
-        #: When the next scheduled reconcile is due (monotonic); None: as soon as active.
-        self._reconcile_at: float | None = (
-            None if reconcile_at_start else time.monotonic() + self.reconcile_interval_s
+        self.rebuilds = IndexRebuilds(
+            service,
+            s.reconcile_interval_s,
+            at_start=reconcile_at_start,
+            stop_requested=lambda: self._stop_requested,
         )
 
     @property
@@ -171,15 +160,13 @@ class Sweeper:
         Returns the seconds until the next round is wanted, ``0 < x <= interval_s``: the
         time until the earliest open expiry when that comes sooner, else the cadence.
         """
-        with self._tick_lock:
-            self._not_ticking.clear()
+        with self._tick_lock, self.rebuilds.ticking():
             self.status.alive()
             try:
                 if self._stop_requested or not self._take_lease():
                     return self.cadence_s
                 return self._sweep()
             finally:
-                self._not_ticking.set()
                 if not self._stop_requested and "redis" not in self._down:
                     self.status.beat(self._holds_lease)  # (an outage is logged once already)
                 self.log_summary_if_due()
@@ -234,36 +221,27 @@ class Sweeper:
         from an older snapshot: ``index_rewound``); see :mod:`orders.index.epoch`.
 
         Only the lease holder does it. The scheduler runs it as a job of its own, so a long
-        rebuild never holds back the closing of expired orders, and the sweep goes first:
-        the rebuild waits for a tick in progress before it starts and between its chunks
-        of users. A stop request ends it between two chunks (the marker is then left as it
-        was, so the next active sweeper rebuilds again).
+        rebuild never holds back the closing of expired orders: the sweep goes first
+        (:class:`~orders.scheduler.rebuild.IndexRebuilds`).
         """
         if self._stop_requested or not self._holds_lease:
             return
-        now = time.monotonic()
-        if self._reconcile_at is not None and now < self._reconcile_at:
-            try:
-                found = self.service.index.epoch.check()
-            except StoreUnavailable:
-                return  # _take_lease already logged the outage
-            if found is IndexEpoch.INTACT:
-                return
-            reason = found.value
-        else:
-            reason = "scheduled" if self._reconcile_at is not None else "startup"
         try:
-            self._wait_for_tick()
+            reason = self.rebuilds.due()
+        except StoreUnavailable:
+            return  # _take_lease already logged the outage
+        if reason is None:
+            return
+        try:
             started = time.monotonic()
-            report = self.service.reconcile(on_progress=self._between_chunks)
-        except _RebuildStopped:
+            report = self.rebuilds.run()
+        except RebuildStopped:
             self._log(logging.DEBUG, "reconcile_stopped", reason=reason)
             return
         except StoreUnavailable as exc:
             self._store_down(exc.store, exc, "reconcile retried in a second")
             return
         self._store_up("sql")
-        self._reconcile_at = now + self.reconcile_interval_s
         self._log(
             logging.INFO if report.fixes or reason in UNSCHEDULED else logging.DEBUG,
             "reconcile",
@@ -271,17 +249,6 @@ class Sweeper:
             duration_ms=round((time.monotonic() - started) * 1000),
             **report.as_dict(),
         )
-
-    def _between_chunks(self, users: int) -> None:
-        self._wait_for_tick()
-
-    def _wait_for_tick(self) -> None:
-        """Return once no tick runs; raise _RebuildStopped when asked to stop meanwhile."""
-        while True:
-            if self._stop_requested:
-                raise _RebuildStopped
-            if self._not_ticking.wait(REBUILD_WAIT_S):
-                return
 
     def _sweep(self) -> float:
         self._lost_lease = False
