@@ -156,7 +156,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "rebuild-does-not-yield-to-the-sweep",
-        "orders/scheduler/sweeper.py",
+        "orders/scheduler/rebuild.py",
         "            if self._not_ticking.wait(REBUILD_WAIT_S):",
         "            if True:",
         "the index rebuild waits for a running sweep",
