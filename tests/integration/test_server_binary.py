@@ -9,6 +9,7 @@ installed without extras, in a separate environment.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import os
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from orders.aio import build_async_service
 from orders.bootstrap import build_service
 from orders.cli import main
 from orders.config import Settings
@@ -103,6 +105,8 @@ def test_no_server_anywhere_is_a_typed_error_before_the_home_is_made(
     assert "ORDERS_REDIS_URL" in str(caught.value)
     with pytest.raises(RedisServerMissing):
         build_service(Settings(home=home))
+    with pytest.raises(RedisServerMissing):
+        asyncio.run(build_async_service(Settings(home=home)))
     assert not home.exists()
 
 
