@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from orders.config import SecretUrl, Settings
 from orders.domain import Clock
-from orders.embedded.server import database_url
+from orders.embedded.server import check_can_start, database_url
 from orders.errors import InvalidInput, SchemaNotReady, StoreUnavailable
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
@@ -106,6 +106,7 @@ def build_service(
     command, whose stderr is its one error line).
     """
     settings = settings or Settings.from_env()
+    check_embedded_redis(settings)
     engine = build_engine(settings)
     try:
         check_schema(engine, settings)
@@ -116,6 +117,14 @@ def build_service(
     except BaseException:
         engine.dispose()
         raise
+
+
+def check_embedded_redis(settings: Settings) -> None:
+    """With no ``redis_url``, raise before anything is written (the home, the SQLite file)
+    when the embedded server neither runs nor can be started: no redis-server or
+    valkey-server found, or one too old (:func:`orders.embedded.server.check_can_start`)."""
+    if settings.redis_url is None:
+        check_can_start(settings.home)
 
 
 def check_schema(engine: Engine, settings: Settings) -> None:

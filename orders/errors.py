@@ -11,7 +11,9 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
      │    └── OrderExpired         unpaid, but its time is up: the sweep will close it
      ├── OrderAlreadyPaid          paid already (with another payment reference)
      └── StoreUnavailable          Redis or SQL failed; the operation did not happen
-          └── SchemaNotReady       the database has no (or an old) schema
+          ├── SchemaNotReady       the database has no (or an old) schema
+          ├── RedisServerMissing   the embedded default found no server binary to start
+          └── RedisServerTooOld    the embedded default's server binary is too old
 
 Exceptions from redis-py and SQLAlchemy are translated into these at the edge, with
 ``raise ... from exc`` so the cause is kept for debugging but never part of the contract.
@@ -119,3 +121,23 @@ class SchemaNotReady(StoreUnavailable):
 
     def __init__(self, detail: str) -> None:
         super().__init__("sql", f"{detail}; run `orders db upgrade`")
+
+
+class RedisServerMissing(StoreUnavailable):
+    """The embedded default needs a redis-server (or valkey-server) binary and found none;
+    ``how_to_fix`` says where one comes from."""
+
+    def __init__(self, how_to_fix: str) -> None:
+        super().__init__("redis", f"no redis-server or valkey-server found: {how_to_fix}")
+
+
+class RedisServerTooOld(StoreUnavailable):
+    """The embedded default's server binary is older than ``minimum`` (``major.minor``)."""
+
+    def __init__(self, binary: str, version: str, minimum: str, how_to_fix: str) -> None:
+        super().__init__(
+            "redis", f"{binary} is version {version}, older than {minimum}: {how_to_fix}"
+        )
+        self.binary = binary
+        self.version = version
+        self.minimum = minimum

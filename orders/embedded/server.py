@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from orders.config import Settings
-from orders.embedded.binary import HOW_TO_FIX, find_redis_server, server_argv
+from orders.embedded.binary import HOW_TO_FIX, server_argv, usable_redis_server
 from orders.embedded.locks import (
     POLL_S,
     as_text,
@@ -133,23 +133,35 @@ def redis_status(home: Path) -> EmbeddedRedis | None:
     return None if pid is None else paths.running(pid)
 
 
+def check_can_start(home: Path) -> Path | None:
+    """Raise unless a server answers for ``home`` or one can be started: the binary to start
+    (None when one answers). Writes nothing, so a command can fail on it before it creates
+    anything: :class:`~orders.errors.RedisServerMissing` when there is no binary,
+    :class:`~orders.errors.RedisServerTooOld` when it is older than the oldest supported."""
+    if _ping(_HomePaths.of(home).socket) is not None:
+        return None
+    return usable_redis_server()
+
+
 def ensure_redis(home: Path, *, timeout_s: float = 10.0) -> EmbeddedRedis:
     """The redis-server for ``home``, started (daemonised, persistent) if none is running.
 
     Safe to call from several processes at once: they end up sharing one server. Waits up
     to ``timeout_s`` for the lock (another process starting or stopping the server), then up
     to ``timeout_s`` for the server to answer. Raises :class:`StoreUnavailable` saying what
-    to do if it cannot.
+    to do if it cannot; with no usable binary (:func:`check_can_start`), before it creates
+    the home.
     """
     paths = _HomePaths.of(home)
     _check_socket_path(paths)
+    binary = check_can_start(paths.home)
     _make_home(paths)
     with _home_lock(paths, timeout_s):
         deadline = time.monotonic() + timeout_s
         found = _existing_server(paths, deadline, timeout_s)
         if found is not None:
             return found
-        return _start_server(paths, deadline, timeout_s)
+        return _start_server(paths, binary or usable_redis_server(), deadline, timeout_s)
 
 
 def stop_redis(home: Path, *, timeout_s: float = 10.0) -> bool:
@@ -308,10 +320,11 @@ def _remove_leftovers(paths: _HomePaths) -> None:
             logger.info("removed stale %s", leftover)
 
 
-def _start_server(paths: _HomePaths, deadline: float, timeout_s: float) -> EmbeddedRedis:
-    """Start a daemonised redis-server for this home and wait for it to answer PING."""
+def _start_server(
+    paths: _HomePaths, binary: Path, deadline: float, timeout_s: float
+) -> EmbeddedRedis:
+    """Start a daemonised ``binary`` for this home and wait for it to answer PING."""
     _remove_leftovers(paths)
-    binary = find_redis_server()
     try:
         paths.data_dir.mkdir(mode=0o700, exist_ok=True)
     except OSError as exc:
@@ -376,5 +389,5 @@ def _start_failed(
     log_tail = tail(read_from(paths.logfile, log_offset))
     if log_tail:
         parts.append(f"the end of {paths.logfile}:\n{log_tail}")
-    parts.append(HOW_TO_FIX)
+    parts.append(f"to fix it: {HOW_TO_FIX}")
     raise StoreUnavailable("redis", "\n".join(parts))

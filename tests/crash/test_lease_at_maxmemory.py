@@ -30,7 +30,7 @@ from orders.service import OrderService
 from tests.support.clocks import ManualClock
 from tests.support.redis_server import RedisServer
 
-pytestmark = pytest.mark.redis_6_2_too
+pytestmark = pytest.mark.every_server
 
 OUT_OF_MEMORY = "out of memory"
 FILLER = "filler-"

@@ -33,7 +33,7 @@ from tests.support.clocks import ManualClock
 from tests.support.redis_server import RedisServer, debug_command_args, own_server
 from tests.support.threads import errors_of_threads
 
-pytestmark = pytest.mark.redis_6_2_too
+pytestmark = pytest.mark.every_server
 
 STALL_S = 3
 

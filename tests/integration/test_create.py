@@ -25,7 +25,7 @@ from tests.support.clocks import ManualClock
 from tests.support.stores import RoundTripCounter, StatementCounter, refuse_inserts
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too, pytest.mark.both_apis]
+pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too, pytest.mark.both_apis]
 
 
 def sql_rows(engine: Engine) -> list[Any]:

@@ -44,7 +44,7 @@ from tests.support.processes import child_env, run_orders
 from tests.support.redis_server import RedisServer
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
+pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
 
 #: Every Redis call gives up this fast (one retry): a dead Redis costs well under a second.
 SOCKET_TIMEOUT_S = "0.2"

@@ -14,7 +14,7 @@ from orders.index.nodes import RedisClient
 from tests.support.clocks import ManualClock
 from tests.support.stores import RoundTripCounter
 
-pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
+pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
 
 FORGET_MS = 15_000
 

@@ -21,7 +21,7 @@ from orders.service import OrderService
 from tests.support.clocks import ManualClock
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
+pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
 
 KEY = "UnpaidOrder-u1"
 

@@ -26,7 +26,7 @@ from tests.support.clocks import ManualClock
 from tests.support.doubles import pausing_after_admit
 from tests.support.monitor import LimitMonitor
 
-pytestmark = pytest.mark.redis_6_2_too
+pytestmark = pytest.mark.every_server
 
 OC = orders_table.c
 EC = events_table.c

@@ -29,7 +29,7 @@ from tests.support.processes import child_env, run_orders, stop_process
 from tests.support.stores import flush_db
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
+pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
 
 
 def index_state(service: OrderService, users: list[str]) -> dict[str, dict[str, int]]:

@@ -55,7 +55,7 @@ from tests.support.clocks import ManualClock
 from tests.support.redis_server import RedisServer
 from tests.support.reports import record_texts
 
-pytestmark = pytest.mark.redis_6_2_too
+pytestmark = pytest.mark.every_server
 
 PREFIX = "UnpaidOrder-"
 #: Characters that must be percent-encoded in a URL, so the test also shows that the

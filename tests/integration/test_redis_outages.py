@@ -20,7 +20,7 @@ from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
 from tests.support.redis_server import RedisServer, own_server
 
-pytestmark = pytest.mark.redis_6_2_too
+pytestmark = pytest.mark.every_server
 
 
 @pytest.fixture

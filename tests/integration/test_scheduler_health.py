@@ -36,7 +36,7 @@ from tests.support.stores import create_orders
 MISSING_SOCKET_URL = "unix:///tmp/orders-test-no-such-redis.sock"
 
 pytestmark = [
-    pytest.mark.redis_6_2_too,
+    pytest.mark.every_server,
     pytest.mark.parametrize("database_url", ["sqlite"], indirect=True),
 ]
 

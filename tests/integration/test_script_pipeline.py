@@ -7,7 +7,7 @@ import redis
 
 from orders.index.pipeline import run_per_key
 
-pytestmark = pytest.mark.redis_6_2_too
+pytestmark = pytest.mark.every_server
 
 
 def test_run_per_key_runs_the_command_on_each_key_and_returns_replies_in_key_order(

@@ -36,7 +36,7 @@ from tests.support.stores import (
 )
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too]
+pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
 #: Where a test makes a batch's statement fail. SQLite: after it ran, inside the batch's

@@ -31,7 +31,7 @@ from tests.support.clocks import ManualClock
 from tests.support.stores import redis_commands
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
-pytestmark = [pytest.mark.redis_6_2_too, pytest.mark.cluster_too, pytest.mark.both_apis]
+pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too, pytest.mark.both_apis]
 
 MISSING_SOCKET_URL = "unix:///tmp/definitely-missing.sock"
 TTL_S = 60
