@@ -7,7 +7,7 @@ service's tables in the same database, on SQLite and on PostgreSQL.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -173,19 +173,29 @@ def test_session_savepoint_rolled_back_takes_its_create_back(
     assert members(service, "u1") == {kept.id}
 
 
+@pytest.mark.usefixtures("carts")
 def test_refused_create_in_host_transaction_leaves_the_host_free_to_go_on(
-    make_service: object, engine: Engine
+    make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
-    service = make_service(unpaid_limit=1)  # type: ignore[operator]
+    service = make_service(unpaid_limit=1)
     first = service.create_unpaid_order("u1")
+    paid = service.mark_paid(service.create_unpaid_order("u2", order_id="paid-1").id)
     with engine.connect() as conn:
+        add_cart(conn, "u1")
         with pytest.raises(UnpaidOrderLimitReached):
             service.create_unpaid_order("u1", connection=conn)
-        # A retry of an existing id: the same order back, the host's transaction usable.
+        # Retries of existing ids: the same orders back. The paid one's id is refused by
+        # the primary key (in a savepoint on PostgreSQL: else the whole host transaction
+        # would be aborted), and the host's transaction goes on.
         assert service.create_unpaid_order("u1", order_id=first.id, connection=conn) == first
-        conn.execute(select(1))
+        again = service.create_unpaid_order("u2", order_id=paid.id, connection=conn)
+        assert again.status is OrderStatus.PAID
+        add_cart(conn, "u2")
         conn.commit()
+    assert (cart_count(engine, "u1"), cart_count(engine, "u2")) == (1, 1)
     assert members(service, "u1") == {first.id}
+    assert members(service, "u2") == set()
+    assert admission_notes(service, "u2") == set()  # the retry's admission taken back
 
 
 # --- pay and cancel ------------------------------------------------------------------------
