@@ -9,9 +9,11 @@ it. The service owns no SQL and no Redis command itself; it composes:
 * :class:`~orders.sweep.Sweep` and :class:`~orders.reconciler.Reconciler`.
 
 Rules that shape every method: input is checked first (:mod:`orders.validation`); the
-clock is read once per use case and passed down; one SQL transaction per use case; Redis
-writes that follow a SQL change run after the commit; only
-:class:`~orders.errors.OrdersError` leaves.
+clock is read once per use case and passed down; one SQL transaction per use case (the
+host's own, when a create, payment or cancel is given ``connection=``: see
+:mod:`orders.sql.host`); Redis writes that follow a SQL change run after the commit (in
+the host's transaction, at its commit event); only :class:`~orders.errors.OrdersError`
+leaves.
 """
 
 from __future__ import annotations
