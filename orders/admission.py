@@ -36,10 +36,13 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
+from sqlalchemy import Connection
+
 from orders.domain import Order, same_order
 from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
+from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
 log = logging.getLogger(__name__)
@@ -136,16 +139,19 @@ class Admitter:
         limit: int,
         now_ms: int,
         caller_id: bool,
+        host: Connection | None = None,
     ) -> tuple[Order, bool]:
         """Admit and insert the order ``values`` describe; also says whether this call did.
 
         ``caller_id``: the caller chose the id, so a refusal may be a retry of an order that
-        is no longer open (one read by primary key tells).
+        is no longer open (one read by primary key tells). ``host``: insert in the host's
+        transaction; the member this call added leaves again if that transaction (or the
+        savepoint the insert ran in) rolls back, and stays when it commits.
         """
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
         admitted = self._reserve_or_abandon(uid, oid, values["expires_at_ms"], now_ms, limit)
         if admitted.outcome is Admission.REFUSED:
-            earlier = self.records.find(oid, now_ms) if caller_id else None
+            earlier = self.records.find(oid, now_ms, host) if caller_id else None
             if earlier is not None:
                 return same_order(earlier, uid, amount, currency), False
             wait_s = retry_after_s(admitted.score_ms, now_ms)
@@ -156,11 +162,19 @@ class Admitter:
             values = {**values, "expires_at_ms": admitted.score_ms}
         ours = admitted.outcome is Admission.ADMITTED
         try:
-            return self._insert(values, ours=ours, amount=amount, limit=limit, now_ms=now_ms)
+            order, created = self._insert(
+                values, ours=ours, amount=amount, limit=limit, now_ms=now_ms, host=host
+            )
         except BaseException as stop:
             if interrupted(stop):  # anywhere past the script: SQL may or may not have it
                 self.settle(oid, now_ms, user_id=uid)
             raise
+        if host is not None and ours and created:
+            # The compensation, should the host's transaction not keep the row.
+            follow(
+                host, on_rollback=lambda: self.release_after_commit(uid, oid, forget_admission=True)
+            )
+        return order, created
 
     def _insert(
         self,
@@ -170,14 +184,15 @@ class Admitter:
         amount: Decimal | None,
         limit: int,
         now_ms: int,
+        host: Connection | None,
     ) -> tuple[Order, bool]:
         """The SQL step of :meth:`create`; ``ours``: this call added the Redis member."""
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
         try:
-            return self.records.insert_guarded(values, limit, now_ms), True
+            return self.records.insert_guarded(values, limit, now_ms, host), True
         except LimitReachedInSql as refused:
             if ours:
-                self._compensate(uid, oid, now_ms)
+                self._compensate(uid, oid, now_ms, host)
             self._restore(uid, refused.holders, now_ms, limit)
             wait_s = retry_after_s(refused.earliest_ms, now_ms)
             raise UnpaidOrderLimitReached(
@@ -187,13 +202,17 @@ class Admitter:
             # The id exists in SQL: a concurrent twin of this create won the insert, an
             # earlier create with this id has since been paid or closed, or another user
             # owns the id.
-            earlier = self._compensate(uid, oid, now_ms) if ours else self.records.find(oid, now_ms)
+            earlier = (
+                self._compensate(uid, oid, now_ms, host)
+                if ours
+                else self.records.find(oid, now_ms, host)
+            )
             if earlier is None:
                 raise StoreUnavailable("sql", "insert refused by a constraint") from None
             return same_order(earlier, uid, amount, currency), False
         except OrdersError:
             if ours:
-                self._compensate(uid, oid, now_ms)
+                self._compensate(uid, oid, now_ms, host)
             raise
 
     def reopen(
@@ -285,14 +304,17 @@ class Admitter:
                 return freed
             freed = freed or (removed and user_id == freeing)
 
-    def _compensate(self, user_id: str, order_id: str, now_ms: int) -> Order | None:
+    def _compensate(
+        self, user_id: str, order_id: str, now_ms: int, host: Connection | None
+    ) -> Order | None:
         """Undo our admission after the insert failed, unless the member indexes a real order.
 
-        A concurrent twin of this create (same id, same user) may have committed the row;
-        its member must stay. Returns the row found, if any.
+        A concurrent twin of this create (same id, same user) may have committed the row
+        (or, with ``host``, an earlier create in the host's transaction written it); its
+        member must stay. Returns the row found, if any.
         """
         try:
-            existing = self.records.find(order_id, now_ms)
+            existing = self.records.find(order_id, now_ms, host)
         except OrdersError:
             existing = None
         if not (existing is not None and existing.user_id == user_id and existing.is_open):
@@ -327,6 +349,10 @@ class Admitter:
                 "redis release failed; the member expires by its score or at reconcile",
                 extra={"order_id": order_id, "user_id": user_id},
             )
+
+    def release_of(self, order: Order) -> None:
+        """:meth:`release_after_commit` of a transition's order (paid, cancelled)."""
+        self.release_after_commit(order.user_id, order.id)
 
     def rescore_after_commit(self, order: Order) -> None:
         """Move a member's score to the order's new expiry after SQL decided."""

@@ -9,18 +9,22 @@ it. The service owns no SQL and no Redis command itself; it composes:
 * :class:`~orders.sweep.Sweep` and :class:`~orders.reconciler.Reconciler`.
 
 Rules that shape every method: input is checked first (:mod:`orders.validation`); the
-clock is read once per use case and passed down; one SQL transaction per use case; Redis
-writes that follow a SQL change run after the commit; only
-:class:`~orders.errors.OrdersError` leaves.
+clock is read once per use case and passed down; one SQL transaction per use case (the
+host's own, when a create, payment or cancel is given ``connection=``: see
+:mod:`orders.sql.host`); Redis writes that follow a SQL change run after the commit (in
+the host's transaction, at its commit event); only :class:`~orders.errors.OrdersError`
+leaves.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Row
+from sqlalchemy.orm import Session
 
 from orders import metrics
 from orders.admission import Admitter, interrupted
@@ -46,6 +50,7 @@ from orders.events.consumer import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
+from orders.sql.host import follow, host_connection
 from orders.sql.models import TEXT_COLUMN_LENGTH
 from orders.sql.records import OrderRecords
 from orders.sweep import PreCloseCheck, Sweep
@@ -62,6 +67,9 @@ from orders.validation import (
     check_ttl_ms,
     check_user_id,
 )
+
+#: What a host passes as ``connection=``: its transaction's Connection, or its Session.
+HostConnection = Connection | Session
 
 
 class OrderService:
@@ -127,6 +135,7 @@ class OrderService:
         amount: Decimal | int | str | None = None,
         currency: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        connection: HostConnection | None = None,
     ) -> Order:
         """Admit a new unpaid order for ``user_id`` unless the user is at the limit.
 
@@ -135,7 +144,17 @@ class OrderService:
         recognise a retry of an order that is no longer open). Retrying with the same
         ``order_id`` returns the same order; the same id with another user, amount or
         currency raises :class:`OrderConflict`.
+
+        ``connection``: the host's SQLAlchemy ``Connection`` or ``Session``, on this
+        service's database. The order, its slot and its ``created`` event are then written
+        in the host's transaction (begun by the host, or autobegun here) and this call
+        neither commits nor rolls it back. The Redis admission is made first, as without
+        it, so the limit is still decided in one round trip; it is taken back when the
+        host's transaction (or the savepoint the create ran in) rolls back, and stays when
+        it commits. :class:`InvalidInput` for a closed connection, an engine, another
+        database, before anything is written.
         """
+        host = self._host(connection)
         s = self.settings
         uid = check_user_id(user_id, s.max_user_id_length)
         given_id = None if order_id is None else check_order_id(order_id, s.max_order_id_length)
@@ -159,7 +178,12 @@ class OrderService:
         }
         try:
             order, created = self.admitter.create(
-                values, amount=amt, limit=lim, now_ms=now_ms, caller_id=given_id is not None
+                values,
+                amount=amt,
+                limit=lim,
+                now_ms=now_ms,
+                caller_id=given_id is not None,
+                host=host,
             )
         except UnpaidOrderLimitReached as refused:
             metrics.CREATES.labels(f"refused_{refused.source}").inc()
@@ -172,7 +196,13 @@ class OrderService:
 
     # --- transitions ---------------------------------------------------------------------
 
-    def mark_paid(self, order_id: str, *, payment_ref: str | None = None) -> Order:
+    def mark_paid(
+        self,
+        order_id: str,
+        *,
+        payment_ref: str | None = None,
+        connection: HostConnection | None = None,
+    ) -> Order:
         """Mark an unpaid order paid. Idempotent for the same (or no) ``payment_ref``.
 
         A payment that commits before the sweep closes the order wins, even after
@@ -181,7 +211,13 @@ class OrderService:
         :class:`OrderClosed` (refund it). Paying a paid order again without a reference, or
         with the stored one, returns it; any other reference (also when the first payment
         had none) raises :class:`OrderAlreadyPaid`. Redis being down never refuses a payment.
+
+        ``connection``: the host's ``Connection`` or ``Session`` (see
+        :meth:`create_unpaid_order`). The payment and its event are written in the host's
+        transaction, which this call never commits; the order leaves the Redis index when
+        the host commits, and stays in it (still unpaid) when the host rolls back.
         """
+        host = self._host(connection)
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         ref = check_optional_text("payment_ref", payment_ref, TEXT_COLUMN_LENGTH)
         now_ms = self.clock()
@@ -195,7 +231,7 @@ class OrderService:
                 row = self.records.close_expired(conn, oid, now_ms, data)
             return row
 
-        order, won = self._transition(oid, now_ms, pay)
+        order, won = self._transition(oid, now_ms, pay, host=host)
         if won and order.status is OrderStatus.CLOSED:
             metrics.PAYMENTS.labels("refused_strict").inc()
             raise OrderClosed(oid, order.status.value)
@@ -210,17 +246,25 @@ class OrderService:
         metrics.PAYMENTS.labels(outcome).inc()
         raise refusal(order)
 
-    def cancel_order(self, order_id: str, *, reason: str | None = None) -> Order:
+    def cancel_order(
+        self,
+        order_id: str,
+        *,
+        reason: str | None = None,
+        connection: HostConnection | None = None,
+    ) -> Order:
         """Cancel an unpaid order. Idempotent on a cancelled order.
 
         Raises :class:`OrderAlreadyPaid` for a paid order and :class:`OrderClosed` for one
-        the sweep closed.
+        the sweep closed. ``connection``: as for :meth:`mark_paid`, in the host's
+        transaction; the order leaves the Redis index when the host commits.
         """
+        host = self._host(connection)
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         why = check_optional_text("reason", reason, TEXT_COLUMN_LENGTH)
         now_ms = self.clock()
         order, won = self._transition(
-            oid, now_ms, lambda conn: self.records.cancel(conn, oid, now_ms, why)
+            oid, now_ms, lambda conn: self.records.cancel(conn, oid, now_ms, why), host=host
         )
         if won:
             metrics.CANCELS.inc()
@@ -262,21 +306,28 @@ class OrderService:
         attempt: Callable[[Connection], Row[Any] | None],
         *,
         redis_after: Callable[[Order], None] | None = None,
+        host: Connection | None = None,
     ) -> tuple[Order, bool]:
         """The shape every transition shares: the compare-and-set in one transaction, then,
-        if it won, the Redis follow-up (by default: the member leaves the index)."""
+        if it won, the Redis follow-up (by default: the member leaves the index), at once
+        or, in the host's transaction, when the host commits."""
         try:
-            order, won = self.records.transition_or_current(order_id, now_ms, attempt)
+            order, won = self.records.transition_or_current(order_id, now_ms, attempt, host)
             if won:
-                if redis_after is None:
-                    self.admitter.release_after_commit(order.user_id, order.id)
+                after = redis_after or self.admitter.release_of
+                if host is None:
+                    after(order)
                 else:
-                    redis_after(order)
+                    follow(host, on_commit=functools.partial(after, order))
         except BaseException as stop:
             if interrupted(stop):  # it may have committed: Redis must follow the row
                 self.admitter.settle(order_id, now_ms)
             raise
         return order, won
+
+    def _host(self, connection: HostConnection | None) -> Connection | None:
+        """The host's transaction to write in, checked (see :mod:`orders.sql.host`)."""
+        return None if connection is None else host_connection(connection, self.engine)
 
     # --- reading -------------------------------------------------------------------------
 

@@ -16,7 +16,9 @@ from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
 
 from orders import metrics
 from orders.aio.greenlets import LoopRetry, run
@@ -29,6 +31,7 @@ from orders.aio.loop_redis import (
 from orders.bootstrap import redis_retry
 from orders.config import Settings
 from orders.domain import Clock
+from orders.errors import InvalidInput
 from orders.service import OrderService
 
 P = ParamSpec("P")
@@ -60,7 +63,28 @@ class Awaited(Generic[P, R]):
         return functools.partial(self, service)
 
     async def __call__(self, service: AsyncOrderService, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await run(self.method, await service.core(), *args, **kwargs)
+        given = {**kwargs}
+        if given.get("connection") is not None:
+            given["connection"] = sync_side(given["connection"])
+        return await run(self.method, await service.core(), *args, **given)
+
+
+def sync_side(connection: object) -> Connection | Session:
+    """The synchronous Connection or Session under the host's ``AsyncConnection`` or
+    ``AsyncSession`` (their public ``sync_connection`` / ``sync_session``): what the core's
+    one copy of the rules writes on, in the greenlet the host's own awaits run in too.
+    :class:`InvalidInput` for anything else (a synchronous connection included)."""
+    if isinstance(connection, AsyncSession):
+        return connection.sync_session
+    if isinstance(connection, AsyncConnection):
+        sync = connection.sync_connection
+        if sync is None:
+            raise InvalidInput("connection", "the AsyncConnection is not started")
+        return sync
+    raise InvalidInput(
+        "connection",
+        f"orders.aio takes an AsyncConnection or AsyncSession, not {type(connection).__name__}",
+    )
 
 
 class AsyncOrderService:
@@ -72,6 +96,10 @@ class AsyncOrderService:
         client = redis.asyncio.Redis.from_url("redis://...")
         async with AsyncOrderService(engine, client, Settings(unpaid_limit=3)) as service:
             order = await service.create_unpaid_order("user-1")
+
+    ``create_unpaid_order``, ``mark_paid`` and ``cancel_order`` take the host's
+    ``AsyncConnection`` or ``AsyncSession`` as ``connection=``, with the meaning the
+    synchronous methods give a ``Connection`` or ``Session``.
 
     The schema must exist, as for the synchronous service. Nothing connects until the
     first call, or until ``await service.core()``, which an application's start-up (a

@@ -91,8 +91,8 @@ class OrderRecords:
 
     # --- reading -----------------------------------------------------------------------
 
-    def find(self, order_id: str, now_ms: int) -> Order | None:
-        with self.tx.read() as conn:
+    def find(self, order_id: str, now_ms: int, host: Connection | None = None) -> Order | None:
+        with self.tx.read(host) as conn:
             row = conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
         return None if row is None else to_order(row, now_ms)
 
@@ -141,16 +141,18 @@ class OrderRecords:
         order_id: str,
         now_ms: int,
         attempt: Callable[[Connection], Row[Any] | None],
+        host: Connection | None = None,
     ) -> tuple[Order, bool]:
-        """Run ``attempt`` (compare-and-sets) in one transaction and commit.
+        """Run ``attempt`` (compare-and-sets) in one transaction and commit (with ``host``:
+        in the host's transaction, left to the host to commit).
 
         Returns the order after it and whether ``attempt`` won; when it lost, the order as
         it stands, for the caller to decide what the loss means. Raises OrderNotFound.
         """
-        with self.tx.statements() as conn:
+        with self.tx.statements(host) as conn:
             row = attempt(conn)
             current = row or conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
-            conn.commit()
+            self.tx.commit(conn, host)
         if current is None:
             raise OrderNotFound(order_id)
         return to_order(current, now_ms), row is not None
@@ -197,8 +199,11 @@ class OrderRecords:
 
     # --- the SQL limit guard (orders.sql.slots) --------------------------------------------
 
-    def insert_guarded(self, values: Mapping[str, Any], limit: int, now_ms: int) -> Order:
-        """Insert the order and its ``created`` event into a free slot of its user.
+    def insert_guarded(
+        self, values: Mapping[str, Any], limit: int, now_ms: int, host: Connection | None = None
+    ) -> Order:
+        """Insert the order and its ``created`` event into a free slot of its user (with
+        ``host``: in the host's transaction).
 
         Raises LimitReachedInSql when live orders hold all ``limit`` slots, or
         InsertConflict when a constraint refuses the row (the caller finds out whether the
@@ -207,8 +212,8 @@ class OrderRecords:
         live: dict[str, int] = {}
         # Each retry follows a slot freed or taken by someone else meanwhile: a few suffice.
         for _attempt in range(limit + SLOT_RACE_RETRIES):
-            row = self.slots.insert(values, limit)
+            row = self.slots.insert(values, limit, host)
             if row is not None:
                 return to_order(row, now_ms)
-            live = self.slots.make_room(values, limit, now_ms)
+            live = self.slots.make_room(values, limit, now_ms, host)
         raise LimitReachedInSql(live)

@@ -27,6 +27,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     ColumnElement,
+    Connection,
     Integer,
     Row,
     String,
@@ -149,18 +150,21 @@ class SlotGuard:
             created_at = bindparam("created_at_ms", type_=BigInteger)
             self._insert = with_events(self._insert, "created", EventKind.CREATED, created_at)
 
-    def insert(self, values: Mapping[str, Any], limit: int) -> Row[Any] | None:
+    def insert(
+        self, values: Mapping[str, Any], limit: int, host: Connection | None = None
+    ) -> Row[Any] | None:
         """Insert the order and its event into the lowest free slot; None if none is free
-        (or, on PostgreSQL, a concurrent create took it first). Raises InsertConflict."""
+        (or, on PostgreSQL, a concurrent create took it first). Raises InsertConflict.
+        ``host``: in the host's transaction (``Transactions.in_host``)."""
         params = {name: values[name] for name in CREATE_COLUMNS}
         params["slot_limit"] = limit
         if self._in_one_statement:
-            with self.tx.statements() as conn:
+            with self.tx.statements(host) as conn:
                 try:
                     return conn.execute(self._insert, params).one_or_none()
                 except IntegrityError as exc:
                     raise InsertConflict(values["id"]) from exc
-        with self.tx.write() as conn:
+        with self.tx.write(host) as conn:
             try:
                 row = conn.execute(self._insert, params).one_or_none()
             except IntegrityError as exc:
@@ -168,10 +172,12 @@ class SlotGuard:
             if row is not None:
                 created = [(row.id, row.user_id)]
                 record_events(conn, created, EventKind.CREATED, values["created_at_ms"], None)
-                conn.commit()
+                self.tx.commit(conn, host)
             return row
 
-    def make_room(self, values: Mapping[str, Any], limit: int, now_ms: int) -> dict[str, int]:
+    def make_room(
+        self, values: Mapping[str, Any], limit: int, now_ms: int, host: Connection | None = None
+    ) -> dict[str, int]:
         """No slot was free: close the holders whose time is up, so that a retry may find one.
 
         Returns the live holders (id -> expiry) when a retry is worth it: a holder was due
@@ -180,14 +186,14 @@ class SlotGuard:
         the order's id exists already (a retry of a create, or another order's id), and
         LimitReachedInSql when live orders hold every slot.
         """
-        with self.tx.write() as conn:
+        with self.tx.write(host) as conn:
             if conn.execute(_ID_TAKEN, {"oid": values["id"]}).first() is not None:
                 raise InsertConflict(values["id"])
             holders = conn.execute(_HOLDERS, {"user_id": values["user_id"]}).all()
             due = [h.id for h in holders if h.expires_at_ms <= now_ms]
             for order_id in due:
                 CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE)
-            conn.commit()
+            self.tx.commit(conn, host)
         live = {h.id: h.expires_at_ms for h in holders if h.expires_at_ms > now_ms}
         held = {h.slot for h in holders if h.id in live}
         if due or any(n not in held for n in range(1, limit + 1)):

@@ -57,15 +57,25 @@ class Transactions:
         )
 
     @contextmanager
-    def read(self) -> Iterator[Connection]:
+    def read(self, host: Connection | None = None) -> Iterator[Connection]:
         """A connection for reads. At READ COMMITTED every statement reads a snapshot of its
-        own anyway, so on PostgreSQL the reads run in autocommit: no BEGIN, no ROLLBACK."""
+        own anyway, so on PostgreSQL the reads run in autocommit: no BEGIN, no ROLLBACK.
+        With ``host``, the host's transaction (it sees the host's own writes)."""
+        if host is not None:
+            with sql_errors():
+                yield host
+            return
         with sql_errors(), (self._autocommit or self.engine).connect() as conn:
             yield conn
 
     @contextmanager
-    def write(self) -> Iterator[Connection]:
-        """A write transaction; the caller commits. Leaving without commit rolls back."""
+    def write(self, host: Connection | None = None) -> Iterator[Connection]:
+        """A write transaction; the caller commits (:meth:`commit`). Leaving without commit
+        rolls back. With ``host``, the host's transaction instead (:meth:`in_host`)."""
+        if host is not None:
+            with self.in_host(host) as conn:
+                yield conn
+            return
         if self.dialect == "sqlite":
             with _sqlite_write_lock(self.engine), sql_errors(), self.engine.connect() as conn:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
@@ -75,13 +85,37 @@ class Transactions:
             yield conn
 
     @contextmanager
-    def statements(self) -> Iterator[Connection]:
+    def statements(self, host: Connection | None = None) -> Iterator[Connection]:
         """For work where each statement is a whole transaction on its own (a compare-and-set
         with its event in one statement, a read): PostgreSQL runs them in autocommit, which
-        saves the BEGIN and COMMIT round trips; elsewhere this is :meth:`write`."""
-        if self._autocommit is None:
-            with self.write() as conn:
+        saves the BEGIN and COMMIT round trips; elsewhere (or with ``host``) this is
+        :meth:`write`."""
+        if self._autocommit is None or host is not None:
+            with self.write(host) as conn:
                 yield conn
             return
         with sql_errors(), self._autocommit.connect() as conn:
             yield conn
+
+    @contextmanager
+    def in_host(self, host: Connection) -> Iterator[Connection]:
+        """Work in the host's transaction, which only the host commits or rolls back.
+
+        On PostgreSQL in a savepoint of it: a statement of ours that fails (a duplicate id)
+        would otherwise abort the host's whole transaction. SQLite undoes only the failed
+        statement anyway, and its driver's savepoints are unsafe in a transaction it has not
+        begun yet (the RELEASE would commit it), so none there. No process lock either:
+        the host's transaction is not ours to queue.
+        """
+        with sql_errors():
+            if self.dialect == "postgresql":
+                with host.begin_nested():
+                    yield host
+            else:
+                yield host
+
+    @staticmethod
+    def commit(conn: Connection, host: Connection | None) -> None:
+        """Commit our own transaction; never the host's."""
+        if host is None:
+            conn.commit()
