@@ -188,12 +188,13 @@ def test_a_host_client_is_used_as_it_is(
     service = OrderService(engine, client, settings)
     try:
         assert service.index.client is client
-        assert client.connection_pool.connection_kwargs["health_check_interval"] == 7
         order = service.create_unpaid_order("u1")
         assert admin.zscore(f"{PREFIX}u1", order.id) is not None
         # The server sees the host's connection, by the name the host gave it.
         assert [c["name"] for c in admin.client_list()].count("host-pool") == 1
-        connection = client.connection_pool.get_connection()
+        # The connection the service's index got (pooled: the one the create used).
+        used = service.index.client
+        connection = used.connection_pool.get_connection()
         try:
             # redis-py gives each connection a copy of the client's Retry: the host's
             # policy (4 tries), not the service's (1).
@@ -202,7 +203,7 @@ def test_a_host_client_is_used_as_it_is(
             assert connection.health_check_interval == 7
             assert isinstance(connection, redis.SSLConnection)
         finally:
-            client.connection_pool.release(connection)
+            used.connection_pool.release(connection)
     finally:
         engine.dispose()
         client.close()
