@@ -293,6 +293,8 @@ def test_cli_create_and_list_over_tls(
     )
     assert listed.exit_code == 0, listed.output
     assert created.stdout.split('"id": ')[1][:40] in listed.stdout
+    swept = CliRunner().invoke(main, ["--redis-url", url, "sweep"], env=env)
+    assert swept.exit_code == 0, swept.output
 
 
 # --- a Redis Cluster over TLS ------------------------------------------------------------
@@ -333,6 +335,30 @@ def test_async_service_on_a_tls_cluster(tls_cluster: TlsCluster, sqlite_url: str
                 assert await run(node.redis_connection.keys, f"{PREFIX}user-*") == []
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_tls_cluster_whose_certificate_does_not_verify_says_so(
+    tls_cluster: TlsCluster, sqlite_url: str, api: str
+) -> None:
+    url = tls_cluster.url(ssl_ca_certs=str(tls_cluster.certs.other_ca))
+    settings = Settings(database_url=sqlite_url, redis_url=url, redis_cluster=True)
+
+    def build() -> None:
+        if api == "sync":
+            build_service(settings).close()
+            return
+
+        async def scenario() -> None:
+            service = await build_async_service(settings)
+            await service.aclose()
+
+        asyncio.run(scenario())
+
+    with pytest.raises(StoreUnavailable) as info:
+        build()
+    assert "the server's TLS certificate did not verify (" in str(info.value), str(info.value)
+    assert open_orders(sqlite_url) == 0
 
 
 # --- bad input ----------------------------------------------------------------------------
