@@ -202,6 +202,7 @@ def test_a_host_client_is_used_as_it_is(
             assert connection.retry.get_retries() == 4
             assert connection.health_check_interval == 7
             assert isinstance(connection, redis.SSLConnection)
+            assert connection.ca_certs == str(tls_server.certs.ca)
         finally:
             used.connection_pool.release(connection)
     finally:
@@ -485,16 +486,30 @@ def test_a_certificate_that_does_not_verify_is_store_unavailable_saying_so(
         assert no_secret(result.output)
 
 
+def create_one(api: str, database_url: str, redis_url: str) -> Any:
+    """One order for ``u1`` through a service built from these settings, on ``api``."""
+    settings = Settings(database_url=database_url, redis_url=redis_url)
+    if api == "sync":
+        service = build_service(settings, startup_warnings=False)
+        try:
+            return service.create_unpaid_order("u1")
+        finally:
+            service.close()
+
+    async def scenario() -> Any:
+        async with await build_async_service(settings, startup_warnings=False) as service:
+            return await service.create_unpaid_order("u1")
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
 def test_the_name_check_can_be_turned_off_in_the_url(
-    tls_server: TlsServer, admin: redis.Redis, sqlite_url: str
+    tls_server: TlsServer, admin: redis.Redis, sqlite_url: str, api: str
 ) -> None:
     """The control of the mismatch case: the same wrong name, the check off, it works."""
     url = user_url(tls_server, ssl_check_hostname="false").replace(HOST, WRONG_NAME_HOST)
-    service = build_service(Settings(database_url=sqlite_url, redis_url=url))
-    try:
-        order = service.create_unpaid_order("u1")
-    finally:
-        service.close()
+    order = create_one(api, sqlite_url, url)
     assert admin.zscore(f"{PREFIX}u1", order.id) is not None
 
 
@@ -502,26 +517,8 @@ def test_the_name_check_can_be_turned_off_in_the_url(
 def test_a_server_that_requires_client_certificates(
     strict_server: TlsServer, sqlite_url: str, api: str
 ) -> None:
-    without = strict_server.url(client_cert=False)
-    with_cert = strict_server.url()
-
-    def create(url: str) -> Any:
-        settings = Settings(database_url=sqlite_url, redis_url=url)
-        if api == "sync":
-            service = build_service(settings, startup_warnings=False)
-            try:
-                return service.create_unpaid_order("u1")
-            finally:
-                service.close()
-
-        async def scenario() -> Any:
-            async with await build_async_service(settings, startup_warnings=False) as service:
-                return await service.create_unpaid_order("u1")
-
-        return asyncio.run(scenario())
-
     with pytest.raises(StoreUnavailable) as info:
-        create(without)
+        create_one(api, sqlite_url, strict_server.url(client_cert=False))
     assert info.value.store == "redis"
     assert open_orders(sqlite_url) == 0
-    assert create(with_cert).user_id == "u1"
+    assert create_one(api, sqlite_url, strict_server.url()).user_id == "u1"
