@@ -282,8 +282,17 @@ class TlsCluster:
                 raise RuntimeError("the TLS cluster did not become healthy")
             time.sleep(0.05)
 
-    def url(self, **more: str) -> str:
-        return f"rediss://{HOST}:{self.ports[0]}?" + tls_query(self.certs, **more)
+    def url(self, *, user: str | None = None, password: str = "", **more: str) -> str:
+        auth = "" if user is None else f"{quote(user, safe='')}:{quote(password, safe='')}@"
+        return f"rediss://{auth}{HOST}:{self.ports[0]}?" + tls_query(self.certs, **more)
+
+    def add_user(self, name: str, password: str, acl: str) -> None:
+        """On every node: a cluster's ACLs are each node's own."""
+        for port in self.ports:
+            with self.node(port) as client:
+                client.execute_command(
+                    "ACL", "SETUSER", name, "reset", *acl.split(), f">{password}"
+                )
 
     def flush(self) -> None:
         for port in self.ports:
