@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from orders.config import SecretUrl, Settings
 from orders.domain import Clock
 from orders.embedded.server import database_url
-from orders.errors import InvalidInput, SchemaNotReady, StoreUnavailable
-from orders.index.errors import failure
+from orders.errors import InvalidInput, SchemaNotReady
+from orders.index.errors import no_cluster_node
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
 from orders.sql import engine
@@ -92,9 +92,7 @@ def build_redis(settings: Settings) -> RedisClient:
         raise InvalidInput("redis_url", "refused by redis-py") from None
     except (redis.RedisError, RedisClusterException) as exc:
         # Only the cluster client connects at once: it reads the slot map from the node.
-        raise StoreUnavailable(
-            "redis", f"no cluster node answered at {url} ({failure(exc)})"
-        ) from None
+        raise no_cluster_node(url, exc) from None
 
 
 def build_service(

@@ -36,8 +36,8 @@ from redis.connection import UnixDomainSocketConnection
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from orders.errors import InvalidInput, StoreUnavailable
-from orders.index.errors import failure
+from orders.errors import InvalidInput
+from orders.index.errors import no_cluster_node
 from orders.index.nodes import RedisClient
 from orders.sql.greenlet import wait_for
 
@@ -113,8 +113,8 @@ class LoopSocket:
     def close(self) -> None:
         self._sock.close()
 
-    def detach(self) -> socket.socket:
-        """The plain socket, which this object no longer uses (to wrap it in TLS)."""
+    def plain_socket(self) -> socket.socket:
+        """The socket itself, for a :class:`LoopTLSSocket` to take over."""
         return self._sock
 
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
@@ -156,9 +156,13 @@ class LoopTLSSocket(LoopSocket):
     """
 
     def __init__(
-        self, sock: socket.socket, timeout: float | None, tls: ssl.SSLObject, into: ssl.MemoryBIO,
+        self,
+        sock: socket.socket,
+        timeout: float | None,
+        tls: ssl.SSLObject,
+        into: ssl.MemoryBIO,
         out: ssl.MemoryBIO,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(sock, timeout)
         self._tls, self._into, self._out = tls, into, out
 
@@ -257,7 +261,7 @@ class LoopTLSConnection(LoopConnection):
         plain = super()._connect()
         into, out = ssl.MemoryBIO(), ssl.MemoryBIO()
         tls = self.tls_context.wrap_bio(into, out, server_hostname=self.host)
-        sock = LoopTLSSocket(plain.detach(), self.socket_connect_timeout, tls, into, out)
+        sock = LoopTLSSocket(plain.plain_socket(), self.socket_connect_timeout, tls, into, out)
         try:
             sock.handshake()
         except BaseException:
@@ -350,11 +354,7 @@ def loop_client(client: AsyncRedisClient, retry: Retry) -> RedisClient:
                 **_carried(client.connection_kwargs),
             )
         except (redis.RedisError, RedisClusterException) as exc:
-            # As orders.bootstrap.build_redis says it: it reads the slot map at once.
-            where = f"{nodes[0].host}:{nodes[0].port}"
-            raise StoreUnavailable(
-                "redis", f"no cluster node answered at {where} ({failure(exc)})"
-            ) from None
+            raise no_cluster_node(f"{nodes[0].host}:{nodes[0].port}", exc) from None
     pool = client.connection_pool
     unix = issubclass(pool.connection_class, redis.asyncio.UnixDomainSocketConnection)
     # No cap: redis-py's capped pool fails a call past it (MaxConnectionsError), and its

@@ -42,6 +42,12 @@ def redis_errors(
         raise StoreUnavailable("redis", f"{action} failed: {failure(exc)}") from exc
 
 
+def no_cluster_node(where: object, exc: BaseException) -> StoreUnavailable:
+    """A cluster client could not read the slot map from the node ``where`` names (it does
+    at once when built): the error to raise, ``from None`` (the cause may quote a URL)."""
+    return StoreUnavailable("redis", f"no cluster node answered at {where} ({failure(exc)})")
+
+
 def failure(exc: BaseException) -> str:
     """What went wrong, safe to show: the exception's class, or why a TLS handshake failed.
 
