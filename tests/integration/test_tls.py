@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -497,9 +499,9 @@ def test_a_certificate_that_does_not_verify_is_store_unavailable_saying_so(
         assert no_secret(result.output)
 
 
-def create_one(api: str, database_url: str, redis_url: str) -> Any:
+def create_one(api: str, database_url: str, redis_url: str, **more: Any) -> Any:
     """One order for ``u1`` through a service built from these settings, on ``api``."""
-    settings = Settings(database_url=database_url, redis_url=redis_url)
+    settings = Settings(database_url=database_url, redis_url=redis_url, **more)
     if api == "sync":
         service = build_service(settings, startup_warnings=False)
         try:
@@ -533,3 +535,26 @@ def test_a_server_that_requires_client_certificates(
     assert info.value.store == "redis"
     assert open_orders(sqlite_url) == 0
     assert create_one(api, sqlite_url, strict_server.url()).user_id == "u1"
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_a_tls_server_that_stops_answering_fails_within_the_socket_timeout(
+    tls_binary: Path, certs: Certificates, tls_dir: Path, sqlite_url: str, api: str
+) -> None:
+    """Frozen (SIGSTOP) before the first call: the kernel still accepts the connection,
+    the TLS handshake gets no answer, and the connect timeout ends it."""
+    server = TlsServer(tls_binary, certs, tls_dir / f"frozen-{api}").start()
+    try:
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as info:
+            create_one(api, sqlite_url, server.url(), redis_socket_timeout_s=0.3)
+        took_s = time.monotonic() - started
+        assert info.value.store == "redis"
+        assert took_s < 2.0, took_s
+        assert open_orders(sqlite_url) == 0
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.stop()
