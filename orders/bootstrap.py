@@ -17,12 +17,17 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from orders.config import SecretUrl, Settings
 from orders.domain import Clock
 from orders.embedded.server import check_can_start, database_url
-from orders.errors import InvalidInput, SchemaNotReady, StoreUnavailable
+from orders.errors import InvalidInput, SchemaNotReady
+from orders.index.errors import no_cluster_node
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
 from orders.sql import engine
 
 log = logging.getLogger(__name__)
+
+#: A pooled connection to one Redis server idle this long is pinged before its next use
+#: (the clients the service builds, sync and asyncio; a host's own client keeps its own).
+HEALTH_CHECK_INTERVAL_S = 30
 
 
 def build_engine(settings: Settings, url: str | None = None) -> Engine:
@@ -60,7 +65,7 @@ def build_redis(settings: Settings) -> RedisClient:
     """
     options: dict[str, Any] = {
         "socket_connect_timeout": settings.redis_socket_timeout_s,
-        "health_check_interval": 30,
+        "health_check_interval": HEALTH_CHECK_INTERVAL_S,
         "retry": redis_retry(cluster=False),
     }
     if settings.redis_url is None:
@@ -87,9 +92,7 @@ def build_redis(settings: Settings) -> RedisClient:
         raise InvalidInput("redis_url", "refused by redis-py") from None
     except (redis.RedisError, RedisClusterException) as exc:
         # Only the cluster client connects at once: it reads the slot map from the node.
-        raise StoreUnavailable(
-            "redis", f"no cluster node answered at {url} ({type(exc).__name__})"
-        ) from None
+        raise no_cluster_node(url, exc) from None
 
 
 def build_service(

@@ -336,6 +336,76 @@ def check_redis_url(raw: str) -> None:
         redis.connection.parse_url(raw)  # type: ignore[no-untyped-call]
     except ValueError:
         raise InvalidInput("redis_url", "has a bad port, database or option") from None
+    check_tls_options(scheme, dict(parse_qsl(urlsplit(raw).query)))
+
+
+#: The ``ssl_*`` query options a ``rediss://`` URL may carry (redis-py's ``from_url`` hands
+#: them to its TLS connection): CA file or folder, client certificate and key (and the
+#: key's password), how strictly to verify, the lowest TLS version, the ciphers.
+TLS_OPTIONS = frozenset(
+    (
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_password",
+        "ssl_cert_reqs",
+        "ssl_check_hostname",
+        "ssl_min_version",
+        "ssl_ciphers",
+    )
+)
+CERT_REQS = ("none", "optional", "required")
+
+
+def check_tls_options(scheme: str, query: Mapping[str, str]) -> None:
+    """Refuse a Redis URL's TLS options that would only fail at the first connection (or,
+    worse, connect without what they ask): unknown ``ssl_*`` names, TLS options on a URL
+    that is not ``rediss://``, CA and certificate files that are missing or hold no
+    certificate. Whether the server's certificate verifies is known at the handshake."""
+    given = {name: value for name, value in query.items() if name.startswith("ssl_")}
+    for name in given:
+        if name not in TLS_OPTIONS:
+            shown = name if re.fullmatch(r"ssl_[a-z_]{1,40}", name) else "ssl_..."
+            raise InvalidInput("redis_url", f"has an unknown TLS option {shown}")
+    if given and scheme != "rediss":
+        raise InvalidInput("redis_url", "has TLS options (ssl_*) but does not start rediss://")
+    if given.get("ssl_cert_reqs", "required") not in CERT_REQS:
+        raise InvalidInput("redis_url", "ssl_cert_reqs must be none, optional or required")
+    check_tls_files(given)
+
+
+def check_tls_files(given: Mapping[str, str]) -> None:
+    """The CA file (or folder), client certificate and key a URL names: present, and
+    loading into a TLS context as redis-py will load them."""
+    import ssl  # noqa: PLC0415
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ca_file, ca_path = given.get("ssl_ca_certs"), given.get("ssl_ca_path")
+    if ca_file is not None and not Path(ca_file).is_file():
+        raise InvalidInput("redis_url", "its ssl_ca_certs file does not exist")
+    if ca_path is not None and not Path(ca_path).is_dir():
+        raise InvalidInput("redis_url", "its ssl_ca_path folder does not exist")
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except (ssl.SSLError, OSError):
+            raise InvalidInput(
+                "redis_url", "its ssl_ca_certs file holds no PEM certificate"
+            ) from None
+    certfile, keyfile = given.get("ssl_certfile"), given.get("ssl_keyfile")
+    if keyfile is not None and certfile is None:
+        raise InvalidInput("redis_url", "has ssl_keyfile without ssl_certfile")
+    if certfile is not None:
+        for name, path in (("ssl_certfile", certfile), ("ssl_keyfile", keyfile)):
+            if path is not None and not Path(path).is_file():
+                raise InvalidInput("redis_url", f"its {name} file does not exist")
+        try:
+            context.load_cert_chain(certfile, keyfile, given.get("ssl_password"))
+        except (ssl.SSLError, OSError):
+            raise InvalidInput(
+                "redis_url", "its ssl_certfile and ssl_keyfile hold no certificate and its key"
+            ) from None
 
 
 def check_database_url(raw: str) -> URL:

@@ -15,6 +15,7 @@ from orders.aio.greenlets import run
 from orders.aio.loop_redis import AsyncRedisClient
 from orders.aio.service import AsyncOrderService
 from orders.bootstrap import (
+    HEALTH_CHECK_INTERVAL_S,
     build_async_engine,
     build_engine,
     check_embedded_redis,
@@ -53,13 +54,14 @@ async def async_redis(settings: Settings) -> AsyncRedisClient:
         "socket_timeout": settings.redis_socket_timeout_s,
         "socket_connect_timeout": settings.redis_socket_timeout_s,
     }
+    one_server = {**timeouts, "health_check_interval": HEALTH_CHECK_INTERVAL_S}
     if settings.redis_url is None:
         url = await asyncio.to_thread(_embedded_url, settings)
-        return redis.asyncio.Redis.from_url(url, **timeouts)
+        return redis.asyncio.Redis.from_url(url, **one_server)
     try:
         if settings.redis_cluster:
             return AsyncRedisCluster.from_url(settings.redis_url.reveal(), **timeouts)
-        return redis.asyncio.Redis.from_url(settings.redis_url.reveal(), **timeouts)
+        return redis.asyncio.Redis.from_url(settings.redis_url.reveal(), **one_server)
     except ValueError:
         raise InvalidInput("redis_url", "refused by redis-py") from None
 

@@ -9,25 +9,35 @@ awaited on the loop. Everything above the socket (the parser, retries, health ch
 redirections of a cluster) is redis-py's own code, unchanged.
 
 :func:`loop_client` builds such a client from a ``redis.asyncio`` client: the same server
-(or cluster), database, credentials and timeouts. It keeps its own connections; the
-``redis.asyncio`` client's pool is not shared. TLS is not supported yet.
+(or cluster), database, credentials, timeouts, health checks and TLS settings. It keeps
+its own connections; the ``redis.asyncio`` client's pool is not shared.
+
+TLS runs over the same awaited socket: the standard library's ``ssl.SSLObject`` works on
+two memory buffers (:meth:`ssl.SSLContext.wrap_bio`), and :class:`LoopTLSSocket` moves
+their bytes through the :class:`LoopSocket`'s waits. The ``SSLContext`` is the one the
+host's client builds for its own connections (its CA, client certificate, verification
+mode and host-name check, and anything a subclass of its connection adds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import UnixDomainSocketConnection
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from orders.errors import InvalidInput
+from orders.index.errors import no_cluster_node
 from orders.index.nodes import RedisClient
 from orders.sql.greenlet import wait_for
 
@@ -39,7 +49,11 @@ AsyncRedisClient = redis.asyncio.Redis | AsyncRedisCluster
 UNCAPPED = 2**31 - 1
 
 #: What a connection of the ``redis.asyncio`` client carries over: where the server is,
-#: who we are, and how long to wait. Everything else (its pool, its parser) stays its own.
+#: who we are, how long to wait, how often to check an idle connection, which errors and
+#: timeouts to retry, the protocol. Its TLS settings come as its ``SSLContext`` (see
+#: :func:`host_tls_context`). What is its own stays its own: its pool, its parser, its
+#: Retry (whose back-off awaits; the loop client's is :class:`~orders.aio.greenlets.LoopRetry`
+#: with the service's policy), its encoder (responses must be bytes either way).
 _CARRIED = (
     "host",
     "port",
@@ -49,11 +63,19 @@ _CARRIED = (
     "password",
     "credential_provider",
     "client_name",
+    "lib_name",
+    "lib_version",
+    "driver_info",
     "socket_timeout",
     "socket_connect_timeout",
     "socket_keepalive",
     "socket_keepalive_options",
+    "socket_read_size",
+    "health_check_interval",
+    "retry_on_timeout",
+    "retry_on_error",
     "protocol",
+    "legacy_responses",
 )
 
 
@@ -91,6 +113,10 @@ class LoopSocket:
     def close(self) -> None:
         self._sock.close()
 
+    def plain_socket(self) -> socket.socket:
+        """The socket itself, for a :class:`LoopTLSSocket` to take over."""
+        return self._sock
+
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
         if flags or self._timeout == 0:
             return self._sock.recv_into(buffer, nbytes, flags)
@@ -118,6 +144,73 @@ class LoopSocket:
             return await step
         async with asyncio.timeout(self._timeout):  # raises TimeoutError (socket.timeout)
             return await step
+
+
+class LoopTLSSocket(LoopSocket):
+    """A :class:`LoopSocket` speaking TLS: an ``ssl.SSLObject`` between two memory
+    buffers, whose encrypted bytes go through the plain socket's awaited waits.
+
+    :meth:`handshake` runs once, under the connect timeout; afterwards each read and
+    write is the plain socket's, bounded by the socket timeout as before. A timeout of 0
+    still never waits: with no decrypted byte at hand it raises ``BlockingIOError``.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        timeout: float | None,
+        tls: ssl.SSLObject,
+        into: ssl.MemoryBIO,
+        out: ssl.MemoryBIO,
+    ) -> None:
+        super().__init__(sock, timeout)
+        self._tls, self._into, self._out = tls, into, out
+
+    def handshake(self) -> None:
+        while True:
+            try:
+                self._tls.do_handshake()
+            except ssl.SSLWantReadError:
+                self._flush()
+                self._fill()
+                continue
+            self._flush()
+            return
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        if flags:
+            raise ValueError("flags are not supported on a TLS socket")
+        size = nbytes or len(buffer)
+        while True:
+            try:
+                read: int = self._tls.read(size, buffer)  # type: ignore[assignment]
+                return read
+            except ssl.SSLWantReadError:
+                self._flush()  # a post-handshake message (a TLS 1.3 ticket, a key update)
+                self._fill()
+            except ssl.SSLZeroReturnError:
+                return 0
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        buffer = bytearray(bufsize)
+        return bytes(buffer[: self.recv_into(buffer, bufsize, flags)])
+
+    def sendall(self, data: bytes | memoryview) -> None:
+        self._tls.write(data)  # into memory: all of it at once
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what the TLS object wrote (the plain socket waits if its buffer is full)."""
+        if self._out.pending:
+            super().sendall(self._out.read())
+
+    def _fill(self) -> None:
+        """Feed the TLS object the next encrypted bytes (or the end of the stream)."""
+        received = super().recv(65536)
+        if received:
+            self._into.write(received)
+        else:
+            self._into.write_eof()
 
 
 async def _open(
@@ -158,6 +251,26 @@ class LoopConnection(redis.Connection):
         raise error
 
 
+class LoopTLSConnection(LoopConnection):
+    """:class:`LoopConnection` over TLS, with the ``SSLContext`` of the host's client
+    (:func:`loop_client` makes a subclass that sets :attr:`tls_context`)."""
+
+    tls_context: ssl.SSLContext
+
+    def _connect(self) -> LoopTLSSocket:
+        plain = super()._connect()
+        into, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = self.tls_context.wrap_bio(into, out, server_hostname=self.host)
+        sock = LoopTLSSocket(plain.plain_socket(), self.socket_connect_timeout, tls, into, out)
+        try:
+            sock.handshake()
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(self.socket_timeout)
+        return sock
+
+
 class LoopUnixConnection(UnixDomainSocketConnection):
     """redis-py's unix-socket connection over a :class:`LoopSocket`."""
 
@@ -174,13 +287,8 @@ def check_async_client(client: object) -> AsyncRedisClient:
     """Refuse (InvalidInput) what :func:`loop_client` cannot copy."""
     if isinstance(client, AsyncRedisCluster):
         decode = client.encoder.decode_responses
-        if client.connection_kwargs.get("connection_class", None) is redis.asyncio.SSLConnection:
-            raise InvalidInput("redis_client", "TLS is not supported by orders.aio yet")
     elif isinstance(client, redis.asyncio.Redis):
-        pool = client.connection_pool
-        decode = pool.connection_kwargs.get("decode_responses", False)
-        if issubclass(pool.connection_class, redis.asyncio.SSLConnection):
-            raise InvalidInput("redis_client", "TLS is not supported by orders.aio yet")
+        decode = client.connection_pool.connection_kwargs.get("decode_responses", False)
     else:
         raise InvalidInput("redis_client", "must be a redis.asyncio Redis or RedisCluster")
     if decode:
@@ -188,34 +296,74 @@ def check_async_client(client: object) -> AsyncRedisClient:
     return client
 
 
+def host_tls_context(client: AsyncRedisClient) -> ssl.SSLContext | None:
+    """The ``SSLContext`` the host's client gives its own connections (None: no TLS).
+
+    One connection object of the host's own class is made (not connected) and asked for
+    its context, so the loop client verifies, presents and checks exactly as the host's
+    connections do. A context that cannot be built (a CA file gone since) is
+    InvalidInput, naming no file and no password.
+    """
+    connection: Any  # redis-py's asyncio SSLConnection (its node's is untyped)
+    if isinstance(client, AsyncRedisCluster):
+        kwargs = client.connection_kwargs
+        if not issubclass(kwargs["connection_class"], redis.asyncio.SSLConnection):
+            return None
+        # A node of the host's own kind (not one of its nodes: their pools are theirs).
+        startup = next(iter(client.nodes_manager.startup_nodes.values()))
+        node = AsyncClusterNode(startup.host, startup.port, **kwargs)
+        connection = node.acquire_connection()
+    else:
+        if not issubclass(client.connection_pool.connection_class, redis.asyncio.SSLConnection):
+            return None
+        connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    try:
+        context: ssl.SSLContext = connection.ssl_context.get()
+    except (ssl.SSLError, OSError):
+        raise InvalidInput(
+            "redis_client", "its TLS settings do not load (CA, cert or key)"
+        ) from None
+    return context
+
+
+def tls_connection(context: ssl.SSLContext) -> type[LoopTLSConnection]:
+    """A :class:`LoopTLSConnection` class whose connections use ``context`` (redis-py's
+    pools and cluster nodes build connections from a class and keyword arguments)."""
+    return type("HostTLSConnection", (LoopTLSConnection,), {"tls_context": context})
+
+
 def loop_client(client: AsyncRedisClient, retry: Retry) -> RedisClient:
     """A synchronous client on the server or cluster ``client`` names, for code run by
     :func:`orders.aio.greenlets.run` (call it there: a cluster client connects at once)."""
     check_async_client(client)
+    context = host_tls_context(client)
+    tcp = LoopConnection if context is None else tls_connection(context)
     if isinstance(client, AsyncRedisCluster):
         nodes = [
             ClusterNode(node.host, node.port)  # type: ignore[no-untyped-call]
             for node in client.nodes_manager.startup_nodes.values()
         ]
-        return RedisCluster(
-            # Given a URL (no credentials in it), each node's pool takes connection_class.
-            url=f"redis://{nodes[0].host}:{nodes[0].port}",
-            startup_nodes=nodes,
-            connection_class=LoopConnection,
-            max_connections=UNCAPPED,  # per node; see below
-            retry=retry,
-            **_carried(client.connection_kwargs),
-        )
+        try:
+            return RedisCluster(
+                # Given a URL (no credentials in it), each node's pool takes connection_class.
+                url=f"redis://{nodes[0].host}:{nodes[0].port}",
+                startup_nodes=nodes,
+                connection_class=tcp,
+                max_connections=UNCAPPED,  # per node; see below
+                retry=retry,
+                **_carried(client.connection_kwargs),
+            )
+        except (redis.RedisError, RedisClusterException) as exc:
+            raise no_cluster_node(f"{nodes[0].host}:{nodes[0].port}", exc) from None
     pool = client.connection_pool
     unix = issubclass(pool.connection_class, redis.asyncio.UnixDomainSocketConnection)
     # No cap: redis-py's capped pool fails a call past it (MaxConnectionsError), and its
     # blocking pool would wait in the loop's own thread. Connections are held for one round
     # trip each, so there are as many as Redis calls in flight at once.
     loop_pool = redis.ConnectionPool(
-        connection_class=LoopUnixConnection if unix else LoopConnection,
+        connection_class=LoopUnixConnection if unix else tcp,
         max_connections=UNCAPPED,
         retry=retry,
-        health_check_interval=30,
         **_carried(pool.connection_kwargs),
     )
     return redis.Redis(connection_pool=loop_pool)

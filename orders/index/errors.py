@@ -4,6 +4,7 @@ dashboard's Redis reads: one place decides what a caller is told."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -38,8 +39,31 @@ def redis_errors(
         raise refused("redis", f"{action} failed: {type(exc).__name__}") from exc
     except redis.RedisError as exc:
         metrics.STORE_ERRORS.labels("redis").inc()
-        # The exception text names host and port at most, never the password.
-        raise StoreUnavailable("redis", f"{action} failed: {type(exc).__name__}") from exc
+        raise StoreUnavailable("redis", f"{action} failed: {failure(exc)}") from exc
+
+
+def no_cluster_node(where: object, exc: BaseException) -> StoreUnavailable:
+    """A cluster client could not read the slot map from the node ``where`` names (it does
+    at once when built): the error to raise, ``from None`` (the cause may quote a URL)."""
+    return StoreUnavailable("redis", f"no cluster node answered at {where} ({failure(exc)})")
+
+
+def failure(exc: BaseException) -> str:
+    """What went wrong, safe to show: the exception's class, or why a TLS handshake failed.
+
+    redis-py raises a ConnectionError from the ``ssl`` error it met while connecting; a
+    server certificate that does not verify (an unknown CA, a name that does not match)
+    is a setting to fix, not an outage, so its reason is named. OpenSSL's reason names
+    the check that failed (and the host name asked for), never a password.
+    """
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"the server's TLS certificate did not verify ({cause.verify_message})"
+        if isinstance(cause, ssl.SSLError):
+            return f"TLS handshake failed ({cause.reason or type(cause).__name__})"
+        cause = cause.__cause__ or cause.__context__
+    return type(exc).__name__
 
 
 def out_of_memory(exc: redis.ResponseError) -> bool:
