@@ -41,9 +41,9 @@ def upgrade() -> None:
         return
     plan = renames(bind, list(LEGACY_TABLES), prefixed)
     taken = existing(bind, plan.values())
-    if taken:
-        name = next(iter(taken))
-        raise SchemaConflict(taken[name], name, "the upgrade to 0007 changed nothing")
+    for name in plan.values():  # tables first
+        if name in taken:
+            raise SchemaConflict(taken[name], name, "the upgrade to 0007 changed nothing")
     rename(bind, plan)
 
 

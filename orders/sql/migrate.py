@@ -157,13 +157,12 @@ def adopt_legacy_revision(connection: Connection) -> None:
 
 
 def schema_objects() -> dict[str, str]:
-    """The names our newest schema gives its tables and indexes (and primary keys, which
-    PostgreSQL backs with an index of that name), each with its kind."""
-    names: dict[str, str] = {}
-    for schema_table in Base.metadata.sorted_tables:
-        names[schema_table.name] = "table"
-        for index in schema_table.indexes:
-            names[str(index.name)] = "index"
+    """The names our newest schema gives its tables, then its indexes (and primary keys,
+    which PostgreSQL backs with an index of that name), each with its kind."""
+    tables = Base.metadata.sorted_tables
+    names = {schema_table.name: "table" for schema_table in tables}
+    for schema_table in tables:
+        names.update({str(index.name): "index" for index in schema_table.indexes})
         names[str(schema_table.primary_key.name)] = "index"
     return names
 
@@ -172,10 +171,11 @@ def refuse_conflicts(connection: Connection, outcome: str) -> None:
     """Raise SchemaConflict naming the first of our objects' names the database already
     uses; call it only when our version table records no revision (then none is ours):
     the first migration does, before it creates anything."""
-    taken = existing(connection, schema_objects())
-    if taken:
-        name = next(iter(taken))
-        raise SchemaConflict(taken[name], name, outcome)
+    ours = schema_objects()
+    taken = existing(connection, ours)
+    for name in ours:  # tables first
+        if name in taken:
+            raise SchemaConflict(taken[name], name, outcome)
 
 
 def refuse_unrecorded_schema(engine: Engine) -> None:
