@@ -297,7 +297,7 @@ def test_sql_failure_on_insert_removes_the_member_again(
     service: OrderService, engine: Engine, redis_client: redis.Redis
 ) -> None:
     service.create_unpaid_order("u1", order_id="kept")
-    refuse_inserts(engine, "orders", "disk on fire")
+    refuse_inserts(engine, orders_table.name, "disk on fire")
 
     with pytest.raises(StoreUnavailable) as info:
         service.create_unpaid_order("u1", order_id="doomed")

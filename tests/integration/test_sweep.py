@@ -297,7 +297,7 @@ def test_a_constraint_refusing_a_transition_is_a_store_failure_and_changes_nothi
     reach the caller as StoreUnavailable, never as a SQLAlchemy exception, and the
     transition must not commit without its event (on PostgreSQL both are one statement)."""
     order = create_orders(service, [1])[0]
-    refuse_inserts(engine, "order_events", "check constraint failed")
+    refuse_inserts(engine, events_table.name, "check constraint failed")
     if action == "sweep":
         clock.advance(s=10)
     run = {
