@@ -1,8 +1,9 @@
--- orders and order_events, hash-partitioned by user_id (PostgreSQL 11 or later; tried on 15).
+-- oes_orders and oes_order_events, hash-partitioned by user_id (PostgreSQL 11 or later;
+-- tried on 15).
 --
--- The same columns, checks, partial indexes and names as migrations 0001-0006, for a fresh
--- database; event_cursors, event_retries and alembic_version stay as the migrations make
--- them (small, not partitioned). The service's statements run on it unchanged:
+-- The same columns, checks, partial indexes and names as migrations 0001-0007, for a fresh
+-- database; oes_event_cursors, oes_event_retries and oes_alembic_version stay as the
+-- migrations make them (small, not partitioned). The service's statements run on it unchanged:
 -- tests/integration/test_partitioning.py applies this file to a throwaway PostgreSQL and
 -- runs create, pay, cancel, the sweep and the SQL guard against it. docs/capacity.md says
 -- what it costs and what would change.
@@ -12,7 +13,7 @@
 --     So the primary key of orders is (id, user_id), not id (id first, so a lookup by id
 --     alone still uses it), and by itself it would let one caller-supplied order_id be
 --     inserted once per user: tried, the service then created 40 orders "dup-1" for 40
---     users instead of raising OrderConflict. The order_ids table below (partitioned by
+--     users instead of raising OrderConflict. The oes_order_ids table below (partitioned by
 --     id, primary key id) restores the rule: a trigger inserts each new order's id there,
 --     a second user's insert of the same id fails, and the service sees the same
 --     IntegrityError as on the plain schema. It is also the id -> user_id map a pay by id
@@ -30,7 +31,7 @@
 -- power of two, so a later split of each partition in two (MODULUS 32) moves only the rows
 -- of the one being split.
 
-CREATE TABLE orders (
+CREATE TABLE oes_orders (
     id varchar(128) NOT NULL,
     user_id varchar(512) NOT NULL,
     status varchar(16) NOT NULL,
@@ -46,12 +47,12 @@ CREATE TABLE orders (
     metadata json,
     extensions integer DEFAULT 0 NOT NULL,
     slot integer,
-    CONSTRAINT pk_orders PRIMARY KEY (id, user_id),
-    CONSTRAINT ck_orders_status CHECK (status IN ('unpaid', 'paid', 'cancelled', 'closed')),
-    CONSTRAINT ck_orders_expiry_after_creation CHECK (expires_at_ms > created_at_ms)
+    CONSTRAINT pk_oes_orders PRIMARY KEY (id, user_id),
+    CONSTRAINT ck_oes_orders_status CHECK (status IN ('unpaid', 'paid', 'cancelled', 'closed')),
+    CONSTRAINT ck_oes_orders_expiry_after_creation CHECK (expires_at_ms > created_at_ms)
 ) PARTITION BY HASH (user_id);
 
-CREATE TABLE order_events (
+CREATE TABLE oes_order_events (
     id bigserial NOT NULL,
     order_id varchar(128) NOT NULL,
     user_id varchar(512) NOT NULL,
@@ -59,21 +60,22 @@ CREATE TABLE order_events (
     at_ms bigint NOT NULL,
     data json,
     txid bigint DEFAULT txid_current(),
-    CONSTRAINT pk_order_events PRIMARY KEY (id, user_id),
-    CONSTRAINT ck_order_events_kind
+    CONSTRAINT pk_oes_order_events PRIMARY KEY (id, user_id),
+    CONSTRAINT ck_oes_order_events_kind
         CHECK (kind IN ('created', 'paid', 'cancelled', 'closed', 'extended')),
-    CONSTRAINT fk_order_events_order_id_orders FOREIGN KEY (order_id, user_id)
-        REFERENCES orders (id, user_id) ON DELETE CASCADE
+    CONSTRAINT fk_oes_order_events_order_id_oes_orders FOREIGN KEY (order_id, user_id)
+        REFERENCES oes_orders (id, user_id) ON DELETE CASCADE
 ) PARTITION BY HASH (user_id);
 
 DO $$
 BEGIN
     FOR r IN 0..15 LOOP
         EXECUTE format(
-            'CREATE TABLE orders_p%s PARTITION OF orders FOR VALUES WITH (MODULUS 16, REMAINDER %s)',
+            'CREATE TABLE oes_orders_p%s PARTITION OF oes_orders '
+            'FOR VALUES WITH (MODULUS 16, REMAINDER %s)',
             lpad(r::text, 2, '0'), r);
         EXECUTE format(
-            'CREATE TABLE order_events_p%s PARTITION OF order_events '
+            'CREATE TABLE oes_order_events_p%s PARTITION OF oes_order_events '
             'FOR VALUES WITH (MODULUS 16, REMAINDER %s)',
             lpad(r::text, 2, '0'), r);
     END LOOP;
@@ -81,31 +83,31 @@ END
 $$;
 
 -- One row per order id, whatever its user: the uniqueness of ids across users.
-CREATE TABLE order_ids (
+CREATE TABLE oes_order_ids (
     id varchar(128) NOT NULL,
     user_id varchar(512) NOT NULL,
-    CONSTRAINT pk_order_ids PRIMARY KEY (id)
+    CONSTRAINT pk_oes_order_ids PRIMARY KEY (id)
 ) PARTITION BY HASH (id);
 
-CREATE FUNCTION orders_keep_order_ids() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION oes_orders_keep_order_ids() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'INSERT' THEN
-        INSERT INTO order_ids (id, user_id) VALUES (NEW.id, NEW.user_id);
+        INSERT INTO oes_order_ids (id, user_id) VALUES (NEW.id, NEW.user_id);
         RETURN NEW;
     END IF;
-    DELETE FROM order_ids WHERE id = OLD.id AND user_id = OLD.user_id;
+    DELETE FROM oes_order_ids WHERE id = OLD.id AND user_id = OLD.user_id;
     RETURN OLD;
 END
 $$;
 
-CREATE TRIGGER orders_keep_order_ids AFTER INSERT OR DELETE ON orders
-    FOR EACH ROW EXECUTE FUNCTION orders_keep_order_ids();
+CREATE TRIGGER oes_orders_keep_order_ids AFTER INSERT OR DELETE ON oes_orders
+    FOR EACH ROW EXECUTE FUNCTION oes_orders_keep_order_ids();
 
 DO $$
 BEGIN
     FOR r IN 0..15 LOOP
         EXECUTE format(
-            'CREATE TABLE order_ids_p%s PARTITION OF order_ids '
+            'CREATE TABLE oes_order_ids_p%s PARTITION OF oes_order_ids '
             'FOR VALUES WITH (MODULUS 16, REMAINDER %s)',
             lpad(r::text, 2, '0'), r);
     END LOOP;
@@ -115,43 +117,43 @@ $$;
 -- Created on the parent, each index is created on every partition (and on partitions
 -- attached later). The status tests are the same inline literals as the migrations', so
 -- the planner can prove them for the service's statements.
-CREATE INDEX ix_orders_unpaid_expires_at_ms ON orders (expires_at_ms)
+CREATE INDEX ix_oes_orders_unpaid_expires_at_ms ON oes_orders (expires_at_ms)
     WHERE status = 'unpaid';
-CREATE INDEX ix_orders_unpaid_user_id_expires_at_ms ON orders (user_id, expires_at_ms)
+CREATE INDEX ix_oes_orders_unpaid_user_id_expires_at_ms ON oes_orders (user_id, expires_at_ms)
     WHERE status = 'unpaid';
-CREATE UNIQUE INDEX ix_orders_unpaid_user_id_slot ON orders (user_id, slot)
+CREATE UNIQUE INDEX ix_oes_orders_unpaid_user_id_slot ON oes_orders (user_id, slot)
     WHERE status = 'unpaid';
-CREATE INDEX ix_orders_paid_paid_at_ms ON orders (paid_at_ms)
+CREATE INDEX ix_oes_orders_paid_paid_at_ms ON oes_orders (paid_at_ms)
     WHERE status = 'paid';
-CREATE INDEX ix_orders_cancelled_closed_at_ms ON orders (closed_at_ms)
+CREATE INDEX ix_oes_orders_cancelled_closed_at_ms ON oes_orders (closed_at_ms)
     WHERE status = 'cancelled';
-CREATE INDEX ix_orders_closed_closed_at_ms_expires_at_ms ON orders (closed_at_ms, expires_at_ms)
+CREATE INDEX ix_oes_orders_closed_closed_at_ms_expires_at_ms ON oes_orders (closed_at_ms, expires_at_ms)
     WHERE status = 'closed';
-CREATE INDEX ix_order_events_order_id ON order_events (order_id);
-CREATE INDEX ix_order_events_txid_id ON order_events (txid, id);
+CREATE INDEX ix_oes_order_events_order_id ON oes_order_events (order_id);
+CREATE INDEX ix_oes_order_events_txid_id ON oes_order_events (txid, id);
 
 -- The rest of the schema as migrations 0003 and 0004 leave it, and the revision stamp, so
 -- `orders db current` and the service's schema check see a database at head.
-CREATE TABLE event_cursors (
+CREATE TABLE oes_event_cursors (
     name varchar(64) NOT NULL,
     txid bigint NOT NULL,
     event_id bigint NOT NULL,
     updated_at_ms bigint NOT NULL,
-    CONSTRAINT pk_event_cursors PRIMARY KEY (name)
+    CONSTRAINT pk_oes_event_cursors PRIMARY KEY (name)
 );
-CREATE TABLE event_retries (
+CREATE TABLE oes_event_retries (
     consumer varchar(64) NOT NULL,
     event_id bigint NOT NULL,
     attempts integer NOT NULL,
     next_at_ms bigint NOT NULL,
     last_error varchar(256),
     parked_at_ms bigint,
-    CONSTRAINT pk_event_retries PRIMARY KEY (consumer, event_id)
+    CONSTRAINT pk_oes_event_retries PRIMARY KEY (consumer, event_id)
 );
-CREATE INDEX ix_event_retries_retrying_consumer_next_at_ms ON event_retries (consumer, next_at_ms)
+CREATE INDEX ix_oes_event_retries_retrying_consumer_next_at_ms ON oes_event_retries (consumer, next_at_ms)
     WHERE parked_at_ms IS NULL;
-CREATE TABLE alembic_version (
+CREATE TABLE oes_alembic_version (
     version_num varchar(32) NOT NULL,
-    CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num)
+    CONSTRAINT oes_alembic_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO alembic_version (version_num) VALUES ('0006');
+INSERT INTO oes_alembic_version (version_num) VALUES ('0007');

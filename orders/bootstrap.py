@@ -140,10 +140,13 @@ def check_schema(engine: Engine, settings: Settings) -> None:
 
 
 def ensure_schema(engine: Engine) -> None:
-    """Raise SchemaNotReady unless the database is at the newest revision."""
+    """Raise SchemaNotReady unless the database is at the newest revision; SchemaConflict
+    when it records no revision of ours yet our tables' names are taken (an upgrade would
+    refuse too, so "run `orders db upgrade`" would send the operator round in a loop)."""
     from orders.sql import migrate  # noqa: PLC0415  (alembic is only needed here)
 
     if not migrate.is_current(engine):
+        migrate.refuse_unrecorded_schema(engine)
         raise SchemaNotReady("the database schema is missing or behind this version")
 
 

@@ -10,6 +10,7 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
      ├── OrderClosed               closed or cancelled: a late payment must be refunded
      │    └── OrderExpired         unpaid, but its time is up: the sweep will close it
      ├── OrderAlreadyPaid          paid already (with another payment reference)
+     ├── SchemaConflict            a name our schema needs is taken by something else
      └── StoreUnavailable          Redis or SQL failed; the operation did not happen
           ├── SchemaNotReady       the database has no (or an old) schema
           ├── RedisServerMissing   the embedded default found no server binary to start
@@ -105,6 +106,25 @@ class OrderAlreadyPaid(OrdersError):
         super().__init__("order is already paid with another payment reference")
         self.order_id = order_id
         self.payment_ref = payment_ref
+
+
+class SchemaConflict(OrdersError):
+    """A table or index our schema needs already exists and is not ours: the database
+    records no revision of ours, so something else (a host application) created it.
+
+    ``kind`` is what the database holds under that name ("table", "index", ...), ``name``
+    the name, ``outcome`` what was (not) done about it. Not a StoreUnavailable: retrying
+    cannot help, an operator must rename it, drop it or give orders another database.
+    """
+
+    def __init__(self, kind: str, name: str, outcome: str) -> None:
+        super().__init__(
+            f"{kind} '{name}' already exists in the database and is not orders' "
+            f"(created by something else); {outcome}"
+        )
+        self.kind = kind
+        self.name = name
+        self.outcome = outcome
 
 
 class StoreUnavailable(OrdersError):

@@ -230,7 +230,7 @@ def far_behind(
     event's index entry. Returns its timing and the plan of that count; removes it."""
     with engine.begin() as conn:
         conn.exec_driver_sql(
-            "INSERT INTO event_cursors (name, txid, event_id, updated_at_ms) "  # noqa: S608
+            "INSERT INTO oes_event_cursors (name, txid, event_id, updated_at_ms) "  # noqa: S608
             f"VALUES ('{FAR}', 0, 0, {now})"
         )
     try:
@@ -243,7 +243,7 @@ def far_behind(
         return timing, analyzed(engine, *far)
     finally:
         with engine.begin() as conn:
-            conn.exec_driver_sql(f"DELETE FROM event_cursors WHERE name = '{FAR}'")  # noqa: S608
+            conn.exec_driver_sql(f"DELETE FROM oes_event_cursors WHERE name = '{FAR}'")  # noqa: S608
 
 
 def analyzed_rows(engine: Engine, sql: str, params: Any) -> int:

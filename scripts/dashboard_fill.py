@@ -95,7 +95,7 @@ def load(engine: Engine, total: int, users: int, now: int, steps: list[tuple[str
         values = select_list.format(o=offset, j=unpaid_seen)
         # Only integers of this script go into the SQL.
         sql = (
-            f"INSERT INTO orders ({COLUMNS}) SELECT {values} "  # noqa: S608
+            f"INSERT INTO oes_orders ({COLUMNS}) SELECT {values} "  # noqa: S608
             f"FROM generate_series(1::bigint, {count}) AS s(i)"
         ).replace("%", "%%")  # the driver's placeholder character
 
@@ -124,8 +124,8 @@ def load_events(engine: Engine) -> None:
     its transition; in created-then-transition order by time, in several transactions so
     the events carry several txids, as the service's would."""
     events = (
-        "SELECT id, user_id, 'created' AS kind, created_at_ms AS at_ms FROM orders "
-        "UNION ALL SELECT id, user_id, status, COALESCE(paid_at_ms, closed_at_ms) FROM orders "
+        "SELECT id, user_id, 'created' AS kind, created_at_ms AS at_ms FROM oes_orders "
+        "UNION ALL SELECT id, user_id, status, COALESCE(paid_at_ms, closed_at_ms) FROM oes_orders "
         "WHERE status <> 'unpaid'"
     )
     with engine.begin() as conn:
@@ -137,7 +137,7 @@ def load_events(engine: Engine) -> None:
     for start in range(0, total, EVENTS_PER_TRANSACTION):
         with engine.begin() as conn:
             conn.exec_driver_sql(
-                "INSERT INTO order_events (order_id, user_id, kind, at_ms) "  # noqa: S608
+                "INSERT INTO oes_order_events (order_id, user_id, kind, at_ms) "  # noqa: S608
                 "SELECT id, user_id, kind, at_ms FROM staged_events "
                 f"WHERE n > {start} AND n <= {start + EVENTS_PER_TRANSACTION} ORDER BY n"
             )
@@ -149,24 +149,24 @@ def load_consumers(engine: Engine, now: int) -> None:
     """``stock``: STOCK_LAG events behind, 5 parked and 2 retrying; ``audit``: caught up."""
     with engine.begin() as conn:
         conn.exec_driver_sql(
-            "INSERT INTO event_cursors (name, txid, event_id, updated_at_ms) "  # noqa: S608
-            f"SELECT 'stock', txid, id, {now} FROM order_events ORDER BY txid DESC, id DESC "
+            "INSERT INTO oes_event_cursors (name, txid, event_id, updated_at_ms) "  # noqa: S608
+            f"SELECT 'stock', txid, id, {now} FROM oes_order_events ORDER BY txid DESC, id DESC "
             f"OFFSET {STOCK_LAG} LIMIT 1"
         )
         conn.exec_driver_sql(
-            "INSERT INTO event_cursors (name, txid, event_id, updated_at_ms) "  # noqa: S608
-            f"SELECT 'audit', txid, id, {now} FROM order_events ORDER BY txid DESC, id DESC "
+            "INSERT INTO oes_event_cursors (name, txid, event_id, updated_at_ms) "  # noqa: S608
+            f"SELECT 'audit', txid, id, {now} FROM oes_order_events ORDER BY txid DESC, id DESC "
             "LIMIT 1"
         )
         conn.exec_driver_sql(
-            "INSERT INTO event_retries (consumer, event_id, attempts, next_at_ms, last_error, "  # noqa: S608
+            "INSERT INTO oes_event_retries (consumer, event_id, attempts, next_at_ms, last_error, "  # noqa: S608
             f"parked_at_ms) SELECT 'stock', id, 10, {now}, 'RuntimeError: no stock row', "
             f"CASE WHEN k <= 5 THEN {now} - k * 60000 END "
             f"FROM (SELECT id, row_number() OVER (ORDER BY id) AS k FROM (SELECT id FROM "
             f"order_events ORDER BY txid DESC, id DESC OFFSET {STOCK_LAG + 10} LIMIT 7) l) e"
         )
         conn.exec_driver_sql(
-            "UPDATE event_retries SET attempts = 3, next_at_ms = next_at_ms + 60000 "
+            "UPDATE oes_event_retries SET attempts = 3, next_at_ms = next_at_ms + 60000 "
             "WHERE parked_at_ms IS NULL"
         )
 
@@ -176,15 +176,15 @@ def row_counts(engine: Engine) -> list[tuple[str, int]]:
         found = [
             (f"orders, {status}", int(n))
             for status, n in conn.exec_driver_sql(
-                "SELECT status, count(*) FROM orders GROUP BY status ORDER BY status"
+                "SELECT status, count(*) FROM oes_orders GROUP BY status ORDER BY status"
             )
         ]
-        for table in ("orders", "order_events", "event_cursors", "event_retries"):
+        for table in ("oes_orders", "oes_order_events", "oes_event_cursors", "oes_event_retries"):
             n = conn.exec_driver_sql(f"SELECT count(*) FROM {table}").scalar_one()  # noqa: S608
             found.append((table, int(n)))
         size = conn.exec_driver_sql(
-            "SELECT pg_size_pretty(pg_total_relation_size('orders')), "
-            "pg_size_pretty(pg_total_relation_size('order_events'))"
+            "SELECT pg_size_pretty(pg_total_relation_size('oes_orders')), "
+            "pg_size_pretty(pg_total_relation_size('oes_order_events'))"
         ).one()
     return [*found, (f"size with indexes: orders {size[0]}, order_events {size[1]}", -1)]
 
@@ -213,7 +213,7 @@ def fill_stores(
     )
     with engine.connect() as conn:
         paid_id = conn.exec_driver_sql(
-            "SELECT id FROM orders WHERE status = 'paid' LIMIT 1"
+            "SELECT id FROM oes_orders WHERE status = 'paid' LIMIT 1"
         ).scalar_one()
     client.zadd(service.index.key(DAMAGED_USER), {"ghost": now + 5000, paid_id: now + 1})
     return service

@@ -157,7 +157,7 @@ def use_cases(engine: Engine, client: redis.Redis, meter: Meter, n: int) -> list
 
 
 BULK_ORDERS = """
-INSERT INTO orders (id, user_id, status, amount, currency, created_at_ms, expires_at_ms,
+INSERT INTO oes_orders (id, user_id, status, amount, currency, created_at_ms, expires_at_ms,
                     updated_at_ms, paid_at_ms, closed_at_ms, close_reason, payment_ref, slot)
 SELECT 'B' || lpad(i::text, 25, '0'),
        'u' || substr(md5(i::text), 1, 23),
@@ -173,13 +173,13 @@ FROM generate_series(1, :n) AS i,
                           WHEN i % 20 < 19 THEN 'closed' ELSE 'cancelled' END AS status) AS s
 """
 BULK_EVENTS = [
-    """INSERT INTO order_events (order_id, user_id, kind, at_ms)
-       SELECT id, user_id, 'created', created_at_ms FROM orders""",
-    """INSERT INTO order_events (order_id, user_id, kind, at_ms, data)
+    """INSERT INTO oes_order_events (order_id, user_id, kind, at_ms)
+       SELECT id, user_id, 'created', created_at_ms FROM oes_orders""",
+    """INSERT INTO oes_order_events (order_id, user_id, kind, at_ms, data)
        SELECT id, user_id, CASE status WHEN 'paid' THEN 'paid' ELSE status END,
               updated_at_ms,
               CASE WHEN status = 'paid' THEN json_build_object('payment_ref', payment_ref) END
-       FROM orders WHERE status <> 'unpaid'""",
+       FROM oes_orders WHERE status <> 'unpaid'""",
 ]
 SIZES = """
 SELECT c.relname, c.relkind, pg_relation_size(c.oid) AS bytes,
@@ -187,28 +187,28 @@ SELECT c.relname, c.relkind, pg_relation_size(c.oid) AS bytes,
 FROM pg_class c
 JOIN pg_index i ON i.indexrelid = c.oid
 JOIN pg_class t ON t.oid = i.indrelid
-WHERE t.relname IN ('orders', 'order_events')
+WHERE t.relname IN ('oes_orders', 'oes_order_events')
 UNION ALL
 SELECT c.relname, c.relkind, pg_relation_size(c.oid), pg_total_relation_size(c.oid), c.relname,
        c.reltuples
-FROM pg_class c WHERE c.relname IN ('orders', 'order_events')
+FROM pg_class c WHERE c.relname IN ('oes_orders', 'oes_order_events')
 """
 
 
 def storage(engine: Engine, n: int) -> dict[str, Any]:
     with engine.begin() as conn:
-        conn.execute(text("DELETE FROM orders"))
+        conn.execute(text("DELETE FROM oes_orders"))
         conn.execute(text(BULK_ORDERS), {"n": n})
         for statement in BULK_EVENTS:
             conn.execute(text(statement))
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE orders, order_events"))
+        conn.execute(text("VACUUM ANALYZE oes_orders, oes_order_events"))
         counts: dict[str, int] = dict(
-            conn.execute(text("SELECT status, count(*) FROM orders GROUP BY status")).all()
+            conn.execute(text("SELECT status, count(*) FROM oes_orders GROUP BY status")).all()
         )
-        events = conn.execute(text("SELECT count(*) FROM order_events")).scalar_one()
+        events = conn.execute(text("SELECT count(*) FROM oes_order_events")).scalar_one()
         sizes = conn.execute(text(SIZES)).all()
-    rows = {"orders": sum(counts.values()), "order_events": events}
+    rows = {"oes_orders": sum(counts.values()), "oes_order_events": events}
     relations = {
         r.relname: {
             "bytes": r.bytes,
@@ -220,12 +220,12 @@ def storage(engine: Engine, n: int) -> dict[str, Any]:
     }
     totals = {r.relname: r.total for r in sizes if r.relkind == "r"}
     return {
-        "orders": rows["orders"],
+        "orders": rows["oes_orders"],
         "by_status": counts,
         "events": events,
         "relations": relations,
-        "total_bytes_per_order": round(totals["orders"] / rows["orders"], 1),
-        "total_bytes_per_event": round(totals["order_events"] / events, 1),
+        "total_bytes_per_order": round(totals["oes_orders"] / rows["oes_orders"], 1),
+        "total_bytes_per_event": round(totals["oes_order_events"] / events, 1),
     }
 
 

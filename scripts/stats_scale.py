@@ -204,13 +204,13 @@ def fill(engine: Engine, total: int, recent: int, now_ms: int) -> None:
             # Only integers of this script go into the SQL.
             if engine.dialect.name == "postgresql":
                 sql = (
-                    f"INSERT INTO orders ({COLUMNS}) "  # noqa: S608
+                    f"INSERT INTO oes_orders ({COLUMNS}) "  # noqa: S608
                     f"SELECT {values} FROM generate_series(1::bigint, {count}) AS s(i)"
                 ).replace("%", "%%")  # the driver's placeholder character
             else:
                 sql = (
                     f"WITH RECURSIVE s(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM s "  # noqa: S608
-                    f"WHERE i < {count}) INSERT INTO orders ({COLUMNS}) SELECT {values} FROM s"
+                    f"WHERE i < {count}) INSERT INTO oes_orders ({COLUMNS}) SELECT {values} FROM s"
                 )
             conn.exec_driver_sql(sql)
             offset += count
@@ -276,9 +276,9 @@ def run(url: str, total: int, recent: int, repeat: int) -> None:
         )
         with engine.begin() as conn:
             if engine.dialect.name == "postgresql":
-                conn.exec_driver_sql("ALTER TABLE orders SET (autovacuum_enabled = false)")
+                conn.exec_driver_sql("ALTER TABLE oes_orders SET (autovacuum_enabled = false)")
             conn.exec_driver_sql(
-                "ANALYZE orders" if engine.dialect.name == "postgresql" else "ANALYZE"
+                "ANALYZE oes_orders" if engine.dialect.name == "postgresql" else "ANALYZE"
             )
         rows: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
         for _ in range(repeat):
@@ -287,7 +287,7 @@ def run(url: str, total: int, recent: int, repeat: int) -> None:
         if engine.dialect.name == "postgresql":
             explain_close_lag(engine, now_ms, "after ANALYZE")
             with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                conn.exec_driver_sql("VACUUM orders")
+                conn.exec_driver_sql("VACUUM oes_orders")
             rows["new, after VACUUM"] = [measure("new", url, now_ms) for _ in range(repeat)]
             explain_close_lag(engine, now_ms, "after VACUUM")
         report(engine.dialect.name, total, recent, rows)

@@ -1,5 +1,9 @@
 """Create orders and order_events.
 
+On a database migrated from scratch the tables get the names migration 0007 gives them
+(``oes_orders``...: see orders.sql.schema_names), so they never meet a host's ``orders``;
+a name of ours that is already taken refuses the upgrade before anything is written.
+
 Revision ID: 0001
 Revises:
 Create Date: 2026-11-22
@@ -9,6 +13,9 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import op
+
+from orders.sql.migrate import refuse_conflicts
+from orders.sql.schema_names import Names
 
 revision: str = "0001"
 down_revision: str | None = None
@@ -20,8 +27,10 @@ EVENT_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 def upgrade() -> None:
+    refuse_conflicts(op.get_bind(), "the upgrade changed nothing")
+    n = Names(prefixed=True)
     op.create_table(
-        "orders",
+        n("orders"),
         sa.Column("id", sa.String(length=128), nullable=False),
         sa.Column("user_id", sa.String(length=512), nullable=False),
         sa.Column("status", sa.String(length=16), nullable=False),
@@ -36,19 +45,21 @@ def upgrade() -> None:
         sa.Column("payment_ref", sa.String(length=256), nullable=True),
         sa.Column("metadata", sa.JSON(), nullable=True),
         sa.CheckConstraint(
-            "status IN ('unpaid', 'paid', 'cancelled', 'closed')", name=op.f("ck_orders_status")
+            "status IN ('unpaid', 'paid', 'cancelled', 'closed')", name=op.f(n("ck_orders_status"))
         ),
         sa.CheckConstraint(
-            "expires_at_ms > created_at_ms", name=op.f("ck_orders_expiry_after_creation")
+            "expires_at_ms > created_at_ms", name=op.f(n("ck_orders_expiry_after_creation"))
         ),
-        sa.PrimaryKeyConstraint("id", name=op.f("pk_orders")),
+        sa.PrimaryKeyConstraint("id", name=op.f(n("pk_orders"))),
     )
-    op.create_index("ix_orders_status_expires_at_ms", "orders", ["status", "expires_at_ms"])
+    op.create_index(n("ix_orders_status_expires_at_ms"), n("orders"), ["status", "expires_at_ms"])
     op.create_index(
-        "ix_orders_user_id_status_expires_at_ms", "orders", ["user_id", "status", "expires_at_ms"]
+        n("ix_orders_user_id_status_expires_at_ms"),
+        n("orders"),
+        ["user_id", "status", "expires_at_ms"],
     )
     op.create_table(
-        "order_events",
+        n("order_events"),
         sa.Column("id", EVENT_ID, autoincrement=True, nullable=False),
         sa.Column("order_id", sa.String(length=128), nullable=False),
         sa.Column("user_id", sa.String(length=512), nullable=False),
@@ -57,22 +68,23 @@ def upgrade() -> None:
         sa.Column("data", sa.JSON(), nullable=True),
         sa.CheckConstraint(
             "kind IN ('created', 'paid', 'cancelled', 'closed')",
-            name=op.f("ck_order_events_kind"),
+            name=op.f(n("ck_order_events_kind")),
         ),
         sa.ForeignKeyConstraint(
             ["order_id"],
-            ["orders.id"],
-            name=op.f("fk_order_events_order_id_orders"),
+            [n("orders") + ".id"],
+            name=op.f(n("fk_order_events_order_id_orders")),
             ondelete="CASCADE",
         ),
-        sa.PrimaryKeyConstraint("id", name=op.f("pk_order_events")),
+        sa.PrimaryKeyConstraint("id", name=op.f(n("pk_order_events"))),
     )
-    op.create_index("ix_order_events_order_id", "order_events", ["order_id"])
+    op.create_index(n("ix_order_events_order_id"), n("order_events"), ["order_id"])
 
 
 def downgrade() -> None:
-    op.drop_index("ix_order_events_order_id", table_name="order_events")
-    op.drop_table("order_events")
-    op.drop_index("ix_orders_user_id_status_expires_at_ms", table_name="orders")
-    op.drop_index("ix_orders_status_expires_at_ms", table_name="orders")
-    op.drop_table("orders")
+    n = Names.of(op.get_bind())
+    op.drop_index(n("ix_order_events_order_id"), table_name=n("order_events"))
+    op.drop_table(n("order_events"))
+    op.drop_index(n("ix_orders_user_id_status_expires_at_ms"), table_name=n("orders"))
+    op.drop_index(n("ix_orders_status_expires_at_ms"), table_name=n("orders"))
+    op.drop_table(n("orders"))

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from orders.sql.schema_names import Names
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -23,28 +25,32 @@ UNPAID = sa.text("status = 'unpaid'")
 
 
 def upgrade() -> None:
+    n = Names.of(op.get_bind())
     op.create_index(
-        "ix_orders_unpaid_expires_at_ms",
-        "orders",
+        n("ix_orders_unpaid_expires_at_ms"),
+        n("orders"),
         ["expires_at_ms"],
         postgresql_where=UNPAID,
         sqlite_where=UNPAID,
     )
     op.create_index(
-        "ix_orders_unpaid_user_id_expires_at_ms",
-        "orders",
+        n("ix_orders_unpaid_user_id_expires_at_ms"),
+        n("orders"),
         ["user_id", "expires_at_ms"],
         postgresql_where=UNPAID,
         sqlite_where=UNPAID,
     )
-    op.drop_index("ix_orders_user_id_status_expires_at_ms", table_name="orders")
-    op.drop_index("ix_orders_status_expires_at_ms", table_name="orders")
+    op.drop_index(n("ix_orders_user_id_status_expires_at_ms"), table_name=n("orders"))
+    op.drop_index(n("ix_orders_status_expires_at_ms"), table_name=n("orders"))
 
 
 def downgrade() -> None:
-    op.create_index("ix_orders_status_expires_at_ms", "orders", ["status", "expires_at_ms"])
+    n = Names.of(op.get_bind())
+    op.create_index(n("ix_orders_status_expires_at_ms"), n("orders"), ["status", "expires_at_ms"])
     op.create_index(
-        "ix_orders_user_id_status_expires_at_ms", "orders", ["user_id", "status", "expires_at_ms"]
+        n("ix_orders_user_id_status_expires_at_ms"),
+        n("orders"),
+        ["user_id", "status", "expires_at_ms"],
     )
-    op.drop_index("ix_orders_unpaid_user_id_expires_at_ms", table_name="orders")
-    op.drop_index("ix_orders_unpaid_expires_at_ms", table_name="orders")
+    op.drop_index(n("ix_orders_unpaid_user_id_expires_at_ms"), table_name=n("orders"))
+    op.drop_index(n("ix_orders_unpaid_expires_at_ms"), table_name=n("orders"))

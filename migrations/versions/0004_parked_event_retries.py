@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from orders.sql.schema_names import Names
+
 revision: str = "0004"
 down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
@@ -26,22 +28,24 @@ RETRYING = sa.text("parked_at_ms IS NULL")
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("event_retries") as batch:
+    n = Names.of(op.get_bind())
+    with op.batch_alter_table(n("event_retries")) as batch:
         batch.add_column(sa.Column("parked_at_ms", sa.BigInteger(), nullable=True))
     op.create_index(
-        "ix_event_retries_retrying_consumer_next_at_ms",
-        "event_retries",
+        n("ix_event_retries_retrying_consumer_next_at_ms"),
+        n("event_retries"),
         ["consumer", "next_at_ms"],
         postgresql_where=RETRYING,
         sqlite_where=RETRYING,
     )
-    op.drop_index("ix_event_retries_consumer_next_at_ms", table_name="event_retries")
+    op.drop_index(n("ix_event_retries_consumer_next_at_ms"), table_name=n("event_retries"))
 
 
 def downgrade() -> None:
+    n = Names.of(op.get_bind())
     op.create_index(
-        "ix_event_retries_consumer_next_at_ms", "event_retries", ["consumer", "next_at_ms"]
+        n("ix_event_retries_consumer_next_at_ms"), n("event_retries"), ["consumer", "next_at_ms"]
     )
-    op.drop_index("ix_event_retries_retrying_consumer_next_at_ms", table_name="event_retries")
-    with op.batch_alter_table("event_retries") as batch:
+    op.drop_index(n("ix_event_retries_retrying_consumer_next_at_ms"), table_name=n("event_retries"))
+    with op.batch_alter_table(n("event_retries")) as batch:
         batch.drop_column("parked_at_ms")

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from orders.sql.schema_names import Names
+
 revision: str = "0005"
 down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
@@ -31,25 +33,26 @@ CLOSED = sa.text("status = 'closed'")
 
 
 def upgrade() -> None:
+    n = Names.of(op.get_bind())
     op.create_index(
-        "ix_orders_paid_paid_at_ms",
-        "orders",
+        n("ix_orders_paid_paid_at_ms"),
+        n("orders"),
         ["paid_at_ms"],
         if_not_exists=True,
         postgresql_where=PAID,
         sqlite_where=PAID,
     )
     op.create_index(
-        "ix_orders_cancelled_closed_at_ms",
-        "orders",
+        n("ix_orders_cancelled_closed_at_ms"),
+        n("orders"),
         ["closed_at_ms"],
         if_not_exists=True,
         postgresql_where=CANCELLED,
         sqlite_where=CANCELLED,
     )
     op.create_index(
-        "ix_orders_closed_closed_at_ms_expires_at_ms",
-        "orders",
+        n("ix_orders_closed_closed_at_ms_expires_at_ms"),
+        n("orders"),
         ["closed_at_ms", "expires_at_ms"],
         if_not_exists=True,
         postgresql_where=CLOSED,
@@ -58,6 +61,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_index("ix_orders_closed_closed_at_ms_expires_at_ms", table_name="orders")
-    op.drop_index("ix_orders_cancelled_closed_at_ms", table_name="orders")
-    op.drop_index("ix_orders_paid_paid_at_ms", table_name="orders")
+    n = Names.of(op.get_bind())
+    op.drop_index(n("ix_orders_closed_closed_at_ms_expires_at_ms"), table_name=n("orders"))
+    op.drop_index(n("ix_orders_cancelled_closed_at_ms"), table_name=n("orders"))
+    op.drop_index(n("ix_orders_paid_paid_at_ms"), table_name=n("orders"))

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from orders.sql.schema_names import Names
+
 revision: str = "0006"
 down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
@@ -30,25 +32,27 @@ UNPAID = sa.text("status = 'unpaid'")
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("orders") as batch:
+    n = Names.of(op.get_bind())
+    with op.batch_alter_table(n("orders")) as batch:
         batch.add_column(sa.Column("slot", sa.Integer(), nullable=True))
+    orders = n("orders")
     op.execute(
-        """
-        UPDATE orders SET slot = (
+        f"""
+        UPDATE {orders} SET slot = (
             SELECT numbered.n FROM (
                 SELECT id, ROW_NUMBER() OVER (
                     PARTITION BY user_id ORDER BY expires_at_ms, id
                 ) AS n
-                FROM orders WHERE status = 'unpaid'
+                FROM {orders} WHERE status = 'unpaid'
             ) AS numbered
-            WHERE numbered.id = orders.id
+            WHERE numbered.id = {orders}.id
         )
         WHERE status = 'unpaid'
-        """
+        """  # noqa: S608
     )
     op.create_index(
-        "ix_orders_unpaid_user_id_slot",
-        "orders",
+        n("ix_orders_unpaid_user_id_slot"),
+        n("orders"),
         ["user_id", "slot"],
         unique=True,
         postgresql_where=UNPAID,
@@ -57,6 +61,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.drop_index("ix_orders_unpaid_user_id_slot", table_name="orders")
-    with op.batch_alter_table("orders") as batch:
+    n = Names.of(op.get_bind())
+    op.drop_index(n("ix_orders_unpaid_user_id_slot"), table_name=n("orders"))
+    with op.batch_alter_table(n("orders")) as batch:
         batch.drop_column("slot")

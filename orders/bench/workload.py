@@ -207,9 +207,9 @@ class Workload:
         with sql_errors(), self.engine.connect() as conn:
             if self.engine.dialect.name == "postgresql":
                 conn.execution_options(isolation_level="AUTOCOMMIT")
-                conn.exec_driver_sql("VACUUM (ANALYZE) orders")
+                conn.exec_driver_sql(f"VACUUM (ANALYZE) {orders_table.name}")
             else:
-                conn.exec_driver_sql("ANALYZE orders")
+                conn.exec_driver_sql(f"ANALYZE {orders_table.name}")
                 conn.commit()
 
     def delete_users(self, prefix: str) -> None:

@@ -23,6 +23,7 @@ from orders.errors import (
     OrderConflict,
     OrderNotFound,
     OrdersError,
+    SchemaConflict,
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
@@ -41,6 +42,7 @@ EXIT_CODES: dict[type[OrdersError], int] = {
     OrderAlreadyPaid: 6,
     OrderConflict: 7,
     StoreUnavailable: 8,
+    SchemaConflict: 9,
 }
 
 #: Commands whose module is imported only when the command runs: name -> ("module:attr",

@@ -111,7 +111,7 @@ def read_events(
 
 
 def events_after(engine: Engine, after: EventPosition) -> ColumnElement[bool]:
-    """Events past ``after`` in commit order (served by ix_order_events_txid_id, or the key)."""
+    """Events past ``after`` in commit order (served by ix_oes_order_events_txid_id, or the key)."""
     if engine.dialect.name == "postgresql":
         return tuple_(EC.txid, EC.id) > tuple_(after.txid, after.event_id)
     return EC.id > after.event_id

@@ -7,7 +7,11 @@ before its first query, reads the version table and the scripts' revision ids it
 
 Migrations run one at a time: ``env.py`` takes :func:`migration_lock` first, in the one
 transaction Alembic then migrates in, so a second upgrade started beside the first waits
-for it, reads the revision the first left and has nothing to do.
+for it, reads the revision the first left and has nothing to do. Under that lock it then
+calls :func:`adopt_legacy_revision`: a revision of ours that an older release left in
+Alembic's default ``alembic_version`` moves to our own version table. The first migration
+calls :func:`refuse_conflicts` before it creates anything: a table or index name of ours
+already taken is a :class:`~orders.errors.SchemaConflict`, and nothing is written.
 """
 
 from __future__ import annotations
@@ -16,15 +20,15 @@ import ast
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, String, column, inspect, select, table, text
+from sqlalchemy import Connection, Engine, String, column, delete, inspect, select, table, text
 
-from orders.sql.models import sql_errors
+from orders.errors import SchemaConflict
+from orders.sql.models import Base, sql_errors
+from orders.sql.schema_names import LEGACY_VERSION_TABLE, VERSION_TABLE, existing
 
 if TYPE_CHECKING:
     from alembic.config import Config
-
-#: Where Alembic records the revision of a database (its default name).
-VERSION_TABLE = "alembic_version"
+    from alembic.runtime.migration import MigrationContext
 
 #: The PostgreSQL advisory lock of this package's migrations (the single-bigint key space):
 #: the first 8 bytes of sha256(b"orders schema migrations") as a signed integer. A host
@@ -94,11 +98,17 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
-def current_revision(engine: Engine) -> str | None:
+def migration_context(connection: Connection, **opts: Any) -> MigrationContext:
+    """Alembic's view of ``connection``'s database, reading our own version table
+    (``opts``: more of MigrationContext's options)."""
     from alembic.runtime.migration import MigrationContext  # noqa: PLC0415
 
+    return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE, **opts})
+
+
+def current_revision(engine: Engine) -> str | None:
     with sql_errors(), engine.connect() as connection:
-        return MigrationContext.configure(connection).get_current_revision()
+        return migration_context(connection).get_current_revision()
 
 
 def is_current(engine: Engine) -> bool:
@@ -108,26 +118,103 @@ def is_current(engine: Engine) -> bool:
 
 
 def stored_revisions(engine: Engine) -> set[str]:
-    """The revisions the version table records (none when there is no such table)."""
+    """The revisions our version table records (none when there is no such table)."""
     with sql_errors(), engine.connect() as connection:
-        if not inspect(connection).has_table(VERSION_TABLE):
-            return set()
-        version_num = column("version_num", String)
-        query = select(version_num).select_from(table(VERSION_TABLE))
-        return set(connection.execute(query).scalars())
+        return revisions_in(connection, VERSION_TABLE)
+
+
+def revisions_in(connection: Connection, version_table: str) -> set[str]:
+    """The revisions ``version_table`` records (none when there is no such table)."""
+    if not inspect(connection).has_table(version_table):
+        return set()
+    query = select(column("version_num", String)).select_from(table(version_table))
+    return set(connection.execute(query).scalars())
+
+
+def adopt_legacy_revision(connection: Connection) -> None:
+    """Move our revision from Alembic's default version table into ours.
+
+    Releases before migration 0007 recorded it in ``alembic_version``, the table a host
+    application's own Alembic history uses too. Only a row naming one of our scripts'
+    revisions moves, and only while our own table has none; the table is dropped only
+    when that row was its last (then it was ours alone). Any other row is the host's and
+    stays as it is.
+    """
+    if revisions_in(connection, VERSION_TABLE):
+        return
+    ours = sorted(revisions_in(connection, LEGACY_VERSION_TABLE) & script_revisions())
+    if not ours:
+        return
+    from alembic.script import ScriptDirectory  # noqa: PLC0415
+
+    scripts = ScriptDirectory.from_config(alembic_config())
+    for revision in ours:
+        migration_context(connection).stamp(scripts, revision)
+    legacy = table(LEGACY_VERSION_TABLE, column("version_num", String))
+    connection.execute(delete(legacy).where(legacy.c.version_num.in_(ours)))
+    if not revisions_in(connection, LEGACY_VERSION_TABLE):
+        connection.execute(text(f"DROP TABLE {LEGACY_VERSION_TABLE}"))
+
+
+def schema_objects() -> dict[str, str]:
+    """The names our newest schema gives its tables, then its indexes (and primary keys,
+    which PostgreSQL backs with an index of that name), each with its kind."""
+    tables = Base.metadata.sorted_tables
+    names = {schema_table.name: "table" for schema_table in tables}
+    for schema_table in tables:
+        names.update({str(index.name): "index" for index in schema_table.indexes})
+        names[str(schema_table.primary_key.name)] = "index"
+    return names
+
+
+def refuse_conflicts(connection: Connection, outcome: str) -> None:
+    """Raise SchemaConflict naming the first of our objects' names the database already
+    uses; call it only when our version table records no revision (then none is ours):
+    the first migration does, before it creates anything."""
+    ours = schema_objects()
+    taken = existing(connection, ours)
+    for name in ours:  # tables first
+        if name in taken:
+            raise SchemaConflict(taken[name], name, outcome)
+
+
+def refuse_unrecorded_schema(engine: Engine) -> None:
+    """SchemaConflict when our version table records no revision but our objects' names
+    are taken: what a service started on that database must say instead of
+    "run `orders db upgrade`", which would refuse it."""
+    with sql_errors(), engine.connect() as connection:
+        if not revisions_in(connection, VERSION_TABLE):
+            refuse_conflicts(
+                connection, "nothing was done; rename or drop it, or use another database"
+            )
+
+
+def is_ours(name: str | None, type_: str, _parents: object) -> bool:
+    """Alembic's ``include_name`` hook: a comparison of the schema against the models
+    (``alembic check``, the tests) looks at our tables only, never at a host's."""
+    return type_ != "table" or name in Base.metadata.tables
+
+
+def script_revisions() -> set[str]:
+    """Every revision id of our scripts."""
+    return set(_script_graph())
 
 
 def script_heads() -> set[str]:
     """The revisions no script builds on, read from the scripts' ``revision`` and
     ``down_revision`` assignments without running them (they import Alembic)."""
-    revisions: set[str] = set()
-    parents: set[str] = set()
+    graph = _script_graph()
+    return set(graph) - {parent for parents in graph.values() for parent in parents}
+
+
+def _script_graph() -> dict[str, tuple[str, ...]]:
+    """Each script's revision and the revisions it builds on."""
+    graph: dict[str, tuple[str, ...]] = {}
     for script in (resources.files("orders._migrations") / "versions").iterdir():
         if script.name.endswith(".py") and script.name != "__init__.py":
             revision, builds_on = _revision_ids(script.read_text(encoding="utf-8"))
-            revisions.add(revision)
-            parents.update(builds_on)
-    return revisions - parents
+            graph[revision] = builds_on
+    return graph
 
 
 def _revision_ids(source: str) -> tuple[str, tuple[str, ...]]:

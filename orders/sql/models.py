@@ -1,4 +1,4 @@
-"""The SQL record: the ``orders`` table and its ``order_events`` outbox.
+"""The SQL record: the ``oes_orders`` table and its ``oes_order_events`` outbox.
 
 Timestamps are integer milliseconds since the epoch (BIGINT), the very integers used as
 Redis scores, so the two stores never disagree by a rounding.
@@ -67,7 +67,7 @@ class Base(DeclarativeBase):
 
 
 class OrderRow(Base):
-    __tablename__ = "orders"
+    __tablename__ = "oes_orders"
 
     id: Mapped[str] = mapped_column(String(ORDER_ID_COLUMN_LENGTH), primary_key=True)
     user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH))
@@ -94,13 +94,13 @@ class OrderRow(Base):
         # closed orders pile up. The sweep finds due orders in expiry order with the first;
         # the limit guard and list_unpaid find one user's orders with the second.
         Index(
-            "ix_orders_unpaid_expires_at_ms",
+            "ix_oes_orders_unpaid_expires_at_ms",
             "expires_at_ms",
             postgresql_where=text(UNPAID_SQL),
             sqlite_where=text(UNPAID_SQL),
         ),
         Index(
-            "ix_orders_unpaid_user_id_expires_at_ms",
+            "ix_oes_orders_unpaid_user_id_expires_at_ms",
             "user_id",
             "expires_at_ms",
             postgresql_where=text(UNPAID_SQL),
@@ -109,7 +109,7 @@ class OrderRow(Base):
         # The SQL side of the unpaid limit: an unpaid order holds one of its user's slots
         # 1..limit, and no two unpaid orders of a user hold the same one.
         Index(
-            "ix_orders_unpaid_user_id_slot",
+            "ix_oes_orders_unpaid_user_id_slot",
             "user_id",
             "slot",
             unique=True,
@@ -121,19 +121,19 @@ class OrderRow(Base):
         # alone. expires_at_ms is a key column of the closed one so that both engines read
         # the lag from the index without visiting the table.
         Index(
-            "ix_orders_paid_paid_at_ms",
+            "ix_oes_orders_paid_paid_at_ms",
             "paid_at_ms",
             postgresql_where=text(PAID_SQL),
             sqlite_where=text(PAID_SQL),
         ),
         Index(
-            "ix_orders_cancelled_closed_at_ms",
+            "ix_oes_orders_cancelled_closed_at_ms",
             "closed_at_ms",
             postgresql_where=text(CANCELLED_SQL),
             sqlite_where=text(CANCELLED_SQL),
         ),
         Index(
-            "ix_orders_closed_closed_at_ms_expires_at_ms",
+            "ix_oes_orders_closed_closed_at_ms_expires_at_ms",
             "closed_at_ms",
             "expires_at_ms",
             postgresql_where=text(CLOSED_SQL),
@@ -145,11 +145,11 @@ class OrderRow(Base):
 class OrderEventRow(Base):
     """One row per transition, written in the transaction that made it (an outbox)."""
 
-    __tablename__ = "order_events"
+    __tablename__ = "oes_order_events"
 
     id: Mapped[int] = mapped_column(EventId, primary_key=True, autoincrement=True)
     order_id: Mapped[str] = mapped_column(
-        String(ORDER_ID_COLUMN_LENGTH), ForeignKey("orders.id", ondelete="CASCADE")
+        String(ORDER_ID_COLUMN_LENGTH), ForeignKey("oes_orders.id", ondelete="CASCADE")
     )
     user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH))
     kind: Mapped[str] = mapped_column(String(16))
@@ -162,8 +162,8 @@ class OrderEventRow(Base):
 
     __table_args__ = (
         CheckConstraint(f"kind IN ({_in(EventKind)})", name="kind"),
-        Index("ix_order_events_order_id", "order_id"),
-        Index("ix_order_events_txid_id", "txid", "id"),
+        Index("ix_oes_order_events_order_id", "order_id"),
+        Index("ix_oes_order_events_txid_id", "txid", "id"),
         {"sqlite_autoincrement": True},
     )
 
@@ -171,7 +171,7 @@ class OrderEventRow(Base):
 class EventCursorRow(Base):
     """Where a named consumer of order_events has got to (durable, one row per name)."""
 
-    __tablename__ = "event_cursors"
+    __tablename__ = "oes_event_cursors"
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     txid: Mapped[int] = mapped_column(BigInteger)
@@ -186,7 +186,7 @@ class EventRetryRow(Base):
     operator discards it.
     """
 
-    __tablename__ = "event_retries"
+    __tablename__ = "oes_event_retries"
 
     consumer: Mapped[str] = mapped_column(String(64), primary_key=True)
     event_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -199,7 +199,7 @@ class EventRetryRow(Base):
     __table_args__ = (
         # Partial, over retrying rows only: parked ones pile up and are never due.
         Index(
-            "ix_event_retries_retrying_consumer_next_at_ms",
+            "ix_oes_event_retries_retrying_consumer_next_at_ms",
             "consumer",
             "next_at_ms",
             postgresql_where=text(RETRYING_SQL),

@@ -1,7 +1,7 @@
 """The read-only SQL statements reconcile runs, built once at import.
 
 Each reads the open unpaid orders (:func:`orders.sql.models.open_at`) through the partial index
-``ix_orders_unpaid_user_id_expires_at_ms``: a page in user order, a user range again, or a
+``ix_oes_orders_unpaid_user_id_expires_at_ms``: a page in user order, a user range again, or a
 batch of users; none takes a lock or writes.
 """
 

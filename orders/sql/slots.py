@@ -115,7 +115,7 @@ def _free_slot() -> Any:
 
 
 def _insert_in_free_slot(dialect: str) -> Any:
-    """INSERT INTO orders ... SELECT the values, the free slot: no row when none is free."""
+    """INSERT INTO oes_orders ... SELECT the values, the free slot: no row when none is free."""
     free = _free_slot()
     values = [bindparam(name, type_=ORDER[name].type) for name in CREATE_COLUMNS]
     source = select(*values, free.c.n)

@@ -144,7 +144,7 @@ def lag_bucket(lag: ColumnElement[Any]) -> ColumnElement[Any]:
 
 def close_lag(conn: Connection, window: Window) -> CloseLag:
     """The close lags of the orders closed in ``window``, summed up in SQL (one index range
-    read: ``ix_orders_closed_closed_at_ms_expires_at_ms``)."""
+    read: ``ix_oes_orders_closed_closed_at_ms_expires_at_ms``)."""
     lag = OC.closed_at_ms - OC.expires_at_ms
     # OFFSET 0 keeps the subquery from being merged into the grouping query: merged,
     # PostgreSQL would guess one group per row from the columns' statistics and sort every

@@ -1,6 +1,6 @@
 """The transitions out of ``unpaid``, each one compare-and-set statement built once.
 
-A transition is ``UPDATE orders SET ... WHERE id = :oid AND <the state it leaves> RETURNING
+A transition is ``UPDATE oes_orders SET ... WHERE id = :oid AND <the state it leaves> RETURNING
 *``: of a payment, a cancel, a sweep and an extension racing for one order, exactly one
 matches the row. When it wins, its ``order_events`` row is written in the same transaction
 (the outbox). On PostgreSQL both are one statement (the event inserted from the UPDATE's
@@ -56,7 +56,7 @@ def _update(where: list[ColumnElement[bool]], values: Mapping[str, Any]) -> Any:
 def with_events(dml: Any, name: str, kind: EventKind, at_ms: Any, data: Any = None) -> Any:
     """PostgreSQL: ``dml`` (an INSERT or UPDATE ... RETURNING the order rows) and one
     ``kind`` event per returned row, in one statement: ``WITH name AS (dml), recorded AS
-    (INSERT INTO order_events SELECT ... FROM name) SELECT * FROM name``."""
+    (INSERT INTO oes_order_events SELECT ... FROM name) SELECT * FROM name``."""
     changed = dml.cte(name)
     columns = [changed.c.id, changed.c.user_id, literal(kind.value), at_ms]
     names = list(EVENT_COLUMNS)

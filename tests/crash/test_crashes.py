@@ -602,7 +602,9 @@ def drop_connection(conn: Connection, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["invalidate", "server"])
-@pytest.mark.parametrize("statement", ["INSERT INTO orders ", "INSERT INTO order_events "])
+@pytest.mark.parametrize(
+    "statement", [f"INSERT INTO {orders_table.name} ", f"INSERT INTO {events_table.name} "]
+)
 def test_a_connection_dropped_during_the_create_transaction_leaves_no_phantom_slot(
     engine: Engine,
     database_url: str,

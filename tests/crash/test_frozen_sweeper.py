@@ -297,7 +297,10 @@ def test_a_payment_waits_for_a_foreign_lock_at_most_the_lock_timeout_then_wins(
         order = service.create_unpaid_order("u1")
         # A host's own transaction (not the service's engine: no idle timeout) holds the row.
         with outside.transaction():
-            outside.execute("SELECT 1 FROM orders WHERE id = %s FOR UPDATE", (order.id,))
+            outside.execute(
+                f"SELECT 1 FROM {orders_table.name} WHERE id = %s FOR UPDATE",  # type: ignore[call-overload]
+                (order.id,),
+            )
             took, refused = timed(lambda: service.mark_paid(order.id, payment_ref="p1"))
         assert isinstance(refused, StoreUnavailable), refused
         assert "lock_timeout" in str(refused)

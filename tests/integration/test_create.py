@@ -138,15 +138,15 @@ def test_admission_costs_one_redis_call_and_one_sql_transaction(
         # The write lock, the order into its slot, its event, one commit.
         assert [s.split(" (")[0] for s in statements] == [
             "BEGIN IMMEDIATE",
-            "INSERT INTO orders",
-            "INSERT INTO order_events",
+            f"INSERT INTO {orders_table.name}",
+            f"INSERT INTO {events_table.name}",
         ]
         assert len(commits) == 1
     else:
         # One statement in autocommit: the slot, the order and its event, one transaction.
         assert len(statements) == 1
-        assert statements[0].startswith("WITH created AS (INSERT INTO orders")
-        assert "INSERT INTO order_events" in statements[0]
+        assert statements[0].startswith(f"WITH created AS (INSERT INTO {orders_table.name}")
+        assert f"INSERT INTO {events_table.name}" in statements[0]
         assert "ON CONFLICT (user_id, slot) WHERE status = 'unpaid' DO NOTHING" in statements[0]
         assert commits == []
 
@@ -297,7 +297,7 @@ def test_sql_failure_on_insert_removes_the_member_again(
     service: OrderService, engine: Engine, redis_client: redis.Redis
 ) -> None:
     service.create_unpaid_order("u1", order_id="kept")
-    refuse_inserts(engine, "orders", "disk on fire")
+    refuse_inserts(engine, orders_table.name, "disk on fire")
 
     with pytest.raises(StoreUnavailable) as info:
         service.create_unpaid_order("u1", order_id="doomed")
@@ -373,7 +373,7 @@ def test_bad_input_raises_invalid_input_and_writes_nothing(
         assert conn.scalar(select(func.count()).select_from(events_table)) == 0
 
 
-@pytest.mark.parametrize("user_id", ["ünïcödé", "e\u0301", "👩‍💻", "'; DROP TABLE orders; --"])
+@pytest.mark.parametrize("user_id", ["ünïcödé", "e\u0301", "👩‍💻", "'; DROP TABLE oes_orders; --"])
 def test_unusual_but_valid_user_ids_are_stored_and_returned_exactly(
     service: OrderService, redis_client: redis.Redis, user_id: str
 ) -> None:

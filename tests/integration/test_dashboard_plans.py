@@ -24,6 +24,7 @@ from orders.dashboard.snapshot import compare_user, read_overview
 from orders.events.consumer import EventConsumer
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
+from orders.sql.models import cursors_table, retries_table
 from tests.support.clocks import ManualClock
 from tests.support.doubles import Poison
 from tests.support.plans import Statement, captured, explain_sql
@@ -42,7 +43,7 @@ NO_TABLE_NODES = {"Subquery Scan"}
 #: docs/bench/dashboard-1e6.md): event_cursors has one row per consumer, and list_consumers
 #: reads it without an ORDER BY an index could serve, so even its plan is a Seq Scan;
 #: event_retries has one row per failing event (retrying or parked), counted whole.
-READ_WHOLE = {"event_cursors", "event_retries"}
+READ_WHOLE = {cursors_table.name, retries_table.name}
 SCAN = re.compile(r"(\w+(?: \w+)*? Scan)(?: Backward)?(?: using (\w+))? on (\w+)")
 UNPAID_INDEX = "WHERE ((status)::text = 'unpaid'::text)"
 

@@ -80,7 +80,7 @@ def test_the_lag_count_and_the_oldest_unread_are_index_range_scans(engine: Engin
     for statement in (count, first, capped):
         plan = explain(engine, statement)
         if engine.dialect.name == "postgresql":  # a range of the index, not all of it
-            assert "ix_order_events_txid_id" in plan, plan
+            assert "ix_oes_order_events_txid_id" in plan, plan
             assert "Index Cond" in plan, plan
         else:
             assert "USING INTEGER PRIMARY KEY (rowid>?)" in plan, plan

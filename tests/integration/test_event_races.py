@@ -71,7 +71,7 @@ def test_two_consumers_of_one_name_creating_the_cursor_at_once_both_succeed(
         with lock:
             handled[e.id] += 1
 
-    line_up("event_cursors")
+    line_up(cursors_table.name)
     consumers = [EventConsumer(engine, "twin", handler, clock=clock) for _ in range(2)]
 
     assert run_twice_at_once(consumers) == []
@@ -92,7 +92,7 @@ def test_two_consumers_of_one_name_failing_on_one_event_at_once_keep_one_retry(
     def handler(e: OrderEvent) -> None:
         raise RuntimeError("stock service down")
 
-    line_up("event_retries")
+    line_up(retries_table.name)
     consumers = [EventConsumer(engine, "twin", handler, clock=clock) for _ in range(2)]
 
     assert run_twice_at_once(consumers) == []

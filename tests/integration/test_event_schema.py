@@ -7,14 +7,15 @@ from sqlalchemy import Engine, inspect, select, text
 from orders.events.consumer import RC, RETRYING
 from orders.sql import migrate
 from orders.sql.models import retries_table
+from orders.sql.schema_names import unprefixed
 from tests.support.plans import explain
 from tests.support.stores import schema_differences
 
 RETRY_COLUMNS = "consumer, event_id, attempts, next_at_ms, last_error"
 
 
-def retry_indexes(engine: Engine) -> set[str]:
-    return {ix["name"] or "" for ix in inspect(engine).get_indexes("event_retries")}
+def retry_indexes(engine: Engine, table: str = retries_table.name) -> set[str]:
+    return {ix["name"] or "" for ix in inspect(engine).get_indexes(table)}
 
 
 def test_0004_keeps_retries_as_retrying_and_downgrade_keeps_parked_ones(
@@ -23,24 +24,23 @@ def test_0004_keeps_retries_as_retrying_and_downgrade_keeps_parked_ones(
     migrate.upgrade(empty_engine, "0003")
     with empty_engine.begin() as conn:
         conn.execute(
-            text(f"INSERT INTO event_retries ({RETRY_COLUMNS}) VALUES ('c', 1, 2, 5, 'E')")
+            text(f"INSERT INTO {retries_table.name} ({RETRY_COLUMNS}) VALUES ('c', 1, 2, 5, 'E')")
         )
 
     migrate.upgrade(empty_engine)
     assert schema_differences(empty_engine) == []
-    assert retry_indexes(empty_engine) == {"ix_event_retries_retrying_consumer_next_at_ms"}
+    assert retry_indexes(empty_engine) == {"ix_oes_event_retries_retrying_consumer_next_at_ms"}
     with empty_engine.begin() as conn:
         [row] = conn.execute(select(retries_table)).all()
         assert (row.attempts, row.parked_at_ms) == (2, None)
         conn.execute(retries_table.update().values(parked_at_ms=9))
 
-    migrate.downgrade(empty_engine, "0003")
-    assert retry_indexes(empty_engine) == {"ix_event_retries_consumer_next_at_ms"}
-    assert "parked_at_ms" not in {
-        c["name"] for c in inspect(empty_engine).get_columns("event_retries")
-    }
+    migrate.downgrade(empty_engine, "0003")  # below 0007: the bare names again
+    bare = unprefixed(retries_table.name)
+    assert retry_indexes(empty_engine, bare) == {"ix_event_retries_consumer_next_at_ms"}
+    assert "parked_at_ms" not in {c["name"] for c in inspect(empty_engine).get_columns(bare)}
     with empty_engine.connect() as conn:  # not deleted silently: a plain retry again
-        assert conn.execute(text(f"SELECT {RETRY_COLUMNS} FROM event_retries")).all() == [
+        assert conn.execute(text(f"SELECT {RETRY_COLUMNS} FROM {bare}")).all() == [
             ("c", 1, 2, 5, "E")
         ]
 
@@ -49,7 +49,7 @@ def test_0004_keeps_retries_as_retrying_and_downgrade_keeps_parked_ones(
 
 
 def test_due_retries_are_found_through_an_index_over_retrying_rows_only(engine: Engine) -> None:
-    [index] = inspect(engine).get_indexes("event_retries")
+    [index] = inspect(engine).get_indexes(retries_table.name)
     where = str(index.get("dialect_options", {}).get(f"{engine.dialect.name}_where"))
     assert "parked_at_ms IS NULL" in where.replace("(", "").replace(")", "")
     due = (
@@ -58,4 +58,4 @@ def test_due_retries_are_found_through_an_index_over_retrying_rows_only(engine: 
         .order_by(RC.next_at_ms)
         .limit(10)
     )
-    assert "ix_event_retries_retrying_consumer_next_at_ms" in explain(engine, due)
+    assert "ix_oes_event_retries_retrying_consumer_next_at_ms" in explain(engine, due)

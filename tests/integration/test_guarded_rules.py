@@ -210,11 +210,12 @@ def test_the_sweeps_update_itself_closes_only_rows_still_unpaid(
 
     assert service.sweep_expired().closed == 1
 
-    updates = [s for s in sql_statements.statements if "UPDATE orders SET status" in s]
+    marker = f"UPDATE {orders_table.name} SET status"
+    updates = [s for s in sql_statements.statements if marker in s]
     assert len(updates) == 1
-    update = updates[0][updates[0].index("UPDATE orders SET status") :]
+    update = updates[0][updates[0].index(marker) :]
     where = update[update.index(" WHERE ") : update.index(" RETURNING ")]
-    assert "orders.status = 'unpaid'" in where
+    assert f"{orders_table.name}.status = 'unpaid'" in where
     assert statuses(engine) == {due.id: "closed", paid.id: "paid"}
     assert service.index.members("u1") == {}
 

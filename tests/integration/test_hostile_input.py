@@ -71,9 +71,9 @@ RESP_INLINE = "*1\r\n$8\r\nFLUSHALL\r\n"
 LUA_CALL = "redis.call('FLUSHALL')"
 LUA_CLOSE = "]]--"
 LUA_BREAKOUT = "']]) redis.call('FLUSHALL') --[["
-SQL_DROP = "'; DROP TABLE orders; --"
+SQL_DROP = "'; DROP TABLE oes_orders; --"
 SQL_OR = "' OR '1'='1"
-SQL_EVENTS = "x'); DELETE FROM order_events; --"
+SQL_EVENTS = "x'); DELETE FROM oes_order_events; --"
 EMOJI = "👩‍💻🛒"
 DECOMPOSED = "e\u0301"  # e + COMBINING ACUTE ACCENT
 COMPOSED = "\u00e9"  # LATIN SMALL LETTER E WITH ACUTE
@@ -436,7 +436,7 @@ class Stores:
     def assert_healthy(self) -> None:
         assert self.client.ping()
         tables = inspect(self.engine).get_table_names()
-        assert {"orders", "order_events"} <= set(tables)
+        assert {orders_table.name, events_table.name} <= set(tables)
         with self.engine.connect() as conn:
             conn.scalar(select(func.count()).select_from(orders_table))
 

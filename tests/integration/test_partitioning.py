@@ -4,9 +4,9 @@ The DDL is applied to a fresh database of the tests' PostgreSQL, and the service
 unchanged: creates, payments, cancels and the sweep leave the rows, their events and the
 Redis index as on the migrated schema, the limit holds in SQL through the partial unique
 slot index (now enforced per partition) when Redis has lost its data, an order id stays
-unique across users (through ``order_ids``), and the statements that name a user read one
+unique across users (through ``oes_order_ids``), and the statements that name a user read one
 partition while those by order id alone read all. Only PostgreSQL: SQLite has no
-partitioning. Breaking the DDL turns these red: without the ``order_ids`` trigger a second
+partitioning. Breaking the DDL turns these red: without the ``oes_order_ids`` trigger a second
 user gets the same order id; with a non-unique slot index every create fails.
 """
 
@@ -27,6 +27,7 @@ from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.errors import OrderConflict, UnpaidOrderLimitReached
 from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 from tests.support.postgres import PostgresTarget
 
@@ -62,12 +63,15 @@ def service(partitioned: Engine, redis_client: redis.Redis, clock: ManualClock) 
 
 def statuses(engine: Engine) -> dict[str, str]:
     with engine.connect() as conn:
-        return {r.id: r.status for r in conn.execute(text("SELECT id, status FROM orders"))}
+        return {
+            r.id: r.status
+            for r in conn.execute(text(f"SELECT id, status FROM {orders_table.name}"))
+        }
 
 
 def event_kinds(engine: Engine) -> Counter[tuple[str, str]]:
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT order_id, kind FROM order_events")).all()
+        rows = conn.execute(text(f"SELECT order_id, kind FROM {events_table.name}")).all()
     return Counter((r.order_id, r.kind) for r in rows)
 
 
@@ -87,10 +91,10 @@ def test_schema_is_partitioned_by_user_and_the_slot_index_stays_partial_and_uniq
             text(
                 "SELECT i.indisunique, pg_get_expr(i.indpred, i.indrelid) FROM pg_index i "
                 "JOIN pg_class c ON c.oid = i.indexrelid "
-                "WHERE c.relname LIKE 'orders_p%_user_id_slot_idx'"
+                "WHERE c.relname LIKE 'oes_orders_p%_user_id_slot_idx'"
             )
         ).all()
-    assert strategy == {"orders": "h", "order_events": "h", "order_ids": "h"}
+    assert strategy == {orders_table.name: "h", events_table.name: "h", "oes_order_ids": "h"}
     assert len(slot_indexes) == PARTITIONS
     assert all(unique and "'unpaid'" in str(where) for unique, where in slot_indexes)
 
@@ -121,8 +125,8 @@ def test_create_pay_cancel_and_sweep_run_unchanged_on_partitioned_tables(
     assert list(redis_client.scan_iter("UnpaidOrder-user-*")) == []
     with partitioned.connect() as conn:
         used = conn.execute(
-            text("SELECT count(DISTINCT tableoid) FROM orders UNION ALL "
-                 "SELECT count(DISTINCT tableoid) FROM order_events")
+            text(f"SELECT count(DISTINCT tableoid) FROM {orders_table.name} UNION ALL "
+                 f"SELECT count(DISTINCT tableoid) FROM {events_table.name}")
         ).scalars().all()  # fmt: skip
     assert min(used) > 1  # the rows really are spread over partitions
 
@@ -141,18 +145,19 @@ def test_limit_holds_in_sql_per_partition_after_redis_lost_its_data(
 
 
 def partitions_read(engine: Engine, statement: str) -> set[str]:
-    """The partitions of orders the plan of ``statement`` visits."""
+    """The partitions of oes_orders the plan of ``statement`` visits."""
     with engine.connect() as conn:
         lines = conn.execute(text(f"EXPLAIN {statement}")).scalars()
-        return {name for line in lines for name in re.findall(r"\borders_p\d+", line)}
+        return {name for line in lines for name in re.findall(rf"\b{orders_table.name}_p\d+", line)}
 
 
 def test_statements_naming_the_user_read_one_partition_those_by_id_alone_read_all(
     partitioned: Engine,
 ) -> None:
-    by_user = "SELECT slot FROM orders WHERE user_id = 'u-1' AND status = 'unpaid'"
-    by_id = "UPDATE orders SET status = 'paid' WHERE id = 'x'"
-    by_both = "UPDATE orders SET status = 'paid' WHERE id = 'x' AND user_id = 'u-1'"
+    orders = orders_table.name
+    by_user = f"SELECT slot FROM {orders} WHERE user_id = 'u-1' AND status = 'unpaid'"
+    by_id = f"UPDATE {orders} SET status = 'paid' WHERE id = 'x'"
+    by_both = f"UPDATE {orders} SET status = 'paid' WHERE id = 'x' AND user_id = 'u-1'"
 
     assert len(partitions_read(partitioned, by_user)) == 1
     assert len(partitions_read(partitioned, by_id)) == PARTITIONS
@@ -172,5 +177,5 @@ def test_an_order_id_stays_unique_across_users_and_partitions(
     assert service.create_unpaid_order("alice", order_id="checkout-1") == first  # a retry
     assert statuses(partitioned) == {"checkout-1": "unpaid"}
     with partitioned.connect() as conn:
-        ids = conn.execute(text("SELECT id, user_id FROM order_ids")).all()
+        ids = conn.execute(text("SELECT id, user_id FROM oes_order_ids")).all()
     assert [tuple(r) for r in ids] == [("checkout-1", "alice")]

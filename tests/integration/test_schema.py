@@ -20,7 +20,8 @@ from orders.config import Settings
 from orders.errors import SchemaNotReady, StoreUnavailable, UnpaidOrderLimitReached
 from orders.service import OrderService
 from orders.sql import migrate
-from orders.sql.models import orders_table
+from orders.sql.models import events_table, orders_table
+from orders.sql.schema_names import unprefixed
 from orders.sql.stats import collect_stats
 from tests.support.clocks import ManualClock
 from tests.support.plans import explain_sql
@@ -28,16 +29,19 @@ from tests.support.processes import child_env, run_python
 from tests.support.stores import schema_differences
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TABLES = {"orders", "order_events"}
+TABLES = {orders_table.name, events_table.name}
 ORDERS_INDEXES = {
-    "ix_orders_unpaid_expires_at_ms": ["expires_at_ms"],
-    "ix_orders_unpaid_user_id_expires_at_ms": ["user_id", "expires_at_ms"],
+    "ix_oes_orders_unpaid_expires_at_ms": ["expires_at_ms"],
+    "ix_oes_orders_unpaid_user_id_expires_at_ms": ["user_id", "expires_at_ms"],
 }
 #: The partial indexes over one terminal status each (migration 0005), for the stats.
 TERMINAL_INDEXES = {
-    "ix_orders_paid_paid_at_ms": (["paid_at_ms"], "paid"),
-    "ix_orders_cancelled_closed_at_ms": (["closed_at_ms"], "cancelled"),
-    "ix_orders_closed_closed_at_ms_expires_at_ms": (["closed_at_ms", "expires_at_ms"], "closed"),
+    "ix_oes_orders_paid_paid_at_ms": (["paid_at_ms"], "paid"),
+    "ix_oes_orders_cancelled_closed_at_ms": (["closed_at_ms"], "cancelled"),
+    "ix_oes_orders_closed_closed_at_ms_expires_at_ms": (
+        ["closed_at_ms", "expires_at_ms"],
+        "closed",
+    ),
 }
 
 
@@ -124,7 +128,7 @@ def test_head_revision_is_the_newest_script_in_migrations_versions() -> None:
 
 
 def test_the_sweep_and_limit_guard_indexes_are_partial_over_unpaid_orders(engine: Engine) -> None:
-    indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("orders")}
+    indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes(orders_table.name)}
 
     for name, columns in ORDERS_INDEXES.items():
         assert indexes[name]["column_names"] == columns
@@ -134,7 +138,7 @@ def test_the_sweep_and_limit_guard_indexes_are_partial_over_unpaid_orders(engine
 
 
 def test_the_stats_indexes_are_partial_over_one_terminal_status_each(engine: Engine) -> None:
-    indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("orders")}
+    indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes(orders_table.name)}
 
     for name, (columns, status) in TERMINAL_INDEXES.items():
         assert indexes[name]["column_names"] == columns
@@ -147,9 +151,11 @@ def test_downgrade_from_head_to_0004_drops_only_the_stats_indexes(empty_engine: 
     migrate.upgrade(empty_engine)
     migrate.downgrade(empty_engine, "0004")
 
-    names = {ix["name"] for ix in inspect(empty_engine).get_indexes("orders")}
-    assert not names & set(TERMINAL_INDEXES)
-    assert names >= set(ORDERS_INDEXES)
+    # Below 0007 the names are the bare ones again (nothing else took them).
+    bare = inspect(empty_engine).get_indexes(unprefixed(orders_table.name))
+    names = {unprefixed(str(ix["name"])) for ix in bare}
+    assert not names & {unprefixed(name) for name in TERMINAL_INDEXES}
+    assert names >= {unprefixed(name) for name in ORDERS_INDEXES}
 
     migrate.upgrade(empty_engine)
     assert schema_differences(empty_engine) == []
@@ -226,20 +232,22 @@ def test_the_services_own_sweep_and_limit_guard_use_the_partial_indexes(
     clock.advance(s=2)
     guard_sql, guard_params = the_one(
         statements_run_by(engine, lambda: service.create_unpaid_order("u1", ttl_s=60)),
-        "insert into orders",
+        f"insert into {orders_table.name}",
     )
     sweep_sql, sweep_params = the_one(
         statements_run_by(engine, service.sweep_expired), "with due as"
     )
 
-    assert "ix_orders_unpaid_user_id_slot" in explain_sql(engine, guard_sql, guard_params)
-    assert "ix_orders_unpaid_expires_at_ms" in explain_sql(engine, sweep_sql, sweep_params)
+    assert "ix_oes_orders_unpaid_user_id_slot" in explain_sql(engine, guard_sql, guard_params)
+    assert "ix_oes_orders_unpaid_expires_at_ms" in explain_sql(engine, sweep_sql, sweep_params)
 
 
 def full_scans_of_orders(engine: Engine, plan: str) -> list[str]:
     """The plan's lines that read the orders table without an index."""
     if engine.dialect.name == "sqlite":
-        return [line for line in plan.splitlines() if "orders" in line and "INDEX" not in line]
+        return [
+            line for line in plan.splitlines() if orders_table.name in line and "INDEX" not in line
+        ]
     return [line for line in plan.splitlines() if "Seq Scan" in line]
 
 
@@ -269,13 +277,13 @@ def test_every_stats_query_is_served_by_an_index(
 
     for what, plan in planned.items():
         assert full_scans_of_orders(engine, plan) == [], (what, plan)
-    assert "ix_orders_unpaid_" in planned["unpaid"]
-    assert "ix_orders_paid_paid_at_ms" in planned["paid and cancelled"]
-    assert "ix_orders_cancelled_closed_at_ms" in planned["paid and cancelled"]
-    assert "ix_orders_closed_closed_at_ms_expires_at_ms" in planned["close lag"]
+    assert "ix_oes_orders_unpaid_" in planned["unpaid"]
+    assert "ix_oes_orders_paid_paid_at_ms" in planned["paid and cancelled"]
+    assert "ix_oes_orders_cancelled_closed_at_ms" in planned["paid and cancelled"]
+    assert "ix_oes_orders_closed_closed_at_ms_expires_at_ms" in planned["close lag"]
     # Either partial index over unpaid orders will do (on a small table PostgreSQL may read
     # the one led by user_id whole): both hold unpaid orders only.
-    assert "ix_orders_unpaid_" in planned["expiries ahead"]
+    assert "ix_oes_orders_unpaid_" in planned["expiries ahead"]
     if engine.dialect.name == "postgresql":
         # The lag is read from the index alone, never from the table's rows. (SQLite 3.40
         # still visits the rows, for the status the partial index already implies.)
@@ -300,7 +308,7 @@ def test_service_on_an_unmigrated_database_refuses_with_schema_not_ready_and_no_
     assert "orders db upgrade" in str(refused.value)
     assert service.index.members("early-bird") == {}
     assert redis_client.exists(service.index.key("early-bird")) == 0
-    assert "orders" not in table_names(empty_engine)
+    assert orders_table.name not in table_names(empty_engine)
 
 
 @pytest.mark.parametrize(

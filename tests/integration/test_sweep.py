@@ -234,7 +234,7 @@ def test_batch_that_fails_midway_leaves_its_orders_unpaid_for_the_next_sweep(
 
     def fail_after_second_close(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         nonlocal calls
-        if "UPDATE orders SET status" not in statement:
+        if f"UPDATE {orders_table.name} SET status" not in statement:
             return
         calls += 1
         if calls == 2:
@@ -273,7 +273,7 @@ def test_batch_whose_event_insert_fails_leaves_its_orders_unpaid(
 
     def fail_on_closed_events(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         # PostgreSQL writes them in the closing statement itself; SQLite in one of its own.
-        if "INSERT INTO order_events" in statement:
+        if f"INSERT INTO {events_table.name}" in statement:
             raise OperationalError(statement[:40], {}, Exception("disk I/O error"))
 
     event.listen(engine, FAILURE_POINT[engine.dialect.name], fail_on_closed_events)
@@ -297,7 +297,7 @@ def test_a_constraint_refusing_a_transition_is_a_store_failure_and_changes_nothi
     reach the caller as StoreUnavailable, never as a SQLAlchemy exception, and the
     transition must not commit without its event (on PostgreSQL both are one statement)."""
     order = create_orders(service, [1])[0]
-    refuse_inserts(engine, "order_events", "check constraint failed")
+    refuse_inserts(engine, events_table.name, "check constraint failed")
     if action == "sweep":
         clock.advance(s=10)
     run = {
@@ -401,7 +401,7 @@ def test_a_failing_batch_raises_only_after_the_previous_batch_cleanup_finished(
 
     def fail_second_close(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         nonlocal closes
-        if "UPDATE orders SET status" in statement:
+        if f"UPDATE {orders_table.name} SET status" in statement:
             closes += 1
             if closes == 2:
                 raise OperationalError(statement[:40], {}, Exception("disk I/O error"))

@@ -308,8 +308,10 @@ def test_successful_payment_costs_one_sql_transaction_and_one_redis_command(
     else:
         # One statement in autocommit: the compare-and-set and its event, one transaction.
         assert writes == ["WITH"]
-        assert " ".join(statements[0].split()).startswith("WITH changed AS (UPDATE orders")
-        assert "INSERT INTO order_events" in statements[0]
+        assert " ".join(statements[0].split()).startswith(
+            f"WITH changed AS (UPDATE {orders_table.name}"
+        )
+        assert f"INSERT INTO {events_table.name}" in statements[0]
         assert autocommit == [True]  # SQLAlchemy's commit() then sends nothing
     # One ZREM, plus the second INFO call itself (on each node).
     assert after - before == 1 + redis_nodes

@@ -261,7 +261,7 @@ SELECT md5(string_agg(item, ' | ' ORDER BY item)) FROM (
   SELECT 'set ' || array_to_string(setconfig, ',') FROM pg_db_role_setting
    WHERE setdatabase = (SELECT oid FROM pg_database WHERE datname = current_database())
   UNION ALL
-  SELECT 'rev ' || version_num FROM alembic_version
+  SELECT 'rev ' || version_num FROM oes_alembic_version
   UNION ALL
   SELECT 'analyzed ' || relname FROM pg_stat_user_tables
    WHERE analyze_count + autoanalyze_count > 0
@@ -274,5 +274,6 @@ SELECT (SELECT count(*) FROM pg_stat_activity
      + (SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database())
 """
 _TABLES = (
-    "SELECT tablename FROM pg_tables WHERE schemaname = 'public' AND tablename <> 'alembic_version'"
+    "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+    " AND tablename NOT IN ('oes_alembic_version', 'alembic_version')"
 )
