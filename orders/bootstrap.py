@@ -14,7 +14,7 @@ from redis.retry import Retry
 from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from orders.config import SecretUrl, Settings
+from orders.config import Settings
 from orders.domain import Clock
 from orders.embedded.server import check_can_start, database_url
 from orders.errors import InvalidInput, SchemaNotReady
@@ -22,6 +22,7 @@ from orders.index.errors import no_cluster_node
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
 from orders.sql import engine
+from orders.urls import SecretUrl
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "password-in-the-path-shown",
-        "orders/config.py",
+        "orders/urls.py",
         'path = parts.path if _PLAIN.fullmatch(parts.path) else f"/{HIDDEN}"',
         "path = parts.path",
         "a password spilled into a URL's path is hidden",

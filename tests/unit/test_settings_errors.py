@@ -9,8 +9,9 @@ import pickle
 
 import pytest
 
-from orders.config import SecretUrl, Settings
+from orders.config import Settings
 from orders.errors import InvalidInput
+from orders.urls import SecretUrl
 
 
 @pytest.mark.parametrize(
