@@ -26,6 +26,7 @@ ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
 INSTALLED_APPS = ["django.contrib.contenttypes", "shop"]
 MIDDLEWARE: list[str] = []
 ROOT_URLCONF = "checkout.urls"
+TEST_RUNNER = "checkout.runner.CheckoutTestRunner"
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -13,17 +13,12 @@ from django.test import TransactionTestCase
 
 from orders.domain import OrderStatus
 from orders.service import OrderService
-from shop.glue import close_services, order_service, order_transaction
+from shop.glue import order_service, order_transaction
 from shop.models import Cart
 
 
 class CheckoutTest(TransactionTestCase):
     databases = {"default"}  # noqa: RUF012  (Django's own class attribute)
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        close_services()  # its pool's connections would keep the test database from a drop
-        super().tearDownClass()
 
     def setUp(self) -> None:
         self.service: OrderService = order_service()
