@@ -15,7 +15,7 @@ from tests.support.processes import REPO, child_env, run_python
 
 EXAMPLE = REPO / "examples" / "django_checkout"
 #: The Django tests in examples/django_checkout/shop/tests.py: all of them must run.
-DJANGO_TESTS = 8
+DJANGO_TESTS = 9
 LIMIT = 2
 
 

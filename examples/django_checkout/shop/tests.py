@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 from unittest import mock
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.test import TransactionTestCase
 
 from orders.domain import OrderStatus
@@ -106,6 +106,15 @@ class CheckoutTest(TransactionTestCase):
             with order_transaction() as conn:
                 self.service.mark_paid(order_id, payment_ref="psp-1", connection=conn)
             self.assertEqual(self.in_redis(), {order_id})  # not committed yet
+        self.assertEqual(self.service.get_order(order_id).status, OrderStatus.PAID)
+        self.assertEqual(self.in_redis(), set())
+
+    def test_with_atomic_requests_checkout_and_payment_follow_the_requests_commit(self) -> None:
+        settings_dict = connection.settings_dict
+        with mock.patch.dict(settings_dict, {"ATOMIC_REQUESTS": True}):
+            order_id = self.checkout().json()["id"]
+            self.assertEqual(self.in_redis(), {order_id})
+            self.assertEqual(self.pay(order_id, "psp-1").status_code, 200)
         self.assertEqual(self.service.get_order(order_id).status, OrderStatus.PAID)
         self.assertEqual(self.in_redis(), set())
 
