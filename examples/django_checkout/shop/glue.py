@@ -125,13 +125,13 @@ def order_transaction(using: str = DEFAULT_DB_ALIAS) -> Iterator[Connection]:
         conn.close()
         raise
     if outermost:
-        conn.commit()
-        conn.close()
+        committed(conn)
     else:
-        transaction.on_commit(lambda: end(conn), using=using)
+        transaction.on_commit(lambda: committed(conn), using=using)
 
 
-def end(conn: Connection) -> None:
+def committed(conn: Connection) -> None:
+    """Django committed: SQLAlchemy's ``commit`` event runs orders' follow-up."""
     conn.commit()
     conn.close()
 
