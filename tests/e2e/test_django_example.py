@@ -24,19 +24,19 @@ def test_django_example_passes_its_own_tests_on_real_servers(
     backend: str, redis_url: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     env = child_env(ORDERS_REDIS_URL=redis_url, ORDERS_UNPAID_LIMIT=str(LIMIT))
-    dropped: list[str] = []
-    postgres: PostgresTarget | str = ""
+    server: PostgresTarget | None = None
     if backend == "sqlite":
         env["CHECKOUT_SQLITE_PATH"] = str(tmp_path / "checkout.sqlite3")
+        test_database = str(tmp_path / "test_checkout.sqlite3")  # Django's test_ prefix
     else:
-        postgres = request.getfixturevalue("postgres")
+        postgres: PostgresTarget | str = request.getfixturevalue("postgres")
         if isinstance(postgres, str):
             if os.environ.get("CI") == "true":
                 pytest.fail(f"PostgreSQL tests must run in CI: {postgres}")
             pytest.skip(f"PostgreSQL not available: {postgres}")
-        name = f"checkout_{os.getpid()}"
-        env["CHECKOUT_DATABASE_URL"] = postgres.url(name)
-        dropped = [f"test_{name}"]  # the database Django's test runner makes
+        server, name = postgres, f"checkout_{os.getpid()}"
+        env["CHECKOUT_DATABASE_URL"] = server.url(name)
+        test_database = f"test_{name}"
     try:
         # A timeout ends the child by its PID (subprocess.run kills it).
         done = run_python(
@@ -44,15 +44,13 @@ def test_django_example_passes_its_own_tests_on_real_servers(
             env=env, cwd=EXAMPLE, timeout_s=90,
         )  # fmt: skip
     finally:
-        for database in dropped:
-            assert isinstance(postgres, PostgresTarget)
-            postgres.drop_database(database)  # left behind only if the run failed
+        if server is not None:
+            server.drop_database(test_database)  # left behind only if the run failed
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert re.search(rf"^Ran {DJANGO_TESTS} tests in ", output, re.MULTILINE), output
     assert re.search(r"^OK$", output, re.MULTILINE), output
     # On the database this test gave it, which Django's runner made and then removed.
-    test_database = dropped[0] if dropped else str(tmp_path / "test_checkout.sqlite3")
     assert f"Creating test database for alias 'default' ('{test_database}')" in output, output
     if backend == "sqlite":
-        assert not Path(test_database).exists()
+        assert not list(tmp_path.glob("test_checkout.sqlite3*"))  # nor its -wal, -shm
