@@ -81,6 +81,7 @@ class CheckoutTest(TransactionTestCase):
 
     def test_the_webhook_pays_the_order_and_records_it_on_the_cart(self) -> None:
         order_id = self.checkout().json()["id"]
+        self.assertEqual(self.in_redis(), {order_id})
         answer = self.pay(order_id, "psp-1")
         self.assertEqual(answer.status_code, 200, answer.content)
         self.assertEqual((answer.json()["status"], answer.json()["payment_ref"]), ("paid", "psp-1"))
