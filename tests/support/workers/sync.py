@@ -74,10 +74,10 @@ def contend(service: Any, cfg: dict[str, Any], stop: threading.Event, deadline: 
     )
     guard = service.records.insert_guarded
 
-    def counted_guard(values: dict[str, Any], limit: int, now: int) -> Any:
+    def counted_guard(*args: Any, **kwargs: Any) -> Any:
         # Count the refusals that came from the SQL guard rather than from Redis.
         try:
-            return guard(values, limit, now)
+            return guard(*args, **kwargs)
         except LimitReachedInSql:
             tally.add("sql_refused")
             raise
