@@ -2,7 +2,7 @@
 PostgreSQL, and the two timeouts that bound what any frozen holder of a lock costs.
 
 1. A real ``orders scheduler`` process is stopped while its batch statement runs. The test
-   stages the moment: a trigger on ``order_events`` makes the batch's ``closed`` events wait
+   stages the moment: a trigger on the events table makes the batch's ``closed`` events wait
    on an advisory lock the test holds, so the statement has claimed and closed its 500
    rows when it stops; the test sees it waiting in ``pg_stat_activity``, SIGSTOPs the
    process, then lets the statement finish on the server. A payment of one of those
@@ -151,7 +151,7 @@ def hold_closed_events_on(conn: psycopg.Connection[Any]) -> None:
         f"PERFORM pg_advisory_xact_lock_shared({HOLD_KEY}); RETURN NEW; END $$"
     )
     conn.execute(
-        "CREATE TRIGGER test_hold_closes BEFORE INSERT ON order_events FOR EACH ROW "
+        f"CREATE TRIGGER test_hold_closes BEFORE INSERT ON {events_table.name} FOR EACH ROW "
         "WHEN (NEW.kind = 'closed') EXECUTE FUNCTION test_hold_closes()"
     )
 
