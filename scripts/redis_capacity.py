@@ -46,7 +46,8 @@ sys.path.insert(0, str(REPO))
 from orders.config import Settings  # noqa: E402
 from orders.domain import OrderIdGenerator  # noqa: E402
 from orders.embedded.binary import find_redis_server  # noqa: E402
-from orders.index.unpaid import admit_args, admits_key, load_script  # noqa: E402
+from orders.index.keys import admits_key  # noqa: E402
+from orders.index.unpaid import admit_args, load_script  # noqa: E402
 from tests.support.processes import stop_process  # noqa: E402
 
 PREFIX = "UnpaidOrder-"

@@ -22,6 +22,7 @@ from orders.bench.measure import (
     chunks,
 )
 from orders.domain import EventKind, OrderIdGenerator, OrderStatus
+from orders.index.keys import glob_escape
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import load_script
 from orders.service import OrderService
@@ -256,12 +257,12 @@ class Workload:
 
     def bench_keys(self) -> list[str]:
         """The bench users' keys: their sets, and their admissions hashes, which the
-        index names after the set (``orders.index.unpaid.admits_key``)."""
+        index names after the set (``orders.index.keys.admits_key``)."""
         admits = self.service.index.admits_key(self.tag)
         hashes = admits[: admits.rindex(self.key_tag) + len(self.key_tag)]
         found: list[str] = []
         for start in (self.key_tag, hashes):
-            keys = self.client.scan_iter(match=_glob_escape(start) + "*", count=1000)
+            keys = self.client.scan_iter(match=glob_escape(start) + "*", count=1000)
             found.extend(k.decode() if isinstance(k, bytes) else str(k) for k in keys)
         return found
 
@@ -321,7 +322,3 @@ class Workload:
 
 #: PRAGMA synchronous's levels by name.
 _SQLITE_SYNC = {0: "off", 1: "normal", 2: "full", 3: "extra"}
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)

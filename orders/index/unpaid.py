@@ -6,11 +6,11 @@ a set emptied of its last member vanishes, and reconcile drops any member left b
 (expired, or no longer open in SQL). The service's own keys sit under the same prefix in
 brackets (the index epoch in :mod:`orders.index.epoch`, the lease in
 :mod:`orders.index.lease`; ``[`` never occurs in a user id). Beside each user's set, for as
-long as a create may be in flight, an admissions hash (:func:`admits_key`) says when the
-create behind each member started, so a member left by a create that failed can be told
-from one whose SQL row is still coming. Every command touches one key and every script one
-user's keys, which share a hash slot, so the scripts run unchanged on a Redis Cluster
-(:mod:`orders.index.nodes` says what a cluster changes).
+long as a create may be in flight, an admissions hash (:func:`orders.index.keys.admits_key`)
+says when the create behind each member started, so a member left by a create that failed
+can be told from one whose SQL row is still coming. Every command touches one key and
+every script one user's keys, which share a hash slot, so the scripts run unchanged on a
+Redis Cluster (:mod:`orders.index.nodes` says what a cluster changes).
 
 Every redis-py exception becomes :class:`StoreUnavailable` (:mod:`orders.index.errors`).
 Data under the prefix that the service did not write is skipped and reported, never an
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 from collections.abc import Generator, Iterable
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from orders.config import Settings
 from orders.errors import InvalidInput
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
+from orders.index.keys import admits_key, glob_escape, text_of, user_of
 from orders.index.nodes import RedisClient
 from orders.index.pipeline import (
     CallPacker,
@@ -48,7 +48,6 @@ from orders.index.pipeline import (
     send_calls,
 )
 from orders.index.server_config import server_warnings
-from orders.validation import USER_ID_MAX_LENGTH, check_user_id
 
 log = logging.getLogger("orders.index")  # the package's name: operators configure it
 
@@ -92,34 +91,11 @@ class AdmitResult:
     score_ms: int
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
-#: Printable ASCII but space and ``{}*?[]``: ids made only of these pass check_user_id
-#: (short enough), so a SCAN of millions of keys need not check them character by character.
-_PLAIN_USER_ID = re.compile(rf"[!-)+->@-Z\\^-z|~]{{1,{USER_ID_MAX_LENGTH}}}")
-
-
-def _user_of(key: bytes | str, prefix_length: int) -> str | None:
-    """The user id a key names, or None when no valid user id can be read from it."""
-    try:
-        user = _text(key)[prefix_length:]
-    except UnicodeDecodeError:
-        return None
-    if user.startswith("[") or _PLAIN_USER_ID.fullmatch(user):
-        return user
-    try:
-        return check_user_id(user, USER_ID_MAX_LENGTH)
-    except InvalidInput:
-        return None
-
-
 def _score(value: bytes | str | float) -> int:
     # Redis prints integer-valued doubles in full; Decimal also copes with exponent form.
     if isinstance(value, float):
         return int(value)
-    return int(Decimal(_text(value)))
+    return int(Decimal(text_of(value)))
 
 
 def admit_args(
@@ -128,35 +104,6 @@ def admit_args(
     """``admit.lua``'s ARGV, in its header's order: for :meth:`UnpaidIndex.admit` and for
     the bench's raw EVALSHA alike (whose KEYS are the user's key and :func:`admits_key`)."""
     return [order_id, expires_at_ms, now_ms, limit, window_ms]
-
-
-ADMITS_TAG = "[admits]"
-
-
-def hash_tag_of(key: str) -> str | None:
-    """The part of ``key`` Redis Cluster hashes instead of the whole name, if any: the text
-    between the first ``{`` and the first ``}`` after it, when not empty."""
-    start = key.find("{")
-    end = key.find("}", start + 1)
-    if start < 0 or end < 0 or end == start + 1:
-        return None
-    return key[start + 1 : end]
-
-
-def admits_key(user_key: str, key_prefix: str) -> str:
-    """The name of a user's admissions hash (see ``admit.lua``), the one place it is built.
-
-    It must share the hash slot of ``user_key`` (both are KEYS of one script): its hash tag
-    is the user key's own tag, else the whole user key. It starts with the prefix (a Redis
-    ACL that grants ``~<prefix>*`` covers it) followed by ``[``, which names the service's
-    own keys and which :meth:`UnpaidIndex.scan_users` leaves out of its pattern.
-    """
-    tag = hash_tag_of(user_key)
-    if tag is None:
-        if "}" in user_key:
-            raise InvalidInput("key_prefix", "must not contain { or }")
-        tag = user_key
-    return f"{key_prefix}{ADMITS_TAG}{{{tag}}}{'' if tag == user_key else user_key}"
 
 
 class UnpaidIndex:
@@ -271,7 +218,7 @@ class UnpaidIndex:
         """Every member of the user's set with its score, expired or not (for reads/tests)."""
         with redis_errors("members"):
             pairs: list[Any] = self.client.zrange(
-                self.key(user_id), 0, -1, withscores=True, score_cast_func=_text
+                self.key(user_id), 0, -1, withscores=True, score_cast_func=text_of
             )
         return self._decode(user_id, pairs)
 
@@ -289,7 +236,7 @@ class UnpaidIndex:
         foreign: it is skipped and reported through :meth:`foreign`, never an error.
         """
         # "[^[]": not the service's own keys, whose names go on with "[" (no user id does).
-        pattern = _glob_escape(self.key_prefix) + "[^\\[]*"
+        pattern = glob_escape(self.key_prefix) + "[^\\[]*"
         start = len(self.key_prefix)
         with (
             redis_errors("scan_users"),
@@ -298,7 +245,7 @@ class UnpaidIndex:
             for keys in batches:
                 users = []
                 for key in keys:
-                    user = _user_of(key, start)
+                    user = user_of(key, start)
                     if user is None:
                         self.foreign(key, "key name is not a user id")
                     elif not user.startswith("["):  # "[...]" names the service's own keys
@@ -315,7 +262,7 @@ class UnpaidIndex:
         with redis_errors("members_of"):
             pipe = self.client.pipeline(transaction=False)
             for user_id in user_ids:
-                pipe.zrange(self.key(user_id), 0, -1, withscores=True, score_cast_func=_text)
+                pipe.zrange(self.key(user_id), 0, -1, withscores=True, score_cast_func=text_of)
             replies: list[Any] = pipe.execute(raise_on_error=False)
         found: dict[str, dict[str, int]] = {}
         for user_id, pairs in zip(user_ids, replies, strict=True):
@@ -333,7 +280,7 @@ class UnpaidIndex:
         members: dict[str, int] = {}
         for member, score in pairs:
             try:
-                members[_text(member)] = _score(score)
+                members[text_of(member)] = _score(score)
             except UnicodeDecodeError:
                 self.foreign(self.key(user_id).encode("utf-8", "surrogatepass"), "member")
         return members
@@ -380,10 +327,6 @@ class UnpaidIndex:
             pipe.execute()
 
 
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
 class ReconcileBatch:
     """The reconcile scripts of a batch of users: :meth:`send` writes them all and returns
     at once, :meth:`read` collects the outcome (sending first if need be). Once sent, read
@@ -425,7 +368,7 @@ class ReconcileBatch:
                 found.written.append(user_id)
             for member in reply[3:]:  # rare: most fixed keys have none
                 try:
-                    found.extras.append((user_id, _text(member)))
+                    found.extras.append((user_id, text_of(member)))
                 except UnicodeDecodeError:
                     self.index.foreign(self._key(user_id), "member")
         return found

@@ -37,7 +37,7 @@ from orders import InvalidInput, OrderNotFound, OrderService, OrderStatus
 from orders.cli import main
 from orders.config import Settings
 from orders.events.consumer import EventPosition
-from orders.index.unpaid import admits_key
+from orders.index.keys import admits_key
 from orders.sql.models import events_table, orders_table
 from tests.support.reports import record_texts
 

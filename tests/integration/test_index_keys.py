@@ -15,8 +15,9 @@ import redis
 from redis.crc import key_slot
 
 from orders.config import Settings
+from orders.index.keys import admits_key
 from orders.index.nodes import is_cluster
-from orders.index.unpaid import UnpaidIndex, admits_key
+from orders.index.unpaid import UnpaidIndex
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
 

@@ -10,8 +10,8 @@ from alembic.autogenerate import compare_metadata
 from sqlalchemy import Engine, func, insert, select
 
 from orders.domain import Order
+from orders.index.keys import ADMITS_TAG
 from orders.index.nodes import RedisClient, primaries
-from orders.index.unpaid import ADMITS_TAG
 from orders.service import OrderService
 from orders.sql.migrate import is_ours, migration_context
 from orders.sql.models import Base, events_table, orders_table

@@ -1,0 +1,67 @@
+"""The names of the index's keys: a user's set, the admissions hash beside it, and back
+from a key to its user; the one place each is built or read (see :mod:`orders.index.unpaid`)."""
+
+from __future__ import annotations
+
+import re
+
+from orders.errors import InvalidInput
+from orders.validation import USER_ID_MAX_LENGTH, check_user_id
+
+
+def text_of(value: bytes | str) -> str:
+    """A key or member as text (UnicodeDecodeError when it is not UTF-8)."""
+    return value.decode("utf-8") if isinstance(value, bytes) else value
+
+
+#: Printable ASCII but space and ``{}*?[]``: ids made only of these pass check_user_id
+#: (short enough), so a SCAN of millions of keys need not check them character by character.
+_PLAIN_USER_ID = re.compile(rf"[!-)+->@-Z\\^-z|~]{{1,{USER_ID_MAX_LENGTH}}}")
+
+
+def user_of(key: bytes | str, prefix_length: int) -> str | None:
+    """The user id a key names, or None when no valid user id can be read from it."""
+    try:
+        user = text_of(key)[prefix_length:]
+    except UnicodeDecodeError:
+        return None
+    if user.startswith("[") or _PLAIN_USER_ID.fullmatch(user):
+        return user
+    try:
+        return check_user_id(user, USER_ID_MAX_LENGTH)
+    except InvalidInput:
+        return None
+
+
+ADMITS_TAG = "[admits]"
+
+
+def hash_tag_of(key: str) -> str | None:
+    """The part of ``key`` Redis Cluster hashes instead of the whole name, if any: the text
+    between the first ``{`` and the first ``}`` after it, when not empty."""
+    start = key.find("{")
+    end = key.find("}", start + 1)
+    if start < 0 or end < 0 or end == start + 1:
+        return None
+    return key[start + 1 : end]
+
+
+def admits_key(user_key: str, key_prefix: str) -> str:
+    """The name of a user's admissions hash (see ``admit.lua``), the one place it is built.
+
+    It must share the hash slot of ``user_key`` (both are KEYS of one script): its hash tag
+    is the user key's own tag, else the whole user key. It starts with the prefix (a Redis
+    ACL that grants ``~<prefix>*`` covers it) followed by ``[``, which names the service's
+    own keys and which :meth:`UnpaidIndex.scan_users` leaves out of its pattern.
+    """
+    tag = hash_tag_of(user_key)
+    if tag is None:
+        if "}" in user_key:
+            raise InvalidInput("key_prefix", "must not contain { or }")
+        tag = user_key
+    return f"{key_prefix}{ADMITS_TAG}{{{tag}}}{'' if tag == user_key else user_key}"
+
+
+def glob_escape(text: str) -> str:
+    """``text`` matched literally in a SCAN or KEYS pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
