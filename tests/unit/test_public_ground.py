@@ -38,11 +38,6 @@ import orders
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "orders"
 
-# TEMPORARY: removed when the orders.aio rewrite lands. These paths are being rewritten
-# (they override redis-py's Connection._connect and read Retry's private attributes, and
-# use SQLAlchemy's greenlet bridge); their violations are not reported until then.
-BEING_REWRITTEN = ("orders/aio/", "orders/sql/greenlet.py")
-
 #: Underscored names that their library documents as public API, each with where it says so.
 DOCUMENTED_AS_PUBLIC = {
     # "Row._mapping ... the underscore avoids name conflicts with column names":
@@ -95,10 +90,6 @@ def internal(module: str) -> str | None:
         if module == package or module.startswith(package + "."):
             return why
     return None
-
-
-def rewritten(path: str) -> bool:
-    return any(path == p or (p.endswith("/") and path.startswith(p)) for p in BEING_REWRITTEN)
 
 
 # --- a, b, c: the source ----------------------------------------------------------------------
@@ -302,13 +293,7 @@ def test_no_module_of_orders_touches_a_private_name_of_another_library() -> None
     if skipped:
         print("not imported, an optional dependency is missing:", ", ".join(skipped))
     found = source_violations(sources) + runtime_violations(modules)
-    wrong = [v for v in found if not rewritten(v.partition(":")[0])]
-    assert wrong == [], "private names of other libraries:\n" + "\n".join(wrong)
-
-
-def test_the_paths_being_rewritten_exist() -> None:
-    # An entry left behind after its path is gone or renamed would only hide a future file.
-    assert all((REPO / p).exists() for p in BEING_REWRITTEN)
+    assert found == [], "private names of other libraries:\n" + "\n".join(found)
 
 
 # --- the checker, on snippets -----------------------------------------------------------------
