@@ -32,6 +32,7 @@ import functools
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
 from orders.errors import Overloaded
@@ -65,7 +66,7 @@ class CallPool:
             self._in_flight += 1
         try:
             job = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-            if _on_asyncio():
+            if on_asyncio():
                 loop = asyncio.get_running_loop()
                 return await settled(loop.run_in_executor(self._executor, job))
             return await self._call_elsewhere(job)
@@ -87,12 +88,32 @@ class CallPool:
         self._executor.shutdown(wait=False)
 
 
-def _on_asyncio() -> bool:
+def on_asyncio() -> bool:
+    """Whether the caller runs on an asyncio loop (uvloop's included). Everything else (trio)
+    goes through anyio, imported only then: its first use on a loop costs tens of ms."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return False
     return True
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread of the loop library's own (start-up work, once)."""
+    if on_asyncio():
+        return await asyncio.to_thread(fn, *args)
+    import anyio.to_thread  # noqa: PLC0415
+
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+def new_lock() -> AbstractAsyncContextManager[Any]:
+    """A lock for tasks of the running loop's library."""
+    if on_asyncio():
+        return asyncio.Lock()
+    import anyio  # noqa: PLC0415
+
+    return anyio.Lock()
 
 
 async def settled(step: Awaitable[T]) -> T:

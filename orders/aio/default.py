@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import anyio
-import anyio.to_thread
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
+from orders.aio.calls import in_thread, new_lock
 from orders.aio.clients import AsyncRedisClient
 from orders.aio.service import AsyncOrderService
 from orders.bootstrap import (
@@ -61,7 +61,7 @@ async def async_redis(settings: Settings) -> AsyncRedisClient:
     }
     one_server = {**timeouts, "health_check_interval": HEALTH_CHECK_INTERVAL_S}
     if settings.redis_url is None:
-        url = await anyio.to_thread.run_sync(_embedded_url, settings)
+        url = await in_thread(_embedded_url, settings)
         return redis.asyncio.Redis.from_url(url, **one_server)
     try:
         if settings.redis_cluster:
@@ -80,7 +80,7 @@ async def build_async_service(
     """:func:`orders.bootstrap.build_service` for asyncio: the configured stores, the schema
     checked, the Redis server's risky configuration logged; connected before it returns."""
     settings = settings or Settings.from_env()
-    service = await anyio.to_thread.run_sync(_checked_service, settings, clock)
+    service = await in_thread(_checked_service, settings, clock)
     try:
         core = await service.core()
         if startup_warnings:
@@ -93,7 +93,7 @@ async def build_async_service(
 
 
 _default: AsyncOrderService | None = None
-_default_lock: anyio.Lock | None = None
+_default_lock: AbstractAsyncContextManager[Any] | None = None
 
 
 async def default_service() -> AsyncOrderService:
@@ -101,7 +101,7 @@ async def default_service() -> AsyncOrderService:
     (on the event loop that first uses it)."""
     global _default, _default_lock  # noqa: PLW0603
     if _default is None:
-        _default_lock = _default_lock or anyio.Lock()
+        _default_lock = _default_lock or new_lock()
         async with _default_lock:
             if _default is None:
                 _default = await build_async_service()

@@ -17,10 +17,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
-import anyio
 import redis
 from redis.cluster import RedisCluster
 from sqlalchemy import Connection, Engine
@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from orders import metrics
-from orders.aio.calls import CallPool, settled
+from orders.aio.calls import CallPool, new_lock, settled
 from orders.aio.clients import AsyncRedisClient, check_async_client, sync_engine, sync_redis
 from orders.config import Settings
 from orders.domain import Clock
@@ -138,11 +138,12 @@ class AsyncOrderService:
         self.calls = CallPool(self.settings.aio_threads, self.settings.aio_queue)
         self._clock = clock
         self._core: OrderService | None = None
-        self._starting = anyio.Lock()
+        self._starting: AbstractAsyncContextManager[Any] | None = None
 
     async def core(self) -> OrderService:
         """The synchronous service this one runs (built on first use, in a thread)."""
         if self._core is None:
+            self._starting = self._starting or new_lock()
             async with self._starting:
                 if self._core is None:
                     self._core = await self.calls.call(self._build)

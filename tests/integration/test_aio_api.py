@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -147,14 +148,19 @@ def test_aclose_closes_every_redis_connection_the_service_opened(
         before = open_descriptors()
         service = await new_async_service(settings)
         core = await service.core()
-        # Forty Redis calls in flight at once (the server holds its replies back for a
-        # moment): up to forty connections of the service's own.
-        await asyncio.to_thread(redis_client.execute_command, "CLIENT", "PAUSE", 200)
-        await asyncio.gather(*(service.calls.call(core.index.members, f"u{n}") for n in range(40)))
+        # Forty Redis calls in flight at once: the forty threads meet, then each holds a
+        # connection of the service's own in a blocking pop for a moment.
+        met = threading.Barrier(40, timeout=30)
+
+        def held_call() -> None:
+            met.wait()
+            core.index.client.blpop(["nothing"], timeout=0.3)
+
+        await asyncio.gather(*(service.calls.call(held_call) for _ in range(40)))
         during = open_descriptors()
         await service.aclose()
         return before, during, open_descriptors()
 
     before, during, after = run_checked(main())
-    assert during - before >= 30  # most of the forty: threads still starting may reuse one
+    assert during - before >= 30  # most of the forty (a thread late to its pop reuses one)
     assert after - before <= 2, f"{after - before} descriptors left open by aclose()"

@@ -31,7 +31,7 @@ HAND_OVER_S = 10.0
 
 async def in_flight_reaches(service: Any, count: int) -> None:
     """Wait (on the loop, never blocking it) until ``count`` calls are handed over."""
-    with anyio.fail_after(HAND_OVER_S):
+    async with asyncio.timeout(HAND_OVER_S):
         while service.calls.in_flight < count:
             await asyncio.sleep(0.001)
 
