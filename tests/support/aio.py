@@ -113,8 +113,9 @@ def no_slow_callbacks(*, fail: bool = True) -> Iterator[SlowCallbacks]:
 
 @contextmanager
 def unchecked(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
-    """The gaps of ``loop`` that begin meanwhile are not judged: a host's start-up (its
-    lifespan hook building the service before the first request), not a call."""
+    """The gaps of ``loop`` that end meanwhile are not judged, nor the one in progress at
+    the end: a host's start-up (its lifespan hook building the service before the first
+    request), not a call."""
     heartbeat = WATCHDOG.heartbeats.get(id(loop))
     if heartbeat is None:
         yield
