@@ -37,7 +37,14 @@ from orders.embedded.binary import bundled_server, find_redis_server
 from orders.index.nodes import RedisClient, primaries
 from orders.service import OrderService
 from orders.sql import migrate
-from tests.support.aio import AwaitedService, LoopThread, new_async_service, no_slow_callbacks
+from tests.support.aio import (
+    LOOP_ENV,
+    AwaitedService,
+    LoopThread,
+    loop_kind,
+    new_async_service,
+    no_slow_callbacks,
+)
 from tests.support.clocks import ManualClock
 from tests.support.cluster import LocalCluster, running_cluster
 from tests.support.postgres import PostgresServer, PostgresTarget, find_postgres_bin
@@ -140,13 +147,13 @@ def redis_binaries() -> tuple[RedisBinary, ...]:
     return tuple(binary for binary in chosen if not binary.missing)
 
 
-def pytest_report_header() -> str:
+def pytest_report_header() -> list[str]:
     binaries = redis_binaries()
     # An external server's URL may hold a password: only the variable's name is shown.
     servers = [f"{b.name} ({b.path or b.missing or 'ORDERS_TEST_REDIS_URL'})" for b in binaries]
     if len(binaries) < 3 and binaries[0].name != "external":
         servers.append("not all three servers found (see tests/conftest.py: redis_binaries)")
-    return "redis servers: " + "; ".join(servers)
+    return ["redis servers: " + "; ".join(servers), f"event loop: {loop_kind()} ({LOOP_ENV})"]
 
 
 @pytest.fixture(scope="session")
@@ -225,6 +232,7 @@ class RedisServers:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    loop_kind()  # an unknown ORDERS_TEST_LOOP stops the run before any test
     config.pluginmanager.register(RedisServers(), "orders-redis-servers")
 
 

@@ -26,6 +26,7 @@ from sqlalchemy import Engine, select
 from orders.config import Settings
 from orders.service import OrderService
 from orders.sql.models import orders_table
+from tests.support.aio import loop_kind
 from tests.support.clocks import ManualClock
 from tests.support.processes import REPO, child_env, free_port
 
@@ -83,9 +84,12 @@ def wait_until_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> Non
 
 @contextlib.contextmanager
 def uvicorn_running(env: dict[str, str], log: Path) -> Iterator[str]:
-    """The example under ``uvicorn --workers``; yields its base URL; stops every process."""
+    """The example under ``uvicorn --workers`` on the tests' event loop (uvicorn's
+    ``--loop``: left to "auto", it would take uvloop whenever installed); yields its base
+    URL; stops every process."""
     port = free_port()
     args = ["app:app", "--host", "127.0.0.1", "--port", str(port), "--workers", str(WORKERS)]
+    args += ["--loop", loop_kind()]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", *args, "--no-access-log"],

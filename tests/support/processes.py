@@ -36,15 +36,16 @@ from tests.support.workers.sync import MODULE as SYNC_WORKER
 REPO = Path(__file__).resolve().parents[2]
 
 
-#: The one ORDERS_* variable children inherit: which redis-server an embedded default runs.
-KEPT_ENV = {"ORDERS_REDIS_SERVER"}
+#: The ORDERS_* variables children inherit: which redis-server an embedded default runs, and
+#: which event loop the async workers run (``tests.support.aio``: loop_kind).
+KEPT_ENV = {"ORDERS_REDIS_SERVER", "ORDERS_TEST_LOOP"}
 
 
 def child_env(**orders_env: str) -> dict[str, str]:
     """A child's environment: ours without any ORDERS_* variable (a developer's own settings
-    never leak in) but ORDERS_REDIS_SERVER (the binary of the test's run, see
-    ``tests/conftest.py``: redis_binary), with this checkout first on PYTHONPATH, plus
-    ``orders_env``."""
+    never leak in) but those of :data:`KEPT_ENV` (the binary of the test's run, see
+    ``tests/conftest.py``: redis_binary; the tests' event loop), with this checkout first on
+    PYTHONPATH, plus ``orders_env``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORDERS_") or k in KEPT_ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(orders_env)

@@ -1,6 +1,7 @@
-"""The tests' event-loop check (``tests.support.aio``) itself: a step that blocks the loop
-fails it, whether it sleeps or computes, and a step that the machine only kept waiting for a
-CPU does not, however long it took on the wall clock."""
+"""The tests' event-loop check (``tests.support.aio``) itself, on asyncio's loop and on
+uvloop's: a call that blocks the loop fails it, whether it sleeps or computes, and says what
+was running; awaiting, a busy thread beside the loop, and a machine that keeps the loop
+waiting for a CPU do not, however long the loop's gaps were on the wall clock."""
 
 from __future__ import annotations
 
@@ -15,8 +16,19 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.support.aio import SLOW_CALLBACK_S, SlowCallbacks, checked_runner, no_slow_callbacks
-from tests.support.processes import stop_process
+from tests.support.aio import (
+    LOOP_ENV,
+    SLOW_CALLBACK_S,
+    LoopThread,
+    SlowCallbacks,
+    checked_runner,
+    kind_of,
+    no_slow_callbacks,
+    unchecked,
+)
+from tests.support.processes import child_env, run_python, stop_process
+
+KINDS = ["asyncio", "uvloop"]
 
 
 def compute_for(cpu_s: float) -> None:
@@ -27,29 +39,86 @@ def compute_for(cpu_s: float) -> None:
 
 
 async def steps(work: float, blocking: str, count: int = 1) -> None:
-    """``count`` steps of the loop, each blocking it for ``work`` seconds."""
+    """``count`` steps of the loop, each holding it for ``work`` seconds (``blocking``:
+    "sleep" or "compute"), or awaiting that long ("await")."""
     for _ in range(count):
         await asyncio.sleep(0)
         if blocking == "sleep":
             time.sleep(work)
-        else:
+        elif blocking == "compute":
             compute_for(work)
+        else:
+            await asyncio.sleep(work)
 
 
-def run_in_checked_loop(work: float, blocking: str, count: int = 1) -> SlowCallbacks:
-    with no_slow_callbacks(fail=False) as slow, checked_runner() as runner:
+def run_in_checked_loop(kind: str, work: float, blocking: str, count: int = 1) -> SlowCallbacks:
+    with no_slow_callbacks(fail=False) as slow, checked_runner(kind) as runner:
         runner.run(steps(work, blocking, count))
+    print(f"{kind} {blocking} {work * 1000:.0f} ms x{count}: {slow.reports or 'no report'}")
     return slow
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("blocking", ["sleep", "compute"])
-def test_a_step_that_holds_the_loop_fails_the_check(blocking: str) -> None:
+def test_a_call_that_holds_the_loop_fails_the_check(kind: str, blocking: str) -> None:
     with pytest.raises(AssertionError, match="the event loop was blocked"):  # noqa: SIM117
-        with no_slow_callbacks(), checked_runner() as runner:
-            runner.run(steps(2 * SLOW_CALLBACK_S, blocking))
-    slow = run_in_checked_loop(2 * SLOW_CALLBACK_S, blocking)
+        with no_slow_callbacks(), checked_runner(kind) as runner:
+            runner.run(steps(0.050, blocking))
+    slow = run_in_checked_loop(kind, 0.050, blocking)
+    [report] = slow.reports  # held: the 50 ms less the waits of the process's threads
+    assert slow.worst_s >= SLOW_CALLBACK_S
+    assert f"the {kind} loop was held" in report
+    assert "in steps" in report, "the report does not say what was running"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_awaiting_does_not_hold_the_loop(kind: str) -> None:
+    slow = run_in_checked_loop(kind, 0.050, "await", count=4)
+    assert slow.reports == []
+    assert slow.waited == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("busy", ["computing", "sleeping"])
+def test_a_busy_thread_beside_the_loop_does_not_fail_it(kind: str, busy: str) -> None:
+    """A second thread of the process, spinning in Python (it holds the GIL a switch
+    interval at a time) or sleeping in short blocking calls, while the loop awaits and
+    computes in steps of a quarter of the bound."""
+    done = threading.Event()
+
+    def beside() -> None:
+        while not done.is_set():
+            if busy == "computing":
+                compute_for(0.010)
+            else:
+                time.sleep(0.001)
+
+    thread = threading.Thread(target=beside)
+    thread.start()
+    try:
+        awaited = run_in_checked_loop(kind, 0.050, "await", count=4)
+        computed = run_in_checked_loop(kind, SLOW_CALLBACK_S / 4, "compute", count=20)
+    finally:
+        done.set()
+        thread.join(10)
+    assert awaited.reports == []
+    assert computed.reports == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gaps_of_an_unchecked_start_up_are_not_judged(kind: str) -> None:
+    """``unchecked`` (a host's start-up) on a loop in a thread of its own: the same
+    blocking call is not reported inside it, and is after it."""
+    loop = LoopThread(kind)
+    try:
+        with no_slow_callbacks(fail=False) as slow:
+            with unchecked(loop.loop):
+                loop.call(steps(0.050, "sleep"))
+            assert slow.reports == []
+            loop.call(steps(0.050, "sleep"))
+    finally:
+        loop.stop()
     assert len(slow.reports) == 1
-    assert slow.worst_s >= 2 * SLOW_CALLBACK_S
 
 
 @contextmanager
@@ -67,23 +136,49 @@ def cpu_taken(cpu: int, hogs: int = 2) -> Iterator[None]:
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
-def test_a_step_kept_waiting_for_the_cpu_passes_the_check() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_loop_kept_waiting_for_the_cpu_passes_the_check(kind: str) -> None:
     """The loop runs in a thread of its own at nice 10, pinned to one CPU that two spinning
-    processes share: steps of 5 ms of work take far more than the bound on the wall clock
-    (asserted, or the test proved nothing), the rest of it spent in the run queue."""
+    processes share: steps of 5 ms of work leave gaps far over the bound on the wall clock
+    (asserted, or the test proved nothing), the rest of them spent in the run queue."""
     cpu = min(os.sched_getaffinity(0))
     found: list[SlowCallbacks] = []
 
     def loop_thread() -> None:
         os.sched_setaffinity(0, {cpu})  # 0: this thread (Linux's affinity is per thread)
         os.setpriority(os.PRIO_PROCESS, 0, 10)  # and so is the nice value
-        found.append(run_in_checked_loop(SLOW_CALLBACK_S / 4, "compute", count=5))
+        found.append(run_in_checked_loop(kind, SLOW_CALLBACK_S / 4, "compute", count=5))
 
     with cpu_taken(cpu):
         thread = threading.Thread(target=loop_thread)
         thread.start()
         thread.join(60)
     [slow] = found
-    assert slow.waited >= 1, "no step was slowed past the bound: nothing was shown"
+    assert slow.waited >= 1, "no gap was slowed past the bound: nothing was shown"
     assert slow.reports == []
     assert slow.worst_s == 0.0
+
+
+def test_the_loop_switch_gives_every_helper_and_worker_the_named_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop this run asked for (``ORDERS_TEST_LOOP``, read here on its own) is the one
+    the runners, the loop threads and a worker process get; a name the helpers do not
+    know is an error, not asyncio's loop."""
+    wanted = os.environ.get(LOOP_ENV, "asyncio")
+    with checked_runner() as runner:
+        assert kind_of(runner.get_loop()) == wanted
+    loop = LoopThread()
+    try:
+        assert kind_of(loop.loop) == wanted
+    finally:
+        loop.stop()
+    for kind in KINDS:
+        monkeypatch.setenv(LOOP_ENV, kind)
+        code = "from tests.support.aio import checked_runner, kind_of\n"
+        code += "print(kind_of(checked_runner().get_loop()))"
+        child = run_python("-c", code, env=child_env())
+        assert child.stdout.strip() == kind, child.stderr
+    monkeypatch.setenv(LOOP_ENV, "trio")
+    with pytest.raises(ValueError, match="ORDERS_TEST_LOOP='trio'"):
+        checked_runner()
