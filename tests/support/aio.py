@@ -1,7 +1,9 @@
 """Running the asyncio API in tests: a checked event loop, and the async service called
 from synchronous tests (so the contract tests run against both APIs unchanged).
 
-Every loop here runs in asyncio's debug mode with a heartbeat (``tests.support.watchdog``):
+Every loop here runs with a heartbeat (``tests.support.watchdog``), not in asyncio's debug
+mode, whose traceback taken at each task's and future's creation costs the loop more than
+the calls it would watch (tens of ms in a burst of a few hundred tasks):
 inside :func:`no_slow_callbacks`, a loop that runs nothing else for :data:`SLOW_CALLBACK_S`
 or more is held by a blocking call, and fails the test that ran it. What is judged is the
 time the code held the loop, not the time the machine made it wait (see
@@ -128,13 +130,13 @@ def unchecked(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
 
 
 class CheckedRunner:
-    """An ``asyncio.Runner`` (a final class: wrapped, not subclassed) in debug mode on a
+    """An ``asyncio.Runner`` (a final class: wrapped, not subclassed) on a
     loop of :func:`loop_kind` (or ``kind``), its heartbeat beating while :meth:`run` runs
-    the loop (asyncio's own wall-time report of slow callbacks is left to it)."""
+    the loop."""
 
     def __init__(self, kind: str | None = None) -> None:
         chosen = kind or loop_kind()
-        self.runner = asyncio.Runner(debug=True, loop_factory=lambda: new_loop(chosen))
+        self.runner = asyncio.Runner(loop_factory=lambda: new_loop(chosen))
         loop = self.runner.get_loop()
         loop.slow_callback_duration = 3600.0
         self.heartbeat = Heartbeat(loop, chosen)
@@ -166,7 +168,7 @@ def checked_runner(kind: str | None = None) -> CheckedRunner:
 
 
 def run_checked(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)`` in debug mode; fails on any gap over the threshold."""
+    """``asyncio.run(main)``; fails on any gap over the threshold."""
     with no_slow_callbacks(), checked_runner() as runner:
         return runner.run(main)
 
