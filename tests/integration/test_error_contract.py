@@ -687,6 +687,33 @@ def test_malformed_setting_is_invalid_input(var: str, value: str) -> None:
     assert len(value) < 3 or value not in str(refused.value)
 
 
+def test_module_functions_refuse_a_malformed_setting(
+    module_env: pytest.MonkeyPatch, tmp_path: Path, closed_port: int
+) -> None:
+    """``orders``' and ``orders.aio``'s functions build their default service from
+    ``ORDERS_*`` (each through its ``default_service``, so one function stands for all):
+    a malformed value is InvalidInput, before the stores (which would fail) are touched."""
+    module_env.setenv("ORDERS_DATABASE_URL", f"sqlite:///{tmp_path / 'no-such-folder' / 'o.db'}")
+    module_env.setenv("ORDERS_REDIS_URL", f"redis://127.0.0.1:{closed_port}/0")
+
+    def create_sync() -> Outcome:
+        orders.configure(None)
+        return outcome_of(lambda: orders.create_unpaid_order("u1"))
+
+    def create_aio() -> Outcome:
+        orders.aio.configure(None)
+        return run_checked(awaited_outcome(lambda: orders.aio.create_unpaid_order("u1")))
+
+    got: dict[str, str] = {}
+    for var, value in MALFORMED:
+        with module_env.context() as env:
+            env.setenv(var, value)
+            for api, create in (("orders", create_sync), ("orders.aio", create_aio)):
+                got[f"{api} {var}={value}"] = name_of(create())
+    assert got == dict.fromkeys(got, name_of(InvalidInput))
+    assert len(got) == 2 * len(MALFORMED)
+
+
 SETTING_CASES = [
     pytest.param(name, var, value, id=f"{name.replace(' ', '-')}-{var}={value}")
     for name in ALL_COMMANDS
