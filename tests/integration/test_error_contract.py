@@ -303,7 +303,7 @@ async def build_and_close(c: Ctx) -> None:
 #: call returns a coroutine, which is awaited), since the asyncio API must keep the
 #: synchronous API's errors. Only its own names are added: build_async_service is
 #: default_service given its Settings, and core builds the synchronous service the
-#: methods run on, touching no store (the first call connects).
+#: methods run on, touching no store on one server (the first call connects).
 AIO_USE_CASES: dict[str, Row] = USE_CASES | {
     "build_async_service": replace(USE_CASES["default_service"], call=build_and_close),
     "core": Row(lambda c: c.api.core(), sql=OK, schema=OK),
