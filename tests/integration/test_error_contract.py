@@ -18,6 +18,7 @@ ones, awaited on a checked event loop (``tests.support.aio``), with the same out
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import shutil
 import socket
@@ -342,7 +343,9 @@ def module_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """The module functions' default service is rebuilt from ORDERS_* for each test."""
     orders.configure(None)
     yield monkeypatch
-    built = orders._default
+    built = None
+    with contextlib.suppress(orders.OrdersError):  # the one the test built, or none to build
+        built = orders.default_service()
     orders.configure(None)
     if built is not None:
         built.close()
