@@ -70,9 +70,10 @@ def build_redis(settings: Settings) -> RedisClient:
         "retry": redis_retry(cluster=False),
     }
     if settings.redis_url is None:
-        from orders.embedded.client import embedded_client  # noqa: PLC0415
+        from orders.embedded.client import RestartingRetry, embedded_client  # noqa: PLC0415
 
         log.debug("redis client for the embedded server of %s", settings.home)
+        options["retry"] = redis_retry(cluster=False, kind=RestartingRetry)
         return embedded_client(
             settings.home, socket_timeout=settings.redis_socket_timeout_s, **options
         )

@@ -101,6 +101,11 @@ class Settings:
     #: sweeper's batch) before it fails with StoreUnavailable. None: ``lease_ttl_s``, longer
     #: than the idle timeout above, so a frozen holder's locks go first; 0 = no limit.
     sql_lock_timeout_s: float | None = None
+    #: orders.aio: the threads that run its calls (the SQL pool is at least this large).
+    aio_threads: int = 16
+    #: orders.aio: calls that may wait for a thread beyond those running; one more is
+    #: refused at once with :class:`~orders.errors.Overloaded`.
+    aio_queue: int = 1024
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -139,6 +144,8 @@ class Settings:
         check_count("event_max_attempts", self.event_max_attempts, 1, 1000)
         check_count("sql_pool_size", self.sql_pool_size, 1, 1000)
         check_count("sql_max_overflow", self.sql_max_overflow, 0, 1000)
+        check_count("aio_threads", self.aio_threads, 1, 256)
+        check_count("aio_queue", self.aio_queue, 0, 1_000_000)
         for name in (
             "sql_pool_timeout_s",
             "sql_statement_timeout_s",

@@ -128,12 +128,21 @@ class SchemaConflict(OrdersError):
 
 
 class StoreUnavailable(OrdersError):
-    """A store (``store`` is ``"redis"`` or ``"sql"``) failed; the operation did not happen."""
+    """A store (``store`` is ``"redis"`` or ``"sql"``) failed, or orders.aio had no room for
+    the call (``"service"``: :class:`Overloaded`); the operation did not happen."""
 
     def __init__(self, store: str, detail: str) -> None:
         super().__init__(f"{store} unavailable: {detail}")
         self.store = store
         self.detail = detail
+
+
+class Overloaded(StoreUnavailable):
+    """orders.aio: more calls are waiting for a thread than ``aio_queue`` allows; this one
+    was refused before it started (nothing was written). Retry later, as for a store."""
+
+    def __init__(self, waiting: int) -> None:
+        super().__init__("service", f"{waiting} calls already wait for a thread (aio_queue)")
 
 
 class SchemaNotReady(StoreUnavailable):

@@ -193,8 +193,9 @@ def multiprocess_dir() -> Path | None:
     raw = os.environ.get(MULTIPROC_ENV)
     if raw is None and "prometheus_multiproc_dir" in os.environ:
         raise InvalidInput(MULTIPROC_ENV, "unset, but the old prometheus_multiproc_dir is set")
-    # The value class prometheus-client chose at its import, from the same variable.
-    counts_in_files = bool(getattr(values.ValueClass, "_multiprocess", False))
+    # The value class prometheus-client chose at its import, from the same variable: the
+    # in-memory MutexValue, or one that counts in files.
+    counts_in_files = values.ValueClass is not values.MutexValue
     if raw is None:
         if counts_in_files:
             raise InvalidInput(MULTIPROC_ENV, "removed after prometheus_client was imported")

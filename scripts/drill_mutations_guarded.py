@@ -48,12 +48,13 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     ),
     # --- the asyncio API ---------------------------------------------------------------------
     mutation(
-        "loop-retry-sleeps-on-the-loop",
-        "orders/aio/greenlets.py",
-        "wait_for(asyncio.sleep(pause_s))",
-        '__import__("time").sleep(pause_s)',
-        "the asyncio retry's back-off awaits on the loop, never blocks it",
-        f"{UNIT}::test_the_loop_retry_backs_off_on_the_event_loop_and_never_blocks_it",
+        "aio-queue-unbounded",
+        "orders/aio/calls.py",
+        "if waiting >= self.queue:",
+        "if False:",
+        "orders.aio refuses a call past aio_queue waiting ones (Overloaded), writing nothing",
+        "tests/integration/test_aio_threads.py::"
+        "test_a_call_past_the_queue_is_refused_at_once_and_writes_nothing",
     ),
     # --- the pre-close check -----------------------------------------------------------------
     mutation(

@@ -431,7 +431,8 @@ def make_service(
         loop = loop or LoopThread()
         built.append(loop.call(new_async_service(settings, clock=clock)))
         loop.start_up(built[-1])
-        forward_sql_events(built[-1].engine.sync_engine, engine)
+        # The statements of its threads' engine (the twin of its AsyncEngine).
+        forward_sql_events(loop.call(built[-1].core()).engine, engine)
         return cast(OrderService, AwaitedService(sync, loop, built[-1]))
 
     with no_slow_callbacks() if api == "async" else contextlib.nullcontext():

@@ -7,8 +7,9 @@ first use (or the one given to :func:`configure`)::
 
     order = await orders.aio.create_unpaid_order("user-1")
 
-See :mod:`orders.aio.greenlets` for how the one set of rules of the synchronous API runs
-on the caller's event loop.
+The calls run the synchronous API's one set of rules in threads the service owns
+(:mod:`orders.aio.calls`), over its own connections to the host's stores
+(:mod:`orders.aio.clients`).
 """
 
 from __future__ import annotations

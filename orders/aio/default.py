@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-from orders.aio.greenlets import run
-from orders.aio.loop_redis import AsyncRedisClient
+from orders.aio.calls import in_thread, new_lock
+from orders.aio.clients import AsyncRedisClient
 from orders.aio.service import AsyncOrderService
 from orders.bootstrap import (
     HEALTH_CHECK_INTERVAL_S,
-    build_async_engine,
     build_engine,
+    build_redis,
     check_embedded_redis,
     check_schema,
 )
@@ -31,14 +31,18 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _check_schema(settings: Settings) -> None:
-    """As :func:`orders.bootstrap.build_service` does (a blocking job: run in a thread)."""
+def _checked_service(settings: Settings, clock: Clock | None) -> AsyncOrderService:
+    """As :func:`orders.bootstrap.build_service` does (blocking: run in a thread): the
+    schema checked, then the service on the configured stores (the embedded Redis server
+    started if none runs; the client starts it again whenever it finds it gone)."""
     check_embedded_redis(settings)
     engine = build_engine(settings)
     try:
         check_schema(engine, settings)
-    finally:
+        return AsyncOrderService(engine, build_redis(settings), settings, clock=clock)
+    except BaseException:
         engine.dispose()
+        raise
 
 
 def _embedded_url(settings: Settings) -> str:
@@ -48,15 +52,16 @@ def _embedded_url(settings: Settings) -> str:
 
 
 async def async_redis(settings: Settings) -> AsyncRedisClient:
-    """A ``redis.asyncio`` client for the configured server or cluster (the embedded
-    server is started first when it does not run; a start takes a thread, not the loop)."""
+    """A ``redis.asyncio`` client for the configured server or cluster (the embedded server
+    is started first when none runs), as a host would build one: the tests and the bench
+    hand it to :class:`AsyncOrderService` the way an application does."""
     timeouts: dict[str, Any] = {
         "socket_timeout": settings.redis_socket_timeout_s,
         "socket_connect_timeout": settings.redis_socket_timeout_s,
     }
     one_server = {**timeouts, "health_check_interval": HEALTH_CHECK_INTERVAL_S}
     if settings.redis_url is None:
-        url = await asyncio.to_thread(_embedded_url, settings)
+        url = await in_thread(_embedded_url, settings)
         return redis.asyncio.Redis.from_url(url, **one_server)
     try:
         if settings.redis_cluster:
@@ -75,14 +80,12 @@ async def build_async_service(
     """:func:`orders.bootstrap.build_service` for asyncio: the configured stores, the schema
     checked, the Redis server's risky configuration logged; connected before it returns."""
     settings = settings or Settings.from_env()
-    await asyncio.to_thread(_check_schema, settings)
-    service = AsyncOrderService(
-        build_async_engine(settings), await async_redis(settings), settings, clock=clock
-    )
+    service = await in_thread(_checked_service, settings, clock)
     try:
         core = await service.core()
-        for warning in await run(core.index.server_warnings) if startup_warnings else []:
-            log.warning("%s", warning)
+        if startup_warnings:
+            for warning in await service.calls.call(core.index.server_warnings):
+                log.warning("%s", warning)
     except BaseException:
         await service.aclose()
         raise
@@ -90,7 +93,7 @@ async def build_async_service(
 
 
 _default: AsyncOrderService | None = None
-_default_lock: asyncio.Lock | None = None
+_default_lock: AbstractAsyncContextManager[Any] | None = None
 
 
 async def default_service() -> AsyncOrderService:
@@ -98,7 +101,7 @@ async def default_service() -> AsyncOrderService:
     (on the event loop that first uses it)."""
     global _default, _default_lock  # noqa: PLW0603
     if _default is None:
-        _default_lock = _default_lock or asyncio.Lock()
+        _default_lock = _default_lock or new_lock()
         async with _default_lock:
             if _default is None:
                 _default = await build_async_service()

@@ -1,37 +1,39 @@
 """AsyncOrderService: the use cases of :class:`~orders.service.OrderService`, awaited.
 
-It holds no rule of its own. Each method awaits the synchronous service's method, run by
-:func:`orders.aio.greenlets.run` on the caller's event loop over the same stores: SQL
-through ``AsyncEngine.sync_engine`` (the async driver underneath), Redis through
-:func:`orders.aio.loop_redis.loop_client`. Validation, the scripts, the statements, the
+It holds no rule of its own. Each method awaits the synchronous service's method, run in
+one of the service's threads (:mod:`orders.aio.calls`) over the synchronous twins of the
+host's stores (:mod:`orders.aio.clients`). Validation, the scripts, the statements, the
 errors and the outbox events are therefore those of the synchronous API, by construction.
+
+With ``connection=`` (the host's ``AsyncConnection`` or ``AsyncSession``), the call runs
+in the host's own transaction instead, through SQLAlchemy's public ``run_sync``: its SQL
+statements are awaited on the loop by the host's driver, and its Redis round trip (one
+script call; after the host's commit, one more) is made from there too, bounded by the
+Redis socket timeout.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import functools
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
-from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from sqlalchemy import Connection
+import redis
+from redis.cluster import RedisCluster
+from sqlalchemy import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from orders import metrics
-from orders.aio.greenlets import LoopRetry, run
-from orders.aio.loop_redis import (
-    AsyncRedisClient,
-    check_async_client,
-    disconnect,
-    loop_client,
-)
-from orders.bootstrap import redis_retry
+from orders.aio.calls import CallPool, new_lock, settled
+from orders.aio.clients import AsyncRedisClient, check_async_client, sync_engine, sync_redis
 from orders.config import Settings
 from orders.domain import Clock
 from orders.errors import InvalidInput
+from orders.index.nodes import RedisClient
 from orders.service import OrderService
 
 P = ParamSpec("P")
@@ -40,8 +42,9 @@ R = TypeVar("R")
 
 class Awaited(Generic[P, R]):
     """An :class:`OrderService` method as a coroutine method of :class:`AsyncOrderService`:
-    the same parameters, documentation and result, run by :func:`run` on the caller's
-    loop. Written once here, so no use case's signature or body is written twice."""
+    the same parameters, documentation and result, run in the service's threads (or in the
+    host's transaction). Written once here, so no use case's signature or body is written
+    twice."""
 
     def __init__(self, method: Callable[Concatenate[OrderService, P], R]) -> None:
         self.method = method
@@ -63,24 +66,29 @@ class Awaited(Generic[P, R]):
         return functools.partial(self, service)
 
     async def __call__(self, service: AsyncOrderService, *args: P.args, **kwargs: P.kwargs) -> R:
-        given = {**kwargs}
-        if given.get("connection") is not None:
-            given["connection"] = sync_side(given["connection"])
-        return await run(self.method, await service.core(), *args, **given)
+        host = kwargs.get("connection")
+        if host is not None:
+            session = check_host(host)  # before anything connects
+        core = await service.core()
+        if host is None:
+            return await service.calls.call(self.method, core, *args, **kwargs)
+        method = self.method
+
+        def in_host(sync: Connection | Session) -> R:
+            return method(core, *args, **{**kwargs, "connection": sync})  # type: ignore[arg-type]
+
+        return await settled(session.run_sync(in_host))
 
 
-def sync_side(connection: object) -> Connection | Session:
-    """The synchronous Connection or Session under the host's ``AsyncConnection`` or
-    ``AsyncSession`` (their public ``sync_connection`` / ``sync_session``): what the core's
-    one copy of the rules writes on, in the greenlet the host's own awaits run in too.
-    :class:`InvalidInput` for anything else (a synchronous connection included)."""
+def check_host(connection: object) -> AsyncConnection | AsyncSession:
+    """The host's started ``AsyncConnection`` or its ``AsyncSession``; :class:`InvalidInput`
+    for anything else (a synchronous one included: it belongs to another thread)."""
     if isinstance(connection, AsyncSession):
-        return connection.sync_session
+        return connection
     if isinstance(connection, AsyncConnection):
-        sync = connection.sync_connection
-        if sync is None:
+        if connection.sync_connection is None:
             raise InvalidInput("connection", "the AsyncConnection is not started")
-        return sync
+        return connection
     raise InvalidInput(
         "connection",
         f"orders.aio takes an AsyncConnection or AsyncSession, not {type(connection).__name__}",
@@ -97,58 +105,83 @@ class AsyncOrderService:
         async with AsyncOrderService(engine, client, Settings(unpaid_limit=3)) as service:
             order = await service.create_unpaid_order("user-1")
 
+    A synchronous ``Engine`` and redis-py client are taken as well (as
+    :func:`~orders.aio.build_async_service` does). Calls run in ``settings.aio_threads``
+    threads of the service's own, over its own connections to the same database and Redis
+    (:mod:`orders.aio.clients`); ``settings.aio_queue`` more may wait for one, and a call
+    beyond that is refused with :class:`~orders.errors.Overloaded`.
+
     ``create_unpaid_order``, ``mark_paid`` and ``cancel_order`` take the host's
     ``AsyncConnection`` or ``AsyncSession`` as ``connection=``, with the meaning the
     synchronous methods give a ``Connection`` or ``Session``.
 
     The schema must exist, as for the synchronous service. Nothing connects until the
     first call, or until ``await service.core()``, which an application's start-up (a
-    lifespan hook) can call to pay the one-time cost before traffic: on a Redis Cluster,
-    redis-py reads the slot map and the command table on the loop, 10 to 25 ms of CPU.
-    ``aclose()`` (or leaving ``async with``) disposes of the engine and closes the client.
-    Use one instance from one event loop.
+    lifespan hook) can call to pay the one-time cost before traffic. ``aclose()`` (or
+    leaving ``async with``) closes the service's connections, disposes of the engine and
+    closes the client it was given.
     """
 
     def __init__(
         self,
-        engine: AsyncEngine,
-        redis_client: AsyncRedisClient,
+        engine: AsyncEngine | Engine,
+        redis_client: AsyncRedisClient | RedisClient,
         settings: Settings | None = None,
         *,
         clock: Clock | None = None,
     ) -> None:
         self.settings = settings or Settings()
+        if not isinstance(engine, AsyncEngine | Engine):
+            raise InvalidInput("engine", "must be a SQLAlchemy AsyncEngine or Engine")
         self.engine = engine
         self.redis_client = check_async_client(redis_client)
+        self.calls = CallPool(self.settings.aio_threads, self.settings.aio_queue)
         self._clock = clock
         self._core: OrderService | None = None
-        self._starting: asyncio.Lock | None = None
+        self._starting: AbstractAsyncContextManager[Any] | None = None
 
     async def core(self) -> OrderService:
-        """The synchronous service this one runs (built on first use, on this loop)."""
+        """The synchronous service this one runs (built on first use, in a thread)."""
         if self._core is None:
-            self._starting = self._starting or asyncio.Lock()
+            self._starting = self._starting or new_lock()
             async with self._starting:
                 if self._core is None:
-                    # Importing prometheus-client and registering the metrics costs about
-                    # 30 ms of CPU once: in a thread, not on the loop at the first count.
-                    await asyncio.to_thread(metrics.register)
-                    self._core = await run(self._build)
+                    self._core = await self.calls.call(self._build)
         return self._core
 
     def _build(self) -> OrderService:
-        cluster = isinstance(self.redis_client, AsyncRedisCluster)
-        client = loop_client(self.redis_client, redis_retry(cluster=cluster, kind=LoopRetry))
-        return OrderService(self.engine.sync_engine, client, self.settings, clock=self._clock)
+        metrics.register()  # prometheus-client's import and registration: 30 ms of CPU
+        # Each thread may hold one SQL connection: the pool is at least that large.
+        pool_size = max(self.settings.sql_pool_size, self.settings.aio_threads)
+        pooled = dataclasses.replace(self.settings, sql_pool_size=pool_size)
+        return OrderService(
+            sync_engine(self.engine, pooled),
+            sync_redis(self.redis_client),
+            self.settings,
+            clock=self._clock,
+        )
 
     async def aclose(self) -> None:
-        """Close the Redis connections and dispose of the engine."""
+        """Close the service's connections and the stores it was given."""
         if self._core is not None:
-            await run(self._core.close)
-            await run(disconnect, self._core.index.client)
-        else:
+            await self.calls.call(self._close_core, self._core)
+        if isinstance(self.engine, AsyncEngine):
             await self.engine.dispose()
-        await self.redis_client.aclose()
+        else:
+            await self.calls.call(self.engine.dispose)
+        if isinstance(self.redis_client, redis.Redis | RedisCluster):
+            await self.calls.call(self.redis_client.close)
+        else:
+            await self.redis_client.aclose()
+        self.calls.shutdown()
+
+    @staticmethod
+    def _close_core(core: OrderService) -> None:
+        core.close()  # disposes of its engine, closes its client
+        client = core.index.client
+        if isinstance(client, redis.Redis):
+            # close() leaves a pool it was handed connected (the twin's, or the host's).
+            client.connection_pool.disconnect()
 
     async def __aenter__(self) -> AsyncOrderService:
         return self

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sqlalchemy import Engine
+
 from orders.bench import variants
 from orders.bench.concurrency import floors_threads, task_counts, thread_counts
 from orders.bench.measure import Run, Variant, counted, describe, ratios, spread
@@ -88,7 +90,9 @@ def create(w: Workload) -> dict[str, Any]:
 def refusal(w: Workload) -> dict[str, Any]:
     tasks = task_counts(w.sizes.tasks)
     statements = {name: [0] for name in ("refusal", "refusal_given_id", *map(str, tasks))}
-    on_loop = w.loop.service.engine.sync_engine  # the async service's statements
+    on_loop = w.loop.service.engine  # the async service's statements: built_async_service
+    if not isinstance(on_loop, Engine):  # gives it a synchronous engine, its threads' own
+        raise TypeError("the bench's async service runs on a synchronous engine")
     chosen = {
         "refusal": counted(w.engine, variants.refusal(w), statements["refusal"]),
         "refusal_given_id": counted(

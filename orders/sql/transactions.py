@@ -16,30 +16,23 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine
 
-from orders.sql.greenlet import LoopLock
 from orders.sql.models import sql_errors
 
-_SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, AbstractContextManager[Any]] = (
-    weakref.WeakKeyDictionary()
-)
+_SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, threading.Lock] = weakref.WeakKeyDictionary()
 _SQLITE_WRITERS_GUARD = threading.Lock()
 
 
-def _sqlite_write_lock(engine: Engine) -> AbstractContextManager[Any]:
-    """One lock per SQLite engine in this process, shared by every service on it.
-
-    The engine of an ``AsyncEngine`` (aiosqlite) runs on an event loop (:mod:`orders.aio`),
-    where a waiting writer must yield to the loop, not stop its thread.
-    """
+def _sqlite_write_lock(engine: Engine) -> threading.Lock:
+    """One lock per SQLite engine in this process, shared by every service on it (the
+    threads of :mod:`orders.aio` included)."""
     with _SQLITE_WRITERS_GUARD:
         lock = _SQLITE_WRITERS.get(engine)
         if lock is None:
-            lock = LoopLock() if engine.dialect.is_async else threading.Lock()
+            lock = threading.Lock()
             _SQLITE_WRITERS[engine] = lock
         return lock
 

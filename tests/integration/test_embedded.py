@@ -37,7 +37,14 @@ from orders.embedded.server import (
 )
 from orders.errors import StoreUnavailable
 from orders.index.unpaid import UnpaidIndex
-from tests.support.processes import child_env, run_python, servers_under, stop_process
+from tests.support.processes import (
+    alive,
+    child_env,
+    run_python,
+    servers_under,
+    stop_process,
+    wait_dead,
+)
 
 pytestmark = [
     pytest.mark.every_server,
@@ -63,28 +70,6 @@ print(ensure_redis(home, timeout_s=30).pid)
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs; a zombie (exited, not reaped by init) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in {"Z", "X"}
-
-
-def wait_dead(pid: int, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -514,6 +514,8 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_SQL_BUSY_TIMEOUT_S", "ten"),
     ("ORDERS_SQL_IDLE_IN_TRANSACTION_TIMEOUT_S", "5"),  # not below the lease (5 s)
     ("ORDERS_SQL_LOCK_TIMEOUT_S", "-1"),
+    ("ORDERS_AIO_THREADS", "0"),
+    ("ORDERS_AIO_QUEUE", "-1"),
 ]
 #: Settings any value of which is well formed.
 ANY_VALUE = {"home"}  # a folder name; created (or refused as a store failure) when used

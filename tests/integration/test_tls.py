@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,9 +29,8 @@ from sqlalchemy import func, select
 
 from orders import InvalidInput, OrderStatus, StoreUnavailable
 from orders.aio import AsyncOrderService
-from orders.aio.default import build_async_service
-from orders.aio.greenlets import run
-from orders.aio.loop_redis import LoopTLSConnection, disconnect, loop_client
+from orders.aio.clients import sync_redis
+from orders.aio.default import async_redis, build_async_service
 from orders.bootstrap import build_async_engine, build_engine, build_service
 from orders.cli import main
 from orders.config import Settings
@@ -228,7 +226,9 @@ def test_async_service_over_tls_through_the_acl_user(
     settings = Settings(database_url=sqlite_url, redis_url=user_url(tls_server))
 
     async def scenario() -> None:
-        async with await build_async_service(settings) as service:
+        host_client = await async_redis(settings)  # the host's own redis.asyncio client
+        engine = build_async_engine(settings)
+        async with AsyncOrderService(engine, host_client, settings) as service:
             order = await service.create_unpaid_order("u1", ttl_s=60)
             cancelled = await service.create_unpaid_order("u1", ttl_s=60)
             assert admin.zcard(f"{PREFIX}u1") == 2
@@ -237,12 +237,12 @@ def test_async_service_over_tls_through_the_acl_user(
             assert admin.exists(f"{PREFIX}u1") == 0
             core = await service.core()
             connection_class = core.index.client.connection_pool.connection_class
-            assert issubclass(connection_class, LoopTLSConnection)
+            assert issubclass(connection_class, redis.SSLConnection)
 
     asyncio.run(scenario())
 
 
-def test_the_loop_client_carries_every_option_of_the_hosts_async_client(
+def test_the_twin_client_carries_every_option_of_the_hosts_async_client(
     tls_server: TlsServer, admin: redis.Redis
 ) -> None:
     host = redis.asyncio.Redis(
@@ -260,31 +260,32 @@ def test_the_loop_client_carries_every_option_of_the_hosts_async_client(
         ssl_check_hostname=True,
     )
 
-    async def scenario() -> None:
-        client = loop_client(host, Retry(NoBackoff(), 1))
-        try:
-            kwargs = client.connection_pool.connection_kwargs
-            carried = {
-                name: kwargs[name]
-                for name in ("username", "client_name", "socket_timeout", "socket_connect_timeout",
-                             "health_check_interval")
-            }  # fmt: skip
-            assert carried == {
-                "username": "default",
-                "client_name": "host-async",
-                "socket_timeout": 1.25,
-                "socket_connect_timeout": 0.75,
-                "health_check_interval": 9,
-            }
-            context = client.connection_pool.connection_class.tls_context
-            assert (context.verify_mode, context.check_hostname) == (ssl.CERT_REQUIRED, True)
-            assert await run(client.ping)
-            assert [c["name"] for c in admin.client_list()].count("host-async") == 1
-        finally:
-            await run(disconnect, client)
-            await host.aclose()
-
-    asyncio.run(scenario())
+    client = sync_redis(host)
+    try:
+        kwargs = client.connection_pool.connection_kwargs
+        carried = {
+            name: kwargs[name]
+            for name in ("username", "client_name", "socket_timeout", "socket_connect_timeout",
+                         "health_check_interval", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile",
+                         "ssl_check_hostname")
+        }  # fmt: skip
+        assert carried == {
+            "username": "default",
+            "client_name": "host-async",
+            "socket_timeout": 1.25,
+            "socket_connect_timeout": 0.75,
+            "health_check_interval": 9,
+            "ssl_ca_certs": str(tls_server.certs.ca),
+            "ssl_certfile": str(tls_server.certs.client_cert),
+            "ssl_keyfile": str(tls_server.certs.client_key),
+            "ssl_check_hostname": True,
+        }
+        assert client.connection_pool.connection_class is redis.SSLConnection
+        assert client.ping()
+        assert [c["name"] for c in admin.client_list()].count("host-async") == 1
+    finally:
+        client.connection_pool.disconnect()
+        asyncio.run(host.aclose())
 
 
 # --- the CLI -----------------------------------------------------------------------------
@@ -337,7 +338,9 @@ def test_async_service_on_a_tls_cluster(tls_cluster: TlsCluster, sqlite_url: str
     settings = Settings(database_url=sqlite_url, redis_url=url, redis_cluster=True)
 
     async def scenario() -> None:
-        async with await build_async_service(settings) as service:
+        host_client = await async_redis(settings)  # the host's own redis.asyncio client
+        engine = build_async_engine(settings)
+        async with AsyncOrderService(engine, host_client, settings) as service:
             assert isinstance(service.redis_client, AsyncRedisCluster)
             orders = [await service.create_unpaid_order(f"user-{n}") for n in range(12)]
             for order in orders:
@@ -347,8 +350,8 @@ def test_async_service_on_a_tls_cluster(tls_cluster: TlsCluster, sqlite_url: str
             assert len(primaries) == 3
             for node in primaries:
                 pool = node.redis_connection.connection_pool
-                assert issubclass(pool.connection_class, LoopTLSConnection)
-                assert await run(users_keys, node.redis_connection) == []
+                assert issubclass(pool.connection_class, redis.SSLConnection)
+                assert await service.calls.call(users_keys, node.redis_connection) == []
 
     asyncio.run(scenario())
 

@@ -96,6 +96,29 @@ def kill_embedded_redis(home: Path) -> None:
         os.kill(running.pid, signal.SIGKILL)
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (exited, not reaped by init) counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
+def wait_dead(pid: int, timeout_s: float = 15.0) -> bool:
+    """Until ``pid`` no longer runs (False: it still did after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def servers_under(base: Path) -> list[int]:
     """Live processes (not zombies) whose working dir is under ``base``: redis-server chdirs
     to its --dir, so these are the embedded servers of homes under ``base``."""

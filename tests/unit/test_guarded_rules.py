@@ -1,5 +1,5 @@
 """Rules that no other test guarded: which characters a user id refuses, the metadata limit
-in bytes, a password spilled into a URL's path, and the asyncio retry's back-off on the loop.
+in bytes, and a password spilled into a URL's path.
 
 Each test here is named by a break in ``scripts/drill_mutations_guarded.py`` that it must
 catch (the mutation drill checks it does).
@@ -7,13 +7,8 @@ catch (the mutation drill checks it does).
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-import redis
-from redis.backoff import ConstantBackoff
 
-from orders.aio.greenlets import LoopRetry, run
 from orders.errors import InvalidInput
 from orders.urls import SecretUrl, redact_url
 from orders.validation import check_metadata, check_user_id
@@ -63,42 +58,3 @@ def test_a_password_spilled_into_a_urls_path_is_hidden() -> None:
 
 def test_a_plain_path_is_still_shown() -> None:
     assert redact_url("postgresql://app@db.example/shop") == "postgresql://app@db.example/shop"
-
-
-# --- the asyncio retry --------------------------------------------------------------------------
-
-
-def test_the_loop_retry_backs_off_on_the_event_loop_and_never_blocks_it() -> None:
-    """While the retry waits between two tries, other tasks on the loop run."""
-    seen_by_try: list[bool] = []
-
-    async def main() -> str:
-        failed_once = asyncio.Event()
-        others_ran: list[bool] = []
-
-        async def other_task() -> None:
-            await failed_once.wait()
-            others_ran.append(True)
-
-        def attempt() -> str:
-            # Plain code, no I/O: it never yields to the loop itself, so another task can
-            # only have run in the back-off between two tries.
-            seen_by_try.append(bool(others_ran))
-            if len(seen_by_try) < 3:
-                raise redis.ConnectionError("connection refused")
-            return "done"
-
-        def on_failure(error: Exception) -> None:
-            failed_once.set()
-
-        retry = LoopRetry(ConstantBackoff(0.001), retries=5)
-        other = asyncio.ensure_future(other_task())
-        try:
-            return await run(retry.call_with_retry, attempt, on_failure)
-        finally:
-            await other
-
-    assert asyncio.run(main()) == "done"
-    # The first try came before any failure; the second saw the other task, which could
-    # only run while the back-off yielded to the loop.
-    assert seen_by_try == [False, True, True]

@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 from redis.cluster import RedisCluster
 
 from orders.aio import AsyncOrderService
-from orders.aio.greenlets import run
 from orders.domain import Order, OrderStatus
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from tests.support.tally import Tally, bucket, split
@@ -289,7 +288,7 @@ async def open_redis_connections(
     service: AsyncOrderService, user: str, count: int, step: int = 100
 ) -> None:
     """Let the core's Redis client open ``count`` connections to the node of ``user``'s
-    key, ``step`` more at a time (a ZCARD from that many greenlets at once, for each
+    key, ``step`` more at a time (a ZCARD from that many threads at once, for each
     level): the pool of a service past its first bursts. Five hundred first connects in
     one burst would otherwise be the run's first step, not what it measures."""
     core = await service.core()
@@ -301,7 +300,7 @@ async def open_redis_connections(
 
         async def one(start_at: float = start_at) -> None:
             await asyncio.sleep(start_at - loop.time())
-            await run(core.index.client.zcard, key)
+            await service.calls.call(core.index.client.zcard, key)
 
         await asyncio.gather(*await spawn(one() for _ in range(at_once)))
 
