@@ -35,6 +35,12 @@ The figures, each with what it is compared with:
 6. ``redis_memory``: Redis ``used_memory`` per open order, with 1 and 3 orders per user.
 7. ``sql_admission``: the SQL guard alone (``records.insert_guarded``, no Redis) as a peer
    of the Redis path, for refusals and for admissions.
+8. ``aio``: the designs the asyncio API can run on, side by side: the sync create on 1 and
+   8 threads, ``AsyncOrderService`` as 1, 16 and 64 tasks, ``asyncio.to_thread`` over the
+   sync service as 16 and 64 tasks, and a native floor on ``redis.asyncio`` and an
+   ``AsyncEngine`` (an upper bound for a native design, see :mod:`orders.bench.native`),
+   with a refusal on each API and every variant's SQL statements
+   (:mod:`orders.bench.candidates`).
 
 Besides wall-clock figures, each variant reports the client's CPU time per operation: on a
 busy machine the wall clock of every variant suffers, the CPU time hardly.
@@ -54,10 +60,11 @@ only other trace is planner statistics: the sweep figure runs ``ANALYZE`` (Postg
 The report's JSON shape is documented in docs/bench.md. The package, one job a module:
 ``measure`` (runs on threads or tasks, percentiles, sizes), ``concurrency`` (thread and
 task counts, the report's parts by count), ``loop`` (the async variants' event loop and
-service), ``workload`` (the bench's namespace, rows, cleanup and machine block),
-``driver`` (the raw DBAPI floors), ``variants``, ``throughput`` and ``figures`` (what is
-timed), ``report`` (the report and its targets), ``tables`` (printing it), ``compare``
-(saved reports, side by side), ``plot`` (matplotlib, optional). The click command is the CLI's
+stores), ``workload`` (the bench's namespace, rows, cleanup and machine block),
+``driver`` (the raw DBAPI floors), ``native`` (the async floor's stores), ``variants``,
+``throughput``, ``candidates`` and ``figures`` (what is timed), ``report`` (the report
+and its targets), ``tables`` (printing it), ``compare`` (saved reports, side by side),
+``plot`` (matplotlib, optional). The click command is the CLI's
 (:mod:`orders.cli.bench_command`, loaded lazily, see ``orders.cli.app.LAZY_COMMANDS``); it
 is the only importer of this package, which uses public names only.
 """

@@ -1,7 +1,8 @@
 """The figures: each runs its variants side by side and returns its part of the report.
 
 The throughput figures (create, refusal, mark_paid, cancel, sql_admission) are in
-:mod:`orders.bench.throughput`; the sweep, close-lag and Redis memory figures here.
+:mod:`orders.bench.throughput`, the ways of running the asyncio API (aio) in
+:mod:`orders.bench.candidates`; the sweep, close-lag and Redis memory figures here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from orders.bench.candidates import aio
 from orders.bench.measure import (
     Run,
     Variant,
@@ -229,6 +231,7 @@ FIGURES = (
     "close_lag",
     "redis_memory",
     "sql_admission",
+    "aio",
 )
 
 #: Each figure's function, in the order of FIGURES. None: the figure was skipped (see notes).
@@ -241,4 +244,5 @@ MAKERS: dict[str, Callable[[Workload], dict[str, Any] | None]] = {
     "close_lag": close_lag,
     "redis_memory": redis_memory,
     "sql_admission": sql_admission,
+    "aio": aio,
 }

@@ -1,10 +1,12 @@
-"""The bench's one event loop, and the :class:`~orders.aio.AsyncOrderService` on it.
+"""The bench's one event loop, and the async stores on it.
 
 The async variants run on a single ``asyncio.Runner`` held for the whole bench: the
-service, its engine's pooled connections and its Redis sockets belong to that loop, as in
-an application, and each timed run is one ``runner.run`` of :func:`~orders.bench.measure.
-run_tasks` (so starting the loop is not in any operation's time). The loop runs only while
-an async variant runs; between them, the threaded variants have the machine to themselves.
+:class:`~orders.aio.AsyncOrderService`, the native floor's stores
+(:class:`~orders.bench.native.NativeStores`), their pooled connections and their Redis
+sockets belong to that loop, as in an application, and each timed run is one
+``runner.run`` of :func:`~orders.bench.measure.run_tasks` (so starting the loop is not in
+any operation's time). The loop runs only while an async variant runs; between them, the
+threaded variants have the machine to themselves.
 """
 
 from __future__ import annotations
@@ -14,45 +16,66 @@ from collections.abc import Awaitable, Callable
 
 from orders.aio import AsyncOrderService, build_async_service
 from orders.bench.measure import Run, run_tasks
+from orders.bench.native import NativeStores
 from orders.config import Settings
 from orders.domain import Clock
 
 
 class BenchLoop:
-    """An event loop and the async service on the bench's stores, built on first use."""
+    """An event loop, the async service and the native floor's stores, built on first use."""
 
     def __init__(self, settings: Settings, clock: Clock) -> None:
         self._settings = settings
         self._clock = clock
         self._runner: asyncio.Runner | None = None
         self._service: AsyncOrderService | None = None
+        self._native: NativeStores | None = None
+
+    @property
+    def runner(self) -> asyncio.Runner:
+        if self._runner is None:
+            self._runner = asyncio.Runner()
+        return self._runner
 
     @property
     def service(self) -> AsyncOrderService:
         """The async service (same settings and clock as the bench's synchronous one)."""
         if self._service is None:
-            self._runner = self._runner or asyncio.Runner()
-            self._service = self._runner.run(
+            self._service = self.runner.run(
                 build_async_service(self._settings, clock=self._clock, startup_warnings=False)
             )
         return self._service
+
+    @property
+    def native(self) -> NativeStores:
+        """The native floor's ``redis.asyncio`` client and ``AsyncEngine`` (same settings)."""
+        if self._native is None:
+            self._native = NativeStores(self._settings)
+        return self._native
 
     def run(
         self, op: Callable[[AsyncOrderService, int], Awaitable[object]], n: int, tasks: int
     ) -> Run:
         """``await op(service, i)`` for i in 0..n-1 as ``tasks`` tasks on this loop, timed."""
         service = self.service
-        assert self._runner is not None  # built with the service
-        return self._runner.run(run_tasks(lambda i: op(service, i), n, tasks))
+        return self.time(lambda i: op(service, i), n, tasks)
+
+    def time(self, op: Callable[[int], Awaitable[object]], n: int, tasks: int) -> Run:
+        """``await op(i)`` for i in 0..n-1 as ``tasks`` tasks on this loop, timed."""
+        return self.runner.run(run_tasks(op, n, tasks))
 
     def close(self) -> None:
-        """Close the service (its connections) and the loop."""
-        runner, service = self._runner, self._service
-        self._runner = self._service = None
+        """Close the service and the native stores (their connections), then the loop."""
+        runner, service, native = self._runner, self._service, self._native
+        self._runner = self._service = self._native = None
         if runner is None:
             return
         try:
             if service is not None:
                 runner.run(service.aclose())
         finally:
-            runner.close()
+            try:
+                if native is not None:
+                    runner.run(native.aclose())
+            finally:
+                runner.close()

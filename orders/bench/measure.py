@@ -177,8 +177,9 @@ def ratios(a: Sequence[Run] | Sequence[float], b: Sequence[Run] | Sequence[float
 
 
 @contextlib.contextmanager
-def counting_statements(engine: Engine) -> Iterator[list[int]]:
-    """Counts every statement the engine sends to the database while the block runs."""
+def counting_statements(engine: Engine | type[Engine]) -> Iterator[list[int]]:
+    """Counts every statement the engine sends to the database while the block runs
+    (given the class ``Engine``: every engine of the process, an ``AsyncEngine``'s too)."""
     counter = [0]
 
     def on_execute(*_: Any) -> None:
@@ -191,7 +192,7 @@ def counting_statements(engine: Engine) -> Iterator[list[int]]:
         event.remove(engine, "before_cursor_execute", on_execute)
 
 
-def counted(engine: Engine, variant: Variant, counter: list[int]) -> Variant:
+def counted(engine: Engine | type[Engine], variant: Variant, counter: list[int]) -> Variant:
     """``variant``, adding the statements each of its runs sends to ``counter[0]``."""
 
     def run(n: int) -> Run:

@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
+from orders.bench import candidates
 from orders.bench.concurrency import part_label
 from orders.bench.figures import FIGURES
 
@@ -22,15 +23,18 @@ def _times(s: Mapping[str, float]) -> tuple[str, str]:
 class _Rows:
     """Adds the rows of the results table, in the shapes the figures share."""
 
-    def __init__(self, table: Table) -> None:
+    def __init__(self, table: Table, engine: str) -> None:
         self.table = table
+        self.engine = engine
 
     def add(self, figure: str, measure: str, median: str, span: str = "", *more: str) -> None:
         self.table.add_row(figure, measure, median, span, *more)
 
-    def variants(self, figure: str, part: Mapping[str, Any]) -> None:
+    def variants(
+        self, figure: str, part: Mapping[str, Any], label: Callable[[str], str] = str
+    ) -> None:
         for name, v in part["variants"].items():
-            self.add(figure, f"{name} ops/s", *_rate(v["ops_s"]), f"{v['p50_ms']:.3f}",
+            self.add(figure, f"{label(name)} ops/s", *_rate(v["ops_s"]), f"{v['p50_ms']:.3f}",
                      f"{v['p99_ms']:.3f}", f"{v['cpu_us']:,.0f}")  # fmt: skip
 
     def ratio(self, figure: str, label: str, s: Mapping[str, float]) -> None:
@@ -134,6 +138,27 @@ def _sql_admission(rows: _Rows, part: Mapping[str, Any]) -> None:
     rows.ratio("sql admission", "admission: create / sql", part["admission_create_vs_sql"])
 
 
+def _aio(rows: _Rows, part: Mapping[str, Any]) -> None:
+    """Each variant with its SQL statements per op, then each ratio, with its target's
+    verdict on this engine when it has one."""
+    ops, statements = part["ops_per_variant"], part["sql_statements"]
+
+    def label(name: str) -> str:
+        return f"{candidates.label(name)} [{statements[name] / max(1, ops):.1f} SQL/op]"
+
+    rows.variants("aio", part, label)
+    rows.table.add_section()
+    for a, b in candidates.PAIRS:
+        s = part["ratios"][candidates.ratio_key(a, b)]
+        shown = f"{a} / {b}"
+        found = candidates.target_of(a, b, rows.engine)
+        if found is not None:
+            verdict = candidates.met(s["median"], found[1])
+            shown += f" (target >= {found[1]:.2f}: {verdict})"
+        rows.ratio("aio, ratio", shown, s)
+    rows.table.add_section()
+
+
 _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
     "create": _create,
     "refusal": _refusal,
@@ -143,6 +168,7 @@ _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
     "close_lag": _close_lag,
     "redis_memory": _redis_memory,
     "sql_admission": _sql_admission,
+    "aio": _aio,
 }
 
 
@@ -165,7 +191,7 @@ def results_table(report: Mapping[str, Any]) -> Table:
             f"{report['elapsed_s']:.0f} s"
         ),
     )
-    rows = _Rows(table)
+    rows = _Rows(table, report["engine"])
     for name in FIGURES:
         if name in report["figures"]:
             _SECTIONS[name](rows, report["figures"][name])

@@ -108,7 +108,7 @@ def refusal(w: Workload) -> dict[str, Any]:
     }
     runs = w.measure(f"refusal, 1 thread, {'/'.join(map(str, tasks))} tasks", chosen)
     threaded = ("refusal", "refusal_given_id", "evalsha")
-    refusals = w.sizes.reps * w.sizes.ops + min(w.sizes.ops, w.sizes.warmup)
+    refusals = w.ops_per_variant
     out: dict[str, Any] = {
         "ops_per_rep": w.sizes.ops,
         "variants": {name: describe(runs[name]) for name in threaded},

@@ -7,6 +7,7 @@ loop (:mod:`orders.bench.loop`). The call is written once, against the method bo
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -94,19 +95,30 @@ def create(w: Workload, threads: int = 1, *, tasks: int | None = None) -> Varian
     return variant
 
 
-def _admit(w: Workload) -> Callable[[list[str], str, int], None]:
-    """One raw EVALSHA of the admission script that must admit (a new user each time)."""
-    client, sha = w.client, w.admit_sha
+def _admission_args(w: Workload) -> Callable[[str, int], list[str | int]]:
+    """The admission script's ARGV for a new order of a new user at ``now``."""
     ttl, limit = w.service.settings.ttl_ms, w.service.settings.unpaid_limit
     window_ms = w.service.index.window_ms
 
-    def admit(keys: list[str], order_id: str, now: int) -> None:
-        args = admit_args(
+    def args(order_id: str, now: int) -> list[str | int]:
+        return admit_args(
             order_id, expires_at_ms=now + ttl, now_ms=now, limit=limit, window_ms=window_ms
         )
-        reply = client.evalsha(sha, len(keys), *keys, *args)
-        if int(reply[0]) == -1:
-            raise RuntimeError("raw admission refused a new user")
+
+    return args
+
+
+def _check_admitted(reply: Any) -> None:
+    if int(reply[0]) == -1:
+        raise RuntimeError("raw admission refused a new user")
+
+
+def _admit(w: Workload) -> Callable[[list[str], str, int], None]:
+    """One raw EVALSHA of the admission script that must admit (a new user each time)."""
+    client, sha, args = w.client, w.admit_sha, _admission_args(w)
+
+    def admit(keys: list[str], order_id: str, now: int) -> None:
+        _check_admitted(client.evalsha(sha, len(keys), *keys, *args(order_id, now)))
 
     return admit
 
@@ -186,6 +198,48 @@ def naive(w: Workload, threads: int = 1) -> Variant:
             insert_one(w.row(ids[i], users[i], now, now + ttl))
 
         return run_ops(op, n, threads)
+
+    return variant
+
+
+def to_thread_create(w: Workload, tasks: int) -> Variant:
+    """``create_unpaid_order`` of the synchronous service through ``asyncio.to_thread``, as
+    ``tasks`` tasks on the bench's loop (the loop's default executor runs them)."""
+    service = w.service
+
+    def variant(n: int) -> Run:
+        users = w.users("t", n)
+        return w.loop.time(
+            lambda i: asyncio.to_thread(service.create_unpaid_order, users[i]), n, tasks
+        )
+
+    return variant
+
+
+def native_floor(w: Workload, tasks: int) -> Variant:
+    """The native floor (:mod:`orders.bench.native`) as ``tasks`` tasks on the bench's loop:
+    one EVALSHA that admits, then the order row and its event in one transaction."""
+    args, clock, ttl, sha = (
+        _admission_args(w),
+        w.service.clock,
+        w.service.settings.ttl_ms,
+        w.admit_sha,
+    )
+
+    def variant(n: int) -> Run:
+        stores = w.loop.native
+        users, ids = w.users("v", n), w.order_ids(n)
+        keys = [w.admit_keys(u) for u in users]
+
+        async def op(i: int) -> None:
+            now = clock()
+            _check_admitted(await stores.evalsha(sha, keys[i], args(ids[i], now)))
+            await stores.insert(
+                w.minimal_row(ids[i], users[i], now, now + ttl),
+                w.created_event(ids[i], users[i], now),
+            )
+
+        return w.loop.time(op, n, tasks)
 
     return variant
 

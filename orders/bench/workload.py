@@ -198,6 +198,11 @@ class Workload:
         return runs
 
     @property
+    def ops_per_variant(self) -> int:
+        """Operations :meth:`measure` runs of each variant by default, warm-up included."""
+        return self.sizes.reps * self.sizes.ops + min(self.sizes.ops, self.sizes.warmup)
+
+    @property
     def sweep_reps(self) -> int:
         """Repetitions per sweep phase: each costs a fresh load of due orders."""
         return min(self.sizes.reps, 3)

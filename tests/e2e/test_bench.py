@@ -20,6 +20,7 @@ from sqlalchemy import Engine, func, select
 
 from orders.aio import AsyncOrderService
 from orders.bench import FIGURES
+from orders.bench.candidates import NAMES, PAIRS, ratio_key
 from orders.bench.loop import BenchLoop
 from orders.cli import main
 from orders.config import Settings
@@ -114,14 +115,18 @@ def assert_async_rows_beside_the_same_floors(report: Any) -> None:
     assert verdicts["refusal_async_sql_statements"] == "pass"
 
 
+#: The figures of the quick run below; ``aio`` has a smaller run of its own (CI time).
+QUICK_FIGURES = [name for name in FIGURES if name != "aio"]
+
+
 def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
     run: Any, engine: Engine, redis_client: redis.Redis, database_url: str
 ) -> None:
-    result = run("--quick", "--json")
+    result = run("--quick", "--json", "--only", ",".join(QUICK_FIGURES))
 
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert list(report["figures"]) == list(FIGURES), report["notes"]
+    assert list(report["figures"]) == QUICK_FIGURES, report["notes"]
     for path, leaf in leaves(report["figures"]):
         assert is_number(leaf), f"figures{path} = {leaf!r}"
     assert report["figures"]["refusal"]["sql_statements"] == 0
@@ -138,6 +143,47 @@ def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
     assert report["schema_version"] == 1
     assert_floors_thread_counts_and_keyed_refusal(report, database_url.startswith("postgresql"))
     assert_async_rows_beside_the_same_floors(report)
+    assert report["left_behind"] == {"rows": 0, "events": 0, "keys": 0}
+    assert rows(engine) == (0, 0)
+    assert redis_client.keys("*") == []
+
+
+def test_the_aio_figure_runs_each_design_side_by_side_and_counts_every_engine_s_sql(
+    run: Any, engine: Engine, redis_client: redis.Redis, database_url: str
+) -> None:
+    result = run("--quick", "--json", "--only", "aio", "--ops", "64", "--reps", "1")
+
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert list(report["figures"]) == ["aio"], report["notes"]
+    for path, leaf in leaves(report["figures"]):
+        assert is_number(leaf), f"figures{path} = {leaf!r}"
+    aio = report["figures"]["aio"]
+    assert list(aio["variants"]) == list(NAMES)
+    assert all(v["ops_s"]["min"] > 0 for v in aio["variants"].values())
+    assert list(aio["ratios"]) == [ratio_key(a, b) for a, b in PAIRS]
+    ops = aio["ops_per_variant"]
+    assert ops == 64 + 20  # one repetition and the warm-up
+    statements = aio["sql_statements"]
+    assert statements["refusal_sync_1thr"] == statements["refusal_async_1task"] == 0
+    # The counter watches every engine of the process: the sync service's, the async
+    # service's (whatever it runs on) and the native floor's AsyncEngine.
+    for name in NAMES[:-2]:
+        assert statements[name] >= ops, name
+    # Not a speed: 64 creates in flight at once wait for one another; one task's do not.
+    for design in ("create_async", "native_floor"):
+        one, many = (aio["variants"][f"{design}_{n}"]["p50_ms"] for n in ("1task", "64tasks"))
+        assert many > 2 * one, (design, one, many)
+    ids = [t["id"] for t in report["targets"]]
+    postgres = database_url.startswith("postgresql")
+    assert ids == [
+        "aio_create_16_vs_sync_1",
+        *(["aio_create_64_vs_sync_1", "aio_create_16_vs_sync_8", "aio_create_64_vs_sync_8"]
+          if postgres else []),
+        "aio_refusal_vs_sync",
+        "aio_refusal_sql_statements",
+    ]  # fmt: skip
+    assert report["targets"][-1]["verdict"] == "pass"
     assert report["left_behind"] == {"rows": 0, "events": 0, "keys": 0}
     assert rows(engine) == (0, 0)
     assert redis_client.keys("*") == []
