@@ -102,7 +102,7 @@ class Settings:
     #: than the idle timeout above, so a frozen holder's locks go first; 0 = no limit.
     sql_lock_timeout_s: float | None = None
     #: orders.aio: the threads that run its calls (the SQL pool is at least this large).
-    aio_threads: int = 16
+    aio_threads: int = 8
     #: orders.aio: calls that may wait for a thread beyond those running; one more is
     #: refused at once with :class:`~orders.errors.Overloaded`.
     aio_queue: int = 1024
