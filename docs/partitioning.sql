@@ -1,8 +1,9 @@
 -- oes_orders and oes_order_events, hash-partitioned by user_id (PostgreSQL 11 or later;
 -- tried on 15).
 --
--- The same columns, checks, partial indexes and names as migrations 0001-0007, for a fresh
--- database; oes_event_cursors, oes_event_retries and oes_alembic_version stay as the
+-- The same columns, checks, partial indexes and names as migrations 0001-0008, for a fresh
+-- database; oes_event_cursors, oes_event_retries, oes_payment_refusals and
+-- oes_alembic_version stay as the
 -- migrations make them (small, not partitioned). The service's statements run on it unchanged:
 -- tests/integration/test_partitioning.py applies this file to a throwaway PostgreSQL and
 -- runs create, pay, cancel, the sweep and the SQL guard against it. docs/capacity.md says
@@ -59,10 +60,13 @@ CREATE TABLE oes_order_events (
     kind varchar(16) NOT NULL,
     at_ms bigint NOT NULL,
     data json,
+    actor_kind varchar(16),
+    actor varchar(128),
     txid bigint DEFAULT txid_current(),
     CONSTRAINT pk_oes_order_events PRIMARY KEY (id, user_id),
     CONSTRAINT ck_oes_order_events_kind
-        CHECK (kind IN ('created', 'paid', 'cancelled', 'closed', 'extended')),
+        CHECK (kind IN ('created', 'paid', 'cancelled', 'closed', 'extended',
+                        'payment_refused', 'requeued', 'discarded')),
     CONSTRAINT fk_oes_order_events_order_id_oes_orders FOREIGN KEY (order_id, user_id)
         REFERENCES oes_orders (id, user_id) ON DELETE CASCADE
 ) PARTITION BY HASH (user_id);
@@ -132,7 +136,8 @@ CREATE INDEX ix_oes_orders_closed_closed_at_ms_expires_at_ms ON oes_orders (clos
 CREATE INDEX ix_oes_order_events_order_id ON oes_order_events (order_id);
 CREATE INDEX ix_oes_order_events_txid_id ON oes_order_events (txid, id);
 
--- The rest of the schema as migrations 0003 and 0004 leave it, and the revision stamp, so
+-- The rest of the schema as migrations 0003, 0004 and 0008 leave it (the refusals' foreign
+-- key is (order_id, user_id), as the events'), and the revision stamp, so
 -- `orders db current` and the service's schema check see a database at head.
 CREATE TABLE oes_event_cursors (
     name varchar(64) NOT NULL,
@@ -152,8 +157,27 @@ CREATE TABLE oes_event_retries (
 );
 CREATE INDEX ix_oes_event_retries_retrying_consumer_next_at_ms ON oes_event_retries (consumer, next_at_ms)
     WHERE parked_at_ms IS NULL;
+CREATE TABLE oes_payment_refusals (
+    order_id varchar(128) NOT NULL,
+    payment_ref varchar(256) NOT NULL,
+    user_id varchar(512) NOT NULL,
+    reason varchar(32) NOT NULL,
+    amount varchar(40),
+    currency varchar(3),
+    refused_at_ms bigint NOT NULL,
+    event_id bigint NOT NULL,
+    handled_at_ms bigint,
+    handled_by_kind varchar(16),
+    handled_by varchar(128),
+    CONSTRAINT pk_oes_payment_refusals PRIMARY KEY (order_id, payment_ref),
+    CONSTRAINT fk_oes_payment_refusals_order_id_oes_orders FOREIGN KEY (order_id, user_id)
+        REFERENCES oes_orders (id, user_id) ON DELETE CASCADE
+);
+CREATE INDEX ix_oes_payment_refusals_refused_at_ms ON oes_payment_refusals (refused_at_ms);
+CREATE INDEX ix_oes_payment_refusals_pending_refused_at_ms ON oes_payment_refusals (refused_at_ms)
+    WHERE handled_at_ms IS NULL;
 CREATE TABLE oes_alembic_version (
     version_num varchar(32) NOT NULL,
     CONSTRAINT oes_alembic_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO oes_alembic_version (version_num) VALUES ('0007');
+INSERT INTO oes_alembic_version (version_num) VALUES ('0008');

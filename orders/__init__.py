@@ -22,7 +22,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
-from orders.domain import Order, OrderStatus, SweepResult
+from orders.domain import Actor, ActorKind, Order, OrderStatus, Payment, SweepResult
 from orders.errors import (
     InvalidInput,
     OrderAlreadyPaid,
@@ -31,6 +31,7 @@ from orders.errors import (
     OrderNotFound,
     OrdersError,
     Overloaded,
+    PaymentMismatch,
     SchemaConflict,
     SchemaNotReady,
     StoreUnavailable,
@@ -41,10 +42,13 @@ if TYPE_CHECKING:
     from orders.events.consumer import EventPosition, OrderEvent
     from orders.reconciler import ReconcileReport
     from orders.service import OrderService
+    from orders.sql.refusals import PaymentRefusal
 
     __version__: str
 
 __all__ = [
+    "Actor",
+    "ActorKind",
     "InvalidInput",
     "Order",
     "OrderAlreadyPaid",
@@ -55,6 +59,8 @@ __all__ = [
     "OrderStatus",
     "OrdersError",
     "Overloaded",
+    "Payment",
+    "PaymentMismatch",
     "SchemaConflict",
     "SchemaNotReady",
     "Settings",
@@ -70,7 +76,9 @@ __all__ = [
     "iter_events",
     "list_unpaid",
     "mark_paid",
+    "mark_refund_handled",
     "reconcile",
+    "refused_payments",
     "sweep_expired",
 ]
 
@@ -137,6 +145,7 @@ def create_unpaid_order(
     amount: Decimal | int | str | None = None,
     currency: str | None = None,
     metadata: Mapping[str, Any] | None = None,
+    actor: str | Actor | None = None,
 ) -> Order:
     """See :meth:`OrderService.create_unpaid_order`."""
     return default_service().create_unpaid_order(
@@ -147,17 +156,29 @@ def create_unpaid_order(
         amount=amount,
         currency=currency,
         metadata=metadata,
+        actor=actor,
     )
 
 
-def mark_paid(order_id: str, *, payment_ref: str | None = None) -> Order:
+def mark_paid(
+    order_id: str,
+    *,
+    payment_ref: str | None = None,
+    amount: Decimal | int | str | None = None,
+    currency: str | None = None,
+    actor: str | Actor | None = None,
+) -> Order:
     """See :meth:`OrderService.mark_paid`."""
-    return default_service().mark_paid(order_id, payment_ref=payment_ref)
+    return default_service().mark_paid(
+        order_id, payment_ref=payment_ref, amount=amount, currency=currency, actor=actor
+    )
 
 
-def cancel_order(order_id: str, *, reason: str | None = None) -> Order:
+def cancel_order(
+    order_id: str, *, reason: str | None = None, actor: str | Actor | None = None
+) -> Order:
     """See :meth:`OrderService.cancel_order`."""
-    return default_service().cancel_order(order_id, reason=reason)
+    return default_service().cancel_order(order_id, reason=reason, actor=actor)
 
 
 def get_order(order_id: str) -> Order:
@@ -175,9 +196,9 @@ def sweep_expired(*, batch_size: int | None = None, max_batches: int | None = No
     return default_service().sweep_expired(batch_size=batch_size, max_batches=max_batches)
 
 
-def extend_order(order_id: str, extra_s: float) -> Order:
+def extend_order(order_id: str, extra_s: float, *, actor: str | Actor | None = None) -> Order:
     """See :meth:`OrderService.extend_order`."""
-    return default_service().extend_order(order_id, extra_s)
+    return default_service().extend_order(order_id, extra_s, actor=actor)
 
 
 def iter_events(*, after: EventPosition | None = None, limit: int = 100) -> list[OrderEvent]:
@@ -188,3 +209,19 @@ def iter_events(*, after: EventPosition | None = None, limit: int = 100) -> list
 def reconcile(*, user_id: str | None = None, dry_run: bool = False) -> ReconcileReport:
     """See :meth:`OrderService.reconcile`."""
     return default_service().reconcile(user_id=user_id, dry_run=dry_run)
+
+
+def refused_payments(
+    *, since_ms: int | None = None, pending_only: bool = False, limit: int = 100
+) -> list[PaymentRefusal]:
+    """See :meth:`OrderService.refused_payments`."""
+    return default_service().refused_payments(
+        since_ms=since_ms, pending_only=pending_only, limit=limit
+    )
+
+
+def mark_refund_handled(
+    order_id: str, payment_ref: str | None = None, *, actor: str | Actor | None = None
+) -> PaymentRefusal:
+    """See :meth:`OrderService.mark_refund_handled`."""
+    return default_service().mark_refund_handled(order_id, payment_ref, actor=actor)

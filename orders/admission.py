@@ -38,7 +38,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from orders.domain import Order, same_order
+from orders.domain import PRE_CLOSE_CHECK, Actor, Order, same_order
 from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
@@ -139,9 +139,11 @@ class Admitter:
         limit: int,
         now_ms: int,
         caller_id: bool,
+        actor: Actor,
         host: Connection | None = None,
     ) -> tuple[Order, bool]:
         """Admit and insert the order ``values`` describe; also says whether this call did.
+        ``actor``: who creates it (its ``created`` event says so).
 
         ``caller_id``: the caller chose the id, so a refusal may be a retry of an order that
         is no longer open (one read by primary key tells). ``host``: insert in the host's
@@ -163,7 +165,13 @@ class Admitter:
         ours = admitted.outcome is Admission.ADMITTED
         try:
             order, created = self._insert(
-                values, ours=ours, amount=amount, limit=limit, now_ms=now_ms, host=host
+                values,
+                ours=ours,
+                amount=amount,
+                limit=limit,
+                now_ms=now_ms,
+                actor=actor,
+                host=host,
             )
         except BaseException as stop:
             if interrupted(stop):  # anywhere past the script: SQL may or may not have it
@@ -184,12 +192,13 @@ class Admitter:
         amount: Decimal | None,
         limit: int,
         now_ms: int,
+        actor: Actor,
         host: Connection | None,
     ) -> tuple[Order, bool]:
         """The SQL step of :meth:`create`; ``ours``: this call added the Redis member."""
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
         try:
-            return self.records.insert_guarded(values, limit, now_ms, host), True
+            return self.records.insert_guarded(values, limit, now_ms, actor, host), True
         except LimitReachedInSql as refused:
             if ours:
                 self._compensate(uid, oid, now_ms, host)
@@ -236,7 +245,9 @@ class Admitter:
         # One statement with its event (autocommit on PostgreSQL): a process frozen here
         # holds no lock on the order.
         with self.records.tx.statements() as conn:
-            row = self.records.reopen_expired(conn, order.id, expires_at_ms, now_ms, extra_ms)
+            row = self.records.reopen_expired(
+                conn, order.id, expires_at_ms, now_ms, extra_ms, PRE_CLOSE_CHECK
+            )
             conn.commit()
         if row is None and admitted.outcome is Admission.ADMITTED:
             self.release_after_commit(order.user_id, order.id)

@@ -58,6 +58,10 @@ class Settings:
     max_metadata_bytes: int = 16_384
     #: Refuse (and close) a payment that arrives after ``expires_at`` but before the sweep.
     strict_expiry: bool = False
+    #: Accept a payment this long after the expiry of an order the sweep (or strict
+    #: expiry) closed: the order turns paid, unless the late-payment check refuses. 0: a
+    #: payment for a closed order is always refused (and its refund recorded).
+    late_payment_window_s: float = 0.0
     #: When Redis is unreachable, admit orders through the SQL limit guard alone (still
     #: exact, just slower) instead of refusing them with StoreUnavailable.
     create_without_redis: bool = False
@@ -65,6 +69,8 @@ class Settings:
     #: Dotted paths (module:function or module.function), comma-separated, of handlers the
     #: scheduler calls for each closed order, e.g. "shop.stock:release_closed_order".
     on_closed: str = ""
+    #: The same for each refused payment (a refund owed), e.g. "shop.refunds:issue".
+    on_payment_refused: str = ""
     #: An event consumer tries a failing event this many times in all, then parks it
     #: (kept, not retried again until ``orders events requeue``).
     event_max_attempts: int = 10
@@ -151,10 +157,14 @@ class Settings:
             "sql_statement_timeout_s",
             "sql_busy_timeout_s",
             "sql_connect_timeout_s",
+            "late_payment_window_s",
         ):
             check_seconds(name, getattr(self, name), allow_zero=True)
+        if self.late_payment_window_s > self.max_lifetime_s:
+            raise InvalidInput("late_payment_window_s", "is above max_lifetime_s")
         _check_lock_timeouts(self)
         check_handler_paths("on_closed", self.on_closed)
+        check_handler_paths("on_payment_refused", self.on_payment_refused)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
 
@@ -165,6 +175,10 @@ class Settings:
     @property
     def max_ttl_ms(self) -> int:
         return round(self.max_ttl_s * 1000)
+
+    @property
+    def late_payment_window_ms(self) -> int:
+        return round(self.late_payment_window_s * 1000)
 
     @property
     def max_lifetime_ms(self) -> int:

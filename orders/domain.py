@@ -15,7 +15,14 @@ from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
-from orders.errors import OrderAlreadyPaid, OrderClosed, OrderConflict, OrdersError
+from orders.errors import (
+    InvalidInput,
+    OrderAlreadyPaid,
+    OrderClosed,
+    OrderConflict,
+    OrdersError,
+)
+from orders.validation import check_optional_text
 
 Clock = Callable[[], int]
 """Returns the current time in integer milliseconds since the Unix epoch."""
@@ -38,6 +45,98 @@ class EventKind(StrEnum):
     CANCELLED = "cancelled"
     CLOSED = "closed"
     EXTENDED = "extended"
+    #: A payment the service refused: a refund is owed (see ``oes_payment_refusals``).
+    PAYMENT_REFUSED = "payment_refused"
+    #: An operator made a consumer's parked event retrying again.
+    REQUEUED = "requeued"
+    #: An operator dropped a consumer's parked event.
+    DISCARDED = "discarded"
+
+
+class ActorKind(StrEnum):
+    """Who caused an event."""
+
+    #: The host application, through a use case (``actor=`` names it further).
+    APPLICATION = "application"
+    #: A person, through the CLI (``user@host`` unless ``--actor`` says otherwise).
+    OPERATOR = "operator"
+    #: The sweep closing expired orders (the scheduler's, or a direct sweep_expired call).
+    SWEEPER = "sweeper"
+    #: The host's pre-close check, extending an order the sweep was about to close.
+    PRE_CLOSE_CHECK = "pre_close_check"
+
+
+#: The longest free-text actor name an event holds.
+ACTOR_MAX_LENGTH = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Actor:
+    """Who caused an event: a kind, and a free-text name the caller chose (or None)."""
+
+    kind: ActorKind
+    name: str | None = None
+
+    @classmethod
+    def of(cls, given: object, default: ActorKind = ActorKind.APPLICATION) -> Actor:
+        """The actor a use case's ``actor=`` names: an Actor as it is, a string as the name
+        of a ``default`` actor, None as ``default`` with no name. InvalidInput otherwise."""
+        if isinstance(given, Actor):
+            if not isinstance(given.kind, ActorKind):
+                raise InvalidInput("actor", "must have an ActorKind")
+            name = check_optional_text("actor", given.name, ACTOR_MAX_LENGTH)
+            return given if name == given.name else cls(given.kind, name)
+        return cls(default, check_optional_text("actor", given, ACTOR_MAX_LENGTH))
+
+    def columns(self) -> dict[str, str | None]:
+        """The event row's ``actor_kind`` and ``actor`` values."""
+        return {"actor_kind": self.kind.value, "actor": self.name}
+
+    def __str__(self) -> str:
+        return self.kind.value if self.name is None else f"{self.kind.value}:{self.name}"
+
+
+APPLICATION = Actor(ActorKind.APPLICATION)
+SWEEPER = Actor(ActorKind.SWEEPER)
+PRE_CLOSE_CHECK = Actor(ActorKind.PRE_CLOSE_CHECK)
+
+
+class RefusalReason(StrEnum):
+    """Why a payment was refused (a ``payment_refused`` event's ``reason``)."""
+
+    #: The sweep closed the order (and no late payment was accepted).
+    CLOSED = "closed"
+    CANCELLED = "cancelled"
+    #: Paid already, under another payment reference.
+    ALREADY_PAID = "already_paid"
+    #: The payment's amount is not the order's.
+    AMOUNT_MISMATCH = "amount_mismatch"
+    #: The payment's currency is not the order's.
+    CURRENCY_MISMATCH = "currency_mismatch"
+    #: Within the late-payment window, but the host's late-payment check refused it (or
+    #: raised, or ran out of time).
+    LATE_PAYMENT_REFUSED = "late_payment_refused"
+
+
+@dataclass(frozen=True, slots=True)
+class Payment:
+    """A payment as the payment callback reported it to ``mark_paid``."""
+
+    ref: str | None = None
+    amount: Decimal | None = None
+    currency: str | None = None
+
+    def mismatch(self, order: Order) -> RefusalReason | None:
+        """Why this payment cannot pay ``order`` (None: it can). Only what both sides state is
+        compared: the amounts (as numbers: 10.00 equals 10) when both have one, and then
+        the currencies when both have one. Over- and underpayments are both refused."""
+        if self.amount is None or order.amount is None:
+            return None
+        if None not in (self.currency, order.currency) and self.currency != order.currency:
+            return RefusalReason.CURRENCY_MISMATCH
+        if self.amount != order.amount:
+            return RefusalReason.AMOUNT_MISMATCH
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
      ├── OrderClosed               closed or cancelled: a late payment must be refunded
      │    └── OrderExpired         unpaid, but its time is up: the sweep will close it
      ├── OrderAlreadyPaid          paid already (with another payment reference)
+     ├── PaymentMismatch           the payment's amount or currency is not the order's
      ├── SchemaConflict            a name our schema needs is taken by something else
      └── StoreUnavailable          Redis or SQL failed; the operation did not happen
           ├── SchemaNotReady       the database has no (or an old) schema
@@ -18,6 +19,11 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
 
 Exceptions from redis-py and SQLAlchemy are translated into these at the edge, with
 ``raise ... from exc`` so the cause is kept for debugging but never part of the contract.
+A refused payment (:class:`OrderClosed`, :class:`OrderAlreadyPaid`, :class:`PaymentMismatch`
+from ``mark_paid``) carries ``refusal``: the (transaction id, event id) position of the
+``payment_refused`` event that records the refund owed, committed before the error was
+raised (``EventPosition(*error.refusal)``); None where no payment was refused.
+
 Messages never contain the raw offending value (it may be hostile or huge) nor a
 password from a connection URL.
 """
@@ -83,13 +89,19 @@ class UnpaidOrderLimitReached(OrdersError):
         self.source = source
 
 
-class OrderClosed(OrdersError):
-    """The order is ``closed`` or ``cancelled``: a payment for it must be refunded."""
+#: Where a refused payment's ``payment_refused`` event stands: (transaction id, event id).
+RefusalPosition = tuple[int, int]
 
-    def __init__(self, order_id: str, status: str) -> None:
+
+class OrderClosed(OrdersError):
+    """The order is ``closed`` or ``cancelled``: a payment for it must be refunded (and
+    ``refusal`` says where its ``payment_refused`` event is)."""
+
+    def __init__(self, order_id: str, status: str, refusal: RefusalPosition | None = None) -> None:
         super().__init__(f"order is {status}")
         self.order_id = order_id
         self.status = status
+        self.refusal = refusal
 
 
 class OrderExpired(OrderClosed):
@@ -100,12 +112,28 @@ class OrderExpired(OrderClosed):
 
 
 class OrderAlreadyPaid(OrdersError):
-    """The order was paid before, with ``payment_ref``."""
+    """The order was paid before, with ``payment_ref``; a second payment is refunded
+    (``refusal`` says where its ``payment_refused`` event is)."""
 
-    def __init__(self, order_id: str, payment_ref: str | None) -> None:
+    def __init__(
+        self, order_id: str, payment_ref: str | None, refusal: RefusalPosition | None = None
+    ) -> None:
         super().__init__("order is already paid with another payment reference")
         self.order_id = order_id
         self.payment_ref = payment_ref
+        self.refusal = refusal
+
+
+class PaymentMismatch(OrdersError):
+    """The payment states an amount (or currency) other than the order's: it did not pay
+    the order, and ``refusal`` says where its ``payment_refused`` event is. ``field`` is
+    ``"amount"`` or ``"currency"``."""
+
+    def __init__(self, order_id: str, field: str, refusal: RefusalPosition | None) -> None:
+        super().__init__(f"the payment's {field} is not the order's; it did not pay the order")
+        self.order_id = order_id
+        self.field = field
+        self.refusal = refusal
 
 
 class SchemaConflict(OrdersError):

@@ -18,29 +18,30 @@ leaves.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from orders import metrics
-from orders.admission import Admitter, interrupted
+from orders.admission import Admitter
 from orders.config import Settings
 from orders.domain import (
+    Actor,
+    ActorKind,
     Clock,
     Order,
     OrderIdGenerator,
     OrderStatus,
+    Payment,
     SweepResult,
     refusal,
     system_clock,
 )
 from orders.errors import (
     InvalidInput,
-    OrderClosed,
     OrderConflict,
     OrderExpired,
     OrderNotFound,
@@ -49,11 +50,14 @@ from orders.errors import (
 from orders.events.consumer import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
+from orders.payments import LatePaymentCheck, Payments
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
-from orders.sql.host import follow, host_connection
+from orders.sql.host import host_connection
 from orders.sql.models import TEXT_COLUMN_LENGTH
 from orders.sql.records import OrderRecords
+from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sweep import PreCloseCheck, Sweep
+from orders.transition import Transitioner
 from orders.validation import (
     amount_to_text,
     check_amount,
@@ -106,12 +110,15 @@ class OrderService:
             self.index, self.records, create_without_redis=s.create_without_redis
         )
         # The parts read the time through now_ms, so a clock swapped later reaches them too.
+        self.transitions = Transitioner(self.records, self.admitter)
+        self.payments = Payments(self.transitions, s)
         self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)
         self.reconciler = Reconciler(
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
         self.new_order_id = OrderIdGenerator(self.now_ms)
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
+        self.refused_payment_handlers: list[Callable[[OrderEvent], None]] = []
 
     def now_ms(self) -> int:
         """The service's clock, read once per use case."""
@@ -120,6 +127,7 @@ class OrderService:
     def close(self) -> None:
         """Release the stores' connections and the hook threads; the service is done."""
         self.sweep.close()
+        self.payments.close()
         self.engine.dispose()
         self.index.client.close()
 
@@ -135,6 +143,7 @@ class OrderService:
         amount: Decimal | int | str | None = None,
         currency: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        actor: str | Actor | None = None,
         connection: HostConnection | None = None,
     ) -> Order:
         """Admit a new unpaid order for ``user_id`` unless the user is at the limit.
@@ -164,6 +173,7 @@ class OrderService:
         cur = check_currency(currency)
         check_currency_needs_amount(amt, cur)
         meta = check_metadata(metadata, s.max_metadata_bytes)
+        cause = Actor.of(actor)
         now_ms = self.clock()
         values = {
             "id": given_id or self.new_order_id(now_ms),
@@ -183,6 +193,7 @@ class OrderService:
                 limit=lim,
                 now_ms=now_ms,
                 caller_id=given_id is not None,
+                actor=cause,
                 host=host,
             )
         except UnpaidOrderLimitReached as refused:
@@ -201,56 +212,60 @@ class OrderService:
         order_id: str,
         *,
         payment_ref: str | None = None,
+        amount: Decimal | int | str | None = None,
+        currency: str | None = None,
+        actor: str | Actor | None = None,
         connection: HostConnection | None = None,
     ) -> Order:
         """Mark an unpaid order paid. Idempotent for the same (or no) ``payment_ref``.
 
         A payment that commits before the sweep closes the order wins, even after
-        ``expires_at``, unless ``strict_expiry`` is set: then a late payment closes the
-        order and raises :class:`OrderClosed`. Paying a closed or cancelled order raises
-        :class:`OrderClosed` (refund it). Paying a paid order again without a reference, or
-        with the stored one, returns it; any other reference (also when the first payment
-        had none) raises :class:`OrderAlreadyPaid`. Redis being down never refuses a payment.
+        ``expires_at``, unless ``strict_expiry`` is set: then it closes the order instead.
+        Within ``late_payment_window_s`` of its expiry, a closed order is paid after all
+        (its event says ``late``) unless the late-payment check refuses
+        (:meth:`set_late_payment_check`). Paying a paid order again without a reference,
+        or with the stored one, returns it.
+
+        Any other payment is refused, and the refusal is recorded before the error is
+        raised: a ``payment_refused`` event and a row of the refunds owed
+        (:meth:`refused_payments`), once per order and reference. The error says why:
+        :class:`OrderClosed` (closed or cancelled), :class:`OrderAlreadyPaid` (another
+        reference paid it), :class:`PaymentMismatch` (``amount`` or ``currency`` is not
+        the order's: compared only when both the order and the payment state an amount;
+        the order stays unpaid). Its ``refusal`` is the event's position. Redis being down
+        never refuses a payment. ``actor``: who reports the payment (text, or an
+        :class:`~orders.domain.Actor`), recorded in the events.
 
         ``connection``: the host's ``Connection`` or ``Session`` (see
-        :meth:`create_unpaid_order`). The payment and its event are written in the host's
-        transaction, which this call never commits; the order leaves the Redis index when
-        the host commits, and stays in it (still unpaid) when the host rolls back.
+        :meth:`create_unpaid_order`). The payment (or its refusal) and its event are
+        written in the host's transaction, which this call never commits; the order leaves
+        the Redis index when the host commits, and stays in it when the host rolls back.
         """
         host = self._host(connection)
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         ref = check_optional_text("payment_ref", payment_ref, TEXT_COLUMN_LENGTH)
-        now_ms = self.clock()
-        strict = self.settings.strict_expiry
+        amt = check_amount(amount)
+        cur = check_currency(currency)
+        check_currency_needs_amount(amt, cur)
+        cause = Actor.of(actor)
+        return self.payments.pay(oid, Payment(ref, amt, cur), cause, self.clock(), host)
 
-        def pay(conn: Connection) -> Row[Any] | None:
-            row = self.records.pay(conn, oid, now_ms, ref, strict=strict)
-            if row is None and strict:
-                # The refused payment's reference goes into the event, for the refund.
-                data = {"trigger": "late_payment", "payment_ref": ref}
-                row = self.records.close_expired(conn, oid, now_ms, data)
-            return row
+    def set_late_payment_check(self, check: LatePaymentCheck | None) -> None:
+        """Ask ``check(order, payment)`` before a late payment turns a closed order paid
+        (None: accept every payment within ``late_payment_window_s``).
 
-        order, won = self._transition(oid, now_ms, pay, host=host)
-        if won and order.status is OrderStatus.CLOSED:
-            metrics.PAYMENTS.labels("refused_strict").inc()
-            raise OrderClosed(oid, order.status.value)
-        if won:
-            late = order.expires_at_ms <= now_ms
-            metrics.PAYMENTS.labels("late_before_close" if late else "on_time").inc()
-            return order
-        if order.status is OrderStatus.PAID and ref in (None, order.payment_ref):
-            metrics.PAYMENTS.labels("repeat").inc()
-            return order
-        outcome = "other_ref" if order.status is OrderStatus.PAID else "refused_after_close"
-        metrics.PAYMENTS.labels(outcome).inc()
-        raise refusal(order)
+        True accepts it. False refuses it, and so does a check that raises, answers
+        anything but a bool, or takes longer than ``pre_close_timeout_s`` (the pre-close
+        check's budget): the payment is then refused and its refund recorded.
+        """
+        self.payments.late_check = check
 
     def cancel_order(
         self,
         order_id: str,
         *,
         reason: str | None = None,
+        actor: str | Actor | None = None,
         connection: HostConnection | None = None,
     ) -> Order:
         """Cancel an unpaid order. Idempotent on a cancelled order.
@@ -262,9 +277,10 @@ class OrderService:
         host = self._host(connection)
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         why = check_optional_text("reason", reason, TEXT_COLUMN_LENGTH)
+        cause = Actor.of(actor)
         now_ms = self.clock()
-        order, won = self._transition(
-            oid, now_ms, lambda conn: self.records.cancel(conn, oid, now_ms, why), host=host
+        order, won = self.transitions.run(
+            oid, now_ms, lambda conn: self.records.cancel(conn, oid, now_ms, why, cause), host=host
         )
         if won:
             metrics.CANCELS.inc()
@@ -272,7 +288,9 @@ class OrderService:
             return order
         raise refusal(order)
 
-    def extend_order(self, order_id: str, extra_s: float) -> Order:
+    def extend_order(
+        self, order_id: str, extra_s: float, *, actor: str | Actor | None = None
+    ) -> Order:
         """Move the expiry of an open unpaid order ``extra_s`` later, in SQL and in Redis.
 
         A compare-and-set against the sweep: an order closed (or paid, or cancelled) first
@@ -282,12 +300,13 @@ class OrderService:
         """
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
+        cause = Actor.of(actor)
         now_ms = self.clock()
         max_life_ms = self.settings.max_lifetime_ms
-        order, won = self._transition(
+        order, won = self.transitions.run(
             oid,
             now_ms,
-            lambda conn: self.records.extend_open(conn, oid, now_ms, extra_ms, max_life_ms),
+            lambda conn: self.records.extend_open(conn, oid, now_ms, extra_ms, max_life_ms, cause),
             redis_after=self.admitter.rescore_after_commit,
         )
         if won:
@@ -298,32 +317,6 @@ class OrderService:
         if order.expires_at_ms <= now_ms:
             raise OrderExpired(oid)
         raise InvalidInput("extra_s", "would move the expiry past the maximum lifetime")
-
-    def _transition(
-        self,
-        order_id: str,
-        now_ms: int,
-        attempt: Callable[[Connection], Row[Any] | None],
-        *,
-        redis_after: Callable[[Order], None] | None = None,
-        host: Connection | None = None,
-    ) -> tuple[Order, bool]:
-        """The shape every transition shares: the compare-and-set in one transaction, then,
-        if it won, the Redis follow-up (by default: the member leaves the index), at once
-        or, in the host's transaction, when the host commits."""
-        try:
-            order, won = self.records.transition_or_current(order_id, now_ms, attempt, host)
-            if won:
-                after = redis_after or self.admitter.release_of
-                if host is None:
-                    after(order)
-                else:
-                    follow(host, on_commit=functools.partial(after, order))
-        except BaseException as stop:
-            if interrupted(stop):  # it may have committed: Redis must follow the row
-                self.admitter.settle(order_id, now_ms)
-            raise
-        return order, won
 
     def _host(self, connection: HostConnection | None) -> Connection | None:
         """The host's transaction to write in, checked (see :mod:`orders.sql.host`)."""
@@ -362,6 +355,35 @@ class OrderService:
         self.closed_handlers.append(handler)
         return handler
 
+    def on_payment_refused(
+        self, handler: Callable[[OrderEvent], None]
+    ) -> Callable[[OrderEvent], None]:
+        """Register ``handler(event)`` for each refused payment (a refund owed), after the
+        refusal commits; run by the scheduler like :meth:`on_closed` handlers (at least
+        once, retried, parked after ``event_max_attempts``). The event's data holds
+        ``payment_ref``, ``reason`` and, when the payment stated them, ``amount`` and
+        ``currency``; a handler that issued the refund marks it with
+        :meth:`mark_refund_handled`. Usable as a decorator.
+        """
+        self.refused_payment_handlers.append(handler)
+        return handler
+
+    def refused_payments(
+        self, *, since_ms: int | None = None, pending_only: bool = False, limit: int = 100
+    ) -> list[PaymentRefusal]:
+        """Refused payments (the refunds owed), oldest first; see :mod:`orders.sql.refusals`."""
+        return list_refusals(self.engine, since_ms=since_ms, pending_only=pending_only, limit=limit)
+
+    def mark_refund_handled(
+        self, order_id: str, payment_ref: str | None = None, *, actor: str | Actor | None = None
+    ) -> PaymentRefusal:
+        """Say the refund of a refused payment was dealt with (by ``actor``): it leaves the
+        pending list. Idempotent: the first handler is kept. InvalidInput when that order
+        and reference were never refused."""
+        oid = check_order_id(order_id, self.settings.max_order_id_length)
+        ref = check_optional_text("payment_ref", payment_ref, TEXT_COLUMN_LENGTH)
+        return mark_handled(self.engine, oid, ref, Actor.of(actor), self.clock())
+
     # --- the sweep and the index -----------------------------------------------------------
 
     def sweep_expired(
@@ -371,13 +393,20 @@ class OrderService:
         batch_size: int | None = None,
         max_batches: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        actor: str | Actor | None = None,
     ) -> SweepResult:
         """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now).
 
-        Batches of ``batch_size``, each one transaction; see :mod:`orders.sweep`.
+        Batches of ``batch_size``, each one transaction; see :mod:`orders.sweep`. The
+        close events name the sweeper as their actor (``actor``: its name, or another
+        :class:`~orders.domain.Actor`, as the CLI's operator).
         """
         return self.sweep.sweep_expired(
-            now_ms=now_ms, batch_size=batch_size, max_batches=max_batches, should_stop=should_stop
+            now_ms=now_ms,
+            batch_size=batch_size,
+            max_batches=max_batches,
+            should_stop=should_stop,
+            actor=Actor.of(actor, ActorKind.SWEEPER),
         )
 
     def count_due(self, *, now_ms: int | None = None) -> int:

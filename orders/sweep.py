@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 
 from orders import metrics
 from orders.admission import Admitter
 from orders.config import Settings
-from orders.domain import Clock, Order, SweepResult
+from orders.domain import SWEEPER, Actor, Clock, Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.hooks import HookRunner
 from orders.sql.closing import DueCloser
 from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_cutoff, check_ttl_ms
@@ -40,7 +40,7 @@ class Sweep:
         self.settings = settings
         self.clock = clock
         self.pre_close: PreCloseCheck | None = None
-        self._hook_executor: ThreadPoolExecutor | None = None
+        self.hooks = HookRunner("orders-hook")
 
     def cutoff(self, now_ms: int | None) -> int:
         clock_now = self.clock()
@@ -53,10 +53,11 @@ class Sweep:
         batch_size: int | None = None,
         max_batches: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        actor: Actor = SWEEPER,
     ) -> SweepResult:
         """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now).
 
-        ``should_stop`` is asked before each batch.
+        ``should_stop`` is asked before each batch; ``actor``: who the close events name.
         """
         cutoff = self.cutoff(now_ms)
         size = self.settings.sweep_batch_size if batch_size is None else batch_size
@@ -68,21 +69,21 @@ class Sweep:
         while max_batches is None or result.batches < max_batches:
             if should_stop is not None and should_stop():
                 break
-            closed = self._close_batch(cutoff, size, result)
+            closed = self._close_batch(cutoff, size, result, actor)
             if closed < size:
                 break
         if result.closed:
             metrics.SWEEP_SECONDS.observe(time.monotonic() - started)
         return result.done()
 
-    def _close_batch(self, cutoff: int, size: int, result: _Tally) -> int:
+    def _close_batch(self, cutoff: int, size: int, result: _Tally, actor: Actor) -> int:
         """Close one batch; how many orders it closed."""
         if self.records.dialect == "sqlite" and not self.records.any_due(cutoff):
             return 0  # SQLite's write lock is the whole database's: take it only to close
         if self.pre_close is not None:
             self._run_pre_close(self.pre_close, cutoff, size)
         closed_at_ms = self.clock()
-        rows = self.closer.close_due(cutoff, size, closed_at_ms)
+        rows = self.closer.close_due(cutoff, size, closed_at_ms, actor)
         if not rows:
             return 0
         metrics.CLOSES.inc(len(rows))
@@ -104,14 +105,13 @@ class Sweep:
         due = self.records.due_not_extended(cutoff, size)
         # One time budget for the whole batch: a stuck check costs the batch that budget
         # once, and then every order it was asked about simply closes.
-        futures = {self._hook_pool().submit(check, order): order for order in due}
-        done, _ = wait(futures, timeout=self.settings.pre_close_timeout_s)
+        answers = self.hooks.ask(check, due, self.settings.pre_close_timeout_s)
         max_extension_ms = round(self.settings.max_extension_s * 1000)
-        for future, order in futures.items():
-            if future not in done or future.exception() is not None:
+        for answered in answers:
+            order, answer = answered.question, answered.value
+            if answered.failed:
                 _log_order(order, "pre-close check failed or timed out; closing")
                 continue
-            answer = future.result()
             if answer is None:
                 continue
             try:
@@ -136,14 +136,8 @@ class Sweep:
         if reopened:
             metrics.EXTENSIONS.labels("pre_close_check").inc()
 
-    def _hook_pool(self) -> ThreadPoolExecutor:
-        if self._hook_executor is None:
-            self._hook_executor = ThreadPoolExecutor(8, thread_name_prefix="orders-hook")
-        return self._hook_executor
-
     def close(self) -> None:
-        if self._hook_executor is not None:
-            self._hook_executor.shutdown(wait=False, cancel_futures=True)
+        self.hooks.close()
 
 
 def _log_order(order: Order, message: str) -> None:

@@ -26,6 +26,8 @@ list_unpaid = on_default(AsyncOrderService.list_unpaid)
 iter_events = on_default(AsyncOrderService.iter_events)
 sweep_expired = on_default(AsyncOrderService.sweep_expired)
 reconcile = on_default(AsyncOrderService.reconcile)
+refused_payments = on_default(AsyncOrderService.refused_payments)
+mark_refund_handled = on_default(AsyncOrderService.mark_refund_handled)
 
 __all__ = [
     "AsyncOrderService",
@@ -39,6 +41,8 @@ __all__ = [
     "iter_events",
     "list_unpaid",
     "mark_paid",
+    "mark_refund_handled",
     "reconcile",
+    "refused_payments",
     "sweep_expired",
 ]

@@ -34,7 +34,9 @@ from orders.config import Settings
 from orders.domain import Clock
 from orders.errors import InvalidInput
 from orders.index.nodes import RedisClient
+from orders.payments import LatePaymentCheck
 from orders.service import OrderService
+from orders.sweep import PreCloseCheck
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -138,6 +140,8 @@ class AsyncOrderService:
         self.calls = CallPool(self.settings.aio_threads, self.settings.aio_queue)
         self._clock = clock
         self._core: OrderService | None = None
+        self._late_payment_check: LatePaymentCheck | None = None
+        self._pre_close_check: PreCloseCheck | None = None
         self._starting: AbstractAsyncContextManager[Any] | None = None
 
     async def core(self) -> OrderService:
@@ -154,12 +158,15 @@ class AsyncOrderService:
         # Each thread may hold one SQL connection: the pool is at least that large.
         pool_size = max(self.settings.sql_pool_size, self.settings.aio_threads)
         pooled = dataclasses.replace(self.settings, sql_pool_size=pool_size)
-        return OrderService(
+        core = OrderService(
             sync_engine(self.engine, pooled),
             sync_redis(self.redis_client),
             self.settings,
             clock=self._clock,
         )
+        core.set_late_payment_check(self._late_payment_check)
+        core.set_pre_close_check(self._pre_close_check)
+        return core
 
     async def aclose(self) -> None:
         """Close the service's connections and the stores it was given."""
@@ -205,3 +212,21 @@ class AsyncOrderService:
     iter_events = Awaited(OrderService.iter_events)
     sweep_expired = Awaited(OrderService.sweep_expired)
     reconcile = Awaited(OrderService.reconcile)
+    refused_payments = Awaited(OrderService.refused_payments)
+    mark_refund_handled = Awaited(OrderService.mark_refund_handled)
+
+    # --- the host's hooks, handed to the synchronous service ------------------------------
+
+    def set_late_payment_check(self, check: LatePaymentCheck | None) -> None:
+        """See :meth:`OrderService.set_late_payment_check`: a plain (not async) function,
+        run in a thread of the service's own under the same time budget."""
+        self._late_payment_check = check
+        if self._core is not None:
+            self._core.set_late_payment_check(check)
+
+    def set_pre_close_check(self, check: PreCloseCheck | None) -> None:
+        """See :meth:`OrderService.set_pre_close_check` (asked by this service's own
+        ``sweep_expired``): a plain function, run in a thread of the service's own."""
+        self._pre_close_check = check
+        if self._core is not None:
+            self._core.set_pre_close_check(check)

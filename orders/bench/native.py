@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio
-from sqlalchemy import BigInteger, bindparam, insert
+from sqlalchemy import BigInteger, bindparam, insert, literal, null
 
 from orders.bootstrap import build_async_engine
 from orders.config import Settings
-from orders.domain import EventKind
+from orders.domain import APPLICATION, EventKind
 from orders.sql.models import events_table, orders_table
 from orders.sql.transitions import with_events
 
@@ -45,7 +45,8 @@ def insert_with_event() -> Any:
     created_at = bindparam("created_at_ms", type_=BigInteger)
     values = {name: created_at if name == "created_at_ms" else bindparam(name) for name in COLUMNS}
     order = insert(orders_table).values(values).returning(orders_table.c.id, orders_table.c.user_id)
-    return with_events(order, "created", EventKind.CREATED, created_at)
+    actor = (literal(APPLICATION.kind.value), null())
+    return with_events(order, "created", EventKind.CREATED, created_at, actor=actor)
 
 
 def redis_url(settings: Settings) -> str:

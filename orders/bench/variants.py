@@ -18,7 +18,7 @@ from orders.aio import AsyncOrderService
 from orders.bench.driver import RawDriver, writer_queue
 from orders.bench.measure import Run, Variant, run_ops
 from orders.bench.workload import Workload
-from orders.domain import EventKind
+from orders.domain import APPLICATION, EventKind
 from orders.errors import UnpaidOrderLimitReached
 from orders.index.unpaid import admit_args
 from orders.sql.models import events_table, orders_table
@@ -328,7 +328,7 @@ def sql_guard(w: Workload, *, refuse: bool) -> Variant:
             now = clock()
             values = w.row(ids[i], users[i % len(users)], now, now + ttl)
             try:
-                service.records.insert_guarded(values, limit, now)
+                service.records.insert_guarded(values, limit, now, APPLICATION)
             except LimitReachedInSql:
                 if refuse:
                     return

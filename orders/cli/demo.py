@@ -25,7 +25,7 @@ from sqlalchemy import func, select
 
 from orders.bootstrap import build_service
 from orders.config import Settings
-from orders.domain import OrderStatus
+from orders.domain import EventKind, OrderStatus
 from orders.embedded.binary import usable_redis_server
 from orders.embedded.server import check_can_start, redis_status, stop_redis
 from orders.errors import OrderClosed, OrdersError, UnpaidOrderLimitReached
@@ -81,7 +81,10 @@ class _Script:
             self.service.mark_paid(order_id, payment_ref=f"psp-{label}")
         except OrderClosed as closed:
             self.refunds += 1
-            self.say(f"[bold]payment for {label} refused[/bold]: order {closed.status}; refund")
+            self.say(
+                f"[bold]payment for {label} refused[/bold]: order {closed.status}; "
+                "refund owed, recorded in SQL"
+            )
             return
         self.expected[order_id] = OrderStatus.PAID
         self.say(f"order {label} paid")
@@ -156,6 +159,10 @@ def _steps(script: _Script) -> list[tuple[float, Callable[[], None]]]:
     ]
 
 
+#: The events that end an order's life as unpaid: exactly one per order.
+TERMINAL_KINDS = [EventKind.PAID.value, EventKind.CANCELLED.value, EventKind.CLOSED.value]
+
+
 def _check(script: _Script) -> list[str]:
     """Every disagreement between what the script did and what the stores hold."""
     problems = []
@@ -168,7 +175,7 @@ def _check(script: _Script) -> list[str]:
         terminal: dict[str, int] = dict(
             conn.execute(
                 select(events_table.c.order_id, func.count())
-                .where(events_table.c.kind != "created")
+                .where(events_table.c.kind.in_(TERMINAL_KINDS))
                 .group_by(events_table.c.order_id)
             ).all()
         )
@@ -186,6 +193,9 @@ def _check(script: _Script) -> list[str]:
         left = service.index.members(user)
         if left:
             problems.append(f"Redis still holds {len(left)} members for {user}")
+    owed = service.refused_payments(pending_only=True)
+    if [script.labels.get(r.order_id) for r in owed] != ["D1"]:
+        problems.append(f"{len(owed)} refunds recorded as owed, expected D1's alone")
     if script.refusals != 1 or script.refunds != 1:
         problems.append(f"{script.refusals} refusals and {script.refunds} refunds, expected 1 each")
     return problems

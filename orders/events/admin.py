@@ -27,7 +27,7 @@ from sqlalchemy import (
     update,
 )
 
-from orders.domain import Clock, system_clock
+from orders.domain import Actor, ActorKind, Clock, EventKind, system_clock
 from orders.errors import InvalidInput
 from orders.events.consumer import (
     CC,
@@ -41,7 +41,11 @@ from orders.events.consumer import (
     events_after,
 )
 from orders.sql.models import events_table, retries_table, sql_errors
+from orders.sql.transitions import record_events
 from orders.validation import check_count, check_row_id
+
+#: Who requeues or discards when the caller does not say: an operator, unnamed.
+OPERATOR = Actor(ActorKind.OPERATOR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,27 +187,60 @@ def list_parked(
 
 
 def requeue_parked(
-    engine: Engine, consumer: str, event_id: int, *, clock: Clock | None = None
+    engine: Engine,
+    consumer: str,
+    event_id: int,
+    *,
+    clock: Clock | None = None,
+    actor: Actor = OPERATOR,
 ) -> None:
     """Make a parked event retrying again: attempts from 0, due now (the consumer's next
-    run tries it, and parks it again only after ``max_attempts`` more failures)."""
+    run tries it, and parks it again only after ``max_attempts`` more failures). A
+    ``requeued`` event of the order records who did it, in the same transaction."""
     now_ms = (clock or system_clock)()
     requeue = (
         update(retries_table)
         .where(_parked_entry(consumer, event_id))
         .values(parked_at_ms=None, attempts=0, next_at_ms=now_ms)
     )
-    with sql_errors(), engine.begin() as conn:
-        if conn.execute(requeue).rowcount == 0:
-            _refuse(conn, consumer, event_id)
+    _act(engine, requeue, EventKind.REQUEUED, consumer, event_id, now_ms, actor)
 
 
-def discard_parked(engine: Engine, consumer: str, event_id: int) -> None:
-    """Forget a parked event for this consumer; the event itself stays in order_events."""
+def discard_parked(
+    engine: Engine,
+    consumer: str,
+    event_id: int,
+    *,
+    clock: Clock | None = None,
+    actor: Actor = OPERATOR,
+) -> None:
+    """Forget a parked event for this consumer; the event itself stays in order_events. A
+    ``discarded`` event of the order records who did it, in the same transaction."""
+    now_ms = (clock or system_clock)()
     discard = delete(retries_table).where(_parked_entry(consumer, event_id))
+    _act(engine, discard, EventKind.DISCARDED, consumer, event_id, now_ms, actor)
+
+
+def _act(
+    engine: Engine,
+    action: Any,
+    kind: EventKind,
+    consumer: str,
+    event_id: int,
+    now_ms: int,
+    actor: Actor,
+) -> None:
+    """Run ``action`` on the parked entry and record it as a ``kind`` event of the parked
+    event's order, in one transaction (no event when that event is gone with its order:
+    there is no order left to record it on)."""
     with sql_errors(), engine.begin() as conn:
-        if conn.execute(discard).rowcount == 0:
+        if conn.execute(action).rowcount == 0:
             _refuse(conn, consumer, event_id)
+        of_event = select(EC.order_id, EC.user_id).where(EC.id == event_id)
+        parked = conn.execute(of_event).one_or_none()
+        if parked is not None:
+            data = {"consumer": consumer, "event_id": event_id}
+            record_events(conn, [(parked.order_id, parked.user_id)], kind, now_ms, data, actor)
 
 
 def _parked_entry(consumer: str, event_id: int) -> ColumnElement[bool]:

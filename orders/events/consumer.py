@@ -33,7 +33,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 
-from orders.domain import Clock, EventKind, system_clock
+from orders.domain import Actor, ActorKind, Clock, EventKind, system_clock
 from orders.errors import InvalidInput
 from orders.sql.models import (
     TEXT_COLUMN_LENGTH,
@@ -73,6 +73,8 @@ class OrderEvent:
     at_ms: int
     data: Mapping[str, Any] = field(default_factory=dict)
     txid: int | None = None
+    #: Who caused it; None for events written before migration 0008.
+    actor: Actor | None = None
 
     @property
     def position(self) -> EventPosition:
@@ -88,6 +90,7 @@ def _event(row: Any) -> OrderEvent:
         at_ms=row.at_ms,
         data=dict(row.data or {}),
         txid=row.txid,
+        actor=None if row.actor_kind is None else Actor(ActorKind(row.actor_kind), row.actor),
     )
 
 

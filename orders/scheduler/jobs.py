@@ -3,10 +3,10 @@
 :func:`build_scheduler` wraps a :class:`~orders.scheduler.sweeper.Sweeper` in a job that reschedules
 itself with each tick's answer, so an order closes within milliseconds of its expiry
 instead of up to an interval later. Beside it run the index rebuild (reconcile) and, when
-there are closed-order handlers (:func:`closed_order_consumers`), the events job. Only the
-lease holder does any of that work. Logging goes to the sweeper's logger
-(:data:`orders.scheduler.sweeper.LOGGER_NAME`); a job run that ends in an exception is counted in
-``orders_job_failures_total``.
+there are event handlers (``on_closed``, ``on_payment_refused``:
+:func:`closed_order_consumers`), the events job. Only the lease holder does any of that
+work. Logging goes to the sweeper's logger (:data:`orders.scheduler.sweeper.LOGGER_NAME`);
+a job run that ends in an exception is counted in ``orders_job_failures_total``.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
             EVENTS_JOB_ID, sweeper, _EventsJob(sweeper, consumers), first_s=EVENTS_INTERVAL_S
         )
         scheduler.pausing_jobs.append(handlers)
-        _add_job(scheduler, handlers, "orders closed-order handlers")
+        _add_job(scheduler, handlers, "orders event handlers")
     for job in scheduler.pausing_jobs:
         job.scheduler = scheduler
         scheduler.add_listener(job.rescheduled, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
@@ -275,49 +275,64 @@ def _add_job(scheduler: BaseScheduler, job: _PausingJob, name: str, **options: A
     )
 
 
-def load_handler(path: str) -> Callable[[OrderEvent], None]:
-    """``package.module:function`` (or ``package.module.function``) to the function."""
+def load_handler(path: str, setting: str = "on_closed") -> Callable[[OrderEvent], None]:
+    """``package.module:function`` (or ``package.module.function``) to the function;
+    ``setting`` names the setting it came from in an error."""
     module_name, _, attr = path.strip().replace(":", ".").rpartition(".")
     if not module_name or not attr:
-        raise InvalidInput("on_closed", "must name handlers as package.module:function")
+        raise InvalidInput(setting, "must name handlers as package.module:function")
     try:
         handler: Callable[[OrderEvent], None] = getattr(import_module(module_name), attr)
     except (ImportError, AttributeError):
-        raise InvalidInput("on_closed", f"cannot import the handler {path.strip()}") from None
+        raise InvalidInput(setting, f"cannot import the handler {path.strip()}") from None
     return handler
 
 
-def consumer_name(handler: Callable[[OrderEvent], None]) -> str:
-    """The durable cursor's name for a closed-order handler: at most 64 characters.
+def consumer_name(handler: Callable[[OrderEvent], None], hook: str = "on_closed") -> str:
+    """The durable cursor's name for a ``hook`` handler (``on_closed``,
+    ``on_payment_refused``): at most 64 characters.
 
     A name cut to fit ends in a hash of the whole, so two handlers whose names share a
     long prefix never share a cursor (one would silently skip what the other consumed).
     """
-    name = f"on_closed:{handler.__module__}.{handler.__qualname__}"
+    name = f"{hook}:{handler.__module__}.{handler.__qualname__}"
     if len(name) <= CONSUMER_NAME_LENGTH:
         return name
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
     return f"{name[: CONSUMER_NAME_LENGTH - 13]}~{digest}"
 
 
+#: The event hooks: setting (and cursor prefix) -> the kind of event its handlers get.
+HOOK_KINDS = {"on_closed": EventKind.CLOSED, "on_payment_refused": EventKind.PAYMENT_REFUSED}
+
+
 def closed_order_consumers(service: OrderService) -> list[EventConsumer]:
-    """One durable consumer per closed-order handler: registered in code or configured."""
-    handlers = list(service.closed_handlers)
-    handlers += [load_handler(p) for p in service.settings.on_closed.split(",") if p.strip()]
-    names = [consumer_name(h) for h in handlers]
-    if len(set(names)) != len(names):
-        raise InvalidInput("on_closed", "names one handler twice")
-    return [
-        EventConsumer(
-            service.engine,
-            name,
-            handler,
-            kinds=[EventKind.CLOSED],
-            clock=service.clock,
-            max_attempts=service.settings.event_max_attempts,
-        )
-        for name, handler in zip(names, handlers, strict=True)
-    ]
+    """One durable consumer per hook handler, registered in code (``on_closed``,
+    ``on_payment_refused``) or configured (the settings of the same names)."""
+    registered = {
+        "on_closed": service.closed_handlers,
+        "on_payment_refused": service.refused_payment_handlers,
+    }
+    consumers = []
+    for hook, kind in HOOK_KINDS.items():
+        configured: str = getattr(service.settings, hook)
+        handlers = list(registered[hook])
+        handlers += [load_handler(p, hook) for p in configured.split(",") if p.strip()]
+        names = [consumer_name(h, hook) for h in handlers]
+        if len(set(names)) != len(names):
+            raise InvalidInput(hook, "names one handler twice")
+        consumers += [
+            EventConsumer(
+                service.engine,
+                name,
+                handler,
+                kinds=[kind],
+                clock=service.clock,
+                max_attempts=service.settings.event_max_attempts,
+            )
+            for name, handler in zip(names, handlers, strict=True)
+        ]
+    return consumers
 
 
 class _EventsJob:

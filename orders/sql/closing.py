@@ -31,10 +31,10 @@ from sqlalchemy import (
     update,
 )
 
-from orders.domain import EventKind, OrderStatus
+from orders.domain import SWEEPER, Actor, EventKind, OrderStatus
 from orders.sql.models import UNPAID_PREDICATE, due_at, events_table, orders_table
 from orders.sql.records import EXPIRED_REASON, OrderRecords
-from orders.sql.transitions import EVENT_COLUMNS, with_events
+from orders.sql.transitions import ACTOR_PARAMS, EVENT_COLUMNS, with_events
 
 ORDER = orders_table.c
 
@@ -47,12 +47,20 @@ class DueCloser:
         self._postgresql = records.dialect == "postgresql"
         self._close = _close_statement(postgresql=self._postgresql)
 
-    def close_due(self, cutoff_ms: int, size: int, closed_at_ms: int) -> Sequence[Any]:
-        """Close up to ``size`` due orders in one committed transaction.
+    def close_due(
+        self, cutoff_ms: int, size: int, closed_at_ms: int, actor: Actor = SWEEPER
+    ) -> Sequence[Any]:
+        """Close up to ``size`` due orders in one committed transaction; their events name
+        ``actor`` (the sweeper, unless an operator's sweep says otherwise).
 
         Returns a (user_id, expires_at_ms) tuple per closed order.
         """
-        params = {"cutoff_ms": cutoff_ms, "size": size, "closed_at_ms": closed_at_ms}
+        params = {
+            "cutoff_ms": cutoff_ms,
+            "size": size,
+            "closed_at_ms": closed_at_ms,
+            **actor.columns(),
+        }
         if self._postgresql:
             # One statement in autocommit: the server commits it as it ends, without a
             # COMMIT from us. A sweeper stopped after sending it (SIGSTOP, a GC pause, a
@@ -64,7 +72,8 @@ class DueCloser:
         with self.records.tx.write() as conn:
             rows = conn.execute(self._close, params).all()
             ids = json.dumps([row.id for row in rows])
-            conn.execute(_SQLITE_RECORD_CLOSED, {"ids": ids, "closed_at_ms": closed_at_ms})
+            recorded = {"ids": ids, "closed_at_ms": closed_at_ms, **actor.columns()}
+            conn.execute(_SQLITE_RECORD_CLOSED, recorded)
             conn.commit()
         return [(row.user_id, row.expires_at_ms) for row in rows]
 
@@ -123,5 +132,6 @@ _SQLITE_RECORD_CLOSED = insert(events_table).from_select(
         ORDER.user_id,
         literal(EventKind.CLOSED.value),
         bindparam("closed_at_ms", type_=BigInteger()),
+        *ACTOR_PARAMS,
     ).where(ORDER.id.in_(select(_closed_ids.c.value))),
 )

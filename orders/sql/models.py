@@ -29,7 +29,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from orders import metrics
-from orders.domain import EventKind, OrderStatus
+from orders.domain import ACTOR_MAX_LENGTH, EventKind, OrderStatus
 from orders.errors import SchemaNotReady, StoreUnavailable
 from orders.validation import USER_ID_MAX_LENGTH
 
@@ -54,6 +54,8 @@ UNPAID_SQL = f"status = '{OrderStatus.UNPAID.value}'"
 PAID_SQL = f"status = '{OrderStatus.PAID.value}'"
 CANCELLED_SQL = f"status = '{OrderStatus.CANCELLED.value}'"
 CLOSED_SQL = f"status = '{OrderStatus.CLOSED.value}'"
+#: A payment refusal whose refund nobody has marked handled yet.
+PENDING_SQL = "handled_at_ms IS NULL"
 #: An event_retries row still being retried (not parked).
 RETRYING_SQL = "parked_at_ms IS NULL"
 
@@ -155,6 +157,10 @@ class OrderEventRow(Base):
     kind: Mapped[str] = mapped_column(String(16))
     at_ms: Mapped[int] = mapped_column(BigInteger)
     data: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    #: Who caused it (an ``orders.domain.ActorKind``) and the name they gave; both NULL on
+    #: events written before migration 0008.
+    actor_kind: Mapped[str | None] = mapped_column(String(16))
+    actor: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
     #: PostgreSQL: the writing transaction's id (column default txid_current()), so a
     #: consumer can read only events no running transaction can still precede. SQLite has
     #: one writer at a time: ids are already in commit order, and this stays NULL.
@@ -165,6 +171,49 @@ class OrderEventRow(Base):
         Index("ix_oes_order_events_order_id", "order_id"),
         Index("ix_oes_order_events_txid_id", "txid", "id"),
         {"sqlite_autoincrement": True},
+    )
+
+
+class PaymentRefusalRow(Base):
+    """A payment ``mark_paid`` refused: a refund is owed until someone marks it handled.
+
+    One row per (order, payment reference), written in the transaction that refused the
+    payment, beside its ``payment_refused`` event: the same payment refused again finds
+    its row and writes nothing. A payment without a reference has ``payment_ref`` ''
+    (one row per order: without a reference two payments cannot be told apart).
+    """
+
+    __tablename__ = "oes_payment_refusals"
+
+    order_id: Mapped[str] = mapped_column(
+        String(ORDER_ID_COLUMN_LENGTH),
+        ForeignKey("oes_orders.id", ondelete="CASCADE"),
+        primary_key=True,
+    )
+    payment_ref: Mapped[str] = mapped_column(String(TEXT_COLUMN_LENGTH), primary_key=True)
+    user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH))
+    #: An ``orders.domain.RefusalReason``.
+    reason: Mapped[str] = mapped_column(String(32))
+    #: What the payment said it was (NULL when it did not say).
+    amount: Mapped[str | None] = mapped_column(String(40))
+    currency: Mapped[str | None] = mapped_column(String(3))
+    refused_at_ms: Mapped[int] = mapped_column(BigInteger)
+    #: The ``payment_refused`` event (its position is (event's txid, event_id)).
+    event_id: Mapped[int] = mapped_column(BigInteger)
+    #: Set when a consumer or an operator marked the refund handled, with who did it.
+    handled_at_ms: Mapped[int | None] = mapped_column(BigInteger)
+    handled_by_kind: Mapped[str | None] = mapped_column(String(16))
+    handled_by: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
+
+    __table_args__ = (
+        Index("ix_oes_payment_refusals_refused_at_ms", "refused_at_ms"),
+        # Partial, over the refunds still owed: the list an operator works through.
+        Index(
+            "ix_oes_payment_refusals_pending_refused_at_ms",
+            "refused_at_ms",
+            postgresql_where=text(PENDING_SQL),
+            sqlite_where=text(PENDING_SQL),
+        ),
     )
 
 
@@ -212,6 +261,7 @@ orders_table = cast(Table, OrderRow.__table__)
 events_table = cast(Table, OrderEventRow.__table__)
 cursors_table = cast(Table, EventCursorRow.__table__)
 retries_table = cast(Table, EventRetryRow.__table__)
+refusals_table = cast(Table, PaymentRefusalRow.__table__)
 #: ``status = 'unpaid'`` as an inline literal, the form the partial indexes can serve
 #: (PostgreSQL's generic plans of prepared statements included; a bound parameter is not).
 UNPAID_PREDICATE = orders_table.c.status == literal_column(f"'{OrderStatus.UNPAID.value}'")

@@ -28,7 +28,7 @@ from sqlalchemy import (
     select,
 )
 
-from orders.domain import Order, OrderStatus
+from orders.domain import Actor, Order, OrderStatus, Payment
 from orders.errors import OrderNotFound
 from orders.sql.models import UNPAID_PREDICATE, due_at, open_at, orders_table
 from orders.sql.reconcile_reads import ReconcileReads
@@ -40,9 +40,11 @@ from orders.sql.transitions import (
     EXPIRED_REASON,
     EXTEND_OPEN,
     PAY,
+    PAY_LATE,
     PAY_STRICT,
     REOPEN_EXPIRED,
 )
+from orders.validation import amount_to_text
 
 __all__ = ["EXPIRED_REASON", "InsertConflict", "LimitReachedInSql", "OrderRecords", "to_order"]
 
@@ -51,6 +53,18 @@ ORDER = orders_table.c
 SLOT_RACE_RETRIES = 3
 
 _SELECT_ORDER = select(*orders_table.c).where(ORDER.id == bindparam("oid"))
+_SELECT_ORDER_FOR_UPDATE = _SELECT_ORDER.with_for_update()
+
+
+def payment_data(payment: Payment) -> dict[str, Any]:
+    """What a payment's event records of it: the reference, and the amount and currency
+    when the payment stated them."""
+    data: dict[str, Any] = {"payment_ref": payment.ref}
+    if payment.amount is not None:
+        data["amount"] = amount_to_text(payment.amount)
+    if payment.currency is not None:
+        data["currency"] = payment.currency
+    return data
 
 
 def to_order(row: Row[Any], read_at_ms: int) -> Order:
@@ -158,21 +172,48 @@ class OrderRecords:
         return to_order(current, now_ms), row is not None
 
     def pay(
-        self, conn: Connection, order_id: str, now_ms: int, ref: str | None, *, strict: bool
+        self,
+        conn: Connection,
+        order_id: str,
+        now_ms: int,
+        payment: Payment,
+        actor: Actor,
+        *,
+        strict: bool,
     ) -> Row[Any] | None:
         """Unpaid -> paid; under ``strict``, only while the expiry is still ahead."""
-        params = {"oid": order_id, "now_ms": now_ms, "ref": ref}
-        return (PAY_STRICT if strict else PAY).run(conn, params, {"payment_ref": ref})
+        params = {"oid": order_id, "now_ms": now_ms, "ref": payment.ref}
+        return (PAY_STRICT if strict else PAY).run(conn, params, payment_data(payment), actor)
+
+    def pay_late(
+        self,
+        conn: Connection,
+        order_id: str,
+        now_ms: int,
+        payment: Payment,
+        actor: Actor,
+        *,
+        window_ms: int,
+    ) -> Row[Any] | None:
+        """Closed by expiry at most ``window_ms`` before ``now_ms`` -> paid (late)."""
+        params = {"oid": order_id, "now_ms": now_ms, "ref": payment.ref, "window_ms": window_ms}
+        return PAY_LATE.run(conn, params, {**payment_data(payment), "late": True}, actor)
 
     def cancel(
-        self, conn: Connection, order_id: str, now_ms: int, reason: str | None
+        self, conn: Connection, order_id: str, now_ms: int, reason: str | None, actor: Actor
     ) -> Row[Any] | None:
         """Unpaid -> cancelled."""
         params = {"oid": order_id, "now_ms": now_ms, "reason": reason or "cancelled"}
-        return CANCEL.run(conn, params, {"reason": reason} if reason else None)
+        return CANCEL.run(conn, params, {"reason": reason} if reason else None, actor)
 
     def extend_open(
-        self, conn: Connection, order_id: str, now_ms: int, extra_ms: int, max_life_ms: int
+        self,
+        conn: Connection,
+        order_id: str,
+        now_ms: int,
+        extra_ms: int,
+        max_life_ms: int,
+        actor: Actor,
     ) -> Row[Any] | None:
         """Move an open order's expiry ``extra_ms`` later, within its maximum lifetime."""
         params = {
@@ -181,26 +222,47 @@ class OrderRecords:
             "extra_ms": extra_ms,
             "max_life_ms": max_life_ms,
         }
-        return EXTEND_OPEN.run(conn, params, {"extra_ms": extra_ms})
+        return EXTEND_OPEN.run(conn, params, {"extra_ms": extra_ms}, actor)
 
     def reopen_expired(
-        self, conn: Connection, order_id: str, expires_at_ms: int, now_ms: int, extra_ms: int
+        self,
+        conn: Connection,
+        order_id: str,
+        expires_at_ms: int,
+        now_ms: int,
+        extra_ms: int,
+        actor: Actor,
     ) -> Row[Any] | None:
         """Give an unpaid order never extended before a new expiry (the pre-close check)."""
         params = {"oid": order_id, "now_ms": now_ms, "expires_at_ms": expires_at_ms}
         data = {"extra_ms": extra_ms, "trigger": "pre_close_check"}
-        return REOPEN_EXPIRED.run(conn, params, data)
+        return REOPEN_EXPIRED.run(conn, params, data, actor)
 
     def close_expired(
-        self, conn: Connection, order_id: str, now_ms: int, data: dict[str, Any]
+        self, conn: Connection, order_id: str, now_ms: int, data: dict[str, Any], actor: Actor
     ) -> Row[Any] | None:
         """Close one expired unpaid order in the caller's transaction (strict expiry)."""
-        return CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, data)
+        return CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, data, actor)
+
+    def current(
+        self, conn: Connection, order_id: str, now_ms: int, *, lock: bool = False
+    ) -> Order | None:
+        """The order as ``conn``'s transaction sees it; ``lock``: and hold its row until
+        the transaction ends (PostgreSQL's FOR UPDATE; SQLite's write transaction holds
+        the whole database already)."""
+        query = _SELECT_ORDER_FOR_UPDATE if lock and self.dialect == "postgresql" else _SELECT_ORDER
+        row = conn.execute(query, {"oid": order_id}).one_or_none()
+        return None if row is None else to_order(row, now_ms)
 
     # --- the SQL limit guard (orders.sql.slots) --------------------------------------------
 
     def insert_guarded(
-        self, values: Mapping[str, Any], limit: int, now_ms: int, host: Connection | None = None
+        self,
+        values: Mapping[str, Any],
+        limit: int,
+        now_ms: int,
+        actor: Actor,
+        host: Connection | None = None,
     ) -> Order:
         """Insert the order and its ``created`` event into a free slot of its user (with
         ``host``: in the host's transaction).
@@ -212,8 +274,8 @@ class OrderRecords:
         live: dict[str, int] = {}
         # Each retry follows a slot freed or taken by someone else meanwhile: a few suffice.
         for _attempt in range(limit + SLOT_RACE_RETRIES):
-            row = self.slots.insert(values, limit, host)
+            row = self.slots.insert(values, limit, actor, host)
             if row is not None:
                 return to_order(row, now_ms)
-            live = self.slots.make_room(values, limit, now_ms, host)
+            live = self.slots.make_room(values, limit, now_ms, actor, host)
         raise LimitReachedInSql(live)

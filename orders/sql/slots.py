@@ -41,7 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
-from orders.domain import EventKind, OrderStatus
+from orders.domain import Actor, EventKind, OrderStatus
 from orders.sql.models import UNPAID_PREDICATE, orders_table
 from orders.sql.transactions import Transactions
 from orders.sql.transitions import CLOSE_EXPIRED, record_events, with_events
@@ -151,7 +151,11 @@ class SlotGuard:
             self._insert = with_events(self._insert, "created", EventKind.CREATED, created_at)
 
     def insert(
-        self, values: Mapping[str, Any], limit: int, host: Connection | None = None
+        self,
+        values: Mapping[str, Any],
+        limit: int,
+        actor: Actor,
+        host: Connection | None = None,
     ) -> Row[Any] | None:
         """Insert the order and its event into the lowest free slot; None if none is free
         (or, on PostgreSQL, a concurrent create took it first). Raises InsertConflict.
@@ -159,6 +163,7 @@ class SlotGuard:
         params = {name: values[name] for name in CREATE_COLUMNS}
         params["slot_limit"] = limit
         if self._in_one_statement:
+            params.update(actor.columns())
             with self.tx.statements(host) as conn:
                 try:
                     return conn.execute(self._insert, params).one_or_none()
@@ -171,12 +176,19 @@ class SlotGuard:
                 raise InsertConflict(values["id"]) from exc
             if row is not None:
                 created = [(row.id, row.user_id)]
-                record_events(conn, created, EventKind.CREATED, values["created_at_ms"], None)
+                record_events(
+                    conn, created, EventKind.CREATED, values["created_at_ms"], None, actor
+                )
                 self.tx.commit(conn, host)
             return row
 
     def make_room(
-        self, values: Mapping[str, Any], limit: int, now_ms: int, host: Connection | None = None
+        self,
+        values: Mapping[str, Any],
+        limit: int,
+        now_ms: int,
+        actor: Actor,
+        host: Connection | None = None,
     ) -> dict[str, int]:
         """No slot was free: close the holders whose time is up, so that a retry may find one.
 
@@ -192,7 +204,7 @@ class SlotGuard:
             holders = conn.execute(_HOLDERS, {"user_id": values["user_id"]}).all()
             due = [h.id for h in holders if h.expires_at_ms <= now_ms]
             for order_id in due:
-                CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE)
+                CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE, actor)
             self.tx.commit(conn, host)
         live = {h.id: h.expires_at_ms for h in holders if h.expires_at_ms > now_ms}
         held = {h.slot for h in holders if h.id in live}

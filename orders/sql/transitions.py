@@ -26,11 +26,12 @@ from sqlalchemy import (
     bindparam,
     insert,
     literal,
+    literal_column,
     select,
     update,
 )
 
-from orders.domain import EventKind, OrderStatus
+from orders.domain import Actor, EventKind, OrderStatus
 from orders.sql.models import UNPAID_PREDICATE, due_at, events_table, open_at, orders_table
 
 ORDER = orders_table.c
@@ -40,8 +41,14 @@ _NOW = bindparam("now_ms", type_=BigInteger)
 _OID = bindparam("oid", type_=String)
 _EXTRA = bindparam("extra_ms", type_=BigInteger)
 _INSERT_EVENT = insert(events_table)
-#: The columns an event takes from its order, in the order the INSERT ... SELECTs name them.
-EVENT_COLUMNS = ("order_id", "user_id", "kind", "at_ms")
+#: The columns an event takes from its order and its cause, in the order the INSERT ...
+#: SELECTs name them.
+EVENT_COLUMNS = ("order_id", "user_id", "kind", "at_ms", "actor_kind", "actor")
+#: Who caused a transition, as bind parameters of the statements that record its event.
+ACTOR_PARAMS = (
+    bindparam("actor_kind", type_=String),
+    bindparam("actor", type_=String),
+)
 
 
 def _update(where: list[ColumnElement[bool]], values: Mapping[str, Any]) -> Any:
@@ -53,12 +60,21 @@ def _update(where: list[ColumnElement[bool]], values: Mapping[str, Any]) -> Any:
     )
 
 
-def with_events(dml: Any, name: str, kind: EventKind, at_ms: Any, data: Any = None) -> Any:
+def with_events(
+    dml: Any,
+    name: str,
+    kind: EventKind,
+    at_ms: Any,
+    data: Any = None,
+    actor: tuple[Any, Any] = ACTOR_PARAMS,
+) -> Any:
     """PostgreSQL: ``dml`` (an INSERT or UPDATE ... RETURNING the order rows) and one
     ``kind`` event per returned row, in one statement: ``WITH name AS (dml), recorded AS
-    (INSERT INTO oes_order_events SELECT ... FROM name) SELECT * FROM name``."""
+    (INSERT INTO oes_order_events SELECT ... FROM name) SELECT * FROM name``. ``actor``:
+    the actor's kind and name as SQL expressions (by default the ``actor_kind`` and
+    ``actor`` bind parameters)."""
     changed = dml.cte(name)
-    columns = [changed.c.id, changed.c.user_id, literal(kind.value), at_ms]
+    columns = [changed.c.id, changed.c.user_id, literal(kind.value), at_ms, *actor]
     names = list(EVENT_COLUMNS)
     if data is not None:
         columns.append(data)
@@ -78,11 +94,13 @@ def record_events(
     kind: EventKind,
     at_ms: int,
     data: dict[str, Any] | None,
+    actor: Actor,
 ) -> None:
     """Write one event per (order id, user id), in the caller's transaction: for the
     transitions that SQLite cannot return from one statement with their event."""
+    cause = actor.columns()
     rows = [
-        {"order_id": oid, "user_id": uid, "kind": kind.value, "at_ms": at_ms, "data": data}
+        {"order_id": oid, "user_id": uid, "kind": kind.value, "at_ms": at_ms, "data": data} | cause
         for oid, uid in orders
     ]
     if len(rows) == 1:
@@ -103,11 +121,16 @@ class CompareAndSet:
         object.__setattr__(self, "in_one_statement", _with_event(self.change, self.kind))
 
     def run(
-        self, conn: Connection, params: Mapping[str, Any], data: dict[str, Any] | None
+        self,
+        conn: Connection,
+        params: Mapping[str, Any],
+        data: dict[str, Any] | None,
+        actor: Actor,
     ) -> Row[Any] | None:
-        """Run it in ``conn``'s transaction; the row after it if it won, else None."""
+        """Run it in ``conn``'s transaction; the row after it if it won, else None.
+        ``actor``: who caused it, recorded in its event."""
         if conn.dialect.name == "postgresql":
-            statement_params = {**params, "event_data": data}
+            statement_params = {**params, "event_data": data, **actor.columns()}
             return conn.execute(self.in_one_statement, statement_params).one_or_none()
         row = conn.execute(self.change, params).one_or_none()
         if row is not None:
@@ -117,6 +140,7 @@ class CompareAndSet:
                 "kind": self.kind.value,
                 "at_ms": params["now_ms"],
                 "data": data,
+                **actor.columns(),
             }
             conn.execute(_INSERT_EVENT, event)
         return row
@@ -132,6 +156,19 @@ _PAID = {
 PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))
 #: Unpaid -> paid while the expiry is still ahead (``strict_expiry``).
 PAY_STRICT = CompareAndSet(EventKind.PAID, _update([open_at(_NOW)], _PAID))
+#: Closed by expiry, at most ``:window_ms`` after the expiry -> paid (a late payment the
+#: host accepted; ``Settings.late_payment_window_s``).
+PAY_LATE = CompareAndSet(
+    EventKind.PAID,
+    _update(
+        [
+            ORDER.status == literal_column(f"'{OrderStatus.CLOSED.value}'"),
+            ORDER.close_reason == EXPIRED_REASON,
+            ORDER.expires_at_ms + bindparam("window_ms", type_=BigInteger) >= _NOW,
+        ],
+        _PAID,
+    ),
+)
 #: Unpaid -> cancelled.
 CANCEL = CompareAndSet(
     EventKind.CANCELLED,

@@ -61,7 +61,7 @@ def test_module_functions_run_on_the_default_service_built_from_the_environment(
         statuses = dict(conn.execute(select(orders_table.c.id, orders_table.c.status)).all())
         kinds = sorted(conn.execute(select(events_table.c.kind)).scalars())
     assert statuses == {paid_id: "paid", cancelled_id: "cancelled"}
-    assert kinds == ["cancelled", "created", "created", "paid"]
+    assert kinds == ["cancelled", "created", "created", "paid", "payment_refused"]
     assert redis_client.zcard("UnpaidOrder-env-user") == 0
 
 

@@ -232,6 +232,11 @@ USE_CASES: dict[str, Row] = {
     "sweep_expired": Row(lambda c: c.api.sweep_expired(max_batches=1)),
     # A key of another type under the prefix is foreign data: skipped and counted (README).
     "reconcile": Row(lambda c: c.api.reconcile(user_id=c.user), StoreUnavailable, OK),
+    "refused_payments": Row(lambda c: c.api.refused_payments(limit=5)),
+    # No payment of that order was refused: InvalidInput, unless SQL fails first.
+    "mark_refund_handled": Row(
+        lambda c: c.api.mark_refund_handled(c.order_id, "psp-1"), InvalidInput
+    ),
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
     # Builds the default service: connects to SQL (schema check), not yet to Redis.
@@ -244,7 +249,9 @@ NOT_USE_CASES = {
     "aclose",  # likewise, awaited
     "now_ms",  # reads the clock
     "on_closed",  # registers a handler
+    "on_payment_refused",  # registers a handler
     "set_pre_close_check",  # registers a hook
+    "set_late_payment_check",  # registers a hook
     "lag_statements",  # builds two SELECTs, runs nothing
     "backoff_ms",  # arithmetic
 }
@@ -644,6 +651,8 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_CREATE_WITHOUT_REDIS", "2"),
     ("ORDERS_SWEEP_BATCH_SIZE", "0"),
     ("ORDERS_ON_CLOSED", "shop stock release"),
+    ("ORDERS_ON_PAYMENT_REFUSED", "shop refunds issue"),
+    ("ORDERS_LATE_PAYMENT_WINDOW_S", "-5"),
     ("ORDERS_EVENT_MAX_ATTEMPTS", "0"),
     ("ORDERS_MAX_LIFETIME_S", "-5"),
     ("ORDERS_PRE_CLOSE_TIMEOUT_S", "0"),

@@ -229,7 +229,10 @@ def test_limit_holds_in_both_stores_while_payers_free_slots_concurrently(
     assert monitor.max_zcard <= limit
     events = sql_events(engine)
     for oid in paid:
-        assert events[oid] == ["created", "paid"]
+        # The payment that won, then one refusal (a refund owed) per payer that lost.
+        assert events[oid][:2] == ["created", "paid"]
+        assert set(events[oid][2:]) <= {"payment_refused"}
+    assert sum(kinds.count("payment_refused") for kinds in events.values()) == lost_pay_races
     for oid in still_unpaid:
         assert events[oid] == ["created"]
 
@@ -333,7 +336,9 @@ def test_concurrent_pay_and_sweep_give_each_expired_order_exactly_one_fate(
             assert row.close_reason == "expired"
             assert row.paid_at_ms is None
             assert row.payment_ref is None
-            assert events[oid] == ["created", "closed"]
+            # The refused payment is a refund owed, recorded before the caller heard of it.
+            assert events[oid] == ["created", "closed", "payment_refused"]
+            assert outcome.refusal is not None
             closed_ids.add(oid)
         else:
             assert getattr(outcome, "status", None) is OrderStatus.PAID
@@ -389,7 +394,7 @@ def test_strict_expiry_late_payments_racing_the_sweep_close_each_order_exactly_o
     assert all(isinstance(pay_results[o.id], OrderClosed) for o in orders), pay_results
     assert all(rows[o.id].status == OrderStatus.CLOSED.value for o in orders)
     assert all(rows[o.id].payment_ref is None for o in orders)
-    assert all(events[o.id] == ["created", "closed"] for o in orders)
+    assert all(events[o.id] == ["created", "closed", "payment_refused"] for o in orders)
     with engine.connect() as conn:
         close_events = conn.execute(select(EC.order_id, EC.data).where(EC.kind == "closed")).all()
     # A close is either the sweep's (no data) or a refused late payment's, which records

@@ -492,7 +492,8 @@ def test_cancel_then_pay_leaves_the_cancel_as_the_only_winner(
 
     assert sql_row(engine, order.id).status == "cancelled"
     kinds = [e.kind for e in sql_events(engine, order.id)]
-    assert kinds == ["created", "cancelled"]
+    # The cancel is the only transition; the payment is recorded as a refund owed.
+    assert kinds == ["created", "cancelled", "payment_refused"]
 
 
 # --- unknown and malformed ids ---------------------------------------------------------------

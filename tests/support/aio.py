@@ -245,6 +245,8 @@ USE_CASES = frozenset(
         "iter_events",
         "sweep_expired",
         "reconcile",
+        "refused_payments",
+        "mark_refund_handled",
     }
 )
 
@@ -256,6 +258,16 @@ class AwaitedService:
         self._sync = sync
         self._loop = loop
         self.aio = service
+
+    def set_late_payment_check(self, check: Any) -> None:
+        """The hook goes to the service the use cases run on (and to the synchronous one,
+        which the test may call directly)."""
+        self._sync.set_late_payment_check(check)
+        self.aio.set_late_payment_check(check)
+
+    def set_pre_close_check(self, check: Any) -> None:
+        self._sync.set_pre_close_check(check)
+        self.aio.set_pre_close_check(check)
 
     def __getattr__(self, name: str) -> Any:
         if name not in USE_CASES:

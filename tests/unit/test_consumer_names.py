@@ -36,7 +36,8 @@ def test_one_handler_named_twice_is_refused() -> None:
     # Only what closed_order_consumers reads of a service.
     service = SimpleNamespace(
         closed_handlers=[handler_named("twice"), handler_named("twice")],
-        settings=SimpleNamespace(on_closed="", event_max_attempts=3),
+        refused_payment_handlers=[],
+        settings=SimpleNamespace(on_closed="", on_payment_refused="", event_max_attempts=3),
         engine=None,
         clock=None,
     )

@@ -29,6 +29,8 @@ NOT_USE_CASES = {
     "earliest_unpaid_expiry_ms",
     "now_ms",
     "on_closed",
+    "on_payment_refused",
+    "set_late_payment_check",
     "set_pre_close_check",
 }
 #: The module-level functions that bind or build the default service: no use case.

@@ -1,0 +1,255 @@
+"""mark_paid: who wins between a payment and an expiry, and what happens to the loser's money.
+
+A payment is first a compare-and-set, unpaid -> paid (under ``strict_expiry``: only while
+the expiry is ahead; an expired order is closed instead). When it loses, the order as it
+stands decides (:func:`decide`):
+
+* paid with the same reference (or the payment gives none): a retry, the order is returned;
+* closed by expiry within ``late_payment_window_s`` of its expiry: a *late payment*. The
+  host's late-payment check is asked (the stock may be gone), under the rules of
+  :mod:`orders.hooks`: a check that refuses, raises or runs out of time refuses the
+  payment. Accepted, a second compare-and-set turns the order closed -> paid, its event
+  marked ``late``; it holds no slot then, so no user's limit is at stake;
+* anything else is a refusal: in one transaction that holds the order's lock, the
+  decision is made again on the locked row and, if it stands, a ``payment_refused``
+  event and its ``oes_payment_refusals`` row (:mod:`orders.sql.refusals`) are written.
+  Only then does the caller get its error, carrying the event's position.
+
+A payment that states an amount is compared with the order's first (amounts never change,
+so the read needs no lock): a mismatch never pays the order and is refused the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import Connection, Row
+
+from orders import metrics
+from orders.config import Settings
+from orders.domain import Actor, Order, OrderStatus, Payment, RefusalReason
+from orders.errors import (
+    OrderAlreadyPaid,
+    OrderClosed,
+    OrderNotFound,
+    OrdersError,
+    PaymentMismatch,
+)
+from orders.hooks import HookRunner
+from orders.sql.records import EXPIRED_REASON, to_order
+from orders.sql.refusals import record_refusal
+from orders.transition import Transitioner
+
+log = logging.getLogger("orders.service")
+
+#: ``check(order, payment)``: True accepts a late payment for the closed ``order``.
+LatePaymentCheck = Callable[[Order, Payment], bool]
+
+
+class Decision(Enum):
+    PAY = "pay"
+    REPEAT = "repeat"
+    LATE = "late"
+    REFUSE = "refuse"
+
+
+def decide(
+    order: Order, payment: Payment, now_ms: int, *, window_ms: int, strict: bool
+) -> tuple[Decision, RefusalReason | None]:
+    """What ``payment`` does to ``order`` as it stands at ``now_ms``: the one rule."""
+    if order.status is OrderStatus.PAID:
+        if payment.ref is None or payment.ref == order.payment_ref:
+            return Decision.REPEAT, None
+        return Decision.REFUSE, RefusalReason.ALREADY_PAID
+    if order.status is OrderStatus.CANCELLED:
+        return Decision.REFUSE, RefusalReason.CANCELLED
+    # Closed by expiry, or (strict_expiry) unpaid past its expiry: too late, unless late
+    # payments are accepted and this one is within the window.
+    too_late = order.status is OrderStatus.CLOSED or (strict and order.expires_at_ms <= now_ms)
+    if too_late:
+        by_expiry = order.status is OrderStatus.UNPAID or order.close_reason == EXPIRED_REASON
+        if not (by_expiry and window_ms > 0 and now_ms <= order.expires_at_ms + window_ms):
+            return Decision.REFUSE, RefusalReason.CLOSED
+    mismatch = payment.mismatch(order)
+    if mismatch is not None:
+        return Decision.REFUSE, mismatch
+    return (Decision.LATE, None) if too_late else (Decision.PAY, None)
+
+
+class Payments:
+    """The payment use case over the transitions of one service."""
+
+    def __init__(self, transitioner: Transitioner, settings: Settings) -> None:
+        self.transitioner = transitioner
+        self.records = transitioner.records
+        self.settings = settings
+        self.late_check: LatePaymentCheck | None = None
+        self.hooks = HookRunner("orders-late-payment")
+
+    def close(self) -> None:
+        self.hooks.close()
+
+    def pay(
+        self,
+        order_id: str,
+        payment: Payment,
+        actor: Actor,
+        now_ms: int,
+        host: Connection | None,
+    ) -> Order:
+        """Mark the order paid, or raise the refusal once it is recorded (module docstring)."""
+        strict = self.settings.strict_expiry
+
+        def attempt(conn: Connection) -> Row[Any] | None:
+            if payment.amount is not None:
+                current = self.records.current(conn, order_id, now_ms)
+                if current is not None and payment.mismatch(current) is not None:
+                    return None  # refused below, under the order's lock
+            row = self.records.pay(conn, order_id, now_ms, payment, actor, strict=strict)
+            if row is None and strict:
+                # Expired before the payment: closed now; a late payment may yet reopen it.
+                row = self._close_for(conn, order_id, payment, actor, now_ms)
+            return row
+
+        order, won = self.transitioner.run(order_id, now_ms, attempt, host=host)
+        if won and order.status is OrderStatus.PAID:
+            late = order.expires_at_ms <= now_ms
+            metrics.PAYMENTS.labels("late_before_close" if late else "on_time").inc()
+            return order
+        decision, _ = self._decide(order, payment, now_ms)
+        if decision is Decision.REPEAT:
+            metrics.PAYMENTS.labels("repeat").inc()
+            return order
+        if decision is Decision.LATE and self._late_check_accepts(order, payment):
+            paid = self._pay_late(order_id, payment, actor, now_ms, host)
+            if paid is not None:
+                metrics.PAYMENTS.labels("late_accepted").inc()
+                return paid
+        return self._refuse(order_id, payment, actor, now_ms, host)
+
+    def _close_for(
+        self, conn: Connection, order_id: str, payment: Payment, actor: Actor, now_ms: int
+    ) -> Row[Any] | None:
+        """strict_expiry: close the expired order a payment came too late for; its close
+        event names the payment's reference."""
+        data = {"trigger": "late_payment", "payment_ref": payment.ref}
+        return self.records.close_expired(conn, order_id, now_ms, data, actor)
+
+    def _decide(
+        self, order: Order, payment: Payment, now_ms: int
+    ) -> tuple[Decision, RefusalReason | None]:
+        return decide(
+            order,
+            payment,
+            now_ms,
+            window_ms=self.settings.late_payment_window_ms,
+            strict=self.settings.strict_expiry,
+        )
+
+    def _late_check_accepts(self, order: Order, payment: Payment) -> bool:
+        check = self.late_check
+        if check is None:
+            return True
+        (answer,) = self.hooks.ask(
+            lambda asked: check(*asked), [(order, payment)], self.settings.pre_close_timeout_s
+        )
+        if answer.failed or answer.value is not True:
+            if answer.failed or answer.value is not False:
+                log.warning(
+                    "late-payment check failed, timed out or answered neither True nor "
+                    "False; refusing the payment",
+                    extra={"order_id": order.id, "user_id": order.user_id},
+                )
+            return False
+        return True
+
+    def _pay_late(
+        self, order_id: str, payment: Payment, actor: Actor, now_ms: int, host: Connection | None
+    ) -> Order | None:
+        """Closed -> paid; None if something else changed the order first. A closed order
+        has no member in the index: nothing to do in Redis."""
+        window_ms = self.settings.late_payment_window_ms
+
+        def attempt(conn: Connection) -> Row[Any] | None:
+            return self.records.pay_late(
+                conn, order_id, now_ms, payment, actor, window_ms=window_ms
+            )
+
+        order, won = self.transitioner.run(
+            order_id, now_ms, attempt, redis_after=_nothing, host=host
+        )
+        return order if won else None
+
+    def _refuse(
+        self,
+        order_id: str,
+        payment: Payment,
+        actor: Actor,
+        now_ms: int,
+        host: Connection | None,
+    ) -> Order:
+        """Decide again under the order's lock and record the refusal, in one transaction;
+        then raise it. (Under the lock the order may turn out payable after all, or paid
+        by this very payment: then it is paid, or returned.)"""
+        records = self.records
+        with records.tx.write(host) as conn:
+            order = records.current(conn, order_id, now_ms, lock=True)
+            if order is None:
+                raise OrderNotFound(order_id)
+            decision, reason = self._decide(order, payment, now_ms)
+            if decision is Decision.LATE:
+                # Late and still closed: the check refused it, or (a strict expiry's order
+                # still unpaid) it was never asked; either way it is not accepted here.
+                decision, reason = Decision.REFUSE, RefusalReason.LATE_PAYMENT_REFUSED
+            if decision is Decision.PAY:
+                row = records.pay(conn, order_id, now_ms, payment, actor, strict=False)
+                records.tx.commit(conn, host)
+                paid = to_order(row, now_ms) if row is not None else order
+                self.transitioner.after_commit(paid, host, self.transitioner.admitter.release_of)
+                metrics.PAYMENTS.labels("on_time").inc()
+                return paid
+            if decision is Decision.REPEAT or reason is None:
+                records.tx.commit(conn, host)
+                metrics.PAYMENTS.labels("repeat").inc()
+                return order
+            closed = None
+            if order.status is OrderStatus.UNPAID and reason not in MISMATCHES:
+                # strict_expiry: an unpaid order past its expiry is closed by its refusal.
+                closed = self._close_for(conn, order_id, payment, actor, now_ms)
+            position = record_refusal(conn, order, payment, reason, now_ms, actor)
+            records.tx.commit(conn, host)
+        if closed is not None:
+            order = to_order(closed, now_ms)
+            self.transitioner.after_commit(order, host, self.transitioner.admitter.release_of)
+        metrics.PAYMENTS.labels(_OUTCOMES[reason]).inc()
+        raise refusal_error(order, reason, position)
+
+
+def refusal_error(order: Order, reason: RefusalReason, position: tuple[int, int]) -> OrdersError:
+    """The error a refused payment raises, carrying its ``payment_refused`` event."""
+    if reason is RefusalReason.ALREADY_PAID:
+        return OrderAlreadyPaid(order.id, order.payment_ref, position)
+    if reason is RefusalReason.AMOUNT_MISMATCH:
+        return PaymentMismatch(order.id, "amount", position)
+    if reason is RefusalReason.CURRENCY_MISMATCH:
+        return PaymentMismatch(order.id, "currency", position)
+    return OrderClosed(order.id, order.status.value, position)
+
+
+MISMATCHES = (RefusalReason.AMOUNT_MISMATCH, RefusalReason.CURRENCY_MISMATCH)
+#: The ``orders_payments_total`` outcome of each refusal.
+_OUTCOMES = {
+    RefusalReason.CLOSED: "refused_after_close",
+    RefusalReason.CANCELLED: "refused_after_close",
+    RefusalReason.ALREADY_PAID: "other_ref",
+    RefusalReason.AMOUNT_MISMATCH: "refused_mismatch",
+    RefusalReason.CURRENCY_MISMATCH: "refused_mismatch",
+    RefusalReason.LATE_PAYMENT_REFUSED: "refused_late",
+}
+
+
+def _nothing(order: Order) -> None:
+    """No Redis step (a late payment: a closed order holds no member)."""

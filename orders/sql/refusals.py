@@ -1,0 +1,168 @@
+"""Refused payments: the refunds owed, in SQL alone.
+
+When ``mark_paid`` refuses a payment (the order closed, cancelled, paid under another
+reference, or the amount is not the order's), the transaction that decides it writes a
+``payment_refused`` event and a row of ``oes_payment_refusals`` naming the order, the
+payment reference, what the payment said it was and why it was refused. Both commit
+before the caller hears of the refusal, so a payment callback that dies right after
+leaves the refund findable; :func:`list_refusals` is that list (``orders payments
+refused``), and :func:`mark_handled` is how a refund consumer or an operator says a refund
+was dealt with.
+
+One row per (order, reference): the same payment refused twice finds its row, under the
+order's row lock (PostgreSQL) or the write lock (SQLite), and writes nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Row, bindparam, insert, select, update
+
+from orders.domain import Actor, ActorKind, EventKind, Order, Payment, RefusalReason
+from orders.errors import InvalidInput, RefusalPosition
+from orders.sql.models import events_table, refusals_table, sql_errors
+from orders.sql.records import payment_data
+from orders.validation import amount_to_text, check_count
+
+RC = refusals_table.c
+EC = events_table.c
+
+_FIND = (
+    select(RC.event_id, EC.txid)
+    .select_from(refusals_table)
+    .outerjoin(events_table, EC.id == RC.event_id)
+    .where(RC.order_id == bindparam("oid"), RC.payment_ref == bindparam("ref"))
+)
+_INSERT_EVENT = insert(events_table).returning(EC.id, EC.txid)
+_INSERT_REFUSAL = insert(refusals_table)
+
+
+@dataclass(frozen=True, slots=True)
+class PaymentRefusal:
+    """A refused payment: the refund owed for it, and whether someone handled it."""
+
+    order_id: str
+    user_id: str
+    #: The payment's reference; None when the payment gave none.
+    payment_ref: str | None
+    reason: RefusalReason
+    amount: Decimal | None
+    currency: str | None
+    refused_at_ms: int
+    #: Where its ``payment_refused`` event stands: (transaction id, event id).
+    position: RefusalPosition
+    handled_at_ms: int | None = None
+    handled_by: Actor | None = None
+
+    @property
+    def handled(self) -> bool:
+        return self.handled_at_ms is not None
+
+
+def record_refusal(
+    conn: Connection,
+    order: Order,
+    payment: Payment,
+    reason: RefusalReason,
+    now_ms: int,
+    actor: Actor,
+) -> RefusalPosition:
+    """Record that ``payment`` was refused for ``order``, in ``conn``'s transaction (the one
+    that decided it, holding the order's lock); the position of its ``payment_refused``
+    event. A payment already recorded keeps its first record: its position is returned."""
+    ref = payment.ref or ""
+    found = conn.execute(_FIND, {"oid": order.id, "ref": ref}).one_or_none()
+    if found is not None:
+        return (found.txid or 0, found.event_id)
+    data = {**payment_data(payment), "reason": reason.value}
+    event = conn.execute(
+        _INSERT_EVENT,
+        {
+            "order_id": order.id,
+            "user_id": order.user_id,
+            "kind": EventKind.PAYMENT_REFUSED.value,
+            "at_ms": now_ms,
+            "data": data,
+            **actor.columns(),
+        },
+    ).one()
+    conn.execute(
+        _INSERT_REFUSAL,
+        {
+            "order_id": order.id,
+            "payment_ref": ref,
+            "user_id": order.user_id,
+            "reason": reason.value,
+            "amount": amount_to_text(payment.amount),
+            "currency": payment.currency,
+            "refused_at_ms": now_ms,
+            "event_id": event.id,
+        },
+    )
+    return (event.txid or 0, event.id)
+
+
+def list_refusals(
+    engine: Engine,
+    *,
+    since_ms: int | None = None,
+    pending_only: bool = False,
+    limit: int = 100,
+) -> list[PaymentRefusal]:
+    """Refused payments, oldest first: those refused at or after ``since_ms`` (all when
+    None); ``pending_only``: only the refunds nobody has marked handled."""
+    check_count("limit", limit, 1, 10_000)
+    query = (
+        select(refusals_table, EC.txid)
+        .outerjoin(events_table, EC.id == RC.event_id)
+        .order_by(RC.refused_at_ms, RC.order_id, RC.payment_ref)
+        .limit(limit)
+    )
+    if since_ms is not None:
+        query = query.where(RC.refused_at_ms >= check_count("since_ms", since_ms, 0))
+    if pending_only:
+        query = query.where(RC.handled_at_ms.is_(None))
+    with sql_errors(), engine.connect() as conn:
+        return [_refusal(row) for row in conn.execute(query)]
+
+
+def mark_handled(
+    engine: Engine, order_id: str, payment_ref: str | None, actor: Actor, now_ms: int
+) -> PaymentRefusal:
+    """Mark the refund of this refused payment handled, by ``actor``; the record as it
+    stands after. Marking it again changes nothing (the first handler is kept).
+    InvalidInput when no refused payment has that order and reference."""
+    key = (RC.order_id == order_id) & (RC.payment_ref == (payment_ref or ""))
+    handle = (
+        update(refusals_table)
+        .where(key, RC.handled_at_ms.is_(None))
+        .values(handled_at_ms=now_ms, handled_by_kind=actor.kind.value, handled_by=actor.name)
+    )
+    read = select(refusals_table, EC.txid).outerjoin(events_table, EC.id == RC.event_id)
+    with sql_errors(), engine.begin() as conn:
+        conn.execute(handle)
+        row = conn.execute(read.where(key)).one_or_none()
+    if row is None:
+        raise InvalidInput("payment_ref", "no refused payment of that order has this reference")
+    return _refusal(row)
+
+
+def _refusal(row: Row[Any]) -> PaymentRefusal:
+    handled_by = None
+    if row.handled_by_kind is not None:
+        handled_by = Actor(ActorKind(row.handled_by_kind), row.handled_by)
+    return PaymentRefusal(
+        order_id=row.order_id,
+        user_id=row.user_id,
+        payment_ref=row.payment_ref or None,
+        reason=RefusalReason(row.reason),
+        amount=None if row.amount is None else Decimal(row.amount),
+        currency=row.currency,
+        refused_at_ms=row.refused_at_ms,
+        position=(row.txid or 0, row.event_id),
+        handled_at_ms=row.handled_at_ms,
+        handled_by=handled_by,
+    )
