@@ -35,7 +35,6 @@ from orders.domain import (
     Order,
     OrderIdGenerator,
     OrderStatus,
-    Payment,
     SweepResult,
     refusal,
     system_clock,
@@ -52,20 +51,14 @@ from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
 from orders.payments import LatePaymentCheck, Payments
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
+from orders.requests import CreateRequest, checked_payment
 from orders.sql.host import host_connection
-from orders.sql.models import TEXT_COLUMN_LENGTH
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sweep import PreCloseCheck, Sweep
 from orders.transition import Transitioner
 from orders.validation import (
-    amount_to_text,
-    check_amount,
-    check_currency,
-    check_currency_needs_amount,
-    check_expiry_ms,
-    check_limit,
-    check_metadata,
+    TEXT_MAX_LENGTH,
     check_optional_text,
     check_order_id,
     check_ttl_ms,
@@ -164,36 +157,26 @@ class OrderService:
         database, before anything is written.
         """
         host = self._host(connection)
-        s = self.settings
-        uid = check_user_id(user_id, s.max_user_id_length)
-        given_id = None if order_id is None else check_order_id(order_id, s.max_order_id_length)
-        ttl_ms = s.ttl_ms if ttl_s is None else check_ttl_ms(ttl_s, s.max_ttl_ms)
-        lim = s.unpaid_limit if limit is None else check_limit(limit)
-        amt = check_amount(amount)
-        cur = check_currency(currency)
-        check_currency_needs_amount(amt, cur)
-        meta = check_metadata(metadata, s.max_metadata_bytes)
-        cause = Actor.of(actor)
+        asked = CreateRequest.checked(
+            self.settings,
+            user_id,
+            order_id=order_id,
+            ttl_s=ttl_s,
+            limit=limit,
+            amount=amount,
+            currency=currency,
+            metadata=metadata,
+            actor=actor,
+        )
         now_ms = self.clock()
-        values = {
-            "id": given_id or self.new_order_id(now_ms),
-            "user_id": uid,
-            "status": OrderStatus.UNPAID.value,
-            "amount": amount_to_text(amt),
-            "currency": cur,
-            "created_at_ms": now_ms,
-            "expires_at_ms": check_expiry_ms(now_ms, ttl_ms),
-            "updated_at_ms": now_ms,
-            "metadata": meta or None,
-        }
         try:
             order, created = self.admitter.create(
-                values,
-                amount=amt,
-                limit=lim,
+                asked.row(asked.order_id or self.new_order_id(now_ms), now_ms),
+                amount=asked.amount,
+                limit=asked.limit,
                 now_ms=now_ms,
-                caller_id=given_id is not None,
-                actor=cause,
+                caller_id=asked.order_id is not None,
+                actor=asked.actor,
                 host=host,
             )
         except UnpaidOrderLimitReached as refused:
@@ -243,12 +226,9 @@ class OrderService:
         """
         host = self._host(connection)
         oid = check_order_id(order_id, self.settings.max_order_id_length)
-        ref = check_optional_text("payment_ref", payment_ref, TEXT_COLUMN_LENGTH)
-        amt = check_amount(amount)
-        cur = check_currency(currency)
-        check_currency_needs_amount(amt, cur)
+        payment = checked_payment(payment_ref, amount, currency)
         cause = Actor.of(actor)
-        return self.payments.pay(oid, Payment(ref, amt, cur), cause, self.clock(), host)
+        return self.payments.pay(oid, payment, cause, self.clock(), host)
 
     def set_late_payment_check(self, check: LatePaymentCheck | None) -> None:
         """Ask ``check(order, payment)`` before a late payment turns a closed order paid
@@ -276,7 +256,7 @@ class OrderService:
         """
         host = self._host(connection)
         oid = check_order_id(order_id, self.settings.max_order_id_length)
-        why = check_optional_text("reason", reason, TEXT_COLUMN_LENGTH)
+        why = check_optional_text("reason", reason, TEXT_MAX_LENGTH)
         cause = Actor.of(actor)
         now_ms = self.clock()
         order, won = self.transitions.run(
@@ -381,7 +361,7 @@ class OrderService:
         pending list. Idempotent: the first handler is kept. InvalidInput when that order
         and reference were never refused."""
         oid = check_order_id(order_id, self.settings.max_order_id_length)
-        ref = check_optional_text("payment_ref", payment_ref, TEXT_COLUMN_LENGTH)
+        ref = check_optional_text("payment_ref", payment_ref, TEXT_MAX_LENGTH)
         return mark_handled(self.engine, oid, ref, Actor.of(actor), self.clock())
 
     # --- the sweep and the index -----------------------------------------------------------

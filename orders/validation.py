@@ -20,6 +20,8 @@ from orders.errors import InvalidInput
 MAX_TIMESTAMP_MS = 2**53 - 1
 #: The widest user id the schema holds; the configurable limit may only be lower.
 USER_ID_MAX_LENGTH = 512
+#: The longest free text (a payment reference, a reason) the schema holds.
+TEXT_MAX_LENGTH = 256
 #: Characters refused in user ids: Redis Cluster hash tags and SCAN/KEYS glob syntax.
 KEY_UNSAFE = frozenset("{}*?[]")
 

@@ -1,0 +1,101 @@
+"""A use case's arguments, checked against the settings before anything is read or written.
+
+Each check of a single value lives in :mod:`orders.validation`; this module puts them
+together per use case, with the limits :class:`~orders.config.Settings` sets, and turns
+the result into what the use case works with: a create's row, a payment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from orders.config import Settings
+from orders.domain import Actor, OrderStatus, Payment
+from orders.validation import (
+    TEXT_MAX_LENGTH,
+    amount_to_text,
+    check_amount,
+    check_currency,
+    check_currency_needs_amount,
+    check_expiry_ms,
+    check_limit,
+    check_metadata,
+    check_optional_text,
+    check_order_id,
+    check_ttl_ms,
+    check_user_id,
+)
+
+
+def checked_money(amount: object, currency: object) -> tuple[Decimal | None, str | None]:
+    """An amount and its currency: each valid, and no currency without an amount."""
+    amt = check_amount(amount)
+    cur = check_currency(currency)
+    check_currency_needs_amount(amt, cur)
+    return amt, cur
+
+
+def checked_payment(payment_ref: object, amount: object, currency: object) -> Payment:
+    """What ``mark_paid`` was told about the payment."""
+    ref = check_optional_text("payment_ref", payment_ref, TEXT_MAX_LENGTH)
+    return Payment(ref, *checked_money(amount, currency))
+
+
+@dataclass(frozen=True, slots=True)
+class CreateRequest:
+    """``create_unpaid_order``'s arguments, checked, with the settings' defaults filled in."""
+
+    user_id: str
+    #: The caller's own id, or None (the service makes one).
+    order_id: str | None
+    ttl_ms: int
+    limit: int
+    amount: Decimal | None
+    currency: str | None
+    actor: Actor
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def checked(
+        cls,
+        settings: Settings,
+        user_id: object,
+        *,
+        order_id: object,
+        ttl_s: object,
+        limit: object,
+        amount: object,
+        currency: object,
+        metadata: Mapping[str, Any] | None,
+        actor: object,
+    ) -> CreateRequest:
+        s = settings
+        amt, cur = checked_money(amount, currency)
+        return cls(
+            user_id=check_user_id(user_id, s.max_user_id_length),
+            order_id=None if order_id is None else check_order_id(order_id, s.max_order_id_length),
+            ttl_ms=s.ttl_ms if ttl_s is None else check_ttl_ms(ttl_s, s.max_ttl_ms),
+            limit=s.unpaid_limit if limit is None else check_limit(limit),
+            amount=amt,
+            currency=cur,
+            metadata=check_metadata(metadata, s.max_metadata_bytes),
+            actor=Actor.of(actor),
+        )
+
+    def row(self, order_id: str, now_ms: int) -> dict[str, Any]:
+        """The order's columns, created at ``now_ms`` (InvalidInput if its expiry would
+        not be exact as a Redis score)."""
+        return {
+            "id": order_id,
+            "user_id": self.user_id,
+            "status": OrderStatus.UNPAID.value,
+            "amount": amount_to_text(self.amount),
+            "currency": self.currency,
+            "created_at_ms": now_ms,
+            "expires_at_ms": check_expiry_ms(now_ms, self.ttl_ms),
+            "updated_at_ms": now_ms,
+            "metadata": self.metadata or None,
+        }
