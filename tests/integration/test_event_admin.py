@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
+from orders.domain import Actor, ActorKind, EventKind
 from orders.errors import InvalidInput
 from orders.events.admin import (
     discard_parked,
@@ -17,7 +18,7 @@ from orders.events.admin import (
 )
 from orders.events.consumer import EventConsumer, EventPosition, read_events
 from orders.service import OrderService
-from orders.sql.models import retries_table
+from orders.sql.models import events_table, retries_table
 from tests.support.clocks import ManualClock
 from tests.support.doubles import Poison
 from tests.support.plans import explain
@@ -28,10 +29,13 @@ HOUR_S = 3600
 def parked_consumer(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> tuple[EventConsumer, Poison, str]:
-    """Consumer "stock" with the first order's event parked after 2 attempts."""
+    """Consumer "stock" of ``created`` events with the first order's event parked after 2
+    attempts (only ``created``: a requeue or discard is an event of the order too)."""
     order = service.create_unpaid_order("u1")
     handler = Poison(order.id)
-    consumer = EventConsumer(engine, "stock", handler, clock=clock, max_attempts=2)
+    consumer = EventConsumer(
+        engine, "stock", handler, kinds=[EventKind.CREATED], clock=clock, max_attempts=2
+    )
     consumer.run_once()
     clock.advance(s=HOUR_S)
     assert consumer.run_once().parked == 1
@@ -185,3 +189,31 @@ def test_requeue_and_discard_refuse_what_is_not_a_parked_event(
         assert refused.value.field == field
     assert [p.event_id for p in list_parked(engine)] == [1]  # nothing was changed
     assert consumer.pending_retries() == 1
+
+
+def test_requeue_and_discard_are_recorded_as_events_naming_the_operator(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    _, _, order_id = parked_consumer(service, engine, clock)
+    ann = Actor(ActorKind.OPERATOR, "ann@ops-1")
+
+    requeue_parked(engine, "stock", 1, clock=clock, actor=ann)
+    consumer_again = EventConsumer(
+        engine, "stock", Poison(order_id), kinds=[EventKind.CREATED], clock=clock, max_attempts=1
+    )
+    consumer_again.run_once()  # fails once more: parked again (max_attempts=1)
+    clock.advance(s=HOUR_S)
+    consumer_again.run_once()
+    discard_parked(engine, "stock", 1, clock=clock)
+
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(events_table.c.kind, events_table.c.actor_kind, events_table.c.actor)
+            .add_columns(events_table.c.data)
+            .where(events_table.c.order_id == order_id, events_table.c.kind != "created")
+            .order_by(events_table.c.id)
+        ).all()
+    assert [tuple(r) for r in rows] == [
+        ("requeued", "operator", "ann@ops-1", {"consumer": "stock", "event_id": 1}),
+        ("discarded", "operator", None, {"consumer": "stock", "event_id": 1}),
+    ]

@@ -21,6 +21,8 @@ from orders.errors import (
     OrderClosed,
     PaymentMismatch,
 )
+from orders.events.consumer import OrderEvent
+from orders.scheduler.jobs import closed_order_consumers
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table, refusals_table
 from tests.support.clocks import ManualClock
@@ -446,3 +448,34 @@ def test_every_event_names_who_caused_it(
     ]
     [event] = [e for e in service.iter_events(limit=100) if e.kind == "payment_refused"]
     assert event.actor == Actor(ActorKind.APPLICATION, "psp-webhook")
+
+
+# --- the refund consumer --------------------------------------------------------------------
+
+
+def test_a_refused_payment_handler_gets_each_refusal_once_and_can_mark_it_handled(
+    service: OrderService, clock: ManualClock
+) -> None:
+    """The README's refund consumer: registered with on_payment_refused, run by the
+    scheduler's events job (here: its consumers, run by hand)."""
+    refunded: list[tuple[str, str | None, str | None]] = []
+
+    @service.on_payment_refused
+    def refund(event: OrderEvent) -> None:
+        refunded.append((event.order_id, event.data["payment_ref"], event.data.get("amount")))
+        service.mark_refund_handled(event.order_id, event.data["payment_ref"], actor="refunds")
+
+    order = closed_by_the_sweep(service, clock, amount="5.00", currency="EUR")
+    for _ in range(2):
+        with pytest.raises(OrderClosed):
+            service.mark_paid(order.id, payment_ref="psp-9", amount="5.00", currency="EUR")
+    [consumer] = closed_order_consumers(service)
+    assert consumer.name.startswith("on_payment_refused:")
+
+    assert consumer.run_once().handled == 1
+    assert consumer.run_once().handled == 0
+
+    assert refunded == [(order.id, "psp-9", "5.00")]
+    assert service.refused_payments(pending_only=True) == []
+    [done] = service.refused_payments()
+    assert done.handled_by == Actor(ActorKind.APPLICATION, "refunds")
