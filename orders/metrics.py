@@ -85,9 +85,10 @@ def _define() -> dict[str, Any]:
         "PAYMENTS": Counter(
             "orders_payments_total",
             "mark_paid calls by outcome",
-            # on_time, late_before_close (after expires_at, before the sweep),
-            # refused_after_close, refused_strict (strict_expiry), repeat (idempotent retry),
-            # other_ref
+            # on_time, late_before_close (after expires_at, before the sweep), late_accepted
+            # (closed -> paid in the late-payment window), refused_after_close,
+            # refused_strict (strict_expiry), refused_late (the late-payment check said no),
+            # refused_mismatch (amount or currency), repeat (idempotent retry), other_ref
             ["outcome"],
         ),
         "CANCELS": Counter("orders_cancels_total", "orders cancelled"),

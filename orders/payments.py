@@ -128,7 +128,8 @@ class Payments:
             if paid is not None:
                 metrics.PAYMENTS.labels("late_accepted").inc()
                 return paid
-        return self._refuse(order_id, payment, actor, now_ms, host)
+        closed_now = won  # strict_expiry: this payment's attempt closed the order
+        return self._refuse(order_id, payment, actor, now_ms, host, closed_now=closed_now)
 
     def _close_for(
         self, conn: Connection, order_id: str, payment: Payment, actor: Actor, now_ms: int
@@ -190,6 +191,8 @@ class Payments:
         actor: Actor,
         now_ms: int,
         host: Connection | None,
+        *,
+        closed_now: bool = False,
     ) -> Order:
         """Decide again under the order's lock and record the refusal, in one transaction;
         then raise it. (Under the lock the order may turn out payable after all, or paid
@@ -224,7 +227,8 @@ class Payments:
         if closed is not None:
             order = to_order(closed, now_ms)
             self.transitioner.after_commit(order, host, self.transitioner.admitter.release_of)
-        metrics.PAYMENTS.labels(_OUTCOMES[reason]).inc()
+        strict_close = closed_now or closed is not None
+        metrics.PAYMENTS.labels("refused_strict" if strict_close else _OUTCOMES[reason]).inc()
         raise refusal_error(order, reason, position)
 
 
