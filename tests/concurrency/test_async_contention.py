@@ -56,7 +56,14 @@ from tests.support.checks import assert_index_equals_sql_after_reconcile
 from tests.support.clocks import ManualClock, now_ms
 from tests.support.monitor import LimitMonitor as Monitor
 from tests.support.processes import started
-from tests.support.stores import closes_by_creates, events_of, flush_db, orders_of, unpaid_count
+from tests.support.stores import (
+    closes_by_creates,
+    events_of,
+    flush_db,
+    orders_of,
+    refused_payments_of,
+    unpaid_count,
+)
 from tests.support.tally import Tally, bucket, split
 from tests.support.workers.aio import (
     check_created,
@@ -191,6 +198,10 @@ def assert_stores_match_callers(
     for oid, row in rows.items():
         expected = ["created"] if row.status == "unpaid" else ["created", row.status]
         assert events.get(oid) == expected, (oid, row.status, events.get(oid))
+    # Each payment refused for a closed or cancelled order is a refund owed, on record.
+    refused = refused_payments_of(engine, USER)
+    assert sum(refused.values()) == data["pay_lost"]
+    assert all(rows[oid].status in ("closed", "cancelled") for oid in refused)
     unpaid = {oid for oid, row in rows.items() if row.status == "unpaid"}
     assert set(index_members) <= unpaid, "a Redis member indexes an order that is not unpaid"
     assert all(index_members[oid] == rows[oid].expires_at_ms for oid in index_members)

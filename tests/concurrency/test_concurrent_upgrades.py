@@ -30,7 +30,7 @@ from orders.config import Settings
 from orders.sql import migrate
 from orders.sql.schema_names import LEGACY_VERSION_TABLE, VERSION_TABLE, prefixed
 from tests.support.processes import ChildProcess, child_env
-from tests.support.schemas import PREVIOUS_ROWS, as_previous_release, rows_of
+from tests.support.schemas import PREVIOUS_ROWS, as_previous_release, as_rows_were, rows_of
 from tests.support.stores import schema_differences
 
 UPGRADERS = 2
@@ -109,7 +109,7 @@ def test_two_upgrades_at_once_both_exit_0_with_the_schema_at_head_once(
         try:
             assert version_rows(engine) == [(head, 1)], f"round {n}"
             assert LEGACY_VERSION_TABLE not in inspect(engine).get_table_names(), f"round {n}"
-            assert rows_of(engine, list(rows)) == rows, f"round {n}"
+            assert as_rows_were(rows_of(engine, list(rows)), rows) == rows, f"round {n}"
             assert schema_differences(engine) == [], f"round {n}"
         finally:
             engine.dispose()

@@ -68,6 +68,21 @@ def rows_of(engine: Engine, tables: list[str]) -> dict[str, list[tuple[Any, ...]
         }
 
 
+def as_rows_were(
+    after: dict[str, list[tuple[Any, ...]]], before: dict[str, list[tuple[Any, ...]]]
+) -> dict[str, list[tuple[Any, ...]]]:
+    """``after``'s rows cut to the columns each table had ``before``; later migrations add
+    columns at the end (0008: who caused an event), and those must be NULL on old rows
+    (an AssertionError says which are not)."""
+    cut: dict[str, list[tuple[Any, ...]]] = {}
+    for name, rows in after.items():
+        width = len(before[name][0]) if before.get(name) else len(rows[0]) if rows else 0
+        added = [row[width:] for row in rows if any(v is not None for v in row[width:])]
+        assert added == [], f"{name}: old rows got values in new columns: {added}"
+        cut[name] = [row[:width] for row in rows]
+    return cut
+
+
 # --- a host application -----------------------------------------------------------------------
 
 HOST_ENV = """

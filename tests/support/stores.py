@@ -89,11 +89,17 @@ def orders_of(engine: Engine, user_id: str) -> dict[str, Any]:
     return {row.id: row for row in rows}
 
 
+#: Events that record something beside an order's transitions (a refund owed, an
+#: operator's action on a parked event).
+RECORDS = ("payment_refused", "requeued", "discarded")
+
+
 def events_of(engine: Engine, user_id: str) -> dict[str, list[str]]:
+    """The user's orders' transition events (:data:`RECORDS` left out), by order."""
     with engine.connect() as conn:
         rows = conn.execute(
             select(events_table.c.order_id, events_table.c.kind)
-            .where(events_table.c.user_id == user_id)
+            .where(events_table.c.user_id == user_id, events_table.c.kind.not_in(RECORDS))
             .order_by(events_table.c.id)
         ).all()
     out: dict[str, list[str]] = {}
@@ -189,3 +195,14 @@ def _commands_of(stats: dict[str, Any]) -> int:
 class RoundTripCounter:
     def __init__(self) -> None:
         self.count = 0
+
+
+def refused_payments_of(engine: Engine, user_id: str) -> dict[str, int]:
+    """How many refused payments each of the user's orders recorded (``payment_refused``)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(events_table.c.order_id, func.count())
+            .where(events_table.c.user_id == user_id, events_table.c.kind == "payment_refused")
+            .group_by(events_table.c.order_id)
+        ).all()
+    return {order_id: int(count) for order_id, count in rows}

@@ -71,9 +71,13 @@ def record_slot_reuse_closes(tally: Tally) -> None:
     run = CompareAndSet.run
 
     def recording(
-        self: CompareAndSet, conn: Any, params: Mapping[str, Any], data: dict[str, Any] | None
+        self: CompareAndSet,
+        conn: Any,
+        params: Mapping[str, Any],
+        data: dict[str, Any] | None,
+        actor: Any,
     ) -> Any:
-        row = run(self, conn, params, data)
+        row = run(self, conn, params, data, actor)
         if row is not None and self is CLOSE_EXPIRED and data == SLOT_REUSE:
             tally.append("slot_reuse_closed", params["oid"])
         return row

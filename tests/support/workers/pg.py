@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from orders.domain import SWEEPER
 from orders.errors import OrderClosed, StoreUnavailable, UnpaidOrderLimitReached
 from orders.service import OrderService
 from tests.support.tally import Tally, run_threads
@@ -151,8 +152,8 @@ def load(service: OrderService, cfg: dict[str, Any], stop: threading.Event) -> T
     batches: list[list[Any]] = []
     close_due = service.sweep.closer.close_due
 
-    def recording(cutoff_ms: int, size: int, closed_at_ms: int) -> Any:
-        rows = close_due(cutoff_ms, size, closed_at_ms)
+    def recording(cutoff_ms: int, size: int, closed_at_ms: int, actor: Any = SWEEPER) -> Any:
+        rows = close_due(cutoff_ms, size, closed_at_ms, actor)
         batches.append([[user, expires, closed_at_ms] for user, expires in rows])
         return rows
 
