@@ -250,13 +250,17 @@ class ChildProcess:
         """Tell it to end its loops (``STOP``); :meth:`result` then waits for its counts."""
         self.send("STOP")
 
-    def result(self, timeout_s: float) -> dict[str, Any]:
-        """Wait for the worker to exit 0 and return its JSON counts."""
+    def output_at_exit(self, timeout_s: float) -> bytes:
+        """Wait for it to exit (however it ends) and return what it printed after READY."""
         try:
             out, _ = self.proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise self.fail(f"did not finish within {timeout_s} s") from None
-        out = self._pending + (out or b"")
+        return self._pending + (out or b"")
+
+    def result(self, timeout_s: float) -> dict[str, Any]:
+        """Wait for the worker to exit 0 and return its JSON counts."""
+        out = self.output_at_exit(timeout_s)
         if self.proc.returncode != 0:
             raise self.fail(f"exited with {self.proc.returncode}; stdout {out[-500:]!r}")
         lines = [line for line in out.decode().splitlines() if line.strip()]

@@ -1,9 +1,11 @@
-"""Calls started together in threads, and what escaped them."""
+"""Calls started together in threads, and what came of them."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+
+from orders.errors import OrdersError
 
 
 def errors_of_threads(
@@ -25,3 +27,26 @@ def errors_of_threads(
     for thread in threads:
         thread.join(timeout_s)
     return errors
+
+
+def outcomes_of_race(calls: Sequence[Callable[[], object]], timeout_s: float = 60) -> list[object]:
+    """Runs each call in a thread of its own, all released together by a barrier once every
+    thread has started; what each returned, or the :class:`OrdersError` it raised, in the
+    order of ``calls``. Anything else raised (an assertion, a bug) is re-raised here."""
+    barrier = threading.Barrier(len(calls), timeout=timeout_s)
+    unset = object()
+    outcomes: list[object] = [unset] * len(calls)
+
+    def run(index: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[index] = calls[index]()
+        except OrdersError as refused:
+            outcomes[index] = refused
+
+    errors = errors_of_threads(run, [(n,) for n in range(len(calls))], timeout_s)
+    if errors:
+        raise errors[0]
+    unfinished = [n for n, outcome in enumerate(outcomes) if outcome is unset]
+    assert not unfinished, f"calls {unfinished} of the race did not end in {timeout_s} s"
+    return outcomes
