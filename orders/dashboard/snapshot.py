@@ -2,9 +2,10 @@
 
 Every SQL statement here is served by an index (the figures ``orders stats`` prints, the
 latest closes from the closed orders' partial index, one user's unpaid rows from the
-per-user partial index, the consumers' lag from the events' commit-order index), so a page
-costs the same with a thousand orders as with ten million. The Redis side is O(1) per
-server (INFO memory, DBSIZE, the scheduler hash, the lease) or one user's key.
+per-user partial index, the consumers' lag from the events' commit-order index, the refunds
+owed from the pending refusals' partial index), so a page costs the same with a thousand
+orders as with ten million. The Redis side is O(1) per server (INFO memory, DBSIZE, the
+scheduler hash, the lease) or one user's key.
 
 Each part of the overview is read on its own: a store that is down blanks the parts it
 holds, with the error's one-line reason, and the others still show.
@@ -27,8 +28,9 @@ from orders.index.lease import SweeperLease
 from orders.index.nodes import primaries
 from orders.service import OrderService
 from orders.sql.models import UNPAID_PREDICATE, orders_table, sql_errors
+from orders.sql.refusals import PaymentRefusal, refunds_owed
 from orders.sql.stats import read_stats, status_is
-from orders.validation import check_user_id
+from orders.validation import amount_to_text, check_user_id
 
 OC = orders_table.c
 T = TypeVar("T")
@@ -41,6 +43,9 @@ RECENT_CLOSES = 10
 #: A consumer's lag is counted up to here: the count costs the lag (an index range), and a
 #: consumer far behind would make every refresh read its whole backlog.
 LAG_CAP = 10_000
+#: The refunds owed are counted up to here, for the same reason, and the latest are listed.
+OWED_CAP = 10_000
+OWED_LISTED = 10
 
 
 def recent_closes(conn: Connection, limit: int = RECENT_CLOSES) -> list[dict[str, Any]]:
@@ -112,6 +117,32 @@ def _consumers(service: OrderService) -> list[dict[str, Any]]:
     ]
 
 
+def _owed_row(refusal: PaymentRefusal, now_ms: int) -> dict[str, Any]:
+    return {
+        "order_id": refusal.order_id,
+        "user_id": refusal.user_id,
+        "payment_ref": refusal.payment_ref,
+        "reason": refusal.reason.value,
+        # As text: the exact decimal the payment stated, which a JSON number could round.
+        "amount": amount_to_text(refusal.amount),
+        "currency": refusal.currency,
+        "refused_at_ms": refusal.refused_at_ms,
+        "age_ms": now_ms - refusal.refused_at_ms,
+    }
+
+
+def _refunds(service: OrderService, now_ms: int) -> dict[str, Any]:
+    owed = refunds_owed(service.engine, cap=OWED_CAP, newest=OWED_LISTED)
+    oldest_ms = owed.oldest_refused_at_ms
+    return {
+        "owed": owed.count,
+        "owed_capped": owed.capped,
+        "oldest_refused_at_ms": oldest_ms,
+        "oldest_age_ms": None if oldest_ms is None else now_ms - oldest_ms,
+        "newest": [_owed_row(refusal, now_ms) for refusal in owed.newest],
+    }
+
+
 def _redis(service: OrderService) -> dict[str, Any]:
     memory = keys = 0
     servers = primaries(service.index.client)
@@ -130,6 +161,7 @@ def read_overview(service: OrderService) -> dict[str, Any]:
         "sql": _part(lambda: _sql_figures(service, now_ms)),
         "scheduling": _part(lambda: _schedulers(service, now_ms)),
         "consumers": _part(lambda: _consumers(service)),
+        "refunds": _part(lambda: _refunds(service, now_ms)),
         "redis": _part(lambda: _redis(service)),
     }
 

@@ -6,8 +6,8 @@ reference, or the amount is not the order's), the transaction that decides it wr
 payment reference, what the payment said it was and why it was refused. Both commit
 before the caller hears of the refusal, so a payment callback that dies right after
 leaves the refund findable; :func:`list_refusals` is that list (``orders payments
-refused``), and :func:`mark_handled` is how a refund consumer or an operator says a refund
-was dealt with.
+refused``), :func:`refunds_owed` the dashboard's bounded summary of the pending ones, and
+:func:`mark_handled` is how a refund consumer or an operator says a refund was dealt with.
 
 One row per (order, reference): the same payment refused twice finds its row, under the
 order's row lock (PostgreSQL) or the write lock (SQLite), and writes nothing more.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, bindparam, insert, select, update
+from sqlalchemy import Connection, Engine, Row, bindparam, func, insert, select, update
 
 from orders.domain import Actor, ActorKind, EventKind, Order, Payment, RefusalReason
 from orders.errors import InvalidInput, RefusalPosition
@@ -29,6 +29,9 @@ from orders.validation import amount_to_text, check_count
 
 RC = refusals_table.c
 EC = events_table.c
+#: The refunds nobody has marked handled yet: the predicate of the pending partial index,
+#: as the column test itself (no bound parameter), so every plan can use that index.
+PENDING = RC.handled_at_ms.is_(None)
 
 _FIND = (
     select(RC.event_id, EC.txid)
@@ -124,9 +127,59 @@ def list_refusals(
     if since_ms is not None:
         query = query.where(RC.refused_at_ms >= check_count("since_ms", since_ms, 0))
     if pending_only:
-        query = query.where(RC.handled_at_ms.is_(None))
+        query = query.where(PENDING)
     with sql_errors(), engine.connect() as conn:
         return [_refusal(row) for row in conn.execute(query)]
+
+
+@dataclass(frozen=True, slots=True)
+class RefundsOwed:
+    """The refunds still owed, as an overview shows them: bounded reads of the pending
+    partial index, whatever the table's size."""
+
+    #: How many are pending, counted up to the cap (``capped``: at least that many).
+    count: int
+    capped: bool
+    #: When the oldest pending one was refused; None when none is pending.
+    oldest_refused_at_ms: int | None
+    #: The latest pending ones, newest first.
+    newest: list[PaymentRefusal]
+
+
+def refunds_owed(engine: Engine, *, cap: int, newest: int) -> RefundsOwed:
+    """The refunds owed: their count up to ``cap``, the oldest's refusal time, and the
+    ``newest`` latest (ties in ``refused_at_ms`` at the edge of that list fall either way).
+
+    Two statements, each a range of the pending partial index under a limit: the count and
+    the oldest come from its first ``cap`` entries in refusal order (the first is the
+    oldest), the newest from its last ``newest`` entries, each then joined to its event by key.
+    """
+    check_count("cap", cap, 1)
+    check_count("newest", newest, 1, 10_000)
+    first = select(RC.refused_at_ms).where(PENDING).order_by(RC.refused_at_ms).limit(cap)
+    counted = first.subquery()
+    summary = select(func.count(), func.min(counted.c.refused_at_ms)).select_from(counted)
+    last = (
+        select(refusals_table)
+        .where(PENDING)
+        .order_by(RC.refused_at_ms.desc())
+        .limit(newest)
+        .subquery()
+    )
+    latest = (
+        select(last, EC.txid)
+        .outerjoin(events_table, EC.id == last.c.event_id)
+        .order_by(last.c.refused_at_ms.desc(), last.c.order_id, last.c.payment_ref)
+    )
+    with sql_errors(), engine.connect() as conn:
+        count, oldest_ms = conn.execute(summary).one()
+        rows = conn.execute(latest).all()
+    return RefundsOwed(
+        count=int(count),
+        capped=count >= cap,
+        oldest_refused_at_ms=oldest_ms,
+        newest=[_refusal(row) for row in rows],
+    )
 
 
 def mark_handled(
@@ -138,7 +191,7 @@ def mark_handled(
     key = (RC.order_id == order_id) & (RC.payment_ref == (payment_ref or ""))
     handle = (
         update(refusals_table)
-        .where(key, RC.handled_at_ms.is_(None))
+        .where(key, PENDING)
         .values(handled_at_ms=now_ms, handled_by_kind=actor.kind.value, handled_by=actor.name)
     )
     read = select(refusals_table, EC.txid).outerjoin(events_table, EC.id == RC.event_id)

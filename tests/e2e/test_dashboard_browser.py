@@ -3,8 +3,9 @@
 The HTTP-level tests (tests/integration/test_dashboard.py) check the JSON; this one checks
 what an operator sees: that the page logs in, that its numbers follow creates, payments,
 cancels and the sweep *without a reload* (the server-sent events and the JavaScript that
-renders them), that the user search highlights a damaged index entry, and that the token
-keeps a fresh browser and a wrong bearer out.
+renders them), that the refunds owed list a hostile payment reference as text, that the
+user search highlights a damaged index entry, and that the token keeps a fresh browser and
+a wrong bearer out.
 
 The browser is the system's Chromium (``ORDERS_CHROMIUM``, else ``chromium`` on PATH):
 Playwright never downloads one here. It runs with a temporary profile (Playwright's
@@ -32,6 +33,7 @@ from playwright.sync_api import (
     Browser,
     BrowserContext,
     ConsoleMessage,
+    Dialog,
     Error,
     Page,
     Playwright,
@@ -40,6 +42,7 @@ from playwright.sync_api import (
 )
 
 from orders.dashboard import start_dashboard
+from orders.errors import OrderClosed
 from orders.events.consumer import EventConsumer
 from orders.httpd import Served
 from orders.index.heartbeat import Heartbeats, SchedulerBeat
@@ -78,6 +81,8 @@ LOST_COUNTER = """() => {
     .observe(live, { attributes: true, attributeFilter: ["data-state"] });
 }"""
 FIGURES = ("unpaid", "open_unpaid", "paid", "cancelled", "closed", "backlog")
+#: A payment reference is caller text: the page must show it as text, never run it.
+HOSTILE_REF = "<img src=x onerror=alert(1)>"
 
 
 def chromium_path() -> str:
@@ -259,6 +264,15 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     page = new_context().new_page()
     log_in(page, dashboard.url, console)
     expect_figures(page, unpaid=0, open_unpaid=0, paid=0, cancelled=0, closed=0, backlog=0)
+    expect(page.locator('[data-field="refunds_owed"]')).to_have_text("0")
+    expect(page.locator("#refunds tbody tr.empty")).to_have_count(1)
+    dialogs: list[str] = []
+
+    def on_dialog(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", on_dialog)
     # Marks of this page load: a reload would lose them, and a stream that drops (the
     # browser then reconnects, also a way to get fresh numbers) shows "lost" on the badge.
     loaded = page.evaluate("window.__loaded = Date.now()")
@@ -287,6 +301,32 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     expect_figures(page, unpaid=21, open_unpaid=21, paid=6, cancelled=1, closed=2, backlog=0)
     expect(page.locator("#recent-closes tbody tr")).to_have_count(2)
     assert recent_close_ids(page) == first_due
+
+    # Payments that came too late: refunds owed, one already handled, one with hostile text.
+    # Two seconds pass in all: the next order falls due 3.5 s after the sweep's time.
+    with pytest.raises(OrderClosed):
+        service.mark_paid("ord-1004", payment_ref="psp-handled")
+    service.mark_refund_handled("ord-1004", "psp-handled")
+    clock.advance(s=1)
+    with pytest.raises(OrderClosed):
+        service.mark_paid(first_due[0], payment_ref=HOSTILE_REF, amount="12.90", currency="EUR")
+    clock.advance(s=1)
+    expect(page.locator('[data-field="refunds_owed"]')).to_have_text("1", timeout=WAIT_MS)
+    expect(page.locator('[data-field="refunds_owed"]')).to_have_class("bad")
+    expect(page.locator('[data-field="refunds_oldest"]')).to_have_text("1.00 s ago")
+    owed = page.locator("#refunds tbody tr")
+    expect(owed).to_have_count(1)
+    expect(owed.locator("td")).to_have_text(
+        [
+            first_due[0],
+            shop.orders[first_due[0]],
+            HOSTILE_REF,
+            "closed",
+            "12.90 EUR",
+            "1.00 s ago",
+        ]
+    )
+    expect(page.locator("#refunds img")).to_have_count(0)
 
     # A scheduler and an event consumer, as a running shop has them (the screenshot's panels).
     prefix = service.index.key_prefix
@@ -322,6 +362,7 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
 
     assert page.evaluate("window.__loaded") == loaded, "the page was reloaded"
     assert page.evaluate("window.__lost") == 0, "the event stream dropped"
+    assert dialogs == [], "caller text ran as script"
     assert not console.errors, "\n".join(console.errors)
 
 

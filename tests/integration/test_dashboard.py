@@ -4,17 +4,23 @@ Its HTTP side is tested in tests/e2e/test_dashboard_http.py."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 import pytest
+from sqlalchemy import Engine
 
 from orders.dashboard.snapshot import compare_user, read_overview
-from orders.errors import InvalidInput
+from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, PaymentMismatch
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
+from orders.sql.models import refusals_table
+from orders.sql.refusals import refunds_owed
 from tests.support.clocks import ManualClock
 
 TOKEN = "s3cret-dashboard-token"
+#: Caller text the page must show as text: the JSON carries it as it came.
+HOSTILE_REF = "<img src=x onerror=alert(1)>"
 
 
 def overview_figures(service: OrderService) -> dict[str, Any]:
@@ -136,3 +142,96 @@ def test_an_order_due_in_sql_shows_until_the_sweep_closes_it(
 def test_a_bad_user_id_is_refused_before_any_read(service: OrderService) -> None:
     with pytest.raises(InvalidInput):
         compare_user(service, " ")
+
+
+def owed_figures(service: OrderService) -> dict[str, Any]:
+    refunds = read_overview(service)["refunds"]
+    assert "error" not in refunds, refunds
+    return dict(refunds)
+
+
+def test_the_refunds_owed_are_the_pending_refusals_newest_first(
+    service: OrderService, clock: ManualClock
+) -> None:
+    assert owed_figures(service) == {
+        "owed": 0,
+        "owed_capped": False,
+        "oldest_refused_at_ms": None,
+        "oldest_age_ms": None,
+        "newest": [],
+    }
+    service.create_unpaid_order("u1", ttl_s=10, order_id="swept", amount="19.90", currency="EUR")
+    service.create_unpaid_order("u2", ttl_s=600, order_id="cancelled")
+    service.create_unpaid_order("u3", ttl_s=600, order_id="priced", amount="5.00")
+    clock.advance(s=11)
+    assert service.sweep_expired().closed == 1
+    service.cancel_order("cancelled")
+
+    with pytest.raises(OrderClosed):
+        service.mark_paid("swept", payment_ref="psp-1", amount="19.90", currency="EUR")
+    clock.advance(s=5)
+    with pytest.raises(OrderClosed):
+        service.mark_paid("cancelled", payment_ref=HOSTILE_REF)
+    oldest_at = clock()
+    clock.advance(s=5)
+    with pytest.raises(PaymentMismatch):
+        service.mark_paid("priced", payment_ref="psp-3", amount="5.01")
+    service.mark_paid("priced", payment_ref="psp-4", amount="5")
+    clock.advance(s=5)
+    with pytest.raises(OrderAlreadyPaid):
+        service.mark_paid("priced", payment_ref="psp-5")
+    newest_at = clock()
+    clock.advance(s=1)
+    service.mark_refund_handled("swept", "psp-1", actor="refund-worker")
+
+    owed = owed_figures(service)
+    assert (owed["owed"], owed["owed_capped"]) == (3, False)
+    assert owed["oldest_refused_at_ms"] == oldest_at
+    assert owed["oldest_age_ms"] == clock() - oldest_at == 11_000
+    assert [(row["order_id"], row["payment_ref"], row["reason"]) for row in owed["newest"]] == [
+        ("priced", "psp-5", "already_paid"),
+        ("priced", "psp-3", "amount_mismatch"),
+        ("cancelled", HOSTILE_REF, "cancelled"),
+    ]
+    latest, mismatch, hostile = owed["newest"]
+    assert (latest["refused_at_ms"], latest["age_ms"]) == (newest_at, 1_000)
+    assert (mismatch["user_id"], mismatch["amount"], mismatch["currency"]) == ("u3", "5.01", None)
+    assert (hostile["amount"], hostile["currency"]) == (None, None)
+
+    for ref in ("psp-5", "psp-3", HOSTILE_REF):
+        service.mark_refund_handled("cancelled" if ref == HOSTILE_REF else "priced", ref)
+    assert owed_figures(service)["owed"] == 0
+    assert owed_figures(service)["newest"] == []
+
+
+def test_the_refunds_owed_count_stops_at_its_cap_and_the_list_at_its_length(
+    service: OrderService, clock: ManualClock
+) -> None:
+    service.create_unpaid_order("u", ttl_s=600, order_id="gone", amount="7.50", currency="EUR")
+    service.cancel_order("gone")
+    refused_at = []
+    for n in range(4):
+        refused_at.append(clock())
+        with pytest.raises(OrderClosed):
+            service.mark_paid("gone", payment_ref=f"psp-{n}", amount="7.50", currency="EUR")
+        clock.advance(ms=10)
+
+    owed = refunds_owed(service.engine, cap=3, newest=2)
+    assert (owed.count, owed.capped, owed.oldest_refused_at_ms) == (3, True, refused_at[0])
+    assert [refusal.payment_ref for refusal in owed.newest] == ["psp-3", "psp-2"]
+    [refusal, _] = owed.newest
+    assert (refusal.amount, refusal.currency) == (Decimal("7.50"), "EUR")
+    exact = refunds_owed(service.engine, cap=4, newest=10)
+    assert (exact.count, exact.capped, len(exact.newest)) == (4, True, 4)
+    assert refunds_owed(service.engine, cap=5, newest=1).capped is False
+
+
+def test_the_refunds_part_fails_alone_when_its_table_is_missing(
+    service: OrderService, engine: Engine
+) -> None:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP TABLE {refusals_table.name}")
+    overview = read_overview(service)
+    assert "error" in overview["refunds"], overview["refunds"]
+    assert "error" not in overview["sql"], overview["sql"]
+    assert "error" not in overview["consumers"], overview["consumers"]

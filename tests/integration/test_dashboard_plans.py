@@ -21,10 +21,11 @@ import pytest
 from sqlalchemy import Engine
 
 from orders.dashboard.snapshot import compare_user, read_overview
+from orders.errors import OrderClosed
 from orders.events.consumer import EventConsumer
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
-from orders.sql.models import cursors_table, retries_table
+from orders.sql.models import cursors_table, refusals_table, retries_table
 from tests.support.clocks import ManualClock
 from tests.support.doubles import Poison
 from tests.support.plans import Statement, captured, explain_sql
@@ -32,8 +33,9 @@ from tests.support.plans import Statement, captured, explain_sql
 pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 
 #: Per overview: four statements of read_stats, the latest closes, and list_consumers'
-#: positions, failure counts and names, then two per consumer (lag count, oldest unread).
-OVERVIEW_STATEMENTS = 5 + 3 + 2 * 1
+#: positions, failure counts and names, then two per consumer (lag count, oldest unread),
+#: then the refunds owed (their capped count with the oldest, the newest listed).
+OVERVIEW_STATEMENTS = 5 + 3 + 2 * 1 + 2
 #: The user's unpaid rows, then the rows of the members SQL did not return.
 COMPARE_STATEMENTS = 2
 #: Plan nodes that read a table through an index, or read no table at all.
@@ -46,6 +48,7 @@ NO_TABLE_NODES = {"Subquery Scan"}
 READ_WHOLE = {cursors_table.name, retries_table.name}
 SCAN = re.compile(r"(\w+(?: \w+)*? Scan)(?: Backward)?(?: using (\w+))? on (\w+)")
 UNPAID_INDEX = "WHERE ((status)::text = 'unpaid'::text)"
+PENDING_INDEX = "ix_oes_payment_refusals_pending_refused_at_ms"
 
 
 def index_reads(plan: str, indexes: dict[str, tuple[str, str]]) -> set[str]:
@@ -103,6 +106,10 @@ def dashboard_statements(
     service.create_unpaid_order("u", order_id="open")
     service.create_unpaid_order("v", order_id="cancelled")
     service.cancel_order("cancelled")
+    for ref in ("refund-owed", "refund-handled"):
+        with pytest.raises(OrderClosed):
+            service.mark_paid("cancelled", payment_ref=ref)
+    service.mark_refund_handled("cancelled", "refund-handled")
     service.create_unpaid_order("w", ttl_s=10, order_id="due")
     EventConsumer(engine, "stock", Poison("due"), clock=clock, max_attempts=1).run_once()
     clock.advance(s=11)
@@ -116,6 +123,7 @@ def dashboard_statements(
     assert "error" not in shown["sql"], shown
     assert "error" not in shown["consumers"], shown
     assert [c["parked"] for c in shown["consumers"]] == [1]
+    assert [r["payment_ref"] for r in shown["refunds"]["newest"]] == ["refund-owed"]
     assert {r["order_id"]: r["state"] for r in user["rows"]} == {
         "open": "same",
         "ghost": "no_row",
@@ -130,7 +138,14 @@ def test_every_dashboard_statement_reads_through_an_index(
     overview, compare = dashboard_statements(service, engine, redis_client, clock)
     assert (len(overview), len(compare)) == (OVERVIEW_STATEMENTS, COMPARE_STATEMENTS)
     indexes = all_indexes(engine)
+    read: set[str] = set()
     for sql, params in overview + compare:
         plan = explain_sql(engine, sql, params)
         short = re.sub(r"\s+", " ", sql)[:120]
-        assert index_reads(plan, indexes), f"no index read by {short}:\n{plan}"
+        used = index_reads(plan, indexes)
+        assert used, f"no index read by {short}:\n{plan}"
+        read |= used
+    # The refunds owed read the partial index over the pending refusals alone: its size is
+    # the refunds owed, not every refusal ever recorded.
+    of_refusals = {name for name, (table, _) in indexes.items() if table == refusals_table.name}
+    assert read & of_refusals == {PENDING_INDEX}

@@ -1,6 +1,7 @@
 // The orders dashboard: fills the page from /api/events (server-sent events) and answers
 // the user search from /api/user. Every value from the server is written as text
-// (textContent), never as HTML: order and user ids are whatever checkout code chose.
+// (textContent), never as HTML: order and user ids are whatever checkout code chose, and
+// a payment reference whatever the payment callback passed on.
 "use strict";
 
 const $ = (selector, root = document) => root.querySelector(selector);
@@ -146,6 +147,17 @@ function render(data) {
       [c.name], [c.cursor], [`${num(c.lag_events)}${c.lag_capped ? "+" : ""}`, "num"],
       [duration(c.oldest_unread_age_ms)],
       [num(c.retrying), "num"], [num(c.parked), c.parked > 0 ? "num bad" : "num"],
+    ]);
+  }
+  const refunds = data.refunds;
+  if (!showError("refunds", refunds)) {
+    const owed = `${num(refunds.owed)}${refunds.owed_capped ? "+" : ""}`;
+    field("refunds_owed", owed, refunds.owed > 0);
+    field("refunds_oldest", refunds.oldest_age_ms === null ? "-" : `${duration(refunds.oldest_age_ms)} ago`);
+    fillTable("refunds", refunds.newest, (r) => [
+      [r.order_id], [r.user_id], r.payment_ref === null ? ["none", "ref muted"] : [r.payment_ref, "ref"],
+      [r.reason], [r.amount === null ? "-" : `${r.amount} ${r.currency || ""}`.trim(), "num"],
+      [`${duration(r.age_ms)} ago`],
     ]);
   }
   const redis = data.redis;
