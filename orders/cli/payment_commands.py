@@ -44,7 +44,8 @@ def payments_group() -> None:
 @click.option(
     "--since",
     metavar="WHEN",
-    help="Only those refused since then: 30m, 2h, 7d ago, or an ISO-8601 time (UTC).",
+    help="Only those refused since then: 30m, 2h, 7d ago, or an ISO-8601 time (UTC unless "
+    "it names an offset).",
 )
 @click.option("--pending", is_flag=True, help="Only the refunds nobody marked handled.")
 @click.option("--limit", type=int, default=100, show_default=True, help="At most this many.")
@@ -64,6 +65,8 @@ def refused_command(
     scope = "refunds owed" if pending else "refused payments"
     title = scope if from_ms is None else f"{scope} since {utc_text(from_ms)} UTC"
     print_refusals_table(found, title)
+    if len(found) == limit:  # there may be more, and the newest are the ones left out
+        click.echo(f"the oldest {limit} shown: --since or --limit for the others")
 
 
 @payments_group.command("handled")

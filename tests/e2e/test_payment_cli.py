@@ -236,6 +236,9 @@ def test_refused_lists_the_refunds_owed_as_json_oldest_first(
     assert set(rows[0]["event"]) == {"txid", "event_id"}
     assert rows[0]["event"]["event_id"] < rows[1]["event"]["event_id"]
     assert [r["order_id"] for r in refusals(run, "--limit", "1")] == [first]
+    cut = run("payments", "refused", "--limit", "1").stdout.splitlines()
+    assert cut[-1] == "the oldest 1 shown: --since or --limit for the others"
+    assert "the oldest" not in run("payments", "refused", "--limit", "3").stdout
 
 
 @pytest.mark.parametrize(
