@@ -1,12 +1,18 @@
 """The ``orders`` command: operate the service from a shell.
 
 ``app`` holds the group, its global options and the error mapping; the commands register
-themselves on it from ``order_commands``, ``ops_commands``, ``store_commands`` and
-``event_commands``;
-``render`` prints. The benchmark command is loaded only when it is run.
+themselves on it from ``order_commands``, ``ops_commands``, ``store_commands``,
+``event_commands`` and ``payment_commands``; ``render`` prints. The benchmark command is
+loaded only when it is run.
 """
 
-from orders.cli import event_commands, ops_commands, order_commands, store_commands
+from orders.cli import (
+    event_commands,
+    ops_commands,
+    order_commands,
+    payment_commands,
+    store_commands,
+)
 from orders.cli.app import EXIT_CODES, exit_code, main
 
 __all__ = [
@@ -16,5 +22,6 @@ __all__ = [
     "main",
     "ops_commands",
     "order_commands",
+    "payment_commands",
     "store_commands",
 ]

@@ -7,8 +7,10 @@ Every option that has an ``ORDERS_*`` environment variable names it in ``--help`
 
 from __future__ import annotations
 
+import getpass
 import importlib
 import logging
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from orders.config import Settings
+from orders.domain import ACTOR_MAX_LENGTH, Actor, ActorKind
 from orders.errors import (
     InvalidInput,
     OrderAlreadyPaid,
@@ -23,6 +26,7 @@ from orders.errors import (
     OrderConflict,
     OrderNotFound,
     OrdersError,
+    PaymentMismatch,
     SchemaConflict,
     StoreUnavailable,
     UnpaidOrderLimitReached,
@@ -43,6 +47,7 @@ EXIT_CODES: dict[type[OrdersError], int] = {
     OrderConflict: 7,
     StoreUnavailable: 8,
     SchemaConflict: 9,
+    PaymentMismatch: 10,
 }
 
 #: Commands whose module is imported only when the command runs: name -> ("module:attr",
@@ -63,6 +68,25 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def exit_code(error: OrdersError) -> int:
     return next((EXIT_CODES[kind] for kind in type(error).__mro__ if kind in EXIT_CODES), 1)
+
+
+def error_line(error: OrdersError) -> str:
+    """The one line an error prints. A refused payment says that its refund was recorded
+    (and where), so whoever ran ``orders pay`` knows the money is not lost track of."""
+    line = f"error: {error}"
+    if isinstance(error, OrderClosed | OrderAlreadyPaid | PaymentMismatch) and error.refusal:
+        line += f"; refund owed: event {error.refusal[1]}, see orders payments refused"
+    return line
+
+
+def default_actor_name() -> str:
+    """``user@host`` of whoever runs the command (``unknown@host`` when the user has no
+    name), cut to the longest name an event holds."""
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError, ImportError):  # no LOGNAME/USER and no passwd entry
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}".strip()[:ACTOR_MAX_LENGTH].rstrip()
 
 
 def parameter_error_line(error: click.BadParameter) -> str:
@@ -118,7 +142,7 @@ class OrdersGroup(click.Group):
         try:
             return super().invoke(ctx)
         except OrdersError as error:
-            click.echo(f"error: {error}", err=True)
+            click.echo(error_line(error), err=True)
             ctx.exit(exit_code(error))
         except click.UsageError as error:
             click.echo(usage_error_line(error), err=True)
@@ -133,10 +157,12 @@ def usage_error_line(error: click.UsageError) -> str:
 
 
 class CliState:
-    """What every command of one invocation shares: the settings and one service."""
+    """What every command of one invocation shares: the settings, one service, and the
+    operator that the events it writes name."""
 
-    def __init__(self, overrides: dict[str, Any]) -> None:
+    def __init__(self, overrides: dict[str, Any], actor: Actor) -> None:
         self.overrides = overrides
+        self.actor = actor
         self._service: OrderService | None = None
 
     @property
@@ -206,6 +232,12 @@ def configure_logging(verbose: int, log_format: str) -> None:
     show_envvar=True,
     help="Redis URL. [default: an embedded redis-server for the home folder]",
 )
+@click.option(
+    "--actor",
+    metavar="NAME",
+    help="Who the events this command writes name, as an operator (at most "
+    f"{ACTOR_MAX_LENGTH} characters). [default: user@host of this shell]",
+)
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 @click.option(
     "--log-format",
@@ -222,11 +254,14 @@ def main(
     home: Path | None,
     database_url: str | None,
     redis_url: str | None,
+    actor: str | None,
     verbose: int,
     log_format: str,
 ) -> None:
     """Unpaid-order limits and expiry on Redis and SQL."""
     configure_logging(verbose, log_format)
+    # Checked here, before any command opens a store: a bad name is exit 2, nothing written.
+    operator = Actor.of(default_actor_name() if actor is None else actor, ActorKind.OPERATOR)
     overrides: dict[str, Any] = {}
     if home is not None:
         overrides["home"] = home
@@ -234,6 +269,6 @@ def main(
         overrides["database_url"] = database_url
     if redis_url:
         overrides["redis_url"] = redis_url
-    state = CliState(overrides)
+    state = CliState(overrides, operator)
     ctx.obj = state
     ctx.call_on_close(state.close)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import click
 
 from orders.cli.app import cli_state, json_option, main
-from orders.cli.render import dataclass_json
+from orders.cli.render import dataclass_json, utc_text
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -29,10 +28,6 @@ def opened_engine(ctx: click.Context) -> Iterator[Engine]:
         yield engine
     finally:
         engine.dispose()
-
-
-def utc_text(at_ms: int) -> str:
-    return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 @main.group("events")
@@ -99,7 +94,7 @@ def parked_action(name: str, help_text: str, done: str) -> click.Command:
 
         action = {"requeue": event_admin.requeue_parked, "discard": event_admin.discard_parked}
         with opened_engine(ctx) as engine:
-            action[name](engine, consumer, event_id)
+            action[name](engine, consumer, event_id, actor=cli_state(ctx).actor)
         click.echo(f"{done} event {event_id} of {consumer}")
 
     return command

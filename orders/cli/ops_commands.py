@@ -38,12 +38,16 @@ def sweep(
     as_json: bool,
 ) -> None:
     """Close the unpaid orders whose time is up, once, then exit (orders scheduler repeats)."""
-    service = cli_state(ctx).service()
+    state = cli_state(ctx)
+    service = state.service()
     if dry_run:
         due = service.count_due()
         click.echo(json.dumps({"due": due}) if as_json else f"{due} orders due")
         return
-    result = service.sweep_expired(batch_size=batch_size, max_batches=max_batches)
+    # The close events name the operator who ran it, not the scheduler's sweeper.
+    result = service.sweep_expired(
+        batch_size=batch_size, max_batches=max_batches, actor=state.actor
+    )
     if as_json:
         click.echo(json.dumps(dataclass_json(result)))
     else:

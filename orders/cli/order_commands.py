@@ -33,10 +33,16 @@ def create(
     as_json: bool,
 ) -> None:
     """Create an unpaid order for USER (refused at the user's limit: exit 4)."""
-    service = cli_state(ctx).service()
+    state = cli_state(ctx)
     try:
-        order = service.create_unpaid_order(
-            user, order_id=order_id, ttl_s=ttl_s, limit=limit, amount=amount, currency=currency
+        order = state.service().create_unpaid_order(
+            user,
+            order_id=order_id,
+            ttl_s=ttl_s,
+            limit=limit,
+            amount=amount,
+            currency=currency,
+            actor=state.actor,
         )
     except UnpaidOrderLimitReached as refused:
         if as_json:
@@ -54,11 +60,26 @@ def create(
 @main.command()
 @click.argument("order_id", metavar="ORDER")
 @click.option("--ref", "payment_ref", help="The payment provider's reference.")
+@click.option("--amount", help="The amount paid, exact decimal; checked against the order's.")
+@click.option("--currency", help="ISO 4217 code of the amount paid, e.g. EUR.")
 @json_option
 @click.pass_context
-def pay(ctx: click.Context, order_id: str, payment_ref: str | None, as_json: bool) -> None:
-    """Mark ORDER paid (closed or cancelled: exit 5, refund the payment)."""
-    print_order(cli_state(ctx).service().mark_paid(order_id, payment_ref=payment_ref), as_json)
+def pay(
+    ctx: click.Context,
+    order_id: str,
+    payment_ref: str | None,
+    amount: str | None,
+    currency: str | None,
+    as_json: bool,
+) -> None:
+    """Mark ORDER paid. Refused, with the refund recorded (orders payments refused): closed
+    or cancelled exit 5, paid under another --ref exit 6, --amount or --currency not the
+    order's exit 10 (the order stays unpaid)."""
+    state = cli_state(ctx)
+    paid = state.service().mark_paid(
+        order_id, payment_ref=payment_ref, amount=amount, currency=currency, actor=state.actor
+    )
+    print_order(paid, as_json)
 
 
 @main.command()
@@ -68,7 +89,8 @@ def pay(ctx: click.Context, order_id: str, payment_ref: str | None, as_json: boo
 @click.pass_context
 def cancel(ctx: click.Context, order_id: str, reason: str | None, as_json: bool) -> None:
     """Cancel unpaid ORDER."""
-    print_order(cli_state(ctx).service().cancel_order(order_id, reason=reason), as_json)
+    state = cli_state(ctx)
+    print_order(state.service().cancel_order(order_id, reason=reason, actor=state.actor), as_json)
 
 
 @main.command()
@@ -78,7 +100,8 @@ def cancel(ctx: click.Context, order_id: str, reason: str | None, as_json: bool)
 @click.pass_context
 def extend(ctx: click.Context, order_id: str, extra_s: float, as_json: bool) -> None:
     """Give unpaid ORDER SECONDS more to be paid (a payment is in progress, say)."""
-    print_order(cli_state(ctx).service().extend_order(order_id, extra_s), as_json)
+    state = cli_state(ctx)
+    print_order(state.service().extend_order(order_id, extra_s, actor=state.actor), as_json)
 
 
 @main.command()

@@ -5,17 +5,19 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from orders.domain import Order
+from orders.domain import Order, ms_to_datetime
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
+    from orders.sql.refusals import PaymentRefusal
     from orders.sql.stats import Stats
 else:
     # rich is imported by the first table printed, not with this module: the commands that
@@ -31,10 +33,14 @@ else:
     Table = _deferred("rich.table", "Table")
 
 
-def amount_text(order: Order) -> str:
+def amount_text(order: Order | PaymentRefusal) -> str:
     if order.amount is None:
         return ""
     return f"{order.amount} {order.currency or ''}".strip()
+
+
+def utc_text(at_ms: int) -> str:
+    return datetime.fromtimestamp(at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def order_to_json(order: Order) -> dict[str, Any]:
@@ -54,6 +60,63 @@ def order_to_json(order: Order) -> dict[str, Any]:
         "time_left_s": order.time_left_s,
         "metadata": dict(order.metadata),
     }
+
+
+def refusal_to_json(refusal: PaymentRefusal) -> dict[str, Any]:
+    handled_by = refusal.handled_by
+    txid, event_id = refusal.position
+    return {
+        "order_id": refusal.order_id,
+        "user_id": refusal.user_id,
+        "payment_ref": refusal.payment_ref,
+        "reason": refusal.reason.value,
+        "amount": None if refusal.amount is None else str(refusal.amount),
+        "currency": refusal.currency,
+        "refused_at": ms_to_datetime(refusal.refused_at_ms).isoformat(),
+        "refused_at_ms": refusal.refused_at_ms,
+        "event": {"txid": txid, "event_id": event_id},
+        "handled": refusal.handled,
+        "handled_at": (
+            None
+            if refusal.handled_at_ms is None
+            else ms_to_datetime(refusal.handled_at_ms).isoformat()
+        ),
+        "handled_at_ms": refusal.handled_at_ms,
+        "handled_by": (
+            None if handled_by is None else {"kind": handled_by.kind.value, "name": handled_by.name}
+        ),
+    }
+
+
+def handled_text(refusal: PaymentRefusal) -> str:
+    """Who marked the refund handled and when, or "owed"."""
+    if refusal.handled_at_ms is None:
+        return "owed"
+    return f"{refusal.handled_by or 'unknown'}, {utc_text(refusal.handled_at_ms)}"
+
+
+def print_refusals_table(found: list[PaymentRefusal], title: str) -> None:
+    table = Table(
+        "order",
+        "user",
+        "payment ref",
+        "reason",
+        "amount",
+        "refused at (UTC)",
+        "handled",
+        title=title,
+    )
+    for refusal in found:
+        table.add_row(
+            refusal.order_id,
+            refusal.user_id,
+            refusal.payment_ref or "-",
+            refusal.reason.value,
+            amount_text(refusal),
+            utc_text(refusal.refused_at_ms),
+            handled_text(refusal),
+        )
+    Console().print(table)
 
 
 def dataclass_json(value: Any) -> dict[str, Any]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 import pytest
 from sqlalchemy import Engine
 
+from orders.domain import Actor, ActorKind, EventKind
 from orders.events.consumer import EventConsumer
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
@@ -101,6 +103,32 @@ def test_discard_removes_the_parked_entry(
     assert json.loads(run("events", "parked", "--json").stdout) == []
     [row] = json.loads(run("events", "consumers", "--json").stdout)
     assert (row["retrying"], row["parked"]) == (1, 0)
+
+
+#: The event each action on a parked event records.
+RECORDED = {"requeue": EventKind.REQUEUED, "discard": EventKind.DISCARDED}
+
+
+@pytest.mark.parametrize("action", sorted(RECORDED))
+@pytest.mark.parametrize("given", [None, "night shift"], ids=["default", "--actor"])
+def test_requeue_and_discard_record_the_operator_who_ran_them(
+    run: Any,
+    stock: Poison,
+    service: OrderService,
+    monkeypatch: pytest.MonkeyPatch,
+    action: str,
+    given: str | None,
+) -> None:
+    monkeypatch.setenv("LOGNAME", "ann")  # getpass.getuser() reads it first
+    actor_args = [] if given is None else ["--actor", given]
+
+    done = run(*actor_args, "events", action, "stock", "1")
+
+    assert done.exit_code == 0, done.output
+    [recorded] = [e for e in service.iter_events(limit=100) if e.kind == RECORDED[action]]
+    name = f"ann@{socket.gethostname()}" if given is None else given
+    assert recorded.actor == Actor(ActorKind.OPERATOR, name)
+    assert recorded.data == {"consumer": "stock", "event_id": 1}
 
 
 @pytest.mark.parametrize(

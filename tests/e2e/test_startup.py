@@ -45,7 +45,9 @@ def run_probe(*args: str, env: dict[str, str]) -> tuple[str, dict[str, Any]]:
     return output, json.loads(report)
 
 
-@pytest.mark.parametrize("args", [("--help",), ("show", "--help"), ("events", "--help")])
+@pytest.mark.parametrize(
+    "args", [("--help",), ("show", "--help"), ("events", "--help"), ("payments", "--help")]
+)
 def test_help_imports_none_of_the_heavy_libraries(args: tuple[str, ...]) -> None:
     # Configured URLs must not make --help check them (that would import both drivers).
     env = child_env(ORDERS_DATABASE_URL="postgresql://u@db/x", ORDERS_REDIS_URL="redis://r/0")

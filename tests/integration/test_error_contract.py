@@ -571,6 +571,9 @@ COMMANDS: dict[str, Cmd] = {
     "events parked": cmd("events", "parked"),
     "events requeue": cmd("events", "requeue", "contract", "1", redis=2),
     "events discard": cmd("events", "discard", "contract", "1", redis=2),
+    "payments refused": cmd("payments", "refused", "--since", "7d"),
+    # No payment of that order was refused: exit 2, unless SQL fails first.
+    "payments handled": cmd("payments", "handled", "{order}", "--ref", "psp-1", redis=2),
     "scheduler": cmd("scheduler"),
     "dashboard": cmd("dashboard", "--port", "0"),
     "demo": cmd("demo", "--fast"),

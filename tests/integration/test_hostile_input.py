@@ -1005,6 +1005,7 @@ def run_cli_case(
         "create --amount": ["create", "--json", f"--amount={value}", "--currency=EUR", "--", "c"],
         "create --currency": ["create", "--json", "--amount=1", f"--currency={value}", "--", "c"],
         "create --ttl": ["create", "--json", f"--ttl={value}", "--", target_user],
+        "--actor create": [f"--actor={value}", "create", "--json", "--", target_user],
         "create --limit": ["create", "--json", f"--limit={value}", "--", target_user],
         "pay ORDER": ["pay", "--json", "--", value],
         "pay --ref": ["pay", "--json", f"--ref={value}", "--", target.id if target else ""],
@@ -1055,6 +1056,13 @@ def run_cli_case(
             assert abs(ttl_ms - float(value) * 1000) <= 0.5 + 1e-6
         elif case == "create --limit":
             assert 1 <= int(value) <= 1000
+    elif case == "--actor create":
+        stored = service.get_order(out["id"])
+        of_order = select(events_table.c.actor_kind, events_table.c.actor).where(
+            events_table.c.order_id == stored.id
+        )
+        with stores.engine.connect() as conn:
+            assert list(conn.execute(of_order).all()) == [("operator", value)]
     elif case == "pay --ref":
         assert target is not None
         assert service.get_order(target.id).payment_ref == value
@@ -1079,6 +1087,7 @@ def run_cli_case(
 
 
 CLI_TEXT_CASES = [
+    "--actor create",
     "create USER",
     "create --order-id",
     "create --amount",
