@@ -48,7 +48,7 @@ def progress_units(sizes: Sizes, figure: str, engine: str) -> float:
     return {
         "create": (4 * len(thread_counts(engine, sizes.threads)) + tasks) * per_measure,
         "refusal": (3 + tasks) * per_measure,
-        "mark_paid": 2 * per_measure,
+        "mark_paid": 4 * per_measure,
         "cancel": 2 * per_measure,
         "sweep": 3 * (1 + len(sizes.batch_sizes) * (1 + min(sizes.reps, 3))),
         "close_lag": 10,

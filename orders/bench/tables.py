@@ -101,6 +101,9 @@ def _transition(name: str) -> Callable[[_Rows, Mapping[str, Any]], None]:
     def section(rows: _Rows, part: Mapping[str, Any]) -> None:
         rows.variants(name, part)
         rows.ratio(name, f"{name} / raw", part[f"{name}_vs_raw"])
+        for other in ("stating_amount", "refused"):  # mark_paid's, from issue 27 on
+            if f"{other}_vs_{name}" in part:
+                rows.ratio(name, f"{other} / {name}", part[f"{other}_vs_{name}"])
         rows.table.add_section()
 
     return section

@@ -139,7 +139,24 @@ def _transition(w: Workload, kind: EventKind, name: str) -> dict[str, Any]:
 
 
 def mark_paid(w: Workload) -> dict[str, Any]:
-    return _transition(w, EventKind.PAID, "mark_paid")
+    """The payment, its floor, and beside them (issue 27) a payment stating its amount and
+    a refused one (a refund recorded)."""
+    runs = w.measure(
+        "mark_paid",
+        {
+            "mark_paid": variants.transition(w, EventKind.PAID),
+            "raw": variants.raw_transition(w, EventKind.PAID),
+            "stating_amount": variants.paid_stating_amount(w),
+            "refused": variants.refused_payment(w),
+        },
+    )
+    return {
+        "ops_per_rep": w.sizes.ops,
+        "variants": {v: describe(r) for v, r in runs.items()},
+        "mark_paid_vs_raw": spread(ratios(runs["mark_paid"], runs["raw"])),
+        "stating_amount_vs_mark_paid": spread(ratios(runs["stating_amount"], runs["mark_paid"])),
+        "refused_vs_mark_paid": spread(ratios(runs["refused"], runs["mark_paid"])),
+    }
 
 
 def cancel(w: Workload) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from orders.bench.driver import RawDriver, writer_queue
 from orders.bench.measure import Run, Variant, run_ops
 from orders.bench.workload import Workload
 from orders.domain import APPLICATION, EventKind
-from orders.errors import UnpaidOrderLimitReached
+from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from orders.index.unpaid import admit_args
 from orders.sql.models import events_table, orders_table
 from orders.sql.records import LimitReachedInSql
@@ -296,6 +296,39 @@ def transition(w: Workload, kind: EventKind) -> Variant:
     def variant(n: int) -> Run:
         ids, _users = w.open_orders(kind.value[0], n, members=True)
         return run_ops(lambda i: act(ids[i]), n)
+
+    return variant
+
+
+def paid_stating_amount(w: Workload) -> Variant:
+    """``mark_paid`` of a payment that states its amount and currency: the order's amount
+    is read first (one SELECT by key) before the compare-and-set."""
+    service = w.service
+
+    def variant(n: int) -> Run:
+        ids, _users = w.open_orders("a", n, members=True)
+        return run_ops(lambda i: service.mark_paid(ids[i], amount="9.90", currency="EUR"), n)
+
+    return variant
+
+
+def refused_payment(w: Workload) -> Variant:
+    """``mark_paid`` for a cancelled order: the lost compare-and-set, then the refusal's
+    own transaction (the order's row locked, its payment_refused event and refusal row)."""
+    service = w.service
+
+    def variant(n: int) -> Run:
+        ids, _users = w.open_orders("x", n, members=False)
+        w.cancel_rows(ids)
+
+        def op(i: int) -> None:
+            try:
+                service.mark_paid(ids[i], payment_ref="bench-refused")
+            except OrderClosed:
+                return
+            raise RuntimeError("a payment for a cancelled order was not refused")
+
+        return run_ops(op, n)
 
     return variant
 
