@@ -31,6 +31,7 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
+from orders.domain import APPLICATION
 from orders.service import OrderService
 from orders.sql.models import orders_table
 from orders.sql.records import LimitReachedInSql
@@ -340,7 +341,7 @@ def test_sql_guard_holds_where_a_count_then_insert_does_not(
     guards = {
         "naive": lambda values, limit: count_then_insert(engine, values, limit),
         "slots": lambda values, limit: service.records.insert_guarded(
-            values, limit, values["created_at_ms"]
+            values, limit, values["created_at_ms"], APPLICATION
         ),
     }
     results: dict[str, list[tuple[int, int]]] = {}

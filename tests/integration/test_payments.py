@@ -27,7 +27,8 @@ from orders.service import OrderService
 from orders.sql.models import events_table, orders_table, refusals_table
 from tests.support.clocks import ManualClock
 
-pytestmark = [pytest.mark.both_apis]
+#: The tests marked ``both_apis`` run on orders.aio too; the rest check rules decided in
+#: the synchronous core (input checks, the refund list), once.
 
 TTL_S = 60
 WINDOW_S = 3600
@@ -64,6 +65,7 @@ def closed_by_the_sweep(service: OrderService, clock: ManualClock, **create: Any
 # --- refused payments are records ---------------------------------------------------------
 
 
+@pytest.mark.both_apis
 def test_a_payment_for_a_closed_order_is_refused_with_its_refund_recorded_once(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
@@ -108,6 +110,7 @@ def test_a_payment_for_a_cancelled_order_records_a_cancelled_refusal(
     assert (row.reason, row.payment_ref, row.amount) == ("cancelled", "psp-1", None)
 
 
+@pytest.mark.both_apis
 def test_a_second_reference_for_a_paid_order_is_refused_and_a_retry_is_not(
     service: OrderService, engine: Engine
 ) -> None:
@@ -173,6 +176,7 @@ def test_refunds_owed_are_listed_until_marked_handled_and_the_first_handler_is_k
 # --- amounts checked ----------------------------------------------------------------------
 
 
+@pytest.mark.both_apis
 @pytest.mark.parametrize(
     ("amount", "currency", "field", "reason"),
     [
@@ -265,6 +269,7 @@ def test_an_unknown_currency_is_refused_at_create_too(
 # --- late payments ------------------------------------------------------------------------
 
 
+@pytest.mark.both_apis
 def test_within_the_window_a_late_payment_turns_the_closed_order_paid_once(
     make_service: Any, engine: Engine, clock: ManualClock, redis_client: redis.Redis
 ) -> None:
@@ -320,6 +325,7 @@ def raises(order: Order, payment: Payment) -> bool:
     raise RuntimeError("the stock service is down")
 
 
+@pytest.mark.both_apis
 @pytest.mark.parametrize("answer", ["false", "raises", "not_a_bool", "hangs"])
 def test_a_late_payment_the_check_does_not_accept_is_refused_and_recorded(
     make_service: Any, engine: Engine, clock: ManualClock, answer: str
@@ -383,6 +389,7 @@ def test_a_late_payment_of_the_wrong_amount_is_refused_without_asking_the_check(
     assert [r.reason for r in refusal_rows(engine)] == ["amount_mismatch"]
 
 
+@pytest.mark.both_apis
 def test_strict_expiry_closes_an_expired_order_and_the_window_then_accepts_it_late(
     make_service: Any, engine: Engine, clock: ManualClock
 ) -> None:
@@ -417,6 +424,7 @@ def test_strict_expiry_without_a_window_closes_and_records_the_refund(
 # --- who did it ---------------------------------------------------------------------------
 
 
+@pytest.mark.both_apis
 def test_every_event_names_who_caused_it(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
