@@ -142,9 +142,13 @@ def test_one_active_scheduler_across_skewed_hosts_and_takeover_after_sigkill(
                 time.sleep(1.0)  # the holder sweeps a while
                 os.kill(active.pid, signal.SIGKILL)
                 killed_at = time.time()
+                active.proc.wait(10)
+                # Read once the process is reaped: a renewal it sent just before the kill
+                # may still wait in the server's socket buffer, and on a loaded machine the
+                # server can run it after a TTL read that raced it (the lease then lasts a
+                # full TTL longer than that read said).
                 remaining_ms = int(redis_client.pttl(lease.key))
                 read_at = time.time()  # the server read the TTL between the two instants
-                active.proc.wait(10)
                 kills.append(
                     {
                         "name": active.name,

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from tests.support import watchdog
 from tests.support.aio import (
     LOOP_ENV,
     SLOW_CALLBACK_S,
@@ -194,3 +195,20 @@ def test_the_loop_switch_gives_every_helper_and_worker_the_named_loop(
     monkeypatch.setenv(LOOP_ENV, "trio")
     with pytest.raises(ValueError, match="ORDERS_TEST_LOOP='trio'"):
         checked_runner()
+
+
+def test_a_gap_caught_inside_the_heartbeat_is_a_wait_and_one_caught_in_code_is_held() -> None:
+    """On a loaded machine the loop can wait for the GIL inside the heartbeat's own read, a
+    wait the kernel does not count: that gap is the check's, not the code's."""
+
+    def gap_caught_in(path: str) -> watchdog.Gap:
+        stack = f'  File "{path}", line 61 in read\n  File "{path}", line 204 in beat_now'
+        return watchdog.Gap("asyncio", time.perf_counter() + 1, 0.0475, 0.0212, 0.0011, stack)
+
+    slow = SlowCallbacks()
+    slow.note(gap_caught_in(watchdog.__file__))
+    assert (slow.waited, slow.reports) == (1, [])
+    slow.note(gap_caught_in(__file__))
+    assert slow.waited == 1
+    [report] = slow.reports
+    assert "held 21.2 ms" in report
