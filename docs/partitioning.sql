@@ -1,9 +1,9 @@
 -- oes_orders and oes_order_events, hash-partitioned by user_id (PostgreSQL 11 or later;
 -- tried on 15).
 --
--- The same columns, checks, partial indexes and names as migrations 0001-0008, for a fresh
--- database; oes_event_cursors, oes_event_retries, oes_payment_refusals and
--- oes_alembic_version stay as the
+-- The same columns, checks, partial indexes and names as migrations 0001-0009, for a fresh
+-- database; oes_event_cursors, oes_event_retries, oes_payment_refusals, oes_user_limits
+-- and oes_alembic_version stay as the
 -- migrations make them (small, not partitioned). The service's statements run on it unchanged:
 -- tests/integration/test_partitioning.py applies this file to a throwaway PostgreSQL and
 -- runs create, pay, cancel, the sweep and the SQL guard against it. docs/capacity.md says
@@ -48,6 +48,9 @@ CREATE TABLE oes_orders (
     metadata json,
     extensions integer DEFAULT 0 NOT NULL,
     slot integer,
+    policy varchar(64),
+    remind_at_ms bigint,
+    reminded_at_ms bigint,
     CONSTRAINT pk_oes_orders PRIMARY KEY (id, user_id),
     CONSTRAINT ck_oes_orders_status CHECK (status IN ('unpaid', 'paid', 'cancelled', 'closed')),
     CONSTRAINT ck_oes_orders_expiry_after_creation CHECK (expires_at_ms > created_at_ms)
@@ -66,7 +69,7 @@ CREATE TABLE oes_order_events (
     CONSTRAINT pk_oes_order_events PRIMARY KEY (id, user_id),
     CONSTRAINT ck_oes_order_events_kind
         CHECK (kind IN ('created', 'paid', 'cancelled', 'closed', 'extended',
-                        'payment_refused', 'requeued', 'discarded')),
+                        'payment_refused', 'requeued', 'discarded', 'expiring')),
     CONSTRAINT fk_oes_order_events_order_id_oes_orders FOREIGN KEY (order_id, user_id)
         REFERENCES oes_orders (id, user_id) ON DELETE CASCADE
 ) PARTITION BY HASH (user_id);
@@ -127,6 +130,8 @@ CREATE INDEX ix_oes_orders_unpaid_user_id_expires_at_ms ON oes_orders (user_id, 
     WHERE status = 'unpaid';
 CREATE UNIQUE INDEX ix_oes_orders_unpaid_user_id_slot ON oes_orders (user_id, slot)
     WHERE status = 'unpaid';
+CREATE INDEX ix_oes_orders_reminder_due_remind_at_ms ON oes_orders (remind_at_ms)
+    WHERE status = 'unpaid' AND remind_at_ms IS NOT NULL;
 CREATE INDEX ix_oes_orders_paid_paid_at_ms ON oes_orders (paid_at_ms)
     WHERE status = 'paid';
 CREATE INDEX ix_oes_orders_cancelled_closed_at_ms ON oes_orders (closed_at_ms)
@@ -136,7 +141,7 @@ CREATE INDEX ix_oes_orders_closed_closed_at_ms_expires_at_ms ON oes_orders (clos
 CREATE INDEX ix_oes_order_events_order_id ON oes_order_events (order_id);
 CREATE INDEX ix_oes_order_events_txid_id ON oes_order_events (txid, id);
 
--- The rest of the schema as migrations 0003, 0004 and 0008 leave it (the refusals' foreign
+-- The rest of the schema as migrations 0003, 0004, 0008 and 0009 leave it (the refusals' foreign
 -- key is (order_id, user_id), as the events'), and the revision stamp, so
 -- `orders db current` and the service's schema check see a database at head.
 CREATE TABLE oes_event_cursors (
@@ -176,8 +181,18 @@ CREATE TABLE oes_payment_refusals (
 CREATE INDEX ix_oes_payment_refusals_refused_at_ms ON oes_payment_refusals (refused_at_ms);
 CREATE INDEX ix_oes_payment_refusals_pending_refused_at_ms ON oes_payment_refusals (refused_at_ms)
     WHERE handled_at_ms IS NULL;
+CREATE TABLE oes_user_limits (
+    user_id varchar(512) NOT NULL,
+    unpaid_limit integer NOT NULL,
+    updated_at_ms bigint NOT NULL,
+    actor_kind varchar(16),
+    actor varchar(128),
+    CONSTRAINT pk_oes_user_limits PRIMARY KEY (user_id),
+    CONSTRAINT ck_oes_user_limits_unpaid_limit_range
+        CHECK (unpaid_limit >= 0 AND unpaid_limit <= 1000000)
+);
 CREATE TABLE oes_alembic_version (
     version_num varchar(32) NOT NULL,
     CONSTRAINT oes_alembic_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO oes_alembic_version (version_num) VALUES ('0008');
+INSERT INTO oes_alembic_version (version_num) VALUES ('0009');

@@ -51,6 +51,8 @@ class EventKind(StrEnum):
     REQUEUED = "requeued"
     #: An operator dropped a consumer's parked event.
     DISCARDED = "discarded"
+    #: The order's reminder: it expires soon (``remind_before_s``), and is still unpaid.
+    EXPIRING = "expiring"
 
 
 class ActorKind(StrEnum):

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from orders.sql.migration_steps import replace_events_kind_check
+
 revision: str = "0008"
 down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
@@ -36,35 +38,11 @@ NEW_KINDS = (
 PENDING = sa.text("handled_at_ms IS NULL")
 
 
-def kind_check() -> str:
-    """The name of the events' check on ``kind`` as the database has it (on SQLite it
-    keeps the name it was created with when 0007 renamed its table)."""
-    checks = sa.inspect(op.get_bind()).get_check_constraints(EVENTS)
-    return next(str(c["name"]) for c in checks if str(c["name"]).endswith("order_events_kind"))
-
-
-def replace_kind_check(kinds: str) -> None:
-    old = kind_check()
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute(f"ALTER TABLE {EVENTS} DROP CONSTRAINT {old}")
-        op.execute(
-            f"ALTER TABLE {EVENTS} ADD CONSTRAINT ck_{EVENTS}_kind CHECK ({kinds}) NOT VALID"
-        )
-        op.execute(f"ALTER TABLE {EVENTS} VALIDATE CONSTRAINT ck_{EVENTS}_kind")
-        return
-    # SQLite: rebuilt with AUTOINCREMENT kept, so event ids never go back (0003 says why).
-    with op.batch_alter_table(
-        EVENTS, recreate="always", table_kwargs={"sqlite_autoincrement": True}
-    ) as batch:
-        batch.drop_constraint(op.f(old), type_="check")
-        batch.create_check_constraint("kind", sa.text(kinds))
-
-
 def upgrade() -> None:
     with op.batch_alter_table(EVENTS) as batch:
         batch.add_column(sa.Column("actor_kind", sa.String(length=16), nullable=True))
         batch.add_column(sa.Column("actor", sa.String(length=128), nullable=True))
-    replace_kind_check(NEW_KINDS)
+    replace_events_kind_check(NEW_KINDS)
     op.create_table(
         REFUSALS,
         sa.Column("order_id", sa.String(length=128), nullable=False),
@@ -108,7 +86,7 @@ def downgrade() -> None:
     op.execute(
         f"DELETE FROM {EVENTS} WHERE kind IN ('payment_refused', 'requeued', 'discarded')"  # noqa: S608
     )
-    replace_kind_check(OLD_KINDS)
+    replace_events_kind_check(OLD_KINDS)
     with op.batch_alter_table(EVENTS, table_kwargs={"sqlite_autoincrement": True}) as batch:
         batch.drop_column("actor")
         batch.drop_column("actor_kind")

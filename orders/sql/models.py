@@ -45,6 +45,9 @@ NAMING_CONVENTION = {
 USER_ID_COLUMN_LENGTH = USER_ID_MAX_LENGTH
 ORDER_ID_COLUMN_LENGTH = 128
 TEXT_COLUMN_LENGTH = TEXT_MAX_LENGTH
+POLICY_NAME_COLUMN_LENGTH = 64
+#: The highest per-user limit the schema admits (and the settings' limit too).
+USER_LIMIT_MAX = 1_000_000
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; elsewhere the key is a BIGINT.
 EventId = BigInteger().with_variant(Integer(), "sqlite")
@@ -56,6 +59,8 @@ CANCELLED_SQL = f"status = '{OrderStatus.CANCELLED.value}'"
 CLOSED_SQL = f"status = '{OrderStatus.CLOSED.value}'"
 #: A payment refusal whose refund nobody has marked handled yet.
 PENDING_SQL = "handled_at_ms IS NULL"
+#: An unpaid order whose reminder is still to be written.
+REMINDER_DUE_SQL = f"{UNPAID_SQL} AND remind_at_ms IS NOT NULL"
 #: An event_retries row still being retried (not parked).
 RETRYING_SQL = "parked_at_ms IS NULL"
 
@@ -88,6 +93,11 @@ class OrderRow(Base):
     extensions: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     #: While unpaid: which of its user's ``limit`` slots the order holds (the SQL guard).
     slot: Mapped[int | None] = mapped_column(Integer)
+    #: The expiry policy it was created under (NULL: the settings' defaults).
+    policy: Mapped[str | None] = mapped_column(String(POLICY_NAME_COLUMN_LENGTH))
+    #: When the sweep writes its ``expiring`` event (NULL: none due), and when it did.
+    remind_at_ms: Mapped[int | None] = mapped_column(BigInteger)
+    reminded_at_ms: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (
         CheckConstraint(f"status IN ({_in(OrderStatus)})", name="status"),
@@ -117,6 +127,13 @@ class OrderRow(Base):
             unique=True,
             postgresql_where=text(UNPAID_SQL),
             sqlite_where=text(UNPAID_SQL),
+        ),
+        # The reminders still due, in the order the sweep writes them.
+        Index(
+            "ix_oes_orders_reminder_due_remind_at_ms",
+            "remind_at_ms",
+            postgresql_where=text(REMINDER_DUE_SQL),
+            sqlite_where=text(REMINDER_DUE_SQL),
         ),
         # Partial indexes over each terminal status, on the time of its transition: the
         # stats count what happened in a time window (and read the close lags) from these
@@ -217,6 +234,25 @@ class PaymentRefusalRow(Base):
     )
 
 
+class UserLimitRow(Base):
+    """A user whose unpaid limit is not the settings' one (0: may hold no unpaid order)."""
+
+    __tablename__ = "oes_user_limits"
+
+    user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH), primary_key=True)
+    unpaid_limit: Mapped[int] = mapped_column(Integer)
+    updated_at_ms: Mapped[int] = mapped_column(BigInteger)
+    #: Who set it (an ``orders.domain.ActorKind``) and the name they gave.
+    actor_kind: Mapped[str | None] = mapped_column(String(16))
+    actor: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
+
+    __table_args__ = (
+        CheckConstraint(
+            f"unpaid_limit >= 0 AND unpaid_limit <= {USER_LIMIT_MAX}", name="unpaid_limit_range"
+        ),
+    )
+
+
 class EventCursorRow(Base):
     """Where a named consumer of order_events has got to (durable, one row per name)."""
 
@@ -262,6 +298,7 @@ events_table = cast(Table, OrderEventRow.__table__)
 cursors_table = cast(Table, EventCursorRow.__table__)
 retries_table = cast(Table, EventRetryRow.__table__)
 refusals_table = cast(Table, PaymentRefusalRow.__table__)
+user_limits_table = cast(Table, UserLimitRow.__table__)
 #: ``status = 'unpaid'`` as an inline literal, the form the partial indexes can serve
 #: (PostgreSQL's generic plans of prepared statements included; a bound parameter is not).
 UNPAID_PREDICATE = orders_table.c.status == literal_column(f"'{OrderStatus.UNPAID.value}'")
