@@ -247,15 +247,40 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("redis_kind", ["server", "cluster"], indirect=True)
 
 
+def rotated_out(items: list[pytest.Item]) -> list[pytest.Item]:
+    """Tests marked ``rotate(*params)`` are matrices of cases (a bad input, a store failure)
+    by combinations of the named parameters (the stores, the API). Without ``--full`` each
+    case runs on one combination, the next case on the next one, so every combination still
+    runs, each with a share of the cases: the items this leaves out."""
+    groups: dict[tuple[str, str], list[tuple[tuple[str, ...], pytest.Item]]] = {}
+    for item in items:
+        marker = item.get_closest_marker("rotate")
+        callspec = getattr(item, "callspec", None)
+        if marker is None or callspec is None:
+            continue
+        rotated = set(marker.args)
+        case = repr(sorted((k, repr(v)) for k, v in callspec.params.items() if k not in rotated))
+        combination = tuple(str(callspec.params.get(name)) for name in marker.args)
+        groups.setdefault((item.nodeid.partition("[")[0], case), []).append((combination, item))
+    out: list[pytest.Item] = []
+    for number, (_, members) in enumerate(sorted(groups.items(), key=lambda g: g[0])):
+        members.sort(key=lambda member: member[0])
+        kept = number % len(members)
+        out += [item for n, (_, item) in enumerate(members) if n != kept]
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``full_only`` run with ``--full`` only. With several servers, a test on
     the cluster or on the asyncio API runs once, under the last's id (the cluster's nodes
     are that server, ``local_cluster``)."""
     if not (config.getoption("--full") or os.environ.get("ORDERS_TEST_FULL") == "1"):
         full_only = [item for item in items if item.get_closest_marker("full_only")]
+        full_only += rotated_out(items)
         if full_only:
             config.hook.pytest_deselected(items=full_only)
-            items[:] = [item for item in items if not item.get_closest_marker("full_only")]
+            left = {id(item) for item in full_only}
+            items[:] = [item for item in items if id(item) not in left]
     binaries = redis_binaries()
     if len(binaries) < 2 or binaries[-1].missing:
         return  # one server: everything runs on it (or every second-server test fails)
@@ -335,6 +360,7 @@ def postgres() -> Iterator[PostgresTarget | str]:
     try:
         yield target
     finally:
+        target.close()
         server.stop()
 
 

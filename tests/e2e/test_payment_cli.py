@@ -100,6 +100,7 @@ def test_every_write_through_the_cli_names_the_operator(
     ]
 
 
+@pytest.mark.rotate("database_url")
 @pytest.mark.parametrize(
     "bad", ["x" * 129, "ann\x07", " ann", ""], ids=["too-long", "control", "space", "empty"]
 )

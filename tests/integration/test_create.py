@@ -357,6 +357,7 @@ BAD_CREATE_ARGUMENTS: list[dict[str, Any]] = [
 ]
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 @pytest.mark.parametrize("bad", BAD_CREATE_ARGUMENTS, ids=",".join)
 def test_bad_input_raises_invalid_input_and_writes_nothing(
     service: OrderService, engine: Engine, redis_client: redis.Redis, bad: dict[str, Any]
@@ -373,6 +374,7 @@ def test_bad_input_raises_invalid_input_and_writes_nothing(
         assert conn.scalar(select(func.count()).select_from(events_table)) == 0
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 @pytest.mark.parametrize("user_id", ["ünïcödé", "e\u0301", "👩‍💻", "'; DROP TABLE oes_orders; --"])
 def test_unusual_but_valid_user_ids_are_stored_and_returned_exactly(
     service: OrderService, redis_client: redis.Redis, user_id: str

@@ -399,6 +399,7 @@ def name_of(outcome: Outcome) -> str:
     return "success" if outcome is None else f"{outcome.__module__}.{outcome.__qualname__}"
 
 
+@pytest.mark.rotate("stores")
 @pytest.mark.parametrize(("surface", "name", "failure"), API_CASES)
 def test_public_function_raises_the_promised_error_on_store_failure(
     stores: Stores, module_env: pytest.MonkeyPatch, surface: str, name: str, failure: str
@@ -610,6 +611,7 @@ def invoke(args: list[str], env: dict[str, str]) -> Any:
     return CliRunner().invoke(main, args, env=env, catch_exceptions=True)
 
 
+@pytest.mark.rotate("stores")
 @pytest.mark.parametrize(("name", "failure"), CLI_CASES)
 def test_command_exits_with_one_line_on_store_failure(
     stores: Stores, tmp_path: Path, name: str, failure: str

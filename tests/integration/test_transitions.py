@@ -526,6 +526,7 @@ def test_unknown_order_id_raises_not_found_and_changes_nothing(
     assert (table_counts(engine), redis_client.dbsize()) == before
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 @pytest.mark.parametrize("bad_id", sorted(MALFORMED_IDS))
 @pytest.mark.parametrize("operation", sorted(OPERATIONS))
 def test_malformed_order_id_raises_invalid_input_and_changes_nothing(

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from sqlalchemy import create_engine
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 
 UNPRIVILEGED_USER = "nobody"
@@ -154,6 +154,9 @@ class PostgresTarget:
         #: Emptied copies of each template, and each template's shape (see copy_of).
         self._free: dict[str, list[str]] = {}
         self._shapes: dict[str, str] = {}
+        #: One idle session per copy, kept for its next hand-back (a connection costs
+        #: about as much as emptying the copy).
+        self._admin: dict[str, Engine] = {}
 
     def url(self, dbname: str) -> str:
         return self.base.set(database=dbname).render_as_string(hide_password=False)
@@ -172,6 +175,9 @@ class PostgresTarget:
         return name
 
     def drop_database(self, name: str) -> None:
+        admin = self._admin.pop(name, None)
+        if admin is not None:
+            admin.dispose()
         self.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
     # --- copies of a migrated template, emptied and used again --------------------------
@@ -205,6 +211,13 @@ class PostgresTarget:
             for name in names:
                 self.drop_database(name)
         self._free.clear()
+        self.close()
+
+    def close(self) -> None:
+        """Close the sessions kept for hand-backs (before the server stops)."""
+        for engine in self._admin.values():
+            engine.dispose()
+        self._admin.clear()
 
     def _shape(self, name: str) -> str:
         engine = create_engine(self.url(name), isolation_level="AUTOCOMMIT")
@@ -215,21 +228,23 @@ class PostgresTarget:
             engine.dispose()
 
     def _reusable(self, name: str, template: str) -> bool:
-        engine = create_engine(self.url(name), isolation_level="AUTOCOMMIT")
-        try:
-            with engine.connect() as conn:
-                if conn.exec_driver_sql(_IN_USE).scalar_one():
-                    return False
-                if str(conn.exec_driver_sql(_SHAPE).scalar_one()) != self._shapes[template]:
-                    return False
-                tables = conn.exec_driver_sql(_TABLES).scalars().all()
-                if tables:
-                    listed = ", ".join(f'public."{table}"' for table in tables)
-                    conn.exec_driver_sql("SET lock_timeout = '2s'")
-                    conn.exec_driver_sql(f"TRUNCATE {listed} RESTART IDENTITY CASCADE")
-                return True
-        finally:
-            engine.dispose()
+        engine = self._admin.get(name)
+        if engine is None:
+            engine = create_engine(
+                self.url(name), isolation_level="AUTOCOMMIT", pool_size=1, pool_pre_ping=True
+            )
+            self._admin[name] = engine
+        with engine.connect() as conn:
+            if conn.exec_driver_sql(_IN_USE).scalar_one():
+                return False
+            if str(conn.exec_driver_sql(_SHAPE).scalar_one()) != self._shapes[template]:
+                return False
+            tables = conn.exec_driver_sql(_TABLES).scalars().all()
+            if tables:
+                listed = ", ".join(f'public."{table}"' for table in tables)
+                conn.exec_driver_sql("SET lock_timeout = '2s'")
+                conn.exec_driver_sql(f"TRUNCATE {listed} RESTART IDENTITY CASCADE")
+            return True
 
 
 #: Everything about a database but its rows, as one digest: relations and their columns,
