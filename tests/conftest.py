@@ -273,7 +273,8 @@ def rotated_out(items: list[pytest.Item]) -> list[pytest.Item]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``full_only`` run with ``--full`` only. With several servers, a test on
     the cluster or on the asyncio API runs once, under the last's id (the cluster's nodes
-    are that server, ``local_cluster``)."""
+    are that server, ``local_cluster``), and the other servers run on SQLite only unless
+    ``--full``."""
     if not (config.getoption("--full") or os.environ.get("ORDERS_TEST_FULL") == "1"):
         full_only = [item for item in items if item.get_closest_marker("full_only")]
         full_only += rotated_out(items)
@@ -286,14 +287,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return  # one server: everything runs on it (or every second-server test fails)
     second = binaries[-1]
 
+    full = config.getoption("--full") or os.environ.get("ORDERS_TEST_FULL") == "1"
+
     def left_out(item: pytest.Item) -> bool:
         callspec = getattr(item, "callspec", None)
         params: dict[str, Any] = callspec.params if callspec else {}
-        if "redis_binary" not in params:
+        if "redis_binary" not in params or params["redis_binary"] == second:
             return False
         if params.get("redis_kind") == "cluster" or params.get("api") == "async":
-            return params["redis_binary"] != second
-        return False
+            return True
+        # The other servers are there for what Redis does, which the SQL engine behind it
+        # does not change: on SQLite only, unless --full.
+        engine = params.get("database_url", params.get("stores"))
+        return not full and engine == "postgresql"
 
     kept = [item for item in items if not left_out(item)]
     if len(kept) < len(items):
