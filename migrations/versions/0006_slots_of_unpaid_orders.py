@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from orders.sql.migration_steps import drop_columns_in_place
 from orders.sql.schema_names import Names
 
 revision: str = "0006"
@@ -63,5 +64,4 @@ def upgrade() -> None:
 def downgrade() -> None:
     n = Names.of(op.get_bind())
     op.drop_index(n("ix_orders_unpaid_user_id_slot"), table_name=n("orders"))
-    with op.batch_alter_table(n("orders")) as batch:
-        batch.drop_column("slot")
+    drop_columns_in_place(n("orders"), "slot")  # in place: a rebuild would drop every event

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from orders.sql.migration_steps import replace_events_kind_check
+from orders.sql.migration_steps import drop_columns_in_place, replace_events_kind_check
 
 revision: str = "0009"
 down_revision: str | None = "0008"
@@ -79,8 +79,4 @@ def downgrade() -> None:
     op.execute(f"DELETE FROM {EVENTS} WHERE kind = 'expiring'")  # noqa: S608
     replace_events_kind_check(OLD_KINDS)
     op.drop_index("ix_oes_orders_reminder_due_remind_at_ms", table_name=ORDERS)
-    # ALTER TABLE ... DROP COLUMN on both engines (SQLite 3.35 and later), not a batch
-    # rebuild: on SQLite a rebuild drops the old orders table, and with foreign keys on that
-    # deletes every event through their ON DELETE CASCADE.
-    for column in ("reminded_at_ms", "remind_at_ms", "policy"):
-        op.execute(f"ALTER TABLE {ORDERS} DROP COLUMN {column}")
+    drop_columns_in_place(ORDERS, "reminded_at_ms", "remind_at_ms", "policy")

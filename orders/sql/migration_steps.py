@@ -39,3 +39,13 @@ def replace_events_kind_check(kinds: str) -> None:
     ) as batch:
         batch.drop_constraint(op.f(old), type_="check")
         batch.create_check_constraint("kind", sa.text(kinds))
+
+
+def drop_columns_in_place(table: str, *columns: str) -> None:
+    """``ALTER TABLE ... DROP COLUMN`` for each column, on both engines (SQLite 3.35 and
+    later), never a batch rebuild of ``table``: SQLite rebuilds a table by dropping the old
+    one, and with foreign keys on, dropping the orders table deletes every event, refusal
+    and retry that refers to it (ON DELETE CASCADE). A column must not be in an index or a
+    constraint when dropped: drop those first."""
+    for column in columns:
+        op.execute(f"ALTER TABLE {table} DROP COLUMN {column}")

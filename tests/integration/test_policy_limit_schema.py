@@ -71,3 +71,22 @@ def test_0009_keeps_old_orders_on_the_defaults_and_downgrade_drops_only_its_own(
 
     migrate.upgrade(empty_engine)
     assert schema_differences(empty_engine) == []
+
+
+@pytest.mark.parametrize("target", ["0005", "0002"])
+def test_a_downgrade_that_drops_an_orders_column_keeps_every_event(
+    empty_engine: Engine, target: str
+) -> None:
+    """0006 (slot) and 0003 (extensions) drop a column of the orders table: on SQLite a
+    rebuild of that table would delete every event through the foreign key's cascade."""
+    migrate.upgrade(empty_engine, "0006")
+    with empty_engine.begin() as conn:
+        conn.execute(text(ORDER))
+        conn.execute(text(EVENT.replace(", actor_kind", "").replace(", 'application'", "")))
+
+    migrate.downgrade(empty_engine, target)
+    with empty_engine.connect() as conn:
+        events = conn.execute(text(f"SELECT order_id, kind FROM {events_table.name}")).all()
+    assert [tuple(e) for e in events] == [("o-1", "created")]
+    migrate.upgrade(empty_engine)
+    assert schema_differences(empty_engine) == []
