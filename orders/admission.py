@@ -282,7 +282,7 @@ class Admitter:
             )
         except StoreUnavailable:
             return False
-        if admitted.outcome in (Admission.REFUSED, Admission.ABANDONED):
+        if admitted.outcome not in (Admission.ADMITTED, Admission.EXISTS):
             return False
         # The order still holds its SQL slot (it is unpaid): only Redis needed the check.
         # One statement with its event (autocommit on PostgreSQL): a process frozen here

@@ -79,18 +79,27 @@ def test_create_cancel_create_counts_every_create(
 
 
 def test_a_retry_with_the_same_order_id_is_not_a_new_create(
-    rated: OrderService, redis_client: redis.Redis, clock: ManualClock
+    rated: OrderService, redis_client: redis.Redis, engine: Engine, clock: ManualClock
 ) -> None:
+    # The first attempt got as far as its admission (counted), then died before its insert.
+    rate = CreateRate(3, HOUR_MS)
+    rated.index.admit(
+        "u1", "ord-1", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=10, rate=rate
+    )
+    rated.create_unpaid_order("u1")
+    rated.create_unpaid_order("u1")
+    clock.advance(s=1)
+
+    # The rate is used up, but the retry is no new create: it finishes the order.
     order = rated.create_unpaid_order("u1", order_id="ord-1")
-    for _ in range(4):
+    assert order.id in sql_ids(engine, "u1")
+    for _ in range(3):
         clock.advance(s=1)
         assert rated.create_unpaid_order("u1", order_id="ord-1").id == order.id
-    rated.create_unpaid_order("u1")
-    rated.create_unpaid_order("u1")
-
     assert len(rate_entries(rated, redis_client, "u1")) == 3
-    # Paid (no longer in the user's set), then retried once the rate is used up: the same
-    # order comes back, not a refusal.
+    with pytest.raises(CreateRateLimited):
+        rated.create_unpaid_order("u1")
+    # Paid (no longer in the user's set), then retried: the same order comes back.
     rated.mark_paid(order.id)
     assert rated.create_unpaid_order("u1", order_id="ord-1").id == order.id
 
@@ -146,7 +155,11 @@ def test_the_pre_close_checks_reopen_is_not_a_create(
 
     assert service.sweep_expired().closed == 0
     assert service.get_order(order.id).expires_at_ms == clock() + 30_000
-    assert rate_entries(service, redis_client, "u1") == {order.id}
+    assert service.index.members("u1") == {order.id: clock() + 30_000}
+    rate_key = service.index.rate_key("u1")
+    assert redis_client.zrange(rate_key, 0, -1, withscores=True) == [
+        (order.id.encode(), order.created_at_ms)
+    ]
 
 
 def test_the_rate_set_shares_the_users_slot_and_expires_with_the_window(
