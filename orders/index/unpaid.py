@@ -194,8 +194,9 @@ class UnpaidIndex:
 
     def abandon(self, user_id: str, order_id: str, *, started_ms: int) -> bool:
         """Undo the admission that a create started at ``started_ms`` may have sent, and
-        make a late run of it add nothing (``abandon.lua``); True if a member went."""
-        keys = [self.key(user_id), self.admits_key(user_id)]
+        make a late run of it add nothing (``abandon.lua``); True if a member went (its
+        entry in the rate set goes with it: the attempt is no create)."""
+        keys = [self.key(user_id), self.admits_key(user_id), self.rate_key(user_id)]
         with redis_errors("abandon"):
             return bool(self._abandon(keys=keys, args=[order_id, started_ms, self.window_ms]))
 

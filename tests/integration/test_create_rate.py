@@ -145,6 +145,23 @@ def test_a_create_refused_by_sql_after_redis_admitted_gives_its_rate_back(
     assert sql_ids(engine, "u1") == {kept.id, second.id}
 
 
+def test_an_abandoned_admission_gives_its_rate_back(
+    rated: OrderService, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    # A create whose Redis call timed out: its caller abandons the attempt.
+    rate = CreateRate(3, HOUR_MS)
+    started_ms = clock()
+    rated.index.admit(
+        "u1", "lost", expires_at_ms=clock() + 60_000, now_ms=started_ms, limit=10, rate=rate
+    )
+    rated.index.admit(
+        "u1", "kept", expires_at_ms=clock() + 60_000, now_ms=started_ms, limit=10, rate=rate
+    )
+
+    assert rated.index.abandon("u1", "lost", started_ms=started_ms)
+    assert rate_entries(rated, redis_client, "u1") == {"kept"}
+
+
 def test_the_pre_close_checks_reopen_is_not_a_create(
     make_service: Callable[..., OrderService], redis_client: redis.Redis, clock: ManualClock
 ) -> None:
