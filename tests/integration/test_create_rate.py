@@ -10,6 +10,8 @@ import pytest
 import redis
 from sqlalchemy import Engine, select
 
+import orders
+import orders.aio
 from orders import CreateRateLimited, InvalidInput, Order, OrderService, UnpaidOrderLimitReached
 from orders.config import CreateRate, Settings
 from orders.sql.models import orders_table
@@ -219,3 +221,8 @@ def test_a_bad_rate_is_refused_when_the_settings_are_made(text: str) -> None:
 def test_a_rate_is_read_once_into_creates_and_milliseconds(text: str, parsed: Any) -> None:
     assert Settings.from_env({"ORDERS_CREATE_RATE": text}).create_rate_limit == parsed
     assert Settings().create_rate_limit is None
+
+
+def test_the_error_is_exported_beside_both_apis() -> None:
+    assert orders.CreateRateLimited is orders.aio.CreateRateLimited is CreateRateLimited
+    assert issubclass(CreateRateLimited, orders.OrdersError)
