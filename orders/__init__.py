@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from orders.config import Settings
 from orders.domain import Actor, ActorKind, Order, OrderStatus, Payment, SweepResult
 from orders.errors import (
+    CreateRateLimited,
     InvalidInput,
     OrderAlreadyPaid,
     OrderClosed,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Actor",
     "ActorKind",
+    "CreateRateLimited",
     "InvalidInput",
     "Order",
     "OrderAlreadyPaid",

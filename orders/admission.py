@@ -4,7 +4,11 @@ Every way an order comes to count against its user's limit goes through here: a 
 and the pre-close check's extension of an expired order (which no longer held a slot).
 
 1. The Redis script (``admit.lua``) drops expired members, counts, and refuses at the limit
-   or adds the member, atomically: a refusal costs one round trip and no SQL.
+   (or at the create rate, ``Settings.create_rate``, asked first) or adds the member,
+   atomically: a refusal costs one round trip and no SQL. The rate counts creates, not
+   open orders, so only a create is counted: a retry that finds its member is not, nor is
+   the pre-close check's reopen. It lives in Redis alone: a Redis that lost its data has
+   forgotten the creates it counted.
 2. SQL inserts the order and its event into a free slot of the user (``orders.sql.slots``):
    a unique index, not a count, so Redis may have lost members and the limit still holds.
 3. If SQL refuses or fails, the member this call added is removed again (compensation).
@@ -29,6 +33,7 @@ next reconcile.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import deque
@@ -38,8 +43,14 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from orders.config import CreateRate
 from orders.domain import PRE_CLOSE_CHECK, Actor, Order, same_order
-from orders.errors import OrdersError, StoreUnavailable, UnpaidOrderLimitReached
+from orders.errors import (
+    CreateRateLimited,
+    OrdersError,
+    StoreUnavailable,
+    UnpaidOrderLimitReached,
+)
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
 from orders.sql.host import follow
@@ -69,34 +80,53 @@ class Admitter:
     """Admits orders against a user's limit in Redis and in SQL (see the module docstring)."""
 
     def __init__(
-        self, index: UnpaidIndex, records: OrderRecords, *, create_without_redis: bool
+        self,
+        index: UnpaidIndex,
+        records: OrderRecords,
+        *,
+        create_without_redis: bool,
+        rate: CreateRate | None = None,
     ) -> None:
         self.index = index
         self.records = records
         self.create_without_redis = create_without_redis
+        #: The create rate (``Settings.create_rate``), counted by creates only.
+        self.rate = rate
         #: Abandons Redis did not take (user id, order id, attempt's start): sent after
         #: the next admission Redis answers. Bounded: past it, reconcile.
         self.unsent_abandons: deque[tuple[str, str, int]] = deque(maxlen=UNSENT_ABANDONS_MAX)
         self._unsent_lock = threading.Lock()
 
     def reserve(
-        self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
+        self,
+        user_id: str,
+        order_id: str,
+        *,
+        expires_at_ms: int,
+        now_ms: int,
+        limit: int,
+        rate: CreateRate | None = None,
     ) -> AdmitResult:
-        """The Redis step, under the one outage policy.
+        """The Redis step, under the one outage policy; ``rate``: count it as a create.
 
         Once Redis answers, the abandons it did not take before go; when one removed a
         member of this user, an answer other than "admitted" is asked again (the member
         refused or found may have been the one removed).
         """
+        admit = functools.partial(
+            self.index.admit,
+            user_id,
+            order_id,
+            expires_at_ms=expires_at_ms,
+            now_ms=now_ms,
+            limit=limit,
+            rate=rate,
+        )
         try:
-            admitted = self.index.admit(
-                user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
-            )
+            admitted = admit()
             freed = bool(self.unsent_abandons) and self.send_abandons(user_id)
             if freed and admitted.outcome is not Admission.ADMITTED:
-                admitted = self.index.admit(
-                    user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
-                )
+                admitted = admit()
             return admitted
         except StoreUnavailable:
             if not self.create_without_redis:
@@ -113,7 +143,12 @@ class Admitter:
     ) -> AdmitResult:
         try:
             admitted = self.reserve(
-                user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                user_id,
+                order_id,
+                expires_at_ms=expires_at_ms,
+                now_ms=now_ms,
+                limit=limit,
+                rate=self.rate,
             )
         except ServerRefused as refused:  # Redis answered: nothing was written
             raise StoreUnavailable(refused.store, refused.detail) from refused.__cause__
@@ -152,12 +187,11 @@ class Admitter:
         """
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
         admitted = self._reserve_or_abandon(uid, oid, values["expires_at_ms"], now_ms, limit)
-        if admitted.outcome is Admission.REFUSED:
+        if admitted.outcome in (Admission.REFUSED, Admission.RATE_LIMITED):
             earlier = self.records.find(oid, now_ms, host) if caller_id else None
             if earlier is not None:
                 return same_order(earlier, uid, amount, currency), False
-            wait_s = retry_after_s(admitted.score_ms, now_ms)
-            raise UnpaidOrderLimitReached(uid, limit, admitted.open_count, wait_s)
+            raise self._refusal(uid, admitted, limit, now_ms)
         if admitted.outcome is Admission.EXISTS:
             # A retry (or a concurrent twin) of a create whose Redis step already ran:
             # finish it with the expiry that Redis holds.
@@ -183,6 +217,15 @@ class Admitter:
                 host, on_rollback=lambda: self.release_after_commit(uid, oid, forget_admission=True)
             )
         return order, created
+
+    def _refusal(self, user_id: str, refused: AdmitResult, limit: int, now_ms: int) -> OrdersError:
+        """The error for the script's refusal: the limit's, or the create rate's."""
+        if refused.outcome is Admission.REFUSED or self.rate is None:
+            wait_s = retry_after_s(refused.score_ms, now_ms)
+            return UnpaidOrderLimitReached(user_id, limit, refused.open_count, wait_s)
+        count, window_ms = self.rate
+        wait_s = retry_after_s(refused.score_ms + window_ms, now_ms)
+        return CreateRateLimited(user_id, count, window_ms / 1000, wait_s)
 
     def _insert(
         self,
@@ -239,7 +282,7 @@ class Admitter:
             )
         except StoreUnavailable:
             return False
-        if admitted.outcome in (Admission.REFUSED, Admission.ABANDONED):
+        if admitted.outcome not in (Admission.ADMITTED, Admission.EXISTS):
             return False
         # The order still holds its SQL slot (it is unpaid): only Redis needed the check.
         # One statement with its event (autocommit on PostgreSQL): a process frozen here

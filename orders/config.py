@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from orders.errors import InvalidInput
 from orders.urls import SecretUrl, check_database_url, check_redis_url
@@ -30,6 +30,34 @@ CLOCK_SKEW_MARGIN_S = 5.0
 #: The SQL wait a create is assumed to need at most when neither the statement timeout nor
 #: the busy timeout bounds it (both set to 0).
 UNBOUNDED_SQL_WAIT_S = 60.0
+
+
+#: The bounds of ``Settings.create_rate``: creates per window, and the window.
+CREATE_RATE_MAX_COUNT = 10**6
+CREATE_RATE_MAX_WINDOW_S = 30 * 24 * 3600
+_CREATE_RATE = re.compile(r"([0-9]{1,9})/([0-9]{1,9}(?:\.[0-9]{1,3})?)")
+
+
+class CreateRate(NamedTuple):
+    """At most ``creates`` per user in any ``window_ms`` (a sliding window)."""
+
+    creates: int
+    window_ms: int
+
+
+def parse_create_rate(text: str) -> CreateRate:
+    """``"10/3600"`` (creates/seconds) as a :class:`CreateRate`, or :class:`InvalidInput`."""
+    found = _CREATE_RATE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if found is None:
+        raise InvalidInput("create_rate", "must be COUNT/SECONDS, e.g. 10/3600")
+    count, window_ms = int(found[1]), round(float(found[2]) * 1000)
+    if not 1 <= count <= CREATE_RATE_MAX_COUNT:
+        raise InvalidInput("create_rate", f"count must be between 1 and {CREATE_RATE_MAX_COUNT}")
+    if not 1 <= window_ms <= CREATE_RATE_MAX_WINDOW_S * 1000:
+        raise InvalidInput(
+            "create_rate", f"window must be above 0 and at most {CREATE_RATE_MAX_WINDOW_S} s"
+        )
+    return CreateRate(count, window_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +140,9 @@ class Settings:
     #: orders.aio: calls that may wait for a thread beyond those running; one more is
     #: refused at once with :class:`~orders.errors.Overloaded`.
     aio_queue: int = 1024
+    #: At most COUNT creates per user in any SECONDS, a sliding window ("10/3600"); None:
+    #: no rate. Kept in Redis only (:attr:`create_rate_limit` is the parsed value).
+    create_rate: str | None = None
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -165,8 +196,15 @@ class Settings:
         _check_lock_timeouts(self)
         check_handler_paths("on_closed", self.on_closed)
         check_handler_paths("on_payment_refused", self.on_payment_refused)
+        if self.create_rate is not None:
+            parse_create_rate(self.create_rate)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
+
+    @property
+    def create_rate_limit(self) -> CreateRate | None:
+        """``create_rate`` parsed (checked when the settings were made), or None."""
+        return None if self.create_rate is None else parse_create_rate(self.create_rate)
 
     @property
     def ttl_ms(self) -> int:

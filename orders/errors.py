@@ -7,6 +7,7 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
      │    └── OrderConflict        an order id reused for another user or amount
      ├── OrderNotFound             no order with that id
      ├── UnpaidOrderLimitReached   the user already holds `limit` open unpaid orders
+     ├── CreateRateLimited         the user started `limit` creates in the last `window_s`
      ├── OrderClosed               closed or cancelled: a late payment must be refunded
      │    └── OrderExpired         unpaid, but its time is up: the sweep will close it
      ├── OrderAlreadyPaid          paid already (with another payment reference)
@@ -87,6 +88,24 @@ class UnpaidOrderLimitReached(OrdersError):
         self.open_count = open_count
         self.retry_after_s = retry_after_s
         self.source = source
+
+
+class CreateRateLimited(OrdersError):
+    """The user started ``limit`` creates in the last ``window_s`` seconds
+    (``Settings.create_rate``); cancelling or paying orders does not lift it.
+
+    ``retry_after_s`` is the time until the oldest of them leaves the window.
+    """
+
+    def __init__(self, user_id: str, limit: int, window_s: float, retry_after_s: float) -> None:
+        super().__init__(
+            f"create rate reached: {limit} creates in {window_s:g} s; "
+            f"retry in {math.ceil(retry_after_s)} s"
+        )
+        self.user_id = user_id
+        self.limit = limit
+        self.window_s = window_s
+        self.retry_after_s = retry_after_s
 
 
 #: Where a refused payment's ``payment_refused`` event stands: (transaction id, event id).

@@ -80,7 +80,9 @@ def _define() -> dict[str, Any]:
         "CREATES": Counter(
             "orders_creates_total",
             "create_unpaid_order calls by result",
-            ["result"],  # admitted, retry (same order again), refused_redis, refused_sql, conflict
+            # admitted, retry (same order again), refused_redis, refused_sql, refused_rate
+            # (the create rate), conflict
+            ["result"],
         ),
         "PAYMENTS": Counter(
             "orders_payments_total",

@@ -40,6 +40,7 @@ from orders.domain import (
     system_clock,
 )
 from orders.errors import (
+    CreateRateLimited,
     InvalidInput,
     OrderConflict,
     OrderExpired,
@@ -100,7 +101,10 @@ class OrderService:
         self.index = index or UnpaidIndex(redis_client, key_prefix=s.key_prefix)
         self.records = records or OrderRecords(engine)
         self.admitter = Admitter(
-            self.index, self.records, create_without_redis=s.create_without_redis
+            self.index,
+            self.records,
+            create_without_redis=s.create_without_redis,
+            rate=s.create_rate_limit,
         )
         # The parts read the time through now_ms, so a clock swapped later reaches them too.
         self.transitions = Transitioner(self.records, self.admitter)
@@ -181,6 +185,9 @@ class OrderService:
             )
         except UnpaidOrderLimitReached as refused:
             metrics.CREATES.labels(f"refused_{refused.source}").inc()
+            raise
+        except CreateRateLimited:
+            metrics.CREATES.labels("refused_rate").inc()
             raise
         except OrderConflict:
             metrics.CREATES.labels("conflict").inc()

@@ -82,6 +82,30 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "a key expiry left from before is cleared when a member is added (it would take it)",
         "tests/integration/test_index_keys.py::test_an_expiry_left_from_before_is_cleared_when_a_member_is_added",
     ),
+    mutation(
+        "admit-rate-off-by-one",
+        "orders/index/lua/admit.lua",
+        "if made >= rate then",
+        "if made > rate then",
+        "Redis refuses the create past the rate, not one more",
+        "tests/integration/test_create_rate.py::test_the_creates_past_the_rate_are_refused_until_the_oldest_leaves_the_window",
+    ),
+    mutation(
+        "admit-rate-window-holds-its-first-millisecond",
+        "orders/index/lua/admit.lua",
+        "redis.call('ZCOUNT', rate_key, '(' .. since, '+inf')",
+        "redis.call('ZCOUNT', rate_key, since, '+inf')",
+        "a create leaves the rate's window exactly one window after it started",
+        "tests/integration/test_create_rate.py::test_the_creates_past_the_rate_are_refused_until_the_oldest_leaves_the_window",
+    ),
+    mutation(
+        "compensation-keeps-the-rate-entry",
+        "orders/index/unpaid.py",
+        "pipe.zrem(self.rate_key(user_id), order_id)",
+        "pipe.zrem(self.rate_key(user_id), '')",
+        "a create refused by SQL after Redis admitted it does not use up the rate",
+        "tests/integration/test_create_rate.py::test_a_create_refused_by_sql_after_redis_admitted_gives_its_rate_back",
+    ),
     # --- the SQL guard -----------------------------------------------------------------------
     mutation(
         "sql-guard-dropped",

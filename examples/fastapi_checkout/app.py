@@ -25,6 +25,7 @@ import orders.aio
 from orders import metrics
 from orders.aio import AsyncOrderService
 from orders.errors import (
+    CreateRateLimited,
     InvalidInput,
     OrderAlreadyPaid,
     OrderClosed,
@@ -129,12 +130,15 @@ async def orders_error(request: Request, exc: OrdersError) -> JSONResponse:
     body: dict[str, object] = {"error": type(exc).__name__, "detail": str(exc)}
     headers: dict[str, str] = {}
     match exc:
-        case UnpaidOrderLimitReached():
+        case UnpaidOrderLimitReached() | CreateRateLimited():
             status = 429
             retry_after_s = max(1, math.ceil(exc.retry_after_s))  # 0 means unknown
             headers["Retry-After"] = str(retry_after_s)
-            body |= {"limit": exc.limit, "open_count": exc.open_count}
-            body["retry_after_s"] = retry_after_s
+            body |= {"limit": exc.limit, "retry_after_s": retry_after_s}
+            if isinstance(exc, CreateRateLimited):
+                body["window_s"] = exc.window_s
+            else:
+                body["open_count"] = exc.open_count
         case LatePayment():
             status = 409
             body |= {"order_id": exc.order_id, "status": exc.status}

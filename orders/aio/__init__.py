@@ -9,13 +9,15 @@ first use (or the one given to :func:`configure`)::
 
 The calls run the synchronous API's one set of rules in threads the service owns
 (:mod:`orders.aio.calls`), over its own connections to the host's stores
-(:mod:`orders.aio.clients`).
+(:mod:`orders.aio.clients`). Their errors are the synchronous API's (:mod:`orders.errors`);
+:class:`~orders.errors.CreateRateLimited` is also here, beside the calls it refuses.
 """
 
 from __future__ import annotations
 
 from orders.aio.default import build_async_service, configure, default_service, on_default
 from orders.aio.service import AsyncOrderService
+from orders.errors import CreateRateLimited
 
 create_unpaid_order = on_default(AsyncOrderService.create_unpaid_order)
 mark_paid = on_default(AsyncOrderService.mark_paid)
@@ -31,6 +33,7 @@ mark_refund_handled = on_default(AsyncOrderService.mark_refund_handled)
 
 __all__ = [
     "AsyncOrderService",
+    "CreateRateLimited",
     "build_async_service",
     "cancel_order",
     "configure",

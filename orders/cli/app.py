@@ -20,6 +20,7 @@ import click
 from orders.config import Settings
 from orders.domain import ACTOR_MAX_LENGTH, Actor, ActorKind
 from orders.errors import (
+    CreateRateLimited,
     InvalidInput,
     OrderAlreadyPaid,
     OrderClosed,
@@ -48,6 +49,7 @@ EXIT_CODES: dict[type[OrdersError], int] = {
     StoreUnavailable: 8,
     SchemaConflict: 9,
     PaymentMismatch: 10,
+    CreateRateLimited: 11,
 }
 
 #: Commands whose module is imported only when the command runs: name -> ("module:attr",

@@ -8,7 +8,7 @@ import click
 
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import order_to_json, print_order, print_orders_table
-from orders.errors import UnpaidOrderLimitReached
+from orders.errors import CreateRateLimited, UnpaidOrderLimitReached
 
 
 @main.command()
@@ -32,7 +32,8 @@ def create(
     limit: int | None,
     as_json: bool,
 ) -> None:
-    """Create an unpaid order for USER (refused at the user's limit: exit 4)."""
+    """Create an unpaid order for USER (refused at the user's limit: exit 4; at the create
+    rate, ORDERS_CREATE_RATE: exit 11)."""
     state = cli_state(ctx)
     try:
         order = state.service().create_unpaid_order(
@@ -44,17 +45,20 @@ def create(
             currency=currency,
             actor=state.actor,
         )
-    except UnpaidOrderLimitReached as refused:
+    except (UnpaidOrderLimitReached, CreateRateLimited) as refused:
         if as_json:
-            refusal = {
-                "error": "limit_reached",
-                "limit": refused.limit,
-                "open_count": refused.open_count,
-                "retry_after_s": refused.retry_after_s,
-            }
-            click.echo(json.dumps(refusal))
+            click.echo(json.dumps(refusal_json(refused)))
         raise
     print_order(order, as_json)
+
+
+def refusal_json(refused: UnpaidOrderLimitReached | CreateRateLimited) -> dict[str, object]:
+    """A refused create as ``--json`` prints it: the limit's or the create rate's."""
+    if isinstance(refused, CreateRateLimited):
+        detail: dict[str, object] = {"error": "rate_limited", "window_s": refused.window_s}
+    else:
+        detail = {"error": "limit_reached", "open_count": refused.open_count}
+    return {**detail, "limit": refused.limit, "retry_after_s": refused.retry_after_s}
 
 
 @main.command()

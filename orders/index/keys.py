@@ -1,5 +1,6 @@
-"""The names of the index's keys: a user's set, the admissions hash beside it, and back
-from a key to its user; the one place each is built or read (see :mod:`orders.index.unpaid`)."""
+"""The names of the index's keys: a user's set, the admissions hash and the rate set beside
+it, and back from a key to its user; the one place each is built or read (see
+:mod:`orders.index.unpaid`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def user_of(key: bytes | str, prefix_length: int) -> str | None:
 
 
 ADMITS_TAG = "[admits]"
+#: The user's recent creates, for ``Settings.create_rate`` (see ``admit.lua``).
+RATE_TAG = "[rate]"
 
 
 def hash_tag_of(key: str) -> str | None:
@@ -46,20 +49,26 @@ def hash_tag_of(key: str) -> str | None:
     return key[start + 1 : end]
 
 
-def admits_key(user_key: str, key_prefix: str) -> str:
-    """The name of a user's admissions hash (see ``admit.lua``), the one place it is built.
+def companion_key(user_key: str, key_prefix: str, tag: str) -> str:
+    """The name of a key the service keeps beside a user's set (``tag`` says which: its
+    :data:`ADMITS_TAG` hash, its :data:`RATE_TAG` set), the one place such a name is built.
 
     It must share the hash slot of ``user_key`` (both are KEYS of one script): its hash tag
     is the user key's own tag, else the whole user key. It starts with the prefix (a Redis
     ACL that grants ``~<prefix>*`` covers it) followed by ``[``, which names the service's
     own keys and which :meth:`UnpaidIndex.scan_users` leaves out of its pattern.
     """
-    tag = hash_tag_of(user_key)
-    if tag is None:
+    slot_tag = hash_tag_of(user_key)
+    if slot_tag is None:
         if "}" in user_key:
             raise InvalidInput("key_prefix", "must not contain { or }")
-        tag = user_key
-    return f"{key_prefix}{ADMITS_TAG}{{{tag}}}{'' if tag == user_key else user_key}"
+        slot_tag = user_key
+    return f"{key_prefix}{tag}{{{slot_tag}}}{'' if slot_tag == user_key else user_key}"
+
+
+def admits_key(user_key: str, key_prefix: str) -> str:
+    """The name of a user's admissions hash (see ``admit.lua``)."""
+    return companion_key(user_key, key_prefix, ADMITS_TAG)
 
 
 def glob_escape(text: str) -> str:

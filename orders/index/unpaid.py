@@ -33,11 +33,11 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from orders import metrics
-from orders.config import Settings
+from orders.config import CreateRate, Settings
 from orders.errors import InvalidInput
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
-from orders.index.keys import admits_key, glob_escape, text_of, user_of
+from orders.index.keys import RATE_TAG, admits_key, companion_key, glob_escape, text_of, user_of
 from orders.index.nodes import RedisClient
 from orders.index.pipeline import (
     CallPacker,
@@ -65,6 +65,8 @@ class Admission(enum.IntEnum):
     REFUSED = -1
     #: A late run of an attempt its caller abandoned (``abandon.lua``): nothing written.
     ABANDONED = -2
+    #: The user's create rate is used up (``Settings.create_rate``): nothing written.
+    RATE_LIMITED = -3
 
 
 @dataclass(slots=True)
@@ -87,7 +89,9 @@ class AdmitResult:
     outcome: Admission
     #: Open orders of the user after the call (including this one unless refused).
     open_count: int
-    #: ADMITTED/EXISTS: the order's expiry; REFUSED: the earliest open expiry.
+    #: ADMITTED/EXISTS: the order's expiry; REFUSED: the earliest open expiry;
+    #: RATE_LIMITED: the start of the create whose leaving the window lets the next one in
+    #: (and ``open_count`` is how many creates the window holds).
     score_ms: int
 
 
@@ -99,11 +103,19 @@ def _score(value: bytes | str | float) -> int:
 
 
 def admit_args(
-    order_id: str, *, expires_at_ms: int, now_ms: int, limit: int, window_ms: int
+    order_id: str,
+    *,
+    expires_at_ms: int,
+    now_ms: int,
+    limit: int,
+    window_ms: int,
+    rate: CreateRate | None = None,
 ) -> list[str | int]:
     """``admit.lua``'s ARGV, in its header's order: for :meth:`UnpaidIndex.admit` and for
-    the bench's raw EVALSHA alike (whose KEYS are the user's key and :func:`admits_key`)."""
-    return [order_id, expires_at_ms, now_ms, limit, window_ms]
+    the bench's raw EVALSHA alike (whose KEYS are the user's key and :func:`admits_key`:
+    without a ``rate`` the script reads no other)."""
+    rate_count, rate_window_ms = rate or (0, 0)
+    return [order_id, expires_at_ms, now_ms, limit, window_ms, rate_count, rate_window_ms]
 
 
 class UnpaidIndex:
@@ -138,28 +150,43 @@ class UnpaidIndex:
         """The user's admissions hash (see :func:`admits_key`)."""
         return admits_key(self.key(user_id), self.key_prefix)
 
+    def rate_key(self, user_id: str) -> str:
+        """The user's recent creates, for the create rate (see ``admit.lua``)."""
+        return companion_key(self.key(user_id), self.key_prefix, RATE_TAG)
+
     def admit(
-        self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
+        self,
+        user_id: str,
+        order_id: str,
+        *,
+        expires_at_ms: int,
+        now_ms: int,
+        limit: int,
+        rate: CreateRate | None = None,
     ) -> AdmitResult:
-        """Add ``order_id`` unless the user is at ``limit`` (expired members do not count),
-        noting that a create which started at ``now_ms`` added it.
+        """Add ``order_id`` unless the user is at ``limit`` (expired members do not count)
+        or has used up its ``rate`` of creates, noting that a create which started at
+        ``now_ms`` added it (and, with a rate, counting it).
 
         A server that refuses the script (out of memory, an ACL) raises
         :class:`ServerRefused`: then nothing was written.
         """
-        keys = [self.key(user_id), self.admits_key(user_id)]
+        # KEYS[3] is not the rate's: until it has a key of its own, the rate key stands in.
+        rate_key = self.rate_key(user_id)
+        keys = [self.key(user_id), self.admits_key(user_id), rate_key, rate_key]
         args = admit_args(
             order_id,
             expires_at_ms=expires_at_ms,
             now_ms=now_ms,
             limit=limit,
             window_ms=self.window_ms,
+            rate=rate,
         )
         with redis_errors("admit", refused=ServerRefused):
             try:
                 # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
                 # costs a few microseconds more; it still loads the script on NOSCRIPT).
-                reply: list[Any] = self.client.evalsha(self._admit.sha, 2, *keys, *args)
+                reply: list[Any] = self.client.evalsha(self._admit.sha, len(keys), *keys, *args)
             except NoScriptError:
                 reply = self._admit(keys=keys, args=args)
         code, count, score = reply
@@ -167,8 +194,9 @@ class UnpaidIndex:
 
     def abandon(self, user_id: str, order_id: str, *, started_ms: int) -> bool:
         """Undo the admission that a create started at ``started_ms`` may have sent, and
-        make a late run of it add nothing (``abandon.lua``); True if a member went."""
-        keys = [self.key(user_id), self.admits_key(user_id)]
+        make a late run of it add nothing (``abandon.lua``); True if a member went (its
+        entry in the rate set goes with it: the attempt is no create)."""
+        keys = [self.key(user_id), self.admits_key(user_id), self.rate_key(user_id)]
         with redis_errors("abandon"):
             return bool(self._abandon(keys=keys, args=[order_id, started_ms, self.window_ms]))
 
@@ -193,8 +221,9 @@ class UnpaidIndex:
         """Remove one order from its user's set; True if it was there.
 
         ``forget_admission``: also drop the note of its admission (the hash goes with its
-        last note), for an admission undone because its create failed: the create then
-        leaves nothing behind. Both commands go in one round trip (the keys share a slot).
+        last note) and its entry in the rate set, for an admission undone because its create
+        failed: the create then leaves nothing behind, and does not use up the create rate.
+        The commands go in one round trip (the keys share a slot).
         A payment or a cancel keeps the note, which expires with the admission window,
         and costs one command.
         """
@@ -204,7 +233,8 @@ class UnpaidIndex:
             pipe = self.client.pipeline(transaction=False)
             pipe.zrem(self.key(user_id), order_id)
             pipe.hdel(self.admits_key(user_id), order_id)
-            removed, _ = pipe.execute()
+            pipe.zrem(self.rate_key(user_id), order_id)
+            removed, _, _ = pipe.execute()
             return bool(removed)
 
     def drop_expired(self, user_ids: Iterable[str], now_ms: int) -> None:

@@ -44,6 +44,21 @@ def test_limit_reached_exits_4_with_the_retry_after_on_one_line(run: Any) -> Non
     assert "limit reached: 3 open of 3; retry in 30 s" in refused.stderr
 
 
+def test_create_rate_reached_exits_11_with_the_retry_after_on_one_line(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORDERS_CREATE_RATE", "2/60")
+    for _ in range(2):
+        created = json.loads(run("create", "u1", "--json").stdout)
+        assert run("cancel", created["id"], "--reason", "test").exit_code == 0
+    refused = run("create", "u1", "--json")
+    assert refused.exit_code == 11
+    assert refused.stderr.count("\n") == 1
+    assert "create rate reached: 2 creates in 60 s; retry in 60 s" in refused.stderr
+    refusal = json.loads(refused.stdout)
+    assert (refusal["error"], refusal["limit"], refusal["window_s"]) == ("rate_limited", 2, 60)
+
+
 @pytest.mark.parametrize(
     ("args", "code", "words"),
     [

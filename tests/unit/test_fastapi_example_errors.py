@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 
 from orders.errors import (
+    CreateRateLimited,
     InvalidInput,
     OrderAlreadyPaid,
     OrderClosed,
@@ -43,6 +44,13 @@ def example() -> ModuleType:
 def answer(example: ModuleType, exc: OrdersError) -> tuple[int, dict[str, str], dict[str, Any]]:
     response = asyncio.run(example.orders_error(None, exc))
     return response.status_code, dict(response.headers), json.loads(response.body)
+
+
+def test_the_create_rate_is_429_with_retry_after_and_its_window(example: ModuleType) -> None:
+    status, headers, body = answer(example, CreateRateLimited("u1", 10, 3600, 1799.5))
+    assert (status, headers["retry-after"]) == (429, "1800")
+    assert body["error"] == "CreateRateLimited"
+    assert (body["limit"], body["window_s"], body["retry_after_s"]) == (10, 3600, 1800)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """Every Lua script touches only the keys it is given, its KEYS[1] and, for the admission
-scripts, the user's admissions hash as KEYS[2]: on a Redis Cluster a script may only touch
-keys of one slot, and one user's keys a script is what lets each user live on any node.
-The hash shares the set's slot by its name (tests/integration/test_index_keys.py); the
-cluster suites run the scripts for real, and a cluster refuses a script that touches a key
-of another slot (tests/integration/test_redis_cluster.py)."""
+scripts, the user's admissions hash as KEYS[2] and rate set (``admit.lua``'s KEYS[4],
+``abandon.lua``'s KEYS[3]): on a Redis Cluster a script may only touch keys of one slot,
+and one user's keys a script is what lets each user live on any node. The hash and the
+rate set share the set's slot by their names (tests/integration/test_index_keys.py); the
+cluster suites run the scripts for real, and a cluster refuses a script that touches a
+key of another slot (tests/integration/test_redis_cluster.py)."""
 
 from __future__ import annotations
 
@@ -29,24 +30,23 @@ def test_the_scripts_are_all_found() -> None:
     assert SCRIPTS == ["abandon", "admit", "heartbeat", "lease", "lease_release", "reconcile"]
 
 
-#: The scripts that also get the user's admissions hash.
-WITH_ADMITS = ("abandon", "admit")
+#: Each script's locals for its keys, where it has more than the user's set.
+KEYS_OF = {
+    "abandon": {"key": "KEYS[1]", "admits": "KEYS[2]", "rate_key": "KEYS[3]"},
+    "admit": {"key": "KEYS[1]", "admits": "KEYS[2]", "rate_key": "KEYS[4]"},
+}
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_a_script_names_its_keys_once_and_every_command_uses_them(name: str) -> None:
     code = code_of(name)
 
-    keys = ["KEYS[1]", "KEYS[2]"] if name in WITH_ADMITS else ["KEYS[1]"]
-    assert re.findall(r"KEYS\[[^\]]*\]", code) == keys
-    assert "local key = KEYS[1]" in code
+    keys = KEYS_OF.get(name, {"key": "KEYS[1]"})
+    assert re.findall(r"KEYS\[[^\]]*\]", code) == list(keys.values())
+    for local, key in keys.items():
+        assert f"local {local} = {key}" in code
     calls = CALL.findall(code)
     assert calls, "no redis.call found: the pattern no longer matches the scripts"
-    used = {key for _command, key in calls}
-    if name in WITH_ADMITS:
-        assert "local admits = KEYS[2]" in code
-        assert used == {"key", "admits"}, calls
-    else:
-        assert used == {"key"}, calls
+    assert {key for _command, key in calls} == set(keys), calls
     # Every redis.call is one the pattern read (none with a key built some other way).
     assert len(calls) == len(re.findall(r"redis\.p?call\(", code))

@@ -4,6 +4,7 @@
 --
 -- KEYS[1]  the user's sorted set (see admit.lua)
 -- KEYS[2]  the user's admissions hash (see admit.lua)
+-- KEYS[3]  the user's rate set (see admit.lua): the attempt's entry goes with its member
 -- ARGV[1]  order id
 -- ARGV[2]  the abandoned attempt's start, integer ms (the ARGV[3] its admission was sent)
 -- ARGV[3]  the admission window, ms (how long the hash keeps the tombstone)
@@ -16,6 +17,7 @@
 -- Returns 1 when it removed the member, else 0.
 local key = KEYS[1]
 local admits = KEYS[2]
+local rate_key = KEYS[3]
 local order_id = ARGV[1]
 local started = tonumber(ARGV[2])
 
@@ -29,6 +31,9 @@ end
 local removed = 0
 if entry == started then
   removed = redis.call('ZREM', key, order_id)
+  if tonumber(redis.call('ZSCORE', rate_key, order_id)) == started then
+    redis.call('ZREM', rate_key, order_id)
+  end
 end
 redis.call('HSET', admits, order_id, '-' .. ARGV[2])
 redis.call('PEXPIRE', admits, ARGV[3])

@@ -11,11 +11,18 @@
 -- ARGV[4]  the limit: how many open orders the user may hold
 -- ARGV[5]  the admission window, ms: how long a create can still be in flight (the hash
 --          keeps an entry that long, and expires that long after its last write)
+-- KEYS[4]  the user's rate set, in KEYS[1]'s slot: order id -> the start (ms) of the create
+--          that admitted it, kept for ARGV[7] ms (KEYS[3] is not read by the rate)
+-- ARGV[6]  the rate: how many creates the user may start in any ARGV[7] ms (0 or absent: off)
+-- ARGV[7]  the rate's sliding window, ms
 --
 -- Returns {code, open_count, score} where code is
 --   1  admitted: the order was added; score is its expiry
 --   0  exists:   the order was already a member (a retry); score is its stored expiry
 --  -1  refused:  open_count >= limit; score is the earliest open expiry
+--  -3  rate:     ARGV[6] creates started in the last ARGV[7] ms (open_count is how many);
+--      score is the start of the one whose leaving the window lets the next one in. The
+--      rate is asked before the limit: a cancel frees a slot, never a create
 --  -2  abandoned: an attempt at this order that started at or after now was abandoned by
 --      its caller, so this is a late run of it (or of an older one): nothing is written;
 --      open_count and score are 0
@@ -47,6 +54,20 @@ if entry and entry < 0 and -entry >= now then
   return {-2, 0, '0'}
 end
 
+-- The rate (a retry, answered above, is not a new create). Starts at or before `since`
+-- have left the window; nothing is trimmed before the ZADD below (see the top).
+local rate_key = KEYS[4]
+local rate = tonumber(ARGV[6]) or 0
+local since = rate > 0 and string.format('%.0f', now - tonumber(ARGV[7]))
+if rate > 0 then
+  local made = redis.call('ZCOUNT', rate_key, '(' .. since, '+inf')
+  if made >= rate then
+    redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', since)
+    local next_out = redis.call('ZRANGE', rate_key, made - rate, made - rate, 'WITHSCORES')
+    return {-3, made, next_out[2]}
+  end
+end
+
 if count >= limit then
   -- Expired members go here, not before the count: ZREMRANGEBYSCORE only frees memory,
   -- which a full server allows.
@@ -60,6 +81,11 @@ redis.call('ZADD', key, ARGV[2], order_id)
 -- then: it would take this later order with it.
 redis.call('PERSIST', key)
 redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])
+if rate > 0 then
+  redis.call('ZREMRANGEBYSCORE', rate_key, '-inf', since)
+  redis.call('ZADD', rate_key, ARGV[3], order_id)
+  redis.call('PEXPIRE', rate_key, ARGV[7])
+end
 
 -- Entries older than the window belong to creates that are over: they go.
 local oldest = now - tonumber(ARGV[5])
