@@ -239,6 +239,7 @@ USE_CASES: dict[str, Row] = {
     ),
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
+    "earliest_reminder_ms": Row(lambda c: c.api.earliest_reminder_ms()),
     # Builds the default service: connects to SQL (schema check), not yet to Redis.
     "default_service": Row(lambda c: c.api.default_service()),
 }
