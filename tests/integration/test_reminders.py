@@ -113,6 +113,20 @@ def test_no_reminder_after_paid_cancelled_or_closed(
     assert all(rows[o.id].reminded_at_ms is None for o in (paid, cancelled, overdue))
 
 
+def test_an_overdue_order_the_sweep_did_not_get_to_close_is_not_reminded_either(
+    reminding: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    first, second = (reminding.create_unpaid_order("u1", ttl_s=TTL_S) for _ in range(2))
+    clock.set(first.expires_at_ms)
+
+    result = reminding.sweep_expired(batch_size=1, max_batches=1)
+
+    assert (result.closed, result.reminded) == (1, 0)
+    rows = sql_rows(engine)
+    assert sorted(rows[o.id].status for o in (first, second)) == ["closed", "unpaid"]
+    assert expiring_events(engine) == []
+
+
 def test_reminders_are_off_by_default(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
