@@ -15,7 +15,8 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, select
 
-from orders.domain import Order
+from orders.domain import ActorKind, EventKind, Order
+from orders.events.consumer import EventConsumer, OrderEvent
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table
@@ -254,3 +255,22 @@ def test_the_scheduler_wakes_for_the_earliest_reminder(
     assert sweeper.tick() == cadence  # wrote it; the expiry is 60 s away
     assert reminding.get_order(order.id).reminded_at_ms == clock()
     sweeper.close()
+
+
+def test_an_event_consumer_of_expiring_events_gets_each_reminder_with_its_expiry(
+    reminding: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    order = reminding.create_unpaid_order("u1", ttl_s=TTL_S)
+    reminding.create_unpaid_order("u2", ttl_s=TTL_S + 1)  # reminded 1 s later: not yet
+    seen: list[OrderEvent] = []
+    consumer = EventConsumer(engine, "send-reminders", seen.append, kinds=[EventKind.EXPIRING])
+    clock.set(order.expires_at_ms - OFFSET_MS)
+    reminding.sweep_expired()
+
+    consumer.run_once()
+
+    assert [(e.order_id, e.user_id, dict(e.data)) for e in seen] == [
+        (order.id, "u1", {"expires_at_ms": order.expires_at_ms})
+    ]
+    assert seen[0].actor is not None
+    assert seen[0].actor.kind is ActorKind.SWEEPER
