@@ -646,6 +646,8 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_TTL_S", "nan"),
     ("ORDERS_TTL_S", "-1"),
     ("ORDERS_MAX_TTL_S", "1"),  # below the default TTL
+    ("ORDERS_REMIND_BEFORE_S", "0"),
+    ("ORDERS_REMIND_BEFORE_S", "1800"),  # not below the default TTL
     ("ORDERS_KEY_PREFIX", "Unpaid {Order}-"),
     ("ORDERS_KEY_MARGIN_S", "0"),
     ("ORDERS_MAX_USER_ID_LENGTH", "513"),
