@@ -77,6 +77,10 @@ class Settings:
     unpaid_limit: int = 3
     ttl_s: float = 1800.0
     max_ttl_s: float = 7 * 24 * 3600.0
+    #: The sweep writes an ``expiring`` event this long before an unpaid order's expiry,
+    #: once per order (None: no reminders). Below ``ttl_s``; an order created with a shorter
+    #: time to pay than this gets none.
+    remind_before_s: float | None = None
     key_prefix: str = DEFAULT_KEY_PREFIX
     #: Deprecated, unused: users' keys no longer expire (reconcile removes strays). Still
     #: accepted and checked, so deployments and code that set it keep working.
@@ -174,6 +178,7 @@ class Settings:
             check_seconds(name, getattr(self, name))
         if self.ttl_s > self.max_ttl_s:
             raise InvalidInput("ttl_s", "is above max_ttl_s")
+        _check_remind_before(self)
         check_count("max_user_id_length", self.max_user_id_length, 1, 512)
         check_count("max_order_id_length", self.max_order_id_length, 1, 128)
         check_count("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
@@ -213,6 +218,12 @@ class Settings:
     @property
     def max_ttl_ms(self) -> int:
         return round(self.max_ttl_s * 1000)
+
+    @property
+    def remind_before_ms(self) -> int | None:
+        """``remind_before_s`` in ms (None: reminders are off)."""
+        before_s = self.remind_before_s
+        return None if before_s is None else round(before_s * 1000)
 
     @property
     def late_payment_window_ms(self) -> int:
@@ -277,6 +288,17 @@ class Settings:
     def describe(self) -> dict[str, str]:
         """The settings as text, URLs with their passwords hidden (safe to log)."""
         return {f.name: str(getattr(self, f.name)) for f in fields(self)}
+
+
+def _check_remind_before(settings: Settings) -> None:
+    """None (off), or seconds below the time to pay: a reminder before the order exists
+    would never be written."""
+    before_s = settings.remind_before_s
+    if before_s is None:
+        return
+    check_seconds("remind_before_s", before_s)
+    if before_s >= settings.ttl_s:
+        raise InvalidInput("remind_before_s", "must be below ttl_s (the time to pay)")
 
 
 def _check_lock_timeouts(settings: Settings) -> None:

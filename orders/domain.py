@@ -164,6 +164,10 @@ class Order:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     #: How often the expiry was moved (extend_order, the pre-close check).
     extensions: int = 0
+    #: When the sweep is to write its ``expiring`` event (None: none due, or already
+    #: written), and when it wrote it (None: not reminded).
+    remind_at_ms: int | None = None
+    reminded_at_ms: int | None = None
 
     @property
     def created_at(self) -> datetime:
@@ -233,6 +237,8 @@ class SweepResult:
     #: closed_at - expires_at of the longest-overdue order closed, in ms (None if none).
     max_lag_ms: int | None
     redis_errors: int = 0
+    #: Reminders written (``expiring`` events; ``Settings.remind_before_s``).
+    reminded: int = 0
 
 
 def ms_to_datetime(ms: int) -> datetime:

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     CANCELS: Counter
     EXTENSIONS: Counter
     CLOSES: Counter
+    REMINDERS: Counter
+    PAID_AFTER_REMINDER: Counter
     SWEEP_SECONDS: Histogram
     CLOSE_LAG_SECONDS: Histogram
     BACKLOG: Gauge
@@ -55,6 +57,8 @@ METRIC_NAMES = frozenset(
         "CANCELS",
         "EXTENSIONS",
         "CLOSES",
+        "REMINDERS",
+        "PAID_AFTER_REMINDER",
         "SWEEP_SECONDS",
         "CLOSE_LAG_SECONDS",
         "BACKLOG",
@@ -96,6 +100,10 @@ def _define() -> dict[str, Any]:
         "CANCELS": Counter("orders_cancels_total", "orders cancelled"),
         "EXTENSIONS": Counter("orders_extensions_total", "expiries moved", ["trigger"]),
         "CLOSES": Counter("orders_closes_total", "orders closed by the sweep"),
+        "REMINDERS": Counter("orders_reminders_total", "expiring events the sweep wrote"),
+        "PAID_AFTER_REMINDER": Counter(
+            "orders_paid_after_reminder_total", "payments of orders that had been reminded"
+        ),
         "SWEEP_SECONDS": Histogram(
             "orders_sweep_duration_seconds",
             "duration of sweeps that closed something",

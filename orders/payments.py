@@ -117,7 +117,7 @@ class Payments:
         order, won = self.transitioner.run(order_id, now_ms, attempt, host=host)
         if won and order.status is OrderStatus.PAID:
             late = order.expires_at_ms <= now_ms
-            metrics.PAYMENTS.labels("late_before_close" if late else "on_time").inc()
+            _count_paid(order, "late_before_close" if late else "on_time")
             return order
         decision, _ = self._decide(order, payment, now_ms)
         if decision is Decision.REPEAT:
@@ -126,7 +126,7 @@ class Payments:
         if decision is Decision.LATE and self._late_check_accepts(order, payment):
             paid = self._pay_late(order_id, payment, actor, now_ms, host)
             if paid is not None:
-                metrics.PAYMENTS.labels("late_accepted").inc()
+                _count_paid(paid, "late_accepted")
                 return paid
         closed_now = won  # strict_expiry: this payment's attempt closed the order
         return self._refuse(order_id, payment, actor, now_ms, host, closed_now=closed_now)
@@ -212,7 +212,7 @@ class Payments:
                 records.tx.commit(conn, host)
                 paid = to_order(row, now_ms) if row is not None else order
                 self.transitioner.after_commit(paid, host, self.transitioner.admitter.release_of)
-                metrics.PAYMENTS.labels("on_time").inc()
+                _count_paid(paid, "on_time")
                 return paid
             if decision is Decision.REPEAT or reason is None:
                 records.tx.commit(conn, host)
@@ -230,6 +230,14 @@ class Payments:
         strict_close = closed_now or closed is not None
         metrics.PAYMENTS.labels("refused_strict" if strict_close else _OUTCOMES[reason]).inc()
         raise refusal_error(order, reason, position)
+
+
+def _count_paid(order: Order, outcome: str) -> None:
+    """A payment that turned ``order`` paid; with the order's reminder, if it had one (read
+    from the payment's own RETURNING row)."""
+    metrics.PAYMENTS.labels(outcome).inc()
+    if order.reminded_at_ms is not None:
+        metrics.PAID_AFTER_REMINDER.inc()
 
 
 def refusal_error(order: Order, reason: RefusalReason, position: tuple[int, int]) -> OrdersError:

@@ -57,6 +57,8 @@ class CreateRequest:
     currency: str | None
     actor: Actor
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: ``Settings.remind_before_ms`` (None: no reminder).
+    remind_before_ms: int | None = None
 
     @classmethod
     def checked(
@@ -83,11 +85,13 @@ class CreateRequest:
             currency=cur,
             metadata=check_metadata(metadata, s.max_metadata_bytes),
             actor=Actor.of(actor),
+            remind_before_ms=s.remind_before_ms,
         )
 
     def row(self, order_id: str, now_ms: int) -> dict[str, Any]:
         """The order's columns, created at ``now_ms`` (InvalidInput if its expiry would
         not be exact as a Redis score)."""
+        expires_at_ms = check_expiry_ms(now_ms, self.ttl_ms)
         return {
             "id": order_id,
             "user_id": self.user_id,
@@ -95,7 +99,16 @@ class CreateRequest:
             "amount": amount_to_text(self.amount),
             "currency": self.currency,
             "created_at_ms": now_ms,
-            "expires_at_ms": check_expiry_ms(now_ms, self.ttl_ms),
+            "expires_at_ms": expires_at_ms,
             "updated_at_ms": now_ms,
             "metadata": self.metadata or None,
+            "remind_at_ms": self.remind_at_ms(now_ms, expires_at_ms),
         }
+
+    def remind_at_ms(self, created_at_ms: int, expires_at_ms: int) -> int | None:
+        """When the sweep reminds of the order: ``remind_before_ms`` ahead of its expiry,
+        if that is after its creation (an order created inside that window gets none)."""
+        if self.remind_before_ms is None:
+            return None
+        remind_at_ms = expires_at_ms - self.remind_before_ms
+        return remind_at_ms if remind_at_ms > created_at_ms else None

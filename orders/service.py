@@ -404,6 +404,10 @@ class OrderService:
         """The expiry of the unpaid order due first (overdue ones included), or None."""
         return self.records.earliest_unpaid_expiry_ms()
 
+    def earliest_reminder_ms(self) -> int | None:
+        """When the first reminder still to be written is due (past ones included), or None."""
+        return self.records.earliest_reminder_ms()
+
     def set_pre_close_check(self, check: PreCloseCheck | None) -> None:
         """Ask ``check(order)`` before an expired order is closed (None: no check).
 

@@ -1,4 +1,5 @@
-"""Closing expired orders: the sweep, and the pre-close check it asks first.
+"""Closing expired orders: the sweep, and the pre-close check it asks first; then the
+reminders due (``Settings.remind_before_s``), each an ``expiring`` event written once.
 
 A sweep closes due orders in batches ordered by expiry. Each batch is one SQL transaction
 that closes its orders with a compare-and-set and records a ``closed`` event per order;
@@ -55,7 +56,8 @@ class Sweep:
         should_stop: Callable[[], bool] | None = None,
         actor: Actor = SWEEPER,
     ) -> SweepResult:
-        """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now).
+        """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now),
+        then (with ``remind_before_s`` set) remind of those whose reminder is due by then.
 
         ``should_stop`` is asked before each batch; ``actor``: who the close events name.
         """
@@ -74,7 +76,33 @@ class Sweep:
                 break
         if result.closed:
             metrics.SWEEP_SECONDS.observe(time.monotonic() - started)
+        if self.settings.remind_before_s is not None:
+            self._remind(cutoff, size, max_batches, should_stop, result, actor)
         return result.done()
+
+    def _remind(
+        self,
+        cutoff: int,
+        size: int,
+        max_batches: int | None,
+        should_stop: Callable[[], bool] | None,
+        result: _Tally,
+        actor: Actor,
+    ) -> None:
+        """Write the reminders due at ``cutoff``, in batches (at most ``max_batches``), after
+        the closes: an order due for closing was closed above, and is not reminded."""
+        batches = 0
+        while max_batches is None or batches < max_batches:
+            if should_stop is not None and should_stop():
+                return
+            if self.records.dialect == "sqlite" and not self.records.any_reminder_due(cutoff):
+                return  # as for closes: the write lock only to write
+            rows = self.closer.remind_due(cutoff, size, self.clock(), actor)
+            batches += 1
+            result.reminded += len(rows)
+            metrics.REMINDERS.inc(len(rows))
+            if len(rows) < size:
+                return
 
     def _close_batch(self, cutoff: int, size: int, result: _Tally, actor: Actor) -> int:
         """Close one batch; how many orders it closed."""
@@ -149,7 +177,7 @@ class _Tally:
 
     def __init__(self, cutoff_ms: int) -> None:
         self.cutoff_ms = cutoff_ms
-        self.closed = self.batches = self.redis_errors = 0
+        self.closed = self.batches = self.redis_errors = self.reminded = 0
         self.users: set[str] = set()
         self.max_lag_ms: int | None = None
 
@@ -167,4 +195,5 @@ class _Tally:
             cutoff_ms=self.cutoff_ms,
             max_lag_ms=self.max_lag_ms,
             redis_errors=self.redis_errors,
+            reminded=self.reminded,
         )

@@ -103,6 +103,7 @@ class Workload:
             "expires_at_ms": expires_ms,
             "updated_at_ms": created_ms,
             "metadata": None,
+            "remind_at_ms": None,
         }
 
     @staticmethod

@@ -260,6 +260,7 @@ class Sweeper:
             )
             duration_ms = round((time.monotonic() - started) * 1000)
             earliest_ms = self.service.earliest_unpaid_expiry_ms()
+            reminder_ms = self._earliest_reminder_ms()
             now_ms = self.service.clock()
         except StoreUnavailable as exc:
             self._store_down(exc.store, exc, "retrying every tick")
@@ -285,7 +286,7 @@ class Sweeper:
         if self._stop_requested or self._lost_lease:
             return self.cadence_s  # the backlog is no longer ours to judge
         self._watch_backlog(result, earliest_ms, now_ms, due)
-        return self._next_delay_s(result, earliest_ms, now_ms)
+        return self._next_delay_s(result, earliest_ms, now_ms, reminder_ms)
 
     def _watch_backlog(
         self, result: SweepResult, earliest_ms: int | None, now_ms: int, due: int | None
@@ -295,14 +296,35 @@ class Sweeper:
             event, fields = edge
             self._log(logging.WARNING if self._backlog.behind else logging.INFO, event, **fields)
 
-    def _next_delay_s(self, result: SweepResult, earliest_ms: int | None, now_ms: int) -> float:
-        if earliest_ms is None:
+    def _earliest_reminder_ms(self) -> int | None:
+        """None while reminders are off: the sweep writes none, so none is waited for."""
+        if self.service.settings.remind_before_s is None:
+            return None
+        return self.service.earliest_reminder_ms()
+
+    def _next_delay_s(
+        self,
+        result: SweepResult,
+        earliest_ms: int | None,
+        now_ms: int,
+        reminder_ms: int | None = None,
+    ) -> float:
+        """The cadence, or sooner: when the earliest expiry (or reminder) is due sooner."""
+        return min(
+            self.cadence_s,
+            self._delay_until_s(earliest_ms, result.closed, result.cutoff_ms, now_ms),
+            self._delay_until_s(reminder_ms, result.reminded, result.cutoff_ms, now_ms),
+        )
+
+    def _delay_until_s(self, due_ms: int | None, done: int, cutoff_ms: int, now_ms: int) -> float:
+        """Until ``due_ms``; ``done``: what the sweep just wrote of that kind."""
+        if due_ms is None:
             return self.cadence_s
-        if earliest_ms <= result.cutoff_ms and result.closed == 0:
-            # Due orders this sweep could not take (another sweeper holds their rows):
-            # come back at the normal pace instead of spinning.
+        if due_ms <= cutoff_ms and done == 0:
+            # Due rows this sweep could not take (another sweeper holds them): come back
+            # at the normal pace instead of spinning.
             return self.cadence_s
-        return min(self.cadence_s, max(MIN_DELAY_S, (earliest_ms - now_ms) / 1000))
+        return max(MIN_DELAY_S, (due_ms - now_ms) / 1000)
 
     def _should_stop(self) -> bool:
         """Asked before each batch: stop if asked to, or if another sweeper took over."""

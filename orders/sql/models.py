@@ -319,6 +319,20 @@ def due_at(cutoff_ms: int | ColumnElement[Any]) -> ColumnElement[bool]:
     return and_(UNPAID_PREDICATE, orders_table.c.expires_at_ms <= cutoff_ms)
 
 
+#: An unpaid order with a reminder still to write, as the partial index over them states it.
+REMINDER_DUE_PREDICATE = and_(UNPAID_PREDICATE, orders_table.c.remind_at_ms.is_not(None))
+
+
+def reminder_due_at(cutoff_ms: int | ColumnElement[Any]) -> ColumnElement[bool]:
+    """Unpaid, its reminder due at or before ``cutoff_ms`` and its expiry after it (an order
+    due for closing is closed, not reminded): the partial index over due reminders serves it."""
+    return and_(
+        REMINDER_DUE_PREDICATE,
+        orders_table.c.remind_at_ms <= cutoff_ms,
+        orders_table.c.expires_at_ms > cutoff_ms,
+    )
+
+
 @contextmanager
 def sql_errors() -> Iterator[None]:
     """Translate SQLAlchemy errors into StoreUnavailable, a missing table or column into

@@ -30,7 +30,14 @@ from sqlalchemy import (
 
 from orders.domain import Actor, Order, OrderStatus, Payment
 from orders.errors import OrderNotFound
-from orders.sql.models import UNPAID_PREDICATE, due_at, open_at, orders_table
+from orders.sql.models import (
+    REMINDER_DUE_PREDICATE,
+    UNPAID_PREDICATE,
+    due_at,
+    open_at,
+    orders_table,
+    reminder_due_at,
+)
 from orders.sql.reconcile_reads import ReconcileReads
 from orders.sql.slots import InsertConflict, LimitReachedInSql, SlotGuard
 from orders.sql.transactions import Transactions
@@ -85,6 +92,8 @@ def to_order(row: Row[Any], read_at_ms: int) -> Order:
         payment_ref=m["payment_ref"],
         metadata=dict(m["metadata"] or {}),
         extensions=m["extensions"],
+        remind_at_ms=m["remind_at_ms"],
+        reminded_at_ms=m["reminded_at_ms"],
     )
 
 
@@ -126,6 +135,18 @@ class OrderRecords:
         with self.tx.read() as conn:
             value: int | None = conn.scalar(query)
         return value
+
+    def earliest_reminder_ms(self) -> int | None:
+        """When the first reminder still to be written is due (past ones included), or None."""
+        query = select(func.min(ORDER.remind_at_ms)).where(REMINDER_DUE_PREDICATE)
+        with self.tx.read() as conn:
+            value: int | None = conn.scalar(query)
+        return value
+
+    def any_reminder_due(self, cutoff_ms: int) -> bool:
+        query = select(ORDER.id).where(reminder_due_at(cutoff_ms)).limit(1)
+        with self.tx.read() as conn:
+            return conn.execute(query).first() is not None
 
     def count_due(self, cutoff_ms: int) -> int:
         query = select(func.count()).select_from(orders_table).where(due_at(cutoff_ms))

@@ -62,6 +62,7 @@ CREATE_COLUMNS = (
     "expires_at_ms",
     "updated_at_ms",
     "metadata",
+    "remind_at_ms",
 )
 
 

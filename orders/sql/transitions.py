@@ -13,7 +13,7 @@ CPU as running them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ EXPIRED_REASON = "expired"
 _NOW = bindparam("now_ms", type_=BigInteger)
 _OID = bindparam("oid", type_=String)
 _EXTRA = bindparam("extra_ms", type_=BigInteger)
+_NEW_EXPIRY = bindparam("expires_at_ms", type_=BigInteger)
 _INSERT_EVENT = insert(events_table)
 #: The columns an event takes from its order and its cause, in the order the INSERT ...
 #: SELECTs name them.
@@ -67,13 +68,17 @@ def with_events(
     at_ms: Any,
     data: Any = None,
     actor: tuple[Any, Any] = ACTOR_PARAMS,
+    data_from: Callable[[Any], Any] | None = None,
 ) -> Any:
     """PostgreSQL: ``dml`` (an INSERT or UPDATE ... RETURNING the order rows) and one
     ``kind`` event per returned row, in one statement: ``WITH name AS (dml), recorded AS
     (INSERT INTO oes_order_events SELECT ... FROM name) SELECT * FROM name``. ``actor``:
     the actor's kind and name as SQL expressions (by default the ``actor_kind`` and
-    ``actor`` bind parameters)."""
+    ``actor`` bind parameters). ``data_from``: instead of ``data``, the event's data built
+    from the returned row's columns (given the CTE's column collection)."""
     changed = dml.cte(name)
+    if data_from is not None:
+        data = data_from(changed.c)
     columns = [changed.c.id, changed.c.user_id, literal(kind.value), at_ms, *actor]
     names = list(EVENT_COLUMNS)
     if data is not None:
@@ -193,6 +198,11 @@ CLOSE_EXPIRED = CompareAndSet(
         },
     ),
 )
+#: An unreminded order's reminder keeps its distance to the expiry when the expiry moves
+#: (the SET sees the row before the update). NULL stays NULL: a reminder already written is
+#: not written again, and an order created inside the reminder's window still gets none.
+_REMIND_OFFSET = ORDER.remind_at_ms - ORDER.expires_at_ms
+
 #: An open order's expiry ``:extra_ms`` later, within ``:max_life_ms`` of its creation.
 EXTEND_OPEN = CompareAndSet(
     EventKind.EXTENDED,
@@ -202,7 +212,11 @@ EXTEND_OPEN = CompareAndSet(
             ORDER.expires_at_ms + _EXTRA - ORDER.created_at_ms
             <= bindparam("max_life_ms", type_=BigInteger),
         ],
-        {"expires_at_ms": ORDER.expires_at_ms + _EXTRA, "extensions": ORDER.extensions + 1},
+        {
+            "expires_at_ms": ORDER.expires_at_ms + _EXTRA,
+            "remind_at_ms": ORDER.remind_at_ms + _EXTRA,
+            "extensions": ORDER.extensions + 1,
+        },
     ),
 )
 #: An unpaid order never extended gets the expiry ``:expires_at_ms`` (the pre-close check).
@@ -211,7 +225,8 @@ REOPEN_EXPIRED = CompareAndSet(
     _update(
         [UNPAID_PREDICATE, ORDER.extensions == 0],
         {
-            "expires_at_ms": bindparam("expires_at_ms", type_=BigInteger),
+            "expires_at_ms": _NEW_EXPIRY,
+            "remind_at_ms": _NEW_EXPIRY + _REMIND_OFFSET,
             "extensions": ORDER.extensions + 1,
         },
     ),

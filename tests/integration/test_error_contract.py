@@ -239,6 +239,7 @@ USE_CASES: dict[str, Row] = {
     ),
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
+    "earliest_reminder_ms": Row(lambda c: c.api.earliest_reminder_ms()),
     # Builds the default service: connects to SQL (schema check), not yet to Redis.
     "default_service": Row(lambda c: c.api.default_service()),
 }
@@ -647,6 +648,8 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_TTL_S", "nan"),
     ("ORDERS_TTL_S", "-1"),
     ("ORDERS_MAX_TTL_S", "1"),  # below the default TTL
+    ("ORDERS_REMIND_BEFORE_S", "0"),
+    ("ORDERS_REMIND_BEFORE_S", "1800"),  # not below the default TTL
     ("ORDERS_KEY_PREFIX", "Unpaid {Order}-"),
     ("ORDERS_KEY_MARGIN_S", "0"),
     ("ORDERS_MAX_USER_ID_LENGTH", "513"),

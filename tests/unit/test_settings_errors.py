@@ -100,3 +100,34 @@ def test_the_postgresql_lock_bounds_follow_the_lease_unless_given() -> None:
     assert (given.sql_idle_in_transaction_timeout_ms, given.sql_lock_timeout_ms) == (0, 1500)
     with pytest.raises(InvalidInput, match="below lease_ttl_s"):
         Settings(lease_ttl_s=2, sql_idle_in_transaction_timeout_s=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"remind_before_s": 0}, "positive"),
+        ({"remind_before_s": -5}, "positive"),
+        ({"remind_before_s": float("nan")}, "finite"),
+        ({"remind_before_s": float("inf")}, "finite"),
+        ({"remind_before_s": "60"}, "number of seconds"),
+        ({"remind_before_s": 1800}, "below ttl_s"),  # the default time to pay
+        ({"remind_before_s": 120, "ttl_s": 60}, "below ttl_s"),
+    ],
+)
+def test_a_reminder_offset_not_positive_finite_and_below_the_time_to_pay_is_refused(
+    overrides: dict[str, object], words: str
+) -> None:
+    with pytest.raises(InvalidInput, match=words) as caught:
+        Settings(**overrides)  # type: ignore[arg-type]
+    assert caught.value.field == "remind_before_s"
+
+
+def test_the_reminder_offset_is_off_by_default_and_read_from_the_environment() -> None:
+    assert (Settings().remind_before_s, Settings().remind_before_ms) == (None, None)
+    given = Settings.from_env({"ORDERS_REMIND_BEFORE_S": "299.5"})
+    assert (given.remind_before_s, given.remind_before_ms) == (299.5, 299_500)
+    with pytest.raises(InvalidInput, match="below ttl_s"):
+        Settings.from_env({"ORDERS_REMIND_BEFORE_S": "1800"})
+    with pytest.raises(InvalidInput) as caught:
+        Settings.from_env({"ORDERS_REMIND_BEFORE_S": "soon"})
+    assert caught.value.field == "ORDERS_REMIND_BEFORE_S"

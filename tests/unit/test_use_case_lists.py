@@ -27,6 +27,7 @@ NOT_USE_CASES = {
     "close",
     "count_due",
     "earliest_unpaid_expiry_ms",
+    "earliest_reminder_ms",
     "now_ms",
     "on_closed",
     "on_payment_refused",
