@@ -132,6 +132,8 @@ CREATE UNIQUE INDEX ix_oes_orders_unpaid_user_id_slot ON oes_orders (user_id, sl
     WHERE status = 'unpaid';
 CREATE INDEX ix_oes_orders_reminder_due_remind_at_ms ON oes_orders (remind_at_ms)
     WHERE status = 'unpaid' AND remind_at_ms IS NOT NULL;
+CREATE INDEX ix_oes_orders_reminded_reminded_at_ms ON oes_orders (reminded_at_ms)
+    WHERE reminded_at_ms IS NOT NULL;
 CREATE INDEX ix_oes_orders_paid_paid_at_ms ON oes_orders (paid_at_ms)
     WHERE status = 'paid';
 CREATE INDEX ix_oes_orders_cancelled_closed_at_ms ON oes_orders (closed_at_ms)

@@ -4,7 +4,7 @@
   under; NULL: the settings' defaults, as every order before), ``remind_at_ms`` (when the
   sweep writes the order's ``expiring`` event; NULL: no reminder is due) and
   ``reminded_at_ms`` (when it did), with a partial index over the reminders still due of
-  unpaid orders;
+  unpaid orders and one over the reminders written, by when (for the stats);
 * ``oes_order_events`` admits the kind ``expiring``;
 * ``oes_user_limits`` holds the users whose limit differs from the settings' one, with who
   set it and when.
@@ -41,6 +41,7 @@ NEW_KINDS = (
     " 'payment_refused', 'requeued', 'discarded', 'expiring')"
 )
 REMINDER_DUE = sa.text("status = 'unpaid' AND remind_at_ms IS NOT NULL")
+REMINDED = sa.text("reminded_at_ms IS NOT NULL")
 
 
 def upgrade() -> None:
@@ -55,6 +56,14 @@ def upgrade() -> None:
         unique=False,
         postgresql_where=REMINDER_DUE,
         sqlite_where=REMINDER_DUE,
+    )
+    op.create_index(
+        "ix_oes_orders_reminded_reminded_at_ms",
+        ORDERS,
+        ["reminded_at_ms"],
+        unique=False,
+        postgresql_where=REMINDED,
+        sqlite_where=REMINDED,
     )
     replace_events_kind_check(NEW_KINDS)
     op.create_table(
@@ -78,5 +87,6 @@ def downgrade() -> None:
     op.drop_table(LIMITS)
     op.execute(f"DELETE FROM {EVENTS} WHERE kind = 'expiring'")  # noqa: S608
     replace_events_kind_check(OLD_KINDS)
+    op.drop_index("ix_oes_orders_reminded_reminded_at_ms", table_name=ORDERS)
     op.drop_index("ix_oes_orders_reminder_due_remind_at_ms", table_name=ORDERS)
     drop_columns_in_place(ORDERS, "reminded_at_ms", "remind_at_ms", "policy")

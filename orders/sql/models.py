@@ -61,6 +61,8 @@ CLOSED_SQL = f"status = '{OrderStatus.CLOSED.value}'"
 PENDING_SQL = "handled_at_ms IS NULL"
 #: An unpaid order whose reminder is still to be written.
 REMINDER_DUE_SQL = f"{UNPAID_SQL} AND remind_at_ms IS NOT NULL"
+#: An order whose reminder was written.
+REMINDED_SQL = "reminded_at_ms IS NOT NULL"
 #: An event_retries row still being retried (not parked).
 RETRYING_SQL = "parked_at_ms IS NULL"
 
@@ -134,6 +136,13 @@ class OrderRow(Base):
             "remind_at_ms",
             postgresql_where=text(REMINDER_DUE_SQL),
             sqlite_where=text(REMINDER_DUE_SQL),
+        ),
+        # The reminders written, by when: the stats count those of a time window.
+        Index(
+            "ix_oes_orders_reminded_reminded_at_ms",
+            "reminded_at_ms",
+            postgresql_where=text(REMINDED_SQL),
+            sqlite_where=text(REMINDED_SQL),
         ),
         # Partial indexes over each terminal status, on the time of its transition: the
         # stats count what happened in a time window (and read the close lags) from these
