@@ -34,6 +34,7 @@ def user_of(key: bytes | str, prefix_length: int) -> str | None:
 
 
 ADMITS_TAG = "[admits]"
+LIMIT_TAG = "[limit]"
 
 
 def hash_tag_of(key: str) -> str | None:
@@ -46,20 +47,50 @@ def hash_tag_of(key: str) -> str | None:
     return key[start + 1 : end]
 
 
-def admits_key(user_key: str, key_prefix: str) -> str:
-    """The name of a user's admissions hash (see ``admit.lua``), the one place it is built.
+def companion_key(user_key: str, key_prefix: str, tag: str) -> str:
+    """The name of a key kept beside a user's set (``tag`` says which: :data:`ADMITS_TAG`,
+    :data:`LIMIT_TAG`), the one place such a name is built.
 
     It must share the hash slot of ``user_key`` (both are KEYS of one script): its hash tag
     is the user key's own tag, else the whole user key. It starts with the prefix (a Redis
     ACL that grants ``~<prefix>*`` covers it) followed by ``[``, which names the service's
     own keys and which :meth:`UnpaidIndex.scan_users` leaves out of its pattern.
     """
-    tag = hash_tag_of(user_key)
-    if tag is None:
+    hashed = hash_tag_of(user_key)
+    if hashed is None:
         if "}" in user_key:
             raise InvalidInput("key_prefix", "must not contain { or }")
-        tag = user_key
-    return f"{key_prefix}{ADMITS_TAG}{{{tag}}}{'' if tag == user_key else user_key}"
+        hashed = user_key
+    return f"{key_prefix}{tag}{{{hashed}}}{'' if hashed == user_key else user_key}"
+
+
+def admits_key(user_key: str, key_prefix: str) -> str:
+    """The name of a user's admissions hash (see ``admit.lua``)."""
+    return companion_key(user_key, key_prefix, ADMITS_TAG)
+
+
+def limit_key(user_key: str, key_prefix: str) -> str:
+    """The name of a user's own limit (see ``admit.lua``; SQL's ``oes_user_limits`` is the
+    record, this a copy the admission script reads)."""
+    return companion_key(user_key, key_prefix, LIMIT_TAG)
+
+
+def user_of_limit_key(key: bytes | str, key_prefix: str) -> str | None:
+    """The user a :func:`limit_key` names, or None when ``key`` is not one."""
+    try:
+        name = text_of(key)
+    except UnicodeDecodeError:
+        return None
+    head = f"{key_prefix}{LIMIT_TAG}{{"
+    if not name.startswith(head):
+        return None
+    hashed, sep, rest = name[len(head) :].partition("}")
+    if not sep:
+        return None
+    user_key = rest or hashed
+    if not user_key.startswith(key_prefix) or limit_key(user_key, key_prefix) != name:
+        return None
+    return user_of(user_key, len(key_prefix))
 
 
 def glob_escape(text: str) -> str:

@@ -237,6 +237,10 @@ USE_CASES: dict[str, Row] = {
     "mark_refund_handled": Row(
         lambda c: c.api.mark_refund_handled(c.order_id, "psp-1"), InvalidInput
     ),
+    # SQL first, then the Redis copy, whose failure is logged (reconcile writes it).
+    "set_user_limit": Row(lambda c: c.api.set_user_limit(c.user, 2)),
+    "clear_user_limit": Row(lambda c: c.api.clear_user_limit(c.user)),
+    "user_limit": Row(lambda c: c.api.user_limit(c.user)),
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
     # Builds the default service: connects to SQL (schema check), not yet to Redis.

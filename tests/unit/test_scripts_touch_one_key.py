@@ -1,5 +1,6 @@
 """Every Lua script touches only the keys it is given, its KEYS[1] and, for the admission
-scripts, the user's admissions hash as KEYS[2]: on a Redis Cluster a script may only touch
+scripts, the user's admissions hash as KEYS[2] (and, for ``admit.lua``, the user's own
+limit as KEYS[3]): on a Redis Cluster a script may only touch
 keys of one slot, and one user's keys a script is what lets each user live on any node.
 The hash shares the set's slot by its name (tests/integration/test_index_keys.py); the
 cluster suites run the scripts for real, and a cluster refuses a script that touches a key
@@ -38,6 +39,8 @@ def test_a_script_names_its_keys_once_and_every_command_uses_them(name: str) -> 
     code = code_of(name)
 
     keys = ["KEYS[1]", "KEYS[2]"] if name in WITH_ADMITS else ["KEYS[1]"]
+    if name == "admit":
+        keys.append("KEYS[3]")
     assert re.findall(r"KEYS\[[^\]]*\]", code) == keys
     assert "local key = KEYS[1]" in code
     calls = CALL.findall(code)
@@ -45,7 +48,11 @@ def test_a_script_names_its_keys_once_and_every_command_uses_them(name: str) -> 
     used = {key for _command, key in calls}
     if name in WITH_ADMITS:
         assert "local admits = KEYS[2]" in code
-        assert used == {"key", "admits"}, calls
+        expected = {"key", "admits"}
+        if name == "admit":
+            assert "local limit_key = KEYS[3]" in code
+            expected.add("limit_key")
+        assert used == expected, calls
     else:
         assert used == {"key"}, calls
     # Every redis.call is one the pattern read (none with a key built some other way).
