@@ -184,11 +184,12 @@ class UnpaidIndex:
         applied = int(reply[3]) if len(reply) > 3 else None
         return AdmitResult(Admission(int(code)), int(count), _score(score), applied)
 
-    def write_limits(self, limits: Mapping[str, int | None]) -> None:
+    def write_limits(self, limits: Mapping[str, int | None]) -> int:
         """Set each user's own limit key (None: delete it, the settings' limit applies), in
-        one pipelined round trip. SQL's ``oes_user_limits`` is the record; this its copy."""
+        one pipelined round trip; returns how many keys were deleted. SQL's
+        ``oes_user_limits`` is the record, this its copy."""
         if not limits:
-            return
+            return 0
         with redis_errors("write_limits"):
             pipe = self.client.pipeline(transaction=False)
             for user_id, limit in limits.items():
@@ -196,7 +197,12 @@ class UnpaidIndex:
                     pipe.delete(self.limit_key(user_id))
                 else:
                     pipe.set(self.limit_key(user_id), limit)
-            pipe.execute()
+            replies: list[Any] = pipe.execute()
+        return sum(
+            int(reply)
+            for reply, limit in zip(replies, limits.values(), strict=True)
+            if limit is None
+        )
 
     def read_limit(self, user_id: str) -> int | None:
         """The user's own limit as Redis holds it (None: no key)."""

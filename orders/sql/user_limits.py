@@ -76,22 +76,6 @@ def delete_limit(tx: Transactions, user_id: str) -> bool:
     return bool(removed)
 
 
-def limits_page(tx: Transactions, after: str | None, size: int) -> dict[str, int]:
-    """Up to ``size`` users' own limits, in user order, after user ``after`` (reconcile)."""
-    query = select(LC.user_id, LC.unpaid_limit).order_by(LC.user_id).limit(size)
-    if after is not None:
-        query = query.where(LC.user_id > after)
-    with tx.read() as conn:
-        return {row.user_id: row.unpaid_limit for row in conn.execute(query)}
-
-
-def limits_of(tx: Transactions, user_ids: list[str]) -> dict[str, int]:
-    """The own limits of those of ``user_ids`` that have one."""
-    query = select(LC.user_id, LC.unpaid_limit).where(LC.user_id.in_(user_ids))
-    with tx.read() as conn:
-        return {row.user_id: row.unpaid_limit for row in conn.execute(query)}
-
-
 def count_own_limits(tx: Transactions) -> int:
     """How many users have a limit of their own."""
     with tx.read() as conn:

@@ -425,6 +425,8 @@ def test_a_dry_run_changes_nothing_in_redis_whatever_it_finds(
         "removed_abandoned": 0,
         "kept_in_flight": 1,
         "foreign_skipped": 1,
+        "limits_written": 0,
+        "limits_removed": 0,
         "dry_run": True,
     }
     assert kept.id in service.index.members("u1")
