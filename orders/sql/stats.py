@@ -36,7 +36,13 @@ from sqlalchemy import (
 )
 
 from orders.domain import Clock, OrderStatus
-from orders.sql.models import UNPAID_PREDICATE, open_at, orders_table, sql_errors
+from orders.sql.models import (
+    UNPAID_PREDICATE,
+    open_at,
+    orders_table,
+    sql_errors,
+    user_limits_table,
+)
 from orders.validation import check_count
 
 OC = orders_table.c
@@ -232,6 +238,8 @@ class Stats:
     lag_max_ms: int | None
     #: Expiries due ahead, per bucket: (seconds from now to the bucket's start, count).
     upcoming: list[tuple[int, int]]
+    #: Users with a limit of their own (``set_user_limit``): one row each, a small table.
+    users_with_own_limit: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,6 +272,7 @@ def read_stats(
         lag_p99_ms=lag.percentile(0.99),
         lag_max_ms=lag.max_ms,
         upcoming=upcoming,
+        users_with_own_limit=conn.scalar(select(func.count()).select_from(user_limits_table)) or 0,
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, delete, func, select
+from sqlalchemy import Row, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, ActorKind, ms_to_datetime
@@ -74,9 +74,3 @@ def delete_limit(tx: Transactions, user_id: str) -> bool:
         removed = conn.execute(delete(user_limits_table).where(LC.user_id == user_id)).rowcount
         conn.commit()
     return bool(removed)
-
-
-def count_own_limits(tx: Transactions) -> int:
-    """How many users have a limit of their own."""
-    with tx.read() as conn:
-        return int(conn.scalar(select(func.count()).select_from(user_limits_table)) or 0)

@@ -15,6 +15,7 @@ from orders.domain import Actor, ActorKind
 from orders.index.keys import limit_key
 from orders.index.unpaid import UnpaidIndex
 from orders.sql.models import UNPAID_PREDICATE, orders_table, user_limits_table
+from orders.sql.stats import collect_stats
 from tests.support.clocks import ManualClock
 from tests.support.stores import flush_db
 from tests.support.threads import outcomes_of_race
@@ -127,10 +128,15 @@ def test_a_limit_out_of_range_or_not_an_int_is_invalid_before_anything_is_writte
     assert service.index.read_limit("u1") is None
 
 
-def test_the_limits_range_ends_are_accepted(service: OrderService, engine: Engine) -> None:
+def test_the_limits_range_ends_are_accepted_and_the_stats_count_the_users(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    assert collect_stats(engine, clock).users_with_own_limit == 0
     service.set_user_limit("u1", 0)
     service.set_user_limit("u2", 1_000_000)
-    assert limit_rows(engine) == {"u1": 0, "u2": 1_000_000}
+    service.set_user_limit("u2", 4)  # the same user: still one row
+    assert limit_rows(engine) == {"u1": 0, "u2": 4}
+    assert collect_stats(engine, clock).users_with_own_limit == 2
 
 
 @pytest.mark.parametrize("redis_lost", [False, True], ids=["redis_intact", "redis_flushed"])
