@@ -94,14 +94,16 @@ class LimitReachedInSql(Exception):
         self.own_limit = own_limit
 
 
+def own_limit_of(user: Any) -> Any:
+    """SELECT the user's own limit (no row: none)."""
+    return select(user_limits_table.c.unpaid_limit).where(user_limits_table.c.user_id == user)
+
+
 def effective_limit(user: Any) -> Any:
     """The user's own limit if one is set, else ``:slot_limit`` (an SQL expression)."""
-    own = (
-        select(user_limits_table.c.unpaid_limit)
-        .where(user_limits_table.c.user_id == user)
-        .scalar_subquery()
+    return func.coalesce(
+        own_limit_of(user).scalar_subquery(), bindparam("slot_limit", type_=Integer)
     )
-    return func.coalesce(own, bindparam("slot_limit", type_=Integer))
 
 
 def _free_slot() -> Any:
@@ -165,9 +167,7 @@ _HOLDERS = select(ORDER.id, ORDER.expires_at_ms, ORDER.slot).where(
     ORDER.user_id == bindparam("user_id"), UNPAID_PREDICATE
 )
 _ID_TAKEN = select(ORDER.id).where(ORDER.id == bindparam("oid"))
-_OWN_LIMIT = select(user_limits_table.c.unpaid_limit).where(
-    user_limits_table.c.user_id == bindparam("user_id")
-)
+_OWN_LIMIT = own_limit_of(bindparam("user_id"))
 
 
 class SlotGuard:

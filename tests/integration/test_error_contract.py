@@ -578,6 +578,10 @@ COMMANDS: dict[str, Cmd] = {
     "payments refused": cmd("payments", "refused", "--since", "7d"),
     # No payment of that order was refused: exit 2, unless SQL fails first.
     "payments handled": cmd("payments", "handled", "{order}", "--ref", "psp-1", redis=2),
+    # SQL is the record: with Redis failing the limit is set, its copy left to reconcile.
+    "limit set": cmd("limit", "set", "{user}", "2"),
+    "limit show": cmd("limit", "show", "{user}"),
+    "limit clear": cmd("limit", "clear", "{user}"),
     "scheduler": cmd("scheduler"),
     "dashboard": cmd("dashboard", "--port", "0"),
     "demo": cmd("demo", "--fast"),
