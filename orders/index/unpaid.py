@@ -160,7 +160,8 @@ class UnpaidIndex:
         self, user_id: str, order_id: str, *, expires_at_ms: int, now_ms: int, limit: int
     ) -> AdmitResult:
         """Add ``order_id`` unless the user is at ``limit`` (expired members do not count),
-        noting that a create which started at ``now_ms`` added it.
+        noting that a create which started at ``now_ms`` added it. The user's own limit key
+        (:meth:`limit_key`), when set, replaces ``limit``; a refusal says which applied.
 
         A server that refuses the script (out of memory, an ACL) raises
         :class:`ServerRefused`: then nothing was written.
