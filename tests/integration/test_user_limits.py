@@ -270,3 +270,19 @@ def test_reconcile_of_one_user_fixes_its_limit_key(
     assert (second.limits_written, second.limits_removed) == (0, 1)
     assert service.index.read_limit("u1") == 2
     assert service.index.read_limit("u2") is None
+
+
+def test_a_raised_limit_whose_key_redis_lost_refuses_at_the_settings_limit_until_reconcile(
+    service: OrderService, redis_client: redis.Redis
+) -> None:
+    """Redis refuses first and SQL is not asked: a raised limit needs its key."""
+    service.set_user_limit("u1", 5)
+    flush_db(redis_client)
+    create_n(service, "u1", 3)
+    refused = refusal(service, "u1")
+    assert (refused.limit, refused.source) == (3, "redis")
+
+    service.reconcile()
+
+    create_n(service, "u1", 2)
+    assert refusal(service, "u1").limit == 5
