@@ -3,7 +3,8 @@
 Each query is served by an index and none scans the whole table: the unpaid counts and the
 expiries ahead read the partial indexes over unpaid orders; the paid, cancelled and closed
 counts read the partial indexes over each terminal status, keyed on its transition's time,
-and so count what happened within a time window, not since the beginning.
+and so count what happened within a time window, not since the beginning. The users with a
+limit of their own are a count of ``oes_user_limits``, which holds only those users.
 
 The close lag (closed_at_ms - expires_at_ms) is summed up in SQL as a histogram with a fixed
 set of buckets, so that Python holds at most ``LAG_BUCKETS_MAX`` rows however many orders
