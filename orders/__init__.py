@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from orders.reconciler import ReconcileReport
     from orders.service import OrderService
     from orders.sql.refusals import PaymentRefusal
+    from orders.sql.user_limits import UserLimit
 
     __version__: str
 
@@ -70,6 +71,7 @@ __all__ = [
     "SweepResult",
     "UnpaidOrderLimitReached",
     "cancel_order",
+    "clear_user_limit",
     "configure",
     "create_unpaid_order",
     "default_service",
@@ -81,7 +83,9 @@ __all__ = [
     "mark_refund_handled",
     "reconcile",
     "refused_payments",
+    "set_user_limit",
     "sweep_expired",
+    "user_limit",
 ]
 
 
@@ -227,3 +231,20 @@ def mark_refund_handled(
 ) -> PaymentRefusal:
     """See :meth:`OrderService.mark_refund_handled`."""
     return default_service().mark_refund_handled(order_id, payment_ref, actor=actor)
+
+
+def set_user_limit(
+    user_id: str | int, limit: int, *, actor: str | Actor | None = None
+) -> UserLimit:
+    """See :meth:`OrderService.set_user_limit`."""
+    return default_service().set_user_limit(user_id, limit, actor=actor)
+
+
+def clear_user_limit(user_id: str | int, *, actor: str | Actor | None = None) -> UserLimit:
+    """See :meth:`OrderService.clear_user_limit`."""
+    return default_service().clear_user_limit(user_id, actor=actor)
+
+
+def user_limit(user_id: str | int) -> UserLimit:
+    """See :meth:`OrderService.user_limit`."""
+    return default_service().user_limit(user_id)

@@ -221,8 +221,9 @@ class Admitter:
     def _refusal(self, user_id: str, refused: AdmitResult, limit: int, now_ms: int) -> OrdersError:
         """The error for the script's refusal: the limit's, or the create rate's."""
         if refused.outcome is Admission.REFUSED or self.rate is None:
-            wait_s = retry_after_s(refused.score_ms, now_ms)
-            return UnpaidOrderLimitReached(user_id, limit, refused.open_count, wait_s)
+            wait_s = retry_after_s(refused.score_ms or None, now_ms)
+            applied = limit if refused.limit is None else refused.limit
+            return UnpaidOrderLimitReached(user_id, applied, refused.open_count, wait_s)
         count, window_ms = self.rate
         wait_s = retry_after_s(refused.score_ms + window_ms, now_ms)
         return CreateRateLimited(user_id, count, window_ms / 1000, wait_s)
@@ -245,10 +246,10 @@ class Admitter:
         except LimitReachedInSql as refused:
             if ours:
                 self._compensate(uid, oid, now_ms, host)
-            self._restore(uid, refused.holders, now_ms, limit)
+            self._restore(uid, refused, now_ms, limit)
             wait_s = retry_after_s(refused.earliest_ms, now_ms)
             raise UnpaidOrderLimitReached(
-                uid, limit, refused.open_count, wait_s, source="sql"
+                uid, refused.limit, refused.open_count, wait_s, source="sql"
             ) from None
         except InsertConflict:
             # The id exists in SQL: a concurrent twin of this create won the insert, an
@@ -375,14 +376,16 @@ class Admitter:
             self.release_after_commit(user_id, order_id, forget_admission=True)
         return existing
 
-    def _restore(self, user_id: str, holders: Mapping[str, int], now_ms: int, limit: int) -> None:
-        """Write SQL's live orders of the user back into the index (Redis had lost them).
+    def _restore(self, user_id: str, refused: LimitReachedInSql, now_ms: int, limit: int) -> None:
+        """Write SQL's view of the user back into the index (Redis had lost it): its own
+        limit first, then its live orders.
 
         Through the admission script, soonest expiry first: the index never holds more than
-        ``limit`` members, also while other creates of the user are in flight.
+        the limit's members, also while other creates of the user are in flight.
         """
         try:
-            for order_id, expires_at_ms in sorted(holders.items(), key=lambda h: h[1]):
+            self.index.write_limits({user_id: refused.own_limit})
+            for order_id, expires_at_ms in sorted(refused.holders.items(), key=lambda h: h[1]):
                 admitted = self.index.admit(
                     user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
                 )

@@ -69,6 +69,8 @@ class UnpaidOrderLimitReached(OrdersError):
 
     ``retry_after_s`` is the time until the earliest of them expires (0 if unknown).
     ``source`` says who refused: ``"redis"`` (the index) or ``"sql"`` (the SQL guard).
+    ``limit`` is 0 when the user's own limit blocks every unpaid order (``set_user_limit``):
+    the message says so, and waiting does not help (``retry_after_s`` is 0).
     """
 
     def __init__(
@@ -79,10 +81,15 @@ class UnpaidOrderLimitReached(OrdersError):
         retry_after_s: float,
         source: str = "redis",
     ) -> None:
-        super().__init__(
-            f"unpaid order limit reached: {open_count} open of {limit}; "
-            f"retry in {math.ceil(retry_after_s)} s"
-        )
+        if limit == 0:
+            retry_after_s = 0.0
+            message = "unpaid orders blocked: this user may hold no unpaid orders (limit 0)"
+        else:
+            message = (
+                f"unpaid order limit reached: {open_count} open of {limit}; "
+                f"retry in {math.ceil(retry_after_s)} s"
+            )
+        super().__init__(message)
         self.user_id = user_id
         self.limit = limit
         self.open_count = open_count

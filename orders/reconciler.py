@@ -38,6 +38,11 @@ and memory stays bounded by the page size. Writes landing during the run:
   their own expiry; the run itself never leaves a wrong member behind. The passes the
   other way round had the mirror case.
 
+The users' own limits (``oes_user_limits``) have a key each, which ``admit.lua`` reads: a full
+run writes every one from SQL (a page of rows per round trip), then SCANs the limit keys and
+removes those whose row is gone (written first, removed second: a limit cleared during the
+run loses its key at the latest in the second step). A one-user run fixes that user's key.
+
 A full run finishes by writing the index epoch marker, naming the run of the Redis server
 (its ``run_id``, read before the run's first write) it was rebuilt on: its absence tells the
 scheduler that Redis lost its data, and another run id that Redis restarted or failed over
@@ -84,6 +89,9 @@ class ReconcileReport:
     kept_in_flight: int = 0
     #: Keys or members under the prefix the service did not write: skipped, left alone.
     foreign_skipped: int = 0
+    #: Users' own limits written from SQL, and limit keys removed (their SQL row is gone).
+    limits_written: int = 0
+    limits_removed: int = 0
     dry_run: bool = False
 
     @property
@@ -133,10 +141,12 @@ class Reconciler:
         if user_id is not None:
             uid = check_user_id(user_id, self.max_user_id_length)
             self._fix(self.reads.open_by_user([uid], now_ms), now_ms, dry_run, report)
+            self._fix_limits([uid], dry_run, report)
             progress.step(report.users)
         else:
             self._scan_pass(now_ms, chunk_size, dry_run, report, progress)
             self._sql_pass(now_ms, chunk_size, dry_run, report, progress)
+            self._limits_pass(chunk_size, dry_run, report)
         report.foreign_skipped = self.index.foreign_seen - foreign_before
         if whole:
             self.index.epoch.set(str(now_ms), runs)
@@ -192,6 +202,39 @@ class Reconciler:
         finally:
             if in_flight is not None:
                 in_flight.abandon()  # nothing when its replies were read
+
+    def _limits_pass(self, size: int, dry_run: bool, report: ReconcileReport) -> None:
+        """Every user's own limit key written from SQL, then the keys with no row removed."""
+        after: str | None = None
+        while True:
+            page = self.reads.limits_page(after, size)
+            if not dry_run:
+                self.index.write_limits(page)
+            report.limits_written += len(page)
+            if len(page) < size:
+                break
+            after = next(reversed(page))
+        with closing(self.index.scan_limit_users(chunk=size)) as batches:
+            for users in batches:
+                self._fix_limits(users, dry_run, report, scanned=True)
+
+    def _fix_limits(
+        self, users: list[str], dry_run: bool, report: ReconcileReport, *, scanned: bool = False
+    ) -> None:
+        """Make these users' limit keys say what SQL does. ``scanned``: they came from the
+        SCAN of limit keys, after every row was written: only keys without a row are left."""
+        own = self.reads.limits_of(users)
+        gone: dict[str, int | None] = {user: None for user in users if user not in own}
+        if not scanned:
+            report.limits_written += len(own)
+            if not dry_run:
+                self.index.write_limits(dict(own))
+        if not dry_run:
+            report.limits_removed += self.index.write_limits(gone)
+        elif scanned:
+            report.limits_removed += len(gone)
+        else:
+            report.limits_removed += sum(self.index.read_limit(user) is not None for user in gone)
 
     def _open_pages(self, now_ms: int, size: int) -> Iterator[dict[str, dict[str, int]]]:
         """SQL's open orders as {user: {order id: expiry}}, a page of ``size`` rows per

@@ -18,6 +18,7 @@ leaves.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
@@ -45,6 +46,7 @@ from orders.errors import (
     OrderConflict,
     OrderExpired,
     OrderNotFound,
+    StoreUnavailable,
     UnpaidOrderLimitReached,
 )
 from orders.events.consumer import EventPosition, OrderEvent, read_events
@@ -56,6 +58,7 @@ from orders.requests import CreateRequest, checked_payment
 from orders.sql.host import host_connection
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
+from orders.sql.user_limits import UserLimit, delete_limit, read_limit, write_limit
 from orders.sweep import PreCloseCheck, Sweep
 from orders.transition import Transitioner
 from orders.validation import (
@@ -64,7 +67,10 @@ from orders.validation import (
     check_order_id,
     check_ttl_ms,
     check_user_id,
+    check_user_limit,
 )
+
+log = logging.getLogger(__name__)
 
 #: What a host passes as ``connection=``: its transaction's Connection, or its Session.
 HostConnection = Connection | Session
@@ -194,6 +200,50 @@ class OrderService:
             raise
         metrics.CREATES.labels("admitted" if created else "retry").inc()
         return order
+
+    # --- per-user limits ---------------------------------------------------------------
+
+    def set_user_limit(
+        self, user_id: str | int, limit: int, *, actor: str | Actor | None = None
+    ) -> UserLimit:
+        """Give the user a limit of its own (0 to 1,000,000; 0: no unpaid order at all),
+        in place of the settings' one and of a create's ``limit=``.
+
+        SQL records it first; Redis gets its copy after the commit (a Redis failure is
+        logged: the SQL guard holds a lowered limit meanwhile, and reconcile, or the repair
+        after the guard's next refusal, writes the copy). Orders already held stay; a
+        lowered limit refuses creates until the user is under it again.
+        """
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        own = check_user_limit(limit)
+        cause = Actor.of(actor)
+        result = write_limit(self.records.tx, uid, own, self.clock(), cause)
+        self._copy_limit(uid, own)
+        return result
+
+    def clear_user_limit(
+        self, user_id: str | int, *, actor: str | Actor | None = None
+    ) -> UserLimit:
+        """Remove the user's own limit: the settings' one applies again (idempotent)."""
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        Actor.of(actor)  # checked like every use case's, though a removed row keeps none
+        delete_limit(self.records.tx, uid)
+        self._copy_limit(uid, None)
+        return UserLimit(uid, self.settings.unpaid_limit, False)
+
+    def user_limit(self, user_id: str | int) -> UserLimit:
+        """The limit that applies to the user, whether it is its own, and when and by whom
+        it was set."""
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        return read_limit(self.records.tx, uid, self.settings.unpaid_limit)
+
+    def _copy_limit(self, user_id: str, limit: int | None) -> None:
+        try:
+            self.index.write_limits({user_id: limit})
+        except StoreUnavailable:
+            log.warning(
+                "redis limit write failed; reconcile will fix it", extra={"user_id": user_id}
+            )
 
     # --- transitions ---------------------------------------------------------------------
 

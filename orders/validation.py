@@ -90,6 +90,16 @@ def check_ttl_ms(ttl_s: object, max_ttl_ms: int) -> int:
     return int(ttl_ms)
 
 
+#: The highest per-user limit (``set_user_limit``; the schema's check says the same).
+USER_LIMIT_MAX = 1_000_000
+
+
+def check_user_limit(limit: object) -> int:
+    """A user's own unpaid limit: an integer from 0 (no unpaid order at all) to
+    :data:`USER_LIMIT_MAX`; bools refused."""
+    return check_count("limit", limit, 0, USER_LIMIT_MAX)
+
+
 def check_limit(limit: object) -> int:
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise InvalidInput("limit", "must be an integer")

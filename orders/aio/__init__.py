@@ -30,12 +30,16 @@ sweep_expired = on_default(AsyncOrderService.sweep_expired)
 reconcile = on_default(AsyncOrderService.reconcile)
 refused_payments = on_default(AsyncOrderService.refused_payments)
 mark_refund_handled = on_default(AsyncOrderService.mark_refund_handled)
+set_user_limit = on_default(AsyncOrderService.set_user_limit)
+clear_user_limit = on_default(AsyncOrderService.clear_user_limit)
+user_limit = on_default(AsyncOrderService.user_limit)
 
 __all__ = [
     "AsyncOrderService",
     "CreateRateLimited",
     "build_async_service",
     "cancel_order",
+    "clear_user_limit",
     "configure",
     "create_unpaid_order",
     "default_service",
@@ -47,5 +51,7 @@ __all__ = [
     "mark_refund_handled",
     "reconcile",
     "refused_payments",
+    "set_user_limit",
     "sweep_expired",
+    "user_limit",
 ]

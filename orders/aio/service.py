@@ -214,6 +214,9 @@ class AsyncOrderService:
     reconcile = Awaited(OrderService.reconcile)
     refused_payments = Awaited(OrderService.refused_payments)
     mark_refund_handled = Awaited(OrderService.mark_refund_handled)
+    set_user_limit = Awaited(OrderService.set_user_limit)
+    clear_user_limit = Awaited(OrderService.clear_user_limit)
+    user_limit = Awaited(OrderService.user_limit)
 
     # --- the host's hooks, handed to the synchronous service ------------------------------
 

@@ -275,7 +275,8 @@ def evalsha_refused(w: Workload) -> Variant:
             args = admit_args(
                 ids[i], expires_at_ms=now + ttl, now_ms=now, limit=1, window_ms=window_ms
             )
-            reply = client.evalsha(sha, 2, *keys[i % len(keys)], *args)
+            user_keys = keys[i % len(keys)]
+            reply = client.evalsha(sha, len(user_keys), *user_keys, *args)
             if int(reply[0]) != -1:
                 raise RuntimeError("raw admission at the limit was not refused")
 

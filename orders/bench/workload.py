@@ -86,9 +86,8 @@ class Workload:
         return self.service.index.key(user_id)
 
     def admit_keys(self, user_id: str) -> list[str]:
-        """``admit.lua``'s KEYS for the user: its set and its admissions hash."""
-        index = self.service.index
-        return [index.key(user_id), index.admits_key(user_id)]
+        """``admit.lua``'s KEYS for the user: its set, its admissions hash, its own limit."""
+        return self.service.index.admit_keys(user_id)
 
     @staticmethod
     def row(order_id: str, user_id: str, created_ms: int, expires_ms: int) -> dict[str, Any]:

@@ -2,12 +2,13 @@
 
 ``app`` holds the group, its global options and the error mapping; the commands register
 themselves on it from ``order_commands``, ``ops_commands``, ``store_commands``,
-``event_commands`` and ``payment_commands``; ``render`` prints. The benchmark command is
-loaded only when it is run.
+``event_commands``, ``payment_commands`` and ``limit_commands``; ``render`` prints. The
+benchmark command is loaded only when it is run.
 """
 
 from orders.cli import (
     event_commands,
+    limit_commands,
     ops_commands,
     order_commands,
     payment_commands,
@@ -19,6 +20,7 @@ __all__ = [
     "EXIT_CODES",
     "event_commands",
     "exit_code",
+    "limit_commands",
     "main",
     "ops_commands",
     "order_commands",

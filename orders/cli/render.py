@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from orders.sql.refusals import PaymentRefusal
     from orders.sql.stats import Stats
+    from orders.sql.user_limits import UserLimit
 else:
     # rich is imported by the first table printed, not with this module: the commands that
     # print one line (``orders show``...) never load it. Each name builds rich's class.
@@ -31,6 +32,27 @@ else:
 
     Console = _deferred("rich.console", "Console")
     Table = _deferred("rich.table", "Table")
+
+
+def user_limit_text(shown: UserLimit) -> str:
+    """``u1: limit 2 (own, set 2026-11-26 14:40:00 UTC by operator:anna@host)``."""
+    if not shown.own or shown.updated_at_ms is None:
+        return f"{shown.user_id}: limit {shown.limit} (the settings' limit)"
+    by = "" if shown.actor is None else f" by {shown.actor}"
+    return (
+        f"{shown.user_id}: limit {shown.limit} (own, set {utc_text(shown.updated_at_ms)} UTC{by})"
+    )
+
+
+def user_limit_to_json(shown: UserLimit) -> dict[str, Any]:
+    return {
+        "user_id": shown.user_id,
+        "limit": shown.limit,
+        "own": shown.own,
+        "updated_at": None if shown.updated_at is None else shown.updated_at.isoformat(),
+        "actor_kind": None if shown.actor is None else shown.actor.kind.value,
+        "actor": None if shown.actor is None else shown.actor.name,
+    }
 
 
 def amount_text(order: Order | PaymentRefusal) -> str:

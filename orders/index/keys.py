@@ -37,6 +37,8 @@ def user_of(key: bytes | str, prefix_length: int) -> str | None:
 ADMITS_TAG = "[admits]"
 #: The user's recent creates, for ``Settings.create_rate`` (see ``admit.lua``).
 RATE_TAG = "[rate]"
+#: The user's own limit, a copy of its ``oes_user_limits`` row (see ``admit.lua``).
+LIMIT_TAG = "[limit]"
 
 
 def hash_tag_of(key: str) -> str | None:
@@ -51,7 +53,8 @@ def hash_tag_of(key: str) -> str | None:
 
 def companion_key(user_key: str, key_prefix: str, tag: str) -> str:
     """The name of a key the service keeps beside a user's set (``tag`` says which: its
-    :data:`ADMITS_TAG` hash, its :data:`RATE_TAG` set), the one place such a name is built.
+    :data:`ADMITS_TAG` hash, its :data:`RATE_TAG` set, its :data:`LIMIT_TAG` copy), the one
+    place such a name is built.
 
     It must share the hash slot of ``user_key`` (both are KEYS of one script): its hash tag
     is the user key's own tag, else the whole user key. It starts with the prefix (a Redis
@@ -69,6 +72,30 @@ def companion_key(user_key: str, key_prefix: str, tag: str) -> str:
 def admits_key(user_key: str, key_prefix: str) -> str:
     """The name of a user's admissions hash (see ``admit.lua``)."""
     return companion_key(user_key, key_prefix, ADMITS_TAG)
+
+
+def limit_key(user_key: str, key_prefix: str) -> str:
+    """The name of a user's own limit (see ``admit.lua``; SQL's ``oes_user_limits`` is the
+    record, this a copy the admission script reads)."""
+    return companion_key(user_key, key_prefix, LIMIT_TAG)
+
+
+def user_of_limit_key(key: bytes | str, key_prefix: str) -> str | None:
+    """The user a :func:`limit_key` names, or None when ``key`` is not one."""
+    try:
+        name = text_of(key)
+    except UnicodeDecodeError:
+        return None
+    head = f"{key_prefix}{LIMIT_TAG}{{"
+    if not name.startswith(head):
+        return None
+    hashed, sep, rest = name[len(head) :].partition("}")
+    if not sep:
+        return None
+    user_key = rest or hashed
+    if not user_key.startswith(key_prefix) or limit_key(user_key, key_prefix) != name:
+        return None
+    return user_of(user_key, len(key_prefix))
 
 
 def glob_escape(text: str) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import closing
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -37,7 +37,17 @@ from orders.config import CreateRate, Settings
 from orders.errors import InvalidInput
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
-from orders.index.keys import RATE_TAG, admits_key, companion_key, glob_escape, text_of, user_of
+from orders.index.keys import (
+    LIMIT_TAG,
+    RATE_TAG,
+    admits_key,
+    companion_key,
+    glob_escape,
+    limit_key,
+    text_of,
+    user_of,
+    user_of_limit_key,
+)
 from orders.index.nodes import RedisClient
 from orders.index.pipeline import (
     CallPacker,
@@ -93,6 +103,8 @@ class AdmitResult:
     #: RATE_LIMITED: the start of the create whose leaving the window lets the next one in
     #: (and ``open_count`` is how many creates the window holds).
     score_ms: int
+    #: REFUSED: the limit the script applied (the user's own, when its key is set).
+    limit: int | None = None
 
 
 def _score(value: bytes | str | float) -> int:
@@ -154,6 +166,19 @@ class UnpaidIndex:
         """The user's recent creates, for the create rate (see ``admit.lua``)."""
         return companion_key(self.key(user_id), self.key_prefix, RATE_TAG)
 
+    def limit_key(self, user_id: str) -> str:
+        """The user's own limit, as ``admit.lua`` reads it (see :func:`limit_key`)."""
+        return limit_key(self.key(user_id), self.key_prefix)
+
+    def admit_keys(self, user_id: str) -> list[str]:
+        """``admit.lua``'s KEYS, in its header's order (all in the user's hash slot)."""
+        return [
+            self.key(user_id),
+            self.admits_key(user_id),
+            self.limit_key(user_id),
+            self.rate_key(user_id),
+        ]
+
     def admit(
         self,
         user_id: str,
@@ -166,14 +191,13 @@ class UnpaidIndex:
     ) -> AdmitResult:
         """Add ``order_id`` unless the user is at ``limit`` (expired members do not count)
         or has used up its ``rate`` of creates, noting that a create which started at
-        ``now_ms`` added it (and, with a rate, counting it).
+        ``now_ms`` added it (and, with a rate, counting it). The user's own limit key
+        (:meth:`limit_key`), when set, replaces ``limit``; a refusal says which applied.
 
         A server that refuses the script (out of memory, an ACL) raises
         :class:`ServerRefused`: then nothing was written.
         """
-        # KEYS[3] is not the rate's: until it has a key of its own, the rate key stands in.
-        rate_key = self.rate_key(user_id)
-        keys = [self.key(user_id), self.admits_key(user_id), rate_key, rate_key]
+        keys = self.admit_keys(user_id)
         args = admit_args(
             order_id,
             expires_at_ms=expires_at_ms,
@@ -189,8 +213,63 @@ class UnpaidIndex:
                 reply: list[Any] = self.client.evalsha(self._admit.sha, len(keys), *keys, *args)
             except NoScriptError:
                 reply = self._admit(keys=keys, args=args)
-        code, count, score = reply
-        return AdmitResult(Admission(int(code)), int(count), _score(score))
+        code, count, score = reply[:3]
+        applied = int(reply[3]) if len(reply) > 3 else None
+        return AdmitResult(Admission(int(code)), int(count), _score(score), applied)
+
+    def write_limits(self, limits: Mapping[str, int | None]) -> int:
+        """Set each user's own limit key (None: delete it, the settings' limit applies), in
+        one pipelined round trip; returns how many keys were deleted. SQL's
+        ``oes_user_limits`` is the record, this its copy."""
+        if not limits:
+            return 0
+        with redis_errors("write_limits"):
+            pipe = self.client.pipeline(transaction=False)
+            for user_id, limit in limits.items():
+                if limit is None:
+                    pipe.delete(self.limit_key(user_id))
+                else:
+                    pipe.set(self.limit_key(user_id), limit)
+            replies: list[Any] = pipe.execute()
+        return sum(
+            int(reply)
+            for reply, limit in zip(replies, limits.values(), strict=True)
+            if limit is None
+        )
+
+    def read_limit(self, user_id: str) -> int | None:
+        """The user's own limit as Redis holds it (None: no key)."""
+        with redis_errors("read_limit"):
+            value: Any = self.client.get(self.limit_key(user_id))
+        return None if value is None else int(value)
+
+    def scan_limit_users(self, *, chunk: int = 500) -> Generator[list[str]]:
+        """The users that have an own limit key, as :meth:`scan_users` finds users' keys; a
+        key under the limit tag that names no user is foreign, skipped and counted."""
+        pattern = glob_escape(self.key_prefix + LIMIT_TAG) + "*"
+        yield from self._scan_named(
+            "scan_limit_users", pattern, chunk, lambda key: user_of_limit_key(key, self.key_prefix)
+        )
+
+    def _scan_named(
+        self, op: str, pattern: str, chunk: int, name_of: Callable[[bytes], str | None]
+    ) -> Generator[list[str]]:
+        """The users ``name_of`` reads from the keys matching ``pattern``, a SCAN batch at a
+        time (empty batches left out); a key it reads no user from is foreign."""
+        with (
+            redis_errors(op),
+            closing(scan_all(self.client, pattern, chunk)) as batches,
+        ):
+            for keys in batches:
+                users = []
+                for key in keys:
+                    user = name_of(key)
+                    if user is None:
+                        self.foreign(key, "key name is not a user id")
+                    elif not user.startswith("["):  # "[...]" names the service's own keys
+                        users.append(user)
+                if users:
+                    yield users
 
     def abandon(self, user_id: str, order_id: str, *, started_ms: int) -> bool:
         """Undo the admission that a create started at ``started_ms`` may have sent, and
@@ -268,20 +347,7 @@ class UnpaidIndex:
         # "[^[]": not the service's own keys, whose names go on with "[" (no user id does).
         pattern = glob_escape(self.key_prefix) + "[^\\[]*"
         start = len(self.key_prefix)
-        with (
-            redis_errors("scan_users"),
-            closing(scan_all(self.client, pattern, chunk)) as batches,
-        ):
-            for keys in batches:
-                users = []
-                for key in keys:
-                    user = user_of(key, start)
-                    if user is None:
-                        self.foreign(key, "key name is not a user id")
-                    elif not user.startswith("["):  # "[...]" names the service's own keys
-                        users.append(user)
-                if users:
-                    yield users
+        yield from self._scan_named("scan_users", pattern, chunk, lambda key: user_of(key, start))
 
     def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
         """Every member with its score for each user, in one pipelined round trip.

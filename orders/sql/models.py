@@ -31,7 +31,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from orders import metrics
 from orders.domain import ACTOR_MAX_LENGTH, EventKind, OrderStatus
 from orders.errors import SchemaNotReady, StoreUnavailable
-from orders.validation import TEXT_MAX_LENGTH, USER_ID_MAX_LENGTH
+from orders.validation import TEXT_MAX_LENGTH, USER_ID_MAX_LENGTH, USER_LIMIT_MAX
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -46,8 +46,6 @@ USER_ID_COLUMN_LENGTH = USER_ID_MAX_LENGTH
 ORDER_ID_COLUMN_LENGTH = 128
 TEXT_COLUMN_LENGTH = TEXT_MAX_LENGTH
 POLICY_NAME_COLUMN_LENGTH = 64
-#: The highest per-user limit the schema admits (and the settings' limit too).
-USER_LIMIT_MAX = 1_000_000
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; elsewhere the key is a BIGINT.
 EventId = BigInteger().with_variant(Integer(), "sqlite")

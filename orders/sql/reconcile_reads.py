@@ -2,7 +2,8 @@
 
 Each reads the open unpaid orders (:func:`orders.sql.models.open_at`) through the partial index
 ``ix_oes_orders_unpaid_user_id_expires_at_ms``: a page in user order, a user range again, or a
-batch of users; none takes a lock or writes.
+batch of users; none takes a lock or writes. The users' own limits (``oes_user_limits``) are
+read here too, a page in user order or a batch of users, for the limit keys.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from orders.domain import is_open
-from orders.sql.models import open_at, orders_table
+from orders.sql.models import open_at, orders_table, user_limits_table
 from orders.sql.transactions import Transactions
 
 ORDER = orders_table.c
+LIMIT = user_limits_table.c
 
 #: The maximum number of ids per ``IN (...)`` list (SQLite accepts 32,766 parameters).
 IN_CHUNK = 5000
@@ -149,4 +151,22 @@ class ReconcileReads:
                 query = select(*columns).where(ORDER.id.in_(order_ids[start : start + IN_CHUNK]))
                 for order_id, user, status, expires_at_ms in conn.execute(query):
                     found[order_id] = user if is_open(status, expires_at_ms, now_ms) else None
+        return found
+
+    def limits_page(self, after: str | None, size: int) -> dict[str, int]:
+        """Up to ``size`` users' own limits in user order, after user ``after``."""
+        query = select(LIMIT.user_id, LIMIT.unpaid_limit).order_by(LIMIT.user_id).limit(size)
+        if after is not None:
+            query = query.where(LIMIT.user_id > after)
+        with self.tx.read() as conn:
+            return {row.user_id: row.unpaid_limit for row in conn.execute(query)}
+
+    def limits_of(self, user_ids: Sequence[str]) -> dict[str, int]:
+        """The own limits of those of ``user_ids`` that have one."""
+        found: dict[str, int] = {}
+        with self.tx.read() as conn:
+            for start in range(0, len(user_ids), IN_CHUNK):
+                chunk = user_ids[start : start + IN_CHUNK]
+                query = select(LIMIT.user_id, LIMIT.unpaid_limit).where(LIMIT.user_id.in_(chunk))
+                found.update((row.user_id, row.unpaid_limit) for row in conn.execute(query))
         return found

@@ -299,4 +299,4 @@ class OrderRecords:
             if row is not None:
                 return to_order(row, now_ms)
             live = self.slots.make_room(values, limit, now_ms, actor, host)
-        raise LimitReachedInSql(live)
+        raise LimitReachedInSql(live, limit, None)

@@ -17,6 +17,14 @@ its own: a holder whose expiry has passed but which the sweep has not closed yet
 there and then (the same compare-and-set as the sweep's, with its ``closed`` event) and the
 insert is tried again; if every slot is held by a live order, SQL refuses
 (:class:`LimitReachedInSql`, with the holders, from which the caller repairs the index).
+
+A user's own limit (``oes_user_limits``) replaces the caller's inside the same statement.
+Slots are numbers, not a count, so a lowered limit needs one more rule to stay exact: while
+an unpaid order of the user holds a slot above the effective limit, no slot is free (the
+slots at or below it may be free while more than the limit are held). A user left over a
+lowered limit is therefore refused until every order above it has left (paid, cancelled,
+or closed), even once fewer than the limit remain: never one too many, at the cost of
+refusing early for at most the life of those orders.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from sqlalchemy import (
     String,
     bindparam,
     exists,
+    func,
     insert,
     literal_column,
     select,
@@ -42,7 +51,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
 from orders.domain import Actor, EventKind, OrderStatus
-from orders.sql.models import UNPAID_PREDICATE, orders_table
+from orders.sql.models import UNPAID_PREDICATE, orders_table, user_limits_table
 from orders.sql.transactions import Transactions
 from orders.sql.transitions import CLOSE_EXPIRED, record_events, with_events
 
@@ -73,23 +82,41 @@ class InsertConflict(Exception):
 class LimitReachedInSql(Exception):
     """Every slot of the user is held by a live order (the caller turns this into
     :class:`~orders.errors.UnpaidOrderLimitReached`); ``holders`` maps their ids to their
-    expiries, what the user's index should hold."""
+    expiries, what the user's index should hold. ``limit``: the effective limit;
+    ``own_limit``: the user's own (None: the caller's applied), what the index should hold
+    of it."""
 
-    def __init__(self, holders: Mapping[str, int]) -> None:
+    def __init__(self, holders: Mapping[str, int], limit: int, own_limit: int | None) -> None:
         super().__init__(len(holders))
         self.holders = dict(holders)
         self.open_count = len(holders)
         self.earliest_ms = min(holders.values(), default=None)
+        self.limit = limit
+        self.own_limit = own_limit
+
+
+def own_limit_of(user: Any) -> Any:
+    """SELECT the user's own limit (no row: none)."""
+    return select(user_limits_table.c.unpaid_limit).where(user_limits_table.c.user_id == user)
+
+
+def effective_limit(user: Any) -> Any:
+    """The user's own limit if one is set, else ``:slot_limit`` (an SQL expression)."""
+    return func.coalesce(
+        own_limit_of(user).scalar_subquery(), bindparam("slot_limit", type_=Integer)
+    )
 
 
 def _free_slot() -> Any:
-    """The lowest slot from 1 to ``:slot_limit`` no unpaid order of ``:user_id`` holds.
+    """The lowest slot from 1 to the effective limit that no unpaid order of ``:user_id``
+    holds; none while one holds a slot above that limit (see the module docstring).
 
     The candidates are 1 and each held slot + 1: the lowest free slot is one of them, so
     the query reads only the user's few index entries, for any limit.
     """
     held = orders_table.alias("held")
     holder = orders_table.alias("holder")
+    above = orders_table.alias("above")
     user = bindparam("user_id", type_=String)
     # The status as a literal in the SQL, never a parameter: only then may the planner use
     # the partial index over unpaid orders (it must prove the predicate at plan time).
@@ -106,9 +133,13 @@ def _free_slot() -> Any:
         holder.c.slot == candidates.c.n,
         holder.c.status == unpaid,
     )
+    limit = effective_limit(user)
+    over_limit = exists().where(
+        above.c.user_id == user, above.c.slot > limit, above.c.status == unpaid
+    )
     return (
         select(candidates.c.n)
-        .where(candidates.c.n <= bindparam("slot_limit", type_=Integer), ~taken)
+        .where(candidates.c.n <= limit, ~taken, ~over_limit)
         .order_by(candidates.c.n)
         .limit(1)
         .subquery("free")
@@ -137,6 +168,7 @@ _HOLDERS = select(ORDER.id, ORDER.expires_at_ms, ORDER.slot).where(
     ORDER.user_id == bindparam("user_id"), UNPAID_PREDICATE
 )
 _ID_TAKEN = select(ORDER.id).where(ORDER.id == bindparam("oid"))
+_OWN_LIMIT = own_limit_of(bindparam("user_id"))
 
 
 class SlotGuard:
@@ -197,18 +229,25 @@ class SlotGuard:
         (closed here, or by someone else meanwhile), or a slot is free after all (a create
         that raced ours took one, then something freed another). Raises InsertConflict when
         the order's id exists already (a retry of a create, or another order's id), and
-        LimitReachedInSql when live orders hold every slot.
+        LimitReachedInSql when live orders hold every slot (or one above the user's own,
+        lowered limit: see the module docstring).
         """
+        user = {"user_id": values["user_id"]}
         with self.tx.write(host) as conn:
             if conn.execute(_ID_TAKEN, {"oid": values["id"]}).first() is not None:
                 raise InsertConflict(values["id"])
-            holders = conn.execute(_HOLDERS, {"user_id": values["user_id"]}).all()
+            own_limit: int | None = conn.scalar(_OWN_LIMIT, user)
+            holders = conn.execute(_HOLDERS, user).all()
             due = [h.id for h in holders if h.expires_at_ms <= now_ms]
             for order_id in due:
                 CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE, actor)
             self.tx.commit(conn, host)
         live = {h.id: h.expires_at_ms for h in holders if h.expires_at_ms > now_ms}
-        held = {h.slot for h in holders if h.id in live}
-        if due or any(n not in held for n in range(1, limit + 1)):
+        bound = limit if own_limit is None else own_limit
+        held = [h.slot for h in holders if h.id in live]
+        # Slots are distinct: fewer live holders at or below the bound than the bound
+        # leaves one free, unless a holder sits above it.
+        free = all(slot <= bound for slot in held) and len(held) < bound
+        if due or free:
             return live
-        raise LimitReachedInSql(live)
+        raise LimitReachedInSql(live, bound, own_limit)

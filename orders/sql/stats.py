@@ -3,7 +3,8 @@
 Each query is served by an index and none scans the whole table: the unpaid counts and the
 expiries ahead read the partial indexes over unpaid orders; the paid, cancelled and closed
 counts read the partial indexes over each terminal status, keyed on its transition's time,
-and so count what happened within a time window, not since the beginning.
+and so count what happened within a time window, not since the beginning. The users with a
+limit of their own are a count of ``oes_user_limits``, which holds only those users.
 
 The close lag (closed_at_ms - expires_at_ms) is summed up in SQL as a histogram with a fixed
 set of buckets, so that Python holds at most ``LAG_BUCKETS_MAX`` rows however many orders
@@ -36,7 +37,13 @@ from sqlalchemy import (
 )
 
 from orders.domain import Clock, OrderStatus
-from orders.sql.models import UNPAID_PREDICATE, open_at, orders_table, sql_errors
+from orders.sql.models import (
+    UNPAID_PREDICATE,
+    open_at,
+    orders_table,
+    sql_errors,
+    user_limits_table,
+)
 from orders.validation import check_count
 
 OC = orders_table.c
@@ -232,6 +239,8 @@ class Stats:
     lag_max_ms: int | None
     #: Expiries due ahead, per bucket: (seconds from now to the bucket's start, count).
     upcoming: list[tuple[int, int]]
+    #: Users with a limit of their own (``set_user_limit``): one row each, a small table.
+    users_with_own_limit: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,6 +273,7 @@ def read_stats(
         lag_p99_ms=lag.percentile(0.99),
         lag_max_ms=lag.max_ms,
         upcoming=upcoming,
+        users_with_own_limit=conn.scalar(select(func.count()).select_from(user_limits_table)) or 0,
     )
 
 

@@ -330,7 +330,7 @@ def count_then_insert(engine: Engine, values: dict[str, Any], limit: int) -> Non
             )
         ).scalar_one()
     if open_count >= limit:
-        raise LimitReachedInSql({})
+        raise LimitReachedInSql({}, limit, None)
     with engine.begin() as conn:
         conn.execute(orders_table.insert(), values)
 

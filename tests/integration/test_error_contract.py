@@ -237,6 +237,10 @@ USE_CASES: dict[str, Row] = {
     "mark_refund_handled": Row(
         lambda c: c.api.mark_refund_handled(c.order_id, "psp-1"), InvalidInput
     ),
+    # SQL first, then the Redis copy, whose failure is logged (reconcile writes it).
+    "set_user_limit": Row(lambda c: c.api.set_user_limit(c.user, 2)),
+    "clear_user_limit": Row(lambda c: c.api.clear_user_limit(c.user)),
+    "user_limit": Row(lambda c: c.api.user_limit(c.user)),
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
     "earliest_reminder_ms": Row(lambda c: c.api.earliest_reminder_ms()),
@@ -576,6 +580,10 @@ COMMANDS: dict[str, Cmd] = {
     "payments refused": cmd("payments", "refused", "--since", "7d"),
     # No payment of that order was refused: exit 2, unless SQL fails first.
     "payments handled": cmd("payments", "handled", "{order}", "--ref", "psp-1", redis=2),
+    # SQL is the record: with Redis failing the limit is set, its copy left to reconcile.
+    "limit set": cmd("limit", "set", "{user}", "2"),
+    "limit show": cmd("limit", "show", "{user}"),
+    "limit clear": cmd("limit", "clear", "{user}"),
     "scheduler": cmd("scheduler"),
     "dashboard": cmd("dashboard", "--port", "0"),
     "demo": cmd("demo", "--fast"),

@@ -265,7 +265,9 @@ def test_every_stats_query_is_served_by_an_index(
     clock.advance(s=2)
     service.sweep_expired()
     statements = statements_run_by(engine, lambda: collect_stats(service.engine, service.clock))
-    assert len(statements) == 4, [sql for sql, _ in statements]
+    assert len(statements) == 5, [sql for sql, _ in statements]
+    # The users with their own limit: a count of oes_user_limits, one row per such user.
+    assert the_one(statements, "from oes_user_limits")
 
     plans = {
         "unpaid": the_one(statements, "filter (where"),

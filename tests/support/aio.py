@@ -247,6 +247,9 @@ USE_CASES = frozenset(
         "reconcile",
         "refused_payments",
         "mark_refund_handled",
+        "set_user_limit",
+        "clear_user_limit",
+        "user_limit",
     }
 )
 

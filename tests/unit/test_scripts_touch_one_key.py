@@ -1,9 +1,9 @@
 """Every Lua script touches only the keys it is given, its KEYS[1] and, for the admission
-scripts, the user's admissions hash as KEYS[2] and rate set (``admit.lua``'s KEYS[4],
-``abandon.lua``'s KEYS[3]): on a Redis Cluster a script may only touch keys of one slot,
-and one user's keys a script is what lets each user live on any node. The hash and the
-rate set share the set's slot by their names (tests/integration/test_index_keys.py); the
-cluster suites run the scripts for real, and a cluster refuses a script that touches a
+scripts, the user's admissions hash as KEYS[2], own limit (``admit.lua``'s KEYS[3]) and
+rate set (``admit.lua``'s KEYS[4], ``abandon.lua``'s KEYS[3]): on a Redis Cluster a script
+may only touch keys of one slot, and one user's keys a script is what lets each user live
+on any node. These share the set's slot by their names (tests/integration/test_index_keys.py);
+the cluster suites run the scripts for real, and a cluster refuses a script that touches a
 key of another slot (tests/integration/test_redis_cluster.py)."""
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ def test_the_scripts_are_all_found() -> None:
 #: Each script's locals for its keys, where it has more than the user's set.
 KEYS_OF = {
     "abandon": {"key": "KEYS[1]", "admits": "KEYS[2]", "rate_key": "KEYS[3]"},
-    "admit": {"key": "KEYS[1]", "admits": "KEYS[2]", "rate_key": "KEYS[4]"},
+    "admit": {
+        "key": "KEYS[1]",
+        "admits": "KEYS[2]",
+        "limit_key": "KEYS[3]",
+        "rate_key": "KEYS[4]",
+    },
 }
 
 

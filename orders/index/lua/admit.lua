@@ -4,22 +4,25 @@
 -- KEYS[2]  the user's admissions hash, in KEYS[1]'s slot: order id -> the start (ms) of the
 --          create that added it, or minus the start of an attempt its caller abandoned
 --          (abandon.lua). It lets reconcile tell a create still in flight from one that is over.
+-- KEYS[3]  the user's own limit, in KEYS[1]'s slot (a copy of SQL's oes_user_limits row):
+--          when present it replaces ARGV[4]
 -- ARGV[1]  order id
 -- ARGV[2]  its expiry, integer ms since the epoch
 -- ARGV[3]  now, integer ms since the epoch (the caller's clock, never the server's): the
 --          start of this create
--- ARGV[4]  the limit: how many open orders the user may hold
+-- ARGV[4]  the limit: how many open orders the user may hold, unless KEYS[3] says otherwise
 -- ARGV[5]  the admission window, ms: how long a create can still be in flight (the hash
 --          keeps an entry that long, and expires that long after its last write)
 -- KEYS[4]  the user's rate set, in KEYS[1]'s slot: order id -> the start (ms) of the create
---          that admitted it, kept for ARGV[7] ms (KEYS[3] is not read by the rate)
+--          that admitted it, kept for ARGV[7] ms
 -- ARGV[6]  the rate: how many creates the user may start in any ARGV[7] ms (0 or absent: off)
 -- ARGV[7]  the rate's sliding window, ms
 --
 -- Returns {code, open_count, score} where code is
 --   1  admitted: the order was added; score is its expiry
 --   0  exists:   the order was already a member (a retry); score is its stored expiry
---  -1  refused:  open_count >= limit; score is the earliest open expiry
+--  -1  refused:  open_count >= limit; score is the earliest open expiry (0 when none), and
+--      a fourth element is the limit applied
 --  -3  rate:     ARGV[6] creates started in the last ARGV[7] ms (open_count is how many);
 --      score is the start of the one whose leaving the window lets the next one in. The
 --      rate is asked before the limit: a cancel frees a slot, never a create
@@ -40,6 +43,12 @@ local admits = KEYS[2]
 local order_id = ARGV[1]
 local now = tonumber(ARGV[3])
 local limit = tonumber(ARGV[4])
+
+local limit_key = KEYS[3]
+local own_limit = redis.call('GET', limit_key)
+if own_limit then
+  limit = tonumber(own_limit) or limit
+end
 
 -- An order whose expiry is not ahead of now no longer counts. ARGV[3] is passed on as the
 -- string it came in as: a Lua number would be printed with 14 digits and lose precision.
@@ -73,7 +82,7 @@ if count >= limit then
   -- which a full server allows.
   redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])
   local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-  return {-1, count, first[2]}
+  return {-1, count, first[2] or '0', limit}
 end
 
 redis.call('ZADD', key, ARGV[2], order_id)

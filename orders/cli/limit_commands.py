@@ -1,0 +1,65 @@
+"""``orders limit``: a user's own unpaid limit, set, shown and cleared."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from orders.cli.app import cli_state, json_option, main
+from orders.cli.render import user_limit_text, user_limit_to_json
+from orders.errors import InvalidInput
+from orders.sql.user_limits import UserLimit
+
+#: "-1" is the N of ``orders limit set USER -1`` (refused as a limit), not an option.
+NUMBER_ARGUMENTS = {"ignore_unknown_options": True}
+
+
+def limit_number(text: str) -> int:
+    """N as given on the command line: a whole number (its range is the service's rule)."""
+    try:
+        return int(text.strip(), 10)
+    except ValueError:
+        raise InvalidInput("limit", "must be an integer") from None
+
+
+def echo_limit(shown: UserLimit, as_json: bool) -> None:
+    click.echo(json.dumps(user_limit_to_json(shown)) if as_json else user_limit_text(shown))
+
+
+@main.group("limit")
+def limit_group() -> None:
+    """A user's own limit of unpaid orders, in place of the settings' one."""
+
+
+@limit_group.command("set", context_settings=NUMBER_ARGUMENTS)
+@click.argument("user")
+@click.argument("n", metavar="N")
+@json_option
+@click.pass_context
+def set_command(ctx: click.Context, user: str, n: str, as_json: bool) -> None:
+    """Let USER hold at most N unpaid orders (0 to 1000000; 0: none at all). Orders held
+    already stay; a lowered limit refuses creates until USER is under it."""
+    state = cli_state(ctx)
+    limit = limit_number(n)  # before the service is built: bad N is exit 2, nothing opened
+    shown = state.service().set_user_limit(user, limit, actor=state.actor)
+    echo_limit(shown, as_json)
+
+
+@limit_group.command("show")
+@click.argument("user")
+@json_option
+@click.pass_context
+def show_command(ctx: click.Context, user: str, as_json: bool) -> None:
+    """The limit that applies to USER, whether it is USER's own, and who set it when."""
+    echo_limit(cli_state(ctx).service().user_limit(user), as_json)
+
+
+@limit_group.command("clear")
+@click.argument("user")
+@json_option
+@click.pass_context
+def clear_command(ctx: click.Context, user: str, as_json: bool) -> None:
+    """Remove USER's own limit: the settings' one applies again."""
+    state = cli_state(ctx)
+    echo_limit(state.service().clear_user_limit(user, actor=state.actor), as_json)

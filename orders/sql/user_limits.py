@@ -1,0 +1,76 @@
+"""Per-user unpaid limits: ``oes_user_limits``, the record of every user whose limit is not
+the settings' one.
+
+SQL holds them; Redis keeps a copy per user that the admission script reads
+(:meth:`orders.index.unpaid.UnpaidIndex.write_limits`), and the SQL guard reads the row
+itself inside its insert (:func:`orders.sql.slots.effective_limit`), so a limit holds in SQL
+whatever Redis lost. Each function here opens and commits its own transaction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Row, delete, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from orders.domain import Actor, ActorKind, ms_to_datetime
+from orders.sql.models import user_limits_table
+from orders.sql.transactions import Transactions
+
+LC = user_limits_table.c
+
+
+@dataclass(frozen=True, slots=True)
+class UserLimit:
+    """The limit that applies to a user: its own (``own``), or the settings' one."""
+
+    user_id: str
+    limit: int
+    #: True when the user has a limit of its own (set by ``set_user_limit``).
+    own: bool
+    #: When its own limit was set, and by whom (None for the settings' limit).
+    updated_at_ms: int | None = None
+    actor: Actor | None = None
+
+    @property
+    def updated_at(self) -> datetime | None:
+        return None if self.updated_at_ms is None else ms_to_datetime(self.updated_at_ms)
+
+
+def _to_limit(row: Row[Any]) -> UserLimit:
+    actor = None if row.actor_kind is None else Actor(ActorKind(row.actor_kind), row.actor)
+    return UserLimit(row.user_id, row.unpaid_limit, True, row.updated_at_ms, actor)
+
+
+def read_limit(tx: Transactions, user_id: str, default_limit: int) -> UserLimit:
+    """The user's own limit, or ``default_limit`` (the settings') when it has none."""
+    with tx.read() as conn:
+        row = conn.execute(select(user_limits_table).where(LC.user_id == user_id)).one_or_none()
+    return UserLimit(user_id, default_limit, False) if row is None else _to_limit(row)
+
+
+def write_limit(tx: Transactions, user_id: str, limit: int, now_ms: int, actor: Actor) -> UserLimit:
+    """Set the user's own limit (an insert, or an update of its row), and commit."""
+    values = {"user_id": user_id, "unpaid_limit": limit, "updated_at_ms": now_ms}
+    values.update(actor.columns())
+    dialect = postgresql if tx.dialect == "postgresql" else sqlite
+    upsert = dialect.insert(user_limits_table).values(values)
+    upsert = upsert.on_conflict_do_update(
+        index_elements=[LC.user_id],
+        set_={name: upsert.excluded[name] for name in values if name != "user_id"},
+    )
+    with tx.write() as conn:
+        conn.execute(upsert)
+        conn.commit()
+    return UserLimit(user_id, limit, True, now_ms, actor)
+
+
+def delete_limit(tx: Transactions, user_id: str) -> bool:
+    """Remove the user's own limit (the settings' one applies again); True if it had one."""
+    with tx.write() as conn:
+        removed = conn.execute(delete(user_limits_table).where(LC.user_id == user_id)).rowcount
+        conn.commit()
+    return bool(removed)
