@@ -102,6 +102,9 @@ APPLICATION = Actor(ActorKind.APPLICATION)
 SWEEPER = Actor(ActorKind.SWEEPER)
 PRE_CLOSE_CHECK = Actor(ActorKind.PRE_CLOSE_CHECK)
 
+#: The close reason of an order cancelled to make room for a newer one at the limit.
+REPLACED_REASON = "replaced"
+
 
 class RefusalReason(StrEnum):
     """Why a payment was refused (a ``payment_refused`` event's ``reason``)."""

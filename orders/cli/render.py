@@ -180,6 +180,9 @@ def print_stats(found: Stats, window_s: int, horizon_s: int) -> None:
     table.add_row("  backlog (due, not closed)", str(found.backlog))
     for status in ("paid", "cancelled", "closed"):
         table.add_row(f"{status}, last {window_s} s", str(found.by_status.get(status, 0)))
+    table.add_row(f"  replaced (cancelled), last {window_s} s", str(found.replaced_in_window))
+    table.add_row(f"reminded, last {window_s} s", str(found.reminded_in_window))
+    table.add_row("users with their own limit", str(found.users_with_own_limit))
     lag = (
         "none closed"
         if found.lag_p50_ms is None

@@ -36,7 +36,7 @@ from sqlalchemy import (
     select,
 )
 
-from orders.domain import Clock, OrderStatus
+from orders.domain import REPLACED_REASON, Clock, OrderStatus
 from orders.sql.models import (
     UNPAID_PREDICATE,
     open_at,
@@ -90,11 +90,14 @@ class UnpaidCounts:
 
 
 @dataclass(frozen=True, slots=True)
-class PaidAndCancelled:
-    """Orders paid, and orders cancelled, within a window (closed ones: ``CloseLag.count``)."""
+class WindowCounts:
+    """Orders paid, cancelled (of which ``replaced`` by a newer create at the limit) and
+    reminded within a window (closed ones: ``CloseLag.count``)."""
 
     paid: int
     cancelled: int
+    replaced: int
+    reminded: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,18 +188,23 @@ def count_unpaid(conn: Connection, now_ms: int) -> UnpaidCounts:
     return UnpaidCounts(open=int(open_count), backlog=int(unpaid) - int(open_count))
 
 
-def count_paid_and_cancelled(conn: Connection, window: Window) -> PaidAndCancelled:
-    """Orders paid (by paid_at_ms) and cancelled (by closed_at_ms) within ``window``, each
-    counted from its partial index."""
-    paid = select(func.count()).where(status_is(OrderStatus.PAID), window.holds(OC.paid_at_ms))
-    cancelled = select(func.count()).where(
-        status_is(OrderStatus.CANCELLED), window.holds(OC.closed_at_ms)
+def count_in_window(conn: Connection, window: Window) -> WindowCounts:
+    """Orders paid (by paid_at_ms), cancelled (by closed_at_ms; the replaced ones among
+    them by their close reason) and reminded (by reminded_at_ms) within ``window``, in one
+    statement, each counted from its partial index."""
+    cancelled_in_window = and_(status_is(OrderStatus.CANCELLED), window.holds(OC.closed_at_ms))
+    counts = (
+        select(func.count()).where(status_is(OrderStatus.PAID), window.holds(OC.paid_at_ms)),
+        select(func.count()).where(cancelled_in_window),
+        select(func.count()).where(
+            cancelled_in_window, OC.close_reason == literal_column(f"'{REPLACED_REASON}'")
+        ),
+        select(func.count()).where(OC.reminded_at_ms.is_not(None), window.holds(OC.reminded_at_ms)),
     )
     with sql_errors():
-        paid_count, cancelled_count = conn.execute(
-            select(paid.scalar_subquery(), cancelled.scalar_subquery())
-        ).one()
-    return PaidAndCancelled(paid=int(paid_count), cancelled=int(cancelled_count))
+        row = conn.execute(select(*(count.scalar_subquery() for count in counts))).one()
+    paid, cancelled, replaced, reminded = (int(n) for n in row)
+    return WindowCounts(paid=paid, cancelled=cancelled, replaced=replaced, reminded=reminded)
 
 
 def expiries_ahead(
@@ -241,6 +249,10 @@ class Stats:
     upcoming: list[tuple[int, int]]
     #: Users with a limit of their own (``set_user_limit``): one row each, a small table.
     users_with_own_limit: int = 0
+    #: Within the window: orders cancelled to make room for a newer one at the limit
+    #: (``on_limit="replace_oldest"``), and reminders written (``expiring`` events).
+    replaced_in_window: int = 0
+    reminded_in_window: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -253,7 +265,7 @@ def read_stats(
     check_count("window_s", window_s, 1, 366 * 86_400)
     window = Window.ending_at(now_ms, window_s)
     unpaid = count_unpaid(conn, now_ms)
-    settled = count_paid_and_cancelled(conn, window)
+    settled = count_in_window(conn, window)
     lag = close_lag(conn, window)
     upcoming = expiries_ahead(conn, now_ms, horizon_s, buckets)
     by_status = {
@@ -274,6 +286,8 @@ def read_stats(
         lag_max_ms=lag.max_ms,
         upcoming=upcoming,
         users_with_own_limit=conn.scalar(select(func.count()).select_from(user_limits_table)) or 0,
+        replaced_in_window=settled.replaced,
+        reminded_in_window=settled.reminded,
     )
 
 

@@ -282,6 +282,7 @@ def test_every_stats_query_is_served_by_an_index(
     assert "ix_oes_orders_unpaid_" in planned["unpaid"]
     assert "ix_oes_orders_paid_paid_at_ms" in planned["paid and cancelled"]
     assert "ix_oes_orders_cancelled_closed_at_ms" in planned["paid and cancelled"]
+    assert "ix_oes_orders_reminded_reminded_at_ms" in planned["paid and cancelled"]
     assert "ix_oes_orders_closed_closed_at_ms_expires_at_ms" in planned["close lag"]
     # Either partial index over unpaid orders will do (on a small table PostgreSQL may read
     # the one led by user_id whole): both hold unpaid orders only.

@@ -24,7 +24,7 @@ from orders.sql.stats import (
     CloseLag,
     Window,
     close_lag,
-    count_paid_and_cancelled,
+    count_in_window,
     count_unpaid,
     expiries_ahead,
     read_stats,
@@ -175,12 +175,47 @@ def test_the_window_is_open_at_its_start_and_closed_at_its_end(engine: Engine) -
 
     with engine.connect() as conn:
         found = read_stats(conn, until, window_s=60)
-        settled = count_paid_and_cancelled(conn, Window(since, until))
+        settled = count_in_window(conn, Window(since, until))
 
     assert found.closed_in_window == 2
     assert (found.lag_p50_ms, found.lag_max_ms) == (30, 40)
     assert (settled.paid, settled.cancelled) == (2, 1)
     assert found.by_status == {"unpaid": 0, "paid": 2, "cancelled": 1, "closed": 2}
+
+
+def test_replaced_and_reminded_orders_of_the_window_are_counted_with_its_edges(
+    engine: Engine,
+) -> None:
+    since, until = NOW - 60_000, NOW
+
+    def replaced(at_ms: int) -> dict[str, Any]:
+        row = order_row("cancelled", NOW + 9, closed_at_ms=at_ms)
+        return {**row, "close_reason": "replaced", "reminded_at_ms": None}
+
+    def reminded(status: str, at_ms: int) -> dict[str, Any]:
+        return {**order_row(status, NOW + 9, paid_at_ms=NOW + 1), "reminded_at_ms": at_ms}
+
+    put(
+        engine,
+        [
+            replaced(since),  # out: the window starts just after ``since``
+            replaced(since + 1),
+            replaced(until),
+            replaced(until + 1),
+            {**order_row("cancelled", NOW + 9, closed_at_ms=until), "reminded_at_ms": None},
+            reminded("unpaid", since),
+            reminded("unpaid", until),
+            reminded("paid", since + 1),  # reminded, then paid: still a reminder sent
+            reminded("unpaid", until + 1),
+        ],
+    )
+
+    with engine.connect() as conn:
+        settled = count_in_window(conn, Window(since, until))
+        found = read_stats(conn, until, window_s=60)
+
+    assert (settled.cancelled, settled.replaced, settled.reminded) == (3, 2, 2)
+    assert (found.replaced_in_window, found.reminded_in_window) == (2, 2)
 
 
 def test_cancelled_and_paid_orders_never_count_as_closes(engine: Engine) -> None:
@@ -251,8 +286,8 @@ def test_an_unpaid_order_is_open_before_its_expiry_and_backlog_from_it_on(engine
         pytest.param(lambda conn: close_lag(conn, Window(NOW - 1, NOW)), id="close_lag"),
         pytest.param(lambda conn: count_unpaid(conn, NOW), id="count_unpaid"),
         pytest.param(
-            lambda conn: count_paid_and_cancelled(conn, Window(NOW - 1, NOW)),
-            id="count_paid_and_cancelled",
+            lambda conn: count_in_window(conn, Window(NOW - 1, NOW)),
+            id="count_in_window",
         ),
         pytest.param(lambda conn: expiries_ahead(conn, NOW, 600, 10), id="expiries_ahead"),
     ],

@@ -122,6 +122,9 @@ function render(data) {
     field("paid", num(s.by_status.paid));
     field("cancelled", num(s.by_status.cancelled));
     field("closed", num(s.by_status.closed));
+    field("reminded", num(s.reminded_in_window));
+    field("replaced", num(s.replaced_in_window));
+    field("own_limits", num(s.users_with_own_limit));
     field("lag_p50", duration(s.lag_p50_ms));
     field("lag_p99", duration(s.lag_p99_ms));
     field("lag_max", duration(s.lag_max_ms));
