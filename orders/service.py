@@ -46,7 +46,6 @@ from orders.errors import (
     OrderConflict,
     OrderExpired,
     OrderNotFound,
-    StoreUnavailable,
     UnpaidOrderLimitReached,
 )
 from orders.events.consumer import EventPosition, OrderEvent, read_events
@@ -58,16 +57,16 @@ from orders.requests import CreateRequest, checked_payment
 from orders.sql.host import host_connection
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
-from orders.sql.user_limits import UserLimit, delete_limit, read_limit, write_limit
+from orders.sql.user_limits import UserLimit
 from orders.sweep import PreCloseCheck, Sweep
 from orders.transition import Transitioner
+from orders.user_limits import UserLimits
 from orders.validation import (
     TEXT_MAX_LENGTH,
     check_optional_text,
     check_order_id,
     check_ttl_ms,
     check_user_id,
-    check_user_limit,
 )
 
 log = logging.getLogger(__name__)
@@ -119,6 +118,7 @@ class OrderService:
         self.reconciler = Reconciler(
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
+        self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
         self.new_order_id = OrderIdGenerator(self.now_ms)
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
         self.refused_payment_handlers: list[Callable[[OrderEvent], None]] = []
@@ -214,36 +214,18 @@ class OrderService:
         after the guard's next refusal, writes the copy). Orders already held stay; a
         lowered limit refuses creates until the user is under it again.
         """
-        uid = check_user_id(user_id, self.settings.max_user_id_length)
-        own = check_user_limit(limit)
-        cause = Actor.of(actor)
-        result = write_limit(self.records.tx, uid, own, self.clock(), cause)
-        self._copy_limit(uid, own)
-        return result
+        return self.user_limits.set(user_id, limit, actor)
 
     def clear_user_limit(
         self, user_id: str | int, *, actor: str | Actor | None = None
     ) -> UserLimit:
         """Remove the user's own limit: the settings' one applies again (idempotent)."""
-        uid = check_user_id(user_id, self.settings.max_user_id_length)
-        Actor.of(actor)  # checked like every use case's, though a removed row keeps none
-        delete_limit(self.records.tx, uid)
-        self._copy_limit(uid, None)
-        return UserLimit(uid, self.settings.unpaid_limit, False)
+        return self.user_limits.clear(user_id, actor)
 
     def user_limit(self, user_id: str | int) -> UserLimit:
         """The limit that applies to the user, whether it is its own, and when and by whom
         it was set."""
-        uid = check_user_id(user_id, self.settings.max_user_id_length)
-        return read_limit(self.records.tx, uid, self.settings.unpaid_limit)
-
-    def _copy_limit(self, user_id: str, limit: int | None) -> None:
-        try:
-            self.index.write_limits({user_id: limit})
-        except StoreUnavailable:
-            log.warning(
-                "redis limit write failed; reconcile will fix it", extra={"user_id": user_id}
-            )
+        return self.user_limits.read(user_id)
 
     # --- transitions ---------------------------------------------------------------------
 

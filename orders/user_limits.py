@@ -1,0 +1,62 @@
+"""Per-user limits as a use case: SQL records the limit, then Redis gets its copy.
+
+SQL is the record (:mod:`orders.sql.user_limits`); the SQL guard reads the row inside its
+insert, so a lowered limit holds whatever Redis lost. The admission script reads a copy in
+the user's hash slot (:meth:`orders.index.unpaid.UnpaidIndex.write_limits`), written after
+the commit: a Redis failure there is logged, and the repair after the guard's next refusal,
+or reconcile, writes the copy from SQL.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from orders.config import Settings
+from orders.domain import Actor, Clock
+from orders.errors import StoreUnavailable
+from orders.index.unpaid import UnpaidIndex
+from orders.sql.transactions import Transactions
+from orders.sql.user_limits import UserLimit, delete_limit, read_limit, write_limit
+from orders.validation import check_user_id, check_user_limit
+
+log = logging.getLogger("orders.service")
+
+
+class UserLimits:
+    """Sets, clears and reads users' own limits (see the module docstring)."""
+
+    def __init__(
+        self, tx: Transactions, index: UnpaidIndex, settings: Settings, clock: Clock
+    ) -> None:
+        self.tx = tx
+        self.index = index
+        self.settings = settings
+        self.clock = clock
+
+    def set(self, user_id: str | int, limit: int, actor: str | Actor | None) -> UserLimit:
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        own = check_user_limit(limit)
+        cause = Actor.of(actor)
+        result = write_limit(self.tx, uid, own, self.clock(), cause)
+        self.copy(uid, own)
+        return result
+
+    def clear(self, user_id: str | int, actor: str | Actor | None) -> UserLimit:
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        Actor.of(actor)  # checked like every use case's, though a removed row keeps none
+        delete_limit(self.tx, uid)
+        self.copy(uid, None)
+        return UserLimit(uid, self.settings.unpaid_limit, False)
+
+    def read(self, user_id: str | int) -> UserLimit:
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        return read_limit(self.tx, uid, self.settings.unpaid_limit)
+
+    def copy(self, user_id: str, limit: int | None) -> None:
+        """Write the user's copy in Redis (None: remove it); a failure is only logged."""
+        try:
+            self.index.write_limits({user_id: limit})
+        except StoreUnavailable:
+            log.warning(
+                "redis limit write failed; reconcile will fix it", extra={"user_id": user_id}
+            )
