@@ -18,7 +18,7 @@ from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
 from tests.support.threads import outcomes_of_race
 
-pytestmark = [pytest.mark.both_apis]
+pytestmark = [pytest.mark.cluster_too, pytest.mark.both_apis]
 
 REPLACE = "replace_oldest"
 
@@ -202,6 +202,21 @@ def test_redis_that_lost_the_members_still_replaces(
     expected = {held[1].id, held[2].id, new.id}
     assert unpaid_ids(engine, "u1") == expected
     assert set(limited.index.members("u1")) == expected
+
+
+def test_in_the_hosts_transaction_the_limit_refuses_and_nothing_is_replaced(
+    make_service: Callable[..., OrderService], engine: Engine, api: str
+) -> None:
+    if api == "async":
+        pytest.skip("a host's transaction here is a synchronous Connection")
+    service = make_service(unpaid_limit=1, on_limit=REPLACE)
+    kept = service.create_unpaid_order("u1")
+    with engine.connect() as conn:
+        with pytest.raises(UnpaidOrderLimitReached):
+            service.create_unpaid_order("u1", connection=conn)
+        conn.commit()
+    assert unpaid_ids(engine, "u1") == {kept.id}
+    assert cancelled_events(service) == {}
 
 
 def test_a_bad_on_limit_is_refused_before_anything_is_written(
