@@ -445,6 +445,11 @@ class OrderService:
         The extension takes the order's slot again, so it is refused (and the order closed)
         when the user has meanwhile reached the limit, or when Redis is down and
         ``create_without_redis`` is off (the one outage policy of :mod:`orders.admission`).
+
+        A create with ``on_limit="replace_oldest"`` asks it too, about the order it would
+        cancel: any answer but None, a raise or a timeout keeps that order (a payment may be
+        in flight) and the create is refused; the create waits for it at most
+        ``pre_close_timeout_s``.
         """
         self.sweep.pre_close = check
 
