@@ -152,6 +152,7 @@ def create_unpaid_order(
     currency: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     actor: str | Actor | None = None,
+    on_limit: str | None = None,
 ) -> Order:
     """See :meth:`OrderService.create_unpaid_order`."""
     return default_service().create_unpaid_order(
@@ -163,6 +164,7 @@ def create_unpaid_order(
         currency=currency,
         metadata=metadata,
         actor=actor,
+        on_limit=on_limit,
     )
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from orders.errors import InvalidInput
 from orders.urls import SecretUrl, check_database_url, check_redis_url
-from orders.validation import check_count, check_seconds
+from orders.validation import ON_LIMIT_REFUSE, check_count, check_on_limit, check_seconds
 
 if TYPE_CHECKING:
     pass
@@ -147,6 +147,9 @@ class Settings:
     #: At most COUNT creates per user in any SECONDS, a sliding window ("10/3600"); None:
     #: no rate. Kept in Redis only (:attr:`create_rate_limit` is the parsed value).
     create_rate: str | None = None
+    #: At the limit, a create is refused ("refuse") or cancels the user's oldest unpaid
+    #: order to take its place ("replace_oldest"); a create's ``on_limit`` overrides it.
+    on_limit: str = ON_LIMIT_REFUSE
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -203,6 +206,7 @@ class Settings:
         check_handler_paths("on_payment_refused", self.on_payment_refused)
         if self.create_rate is not None:
             parse_create_rate(self.create_rate)
+        check_on_limit(self.on_limit)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
 

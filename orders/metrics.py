@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     CREATES: Counter
     PAYMENTS: Counter
     CANCELS: Counter
+    REPLACED: Counter
     EXTENSIONS: Counter
     CLOSES: Counter
     REMINDERS: Counter
@@ -55,6 +56,7 @@ METRIC_NAMES = frozenset(
         "CREATES",
         "PAYMENTS",
         "CANCELS",
+        "REPLACED",
         "EXTENSIONS",
         "CLOSES",
         "REMINDERS",
@@ -98,6 +100,9 @@ def _define() -> dict[str, Any]:
             ["outcome"],
         ),
         "CANCELS": Counter("orders_cancels_total", "orders cancelled"),
+        "REPLACED": Counter(
+            "orders_replaced_total", "oldest unpaid orders cancelled to make room (on_limit)"
+        ),
         "EXTENSIONS": Counter("orders_extensions_total", "expiries moved", ["trigger"]),
         "CLOSES": Counter("orders_closes_total", "orders closed by the sweep"),
         "REMINDERS": Counter("orders_reminders_total", "expiring events the sweep wrote"),

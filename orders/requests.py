@@ -23,6 +23,7 @@ from orders.validation import (
     check_expiry_ms,
     check_limit,
     check_metadata,
+    check_on_limit,
     check_optional_text,
     check_order_id,
     check_ttl_ms,
@@ -56,6 +57,8 @@ class CreateRequest:
     amount: Decimal | None
     currency: str | None
     actor: Actor
+    #: What to do at the limit (``Settings.on_limit`` unless the call says).
+    on_limit: str
     metadata: dict[str, Any] = field(default_factory=dict)
     #: ``Settings.remind_before_ms`` (None: no reminder).
     remind_before_ms: int | None = None
@@ -73,6 +76,7 @@ class CreateRequest:
         currency: object,
         metadata: Mapping[str, Any] | None,
         actor: object,
+        on_limit: object = None,
     ) -> CreateRequest:
         s = settings
         amt, cur = checked_money(amount, currency)
@@ -86,6 +90,7 @@ class CreateRequest:
             metadata=check_metadata(metadata, s.max_metadata_bytes),
             actor=Actor.of(actor),
             remind_before_ms=s.remind_before_ms,
+            on_limit=s.on_limit if on_limit is None else check_on_limit(on_limit),
         )
 
     def row(self, order_id: str, now_ms: int) -> dict[str, Any]:

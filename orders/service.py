@@ -53,6 +53,7 @@ from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
 from orders.payments import LatePaymentCheck, Payments
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
+from orders.replacing import Replacer
 from orders.requests import CreateRequest, checked_payment
 from orders.sql.host import host_connection
 from orders.sql.records import OrderRecords
@@ -62,6 +63,7 @@ from orders.sweep import PreCloseCheck, Sweep
 from orders.transition import Transitioner
 from orders.user_limits import UserLimits
 from orders.validation import (
+    ON_LIMIT_REPLACE_OLDEST,
     TEXT_MAX_LENGTH,
     check_optional_text,
     check_order_id,
@@ -115,6 +117,7 @@ class OrderService:
         self.transitions = Transitioner(self.records, self.admitter)
         self.payments = Payments(self.transitions, s)
         self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)
+        self.replacer = Replacer(self.records, self.transitions, self.sweep)
         self.reconciler = Reconciler(
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
@@ -148,6 +151,7 @@ class OrderService:
         metadata: Mapping[str, Any] | None = None,
         actor: str | Actor | None = None,
         connection: HostConnection | None = None,
+        on_limit: str | None = None,
     ) -> Order:
         """Admit a new unpaid order for ``user_id`` unless the user is at the limit.
 
@@ -165,6 +169,13 @@ class OrderService:
         host's transaction (or the savepoint the create ran in) rolls back, and stays when
         it commits. :class:`InvalidInput` for a closed connection, an engine, another
         database, before anything is written.
+
+        ``on_limit`` (default ``Settings.on_limit``): at the limit, ``"refuse"`` raises
+        :class:`UnpaidOrderLimitReached`; ``"replace_oldest"`` cancels the user's oldest
+        unpaid order (reason ``replaced``) and admits this one instead, unless that order
+        was paid first or the pre-close check says its payment is in flight (then the
+        create is refused as usual; see :mod:`orders.replacing`). Not with
+        ``connection``: the cancel needs a transaction of its own, so the create is refused.
         """
         host = self._host(connection)
         asked = CreateRequest.checked(
@@ -177,18 +188,11 @@ class OrderService:
             currency=currency,
             metadata=metadata,
             actor=actor,
+            on_limit=on_limit,
         )
         now_ms = self.clock()
         try:
-            order, created = self.admitter.create(
-                asked.row(asked.order_id or self.new_order_id(now_ms), now_ms),
-                amount=asked.amount,
-                limit=asked.limit,
-                now_ms=now_ms,
-                caller_id=asked.order_id is not None,
-                actor=asked.actor,
-                host=host,
-            )
+            order, created = self._admit(asked, now_ms, host)
         except UnpaidOrderLimitReached as refused:
             metrics.CREATES.labels(f"refused_{refused.source}").inc()
             raise
@@ -200,6 +204,34 @@ class OrderService:
             raise
         metrics.CREATES.labels("admitted" if created else "retry").inc()
         return order
+
+    def _admit(
+        self, asked: CreateRequest, now_ms: int, host: Connection | None
+    ) -> tuple[Order, bool]:
+        """The admission of a create, and at the limit its ``on_limit``: one order replaced
+        at most, then one more admission, whose refusal is the create's."""
+        values = asked.row(asked.order_id or self.new_order_id(now_ms), now_ms)
+
+        def admit() -> tuple[Order, bool]:
+            return self.admitter.create(
+                values,
+                amount=asked.amount,
+                limit=asked.limit,
+                now_ms=now_ms,
+                caller_id=asked.order_id is not None,
+                actor=asked.actor,
+                host=host,
+            )
+
+        try:
+            return admit()
+        except UnpaidOrderLimitReached as refused:
+            if asked.on_limit != ON_LIMIT_REPLACE_OLDEST or host is not None:
+                raise
+            self.replacer.make_room(
+                refused, new_order_id=values["id"], now_ms=now_ms, actor=asked.actor
+            )
+        return admit()
 
     # --- per-user limits ---------------------------------------------------------------
 
@@ -449,6 +481,11 @@ class OrderService:
         The extension takes the order's slot again, so it is refused (and the order closed)
         when the user has meanwhile reached the limit, or when Redis is down and
         ``create_without_redis`` is off (the one outage policy of :mod:`orders.admission`).
+
+        A create with ``on_limit="replace_oldest"`` asks it too, about the order it would
+        cancel: any answer but None, a raise or a timeout keeps that order (a payment may be
+        in flight) and the create is refused; the create waits for it at most
+        ``pre_close_timeout_s``.
         """
         self.sweep.pre_close = check
 

@@ -100,6 +100,19 @@ def check_user_limit(limit: object) -> int:
     return check_count("limit", limit, 0, USER_LIMIT_MAX)
 
 
+#: What a create does at its user's limit (``on_limit``): refuse it, or cancel the user's
+#: oldest unpaid order to make room (:mod:`orders.replacing`).
+ON_LIMIT_REFUSE = "refuse"
+ON_LIMIT_REPLACE_OLDEST = "replace_oldest"
+ON_LIMIT_CHOICES = (ON_LIMIT_REFUSE, ON_LIMIT_REPLACE_OLDEST)
+
+
+def check_on_limit(value: object) -> str:
+    if value not in ON_LIMIT_CHOICES:
+        raise InvalidInput("on_limit", f"must be one of {', '.join(ON_LIMIT_CHOICES)}")
+    return str(value)
+
+
 def check_limit(limit: object) -> int:
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise InvalidInput("limit", "must be an integer")

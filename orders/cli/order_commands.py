@@ -9,6 +9,7 @@ import click
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import order_to_json, print_order, print_orders_table
 from orders.errors import CreateRateLimited, UnpaidOrderLimitReached
+from orders.validation import ON_LIMIT_CHOICES
 
 
 @main.command()
@@ -20,6 +21,11 @@ from orders.errors import CreateRateLimited, UnpaidOrderLimitReached
 @click.option(
     "--limit", type=int, help="Open unpaid orders allowed. [env var: ORDERS_UNPAID_LIMIT]"
 )
+@click.option(
+    "--on-limit",
+    type=click.Choice(ON_LIMIT_CHOICES),
+    help="At the limit: refuse, or cancel the oldest unpaid order. [env var: ORDERS_ON_LIMIT]",
+)
 @json_option
 @click.pass_context
 def create(
@@ -30,6 +36,7 @@ def create(
     amount: str | None,
     currency: str | None,
     limit: int | None,
+    on_limit: str | None,
     as_json: bool,
 ) -> None:
     """Create an unpaid order for USER (refused at the user's limit: exit 4; at the create
@@ -44,6 +51,7 @@ def create(
             amount=amount,
             currency=currency,
             actor=state.actor,
+            on_limit=on_limit,
         )
     except (UnpaidOrderLimitReached, CreateRateLimited) as refused:
         if as_json:

@@ -221,11 +221,22 @@ class OrderRecords:
         return PAY_LATE.run(conn, params, {**payment_data(payment), "late": True}, actor)
 
     def cancel(
-        self, conn: Connection, order_id: str, now_ms: int, reason: str | None, actor: Actor
+        self,
+        conn: Connection,
+        order_id: str,
+        now_ms: int,
+        reason: str | None,
+        actor: Actor,
+        *,
+        replaced_by: str | None = None,
     ) -> Row[Any] | None:
-        """Unpaid -> cancelled."""
+        """Unpaid -> cancelled; ``replaced_by``: the new order it made room for (its event
+        names it)."""
         params = {"oid": order_id, "now_ms": now_ms, "reason": reason or "cancelled"}
-        return CANCEL.run(conn, params, {"reason": reason} if reason else None, actor)
+        data = {"reason": reason} if reason else {}
+        if replaced_by is not None:
+            data["replaced_by"] = replaced_by
+        return CANCEL.run(conn, params, data or None, actor)
 
     def extend_open(
         self,

@@ -44,6 +44,16 @@ def test_limit_reached_exits_4_with_the_retry_after_on_one_line(run: Any) -> Non
     assert "limit reached: 3 open of 3; retry in 30 s" in refused.stderr
 
 
+def test_on_limit_replace_oldest_cancels_the_oldest_instead_of_exiting_4(run: Any) -> None:
+    oldest = json.loads(run("create", "u1", "--limit", "1", "--json").stdout)
+    created = run("create", "u1", "--limit", "1", "--on-limit", "replace_oldest", "--json")
+    assert created.exit_code == 0, created.output
+    shown = json.loads(run("show", oldest["id"], "--json").stdout)
+    assert shown["status"] == "cancelled"
+    listed = json.loads(run("user", "u1", "--json").stdout)
+    assert [o["id"] for o in listed] == [json.loads(created.stdout)["id"]]
+
+
 def test_create_rate_reached_exits_11_with_the_retry_after_on_one_line(
     run: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,6 +260,7 @@ SECRET = "hunter2-e2e"
         ("ORDERS_UNPAID_LIMIT", "0"),
         ("ORDERS_TTL_S", "soon"),
         ("ORDERS_STRICT_EXPIRY", "maybe"),
+        ("ORDERS_ON_LIMIT", "replace_newest"),
     ],
 )
 def test_a_malformed_setting_exits_2_with_one_line_and_writes_nothing(

@@ -688,6 +688,7 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_AIO_THREADS", "0"),
     ("ORDERS_AIO_QUEUE", "-1"),
     ("ORDERS_CREATE_RATE", "0/0"),
+    ("ORDERS_ON_LIMIT", "newest"),
 ]
 #: Settings any value of which is well formed.
 ANY_VALUE = {"home"}  # a folder name; created (or refused as a store failure) when used

@@ -1,0 +1,90 @@
+"""Replace the oldest: at the limit, a create may cancel its user's oldest unpaid order.
+
+With ``on_limit="replace_oldest"`` a create refused at the limit (by Redis or by the SQL
+slot guard) makes room once, and is then admitted again through the same path as any
+create, so the limit stays exact: the slot guard still decides who gets the freed slot.
+
+Making room never cancels a paid order, nor one the host says is being paid:
+
+1. the victim is the user's oldest open unpaid order (by ``created_at_ms``, then id);
+2. the pre-close check, if set, is asked about it first: an answer other than None (a
+   payment in flight), a raise or a timeout keeps the order and the create is refused;
+3. it is cancelled by the same compare-and-set as ``cancel_order`` (reason ``replaced``,
+   its event naming the new order and the create's actor); a payment or cancel that
+   committed first makes the compare-and-set lose, and the create is refused.
+
+A second admission that is refused (a concurrent create took the freed slot) is the
+create's refusal: the cancelled order stays cancelled (its event then names an order that
+never came to exist) and no second order is cancelled, so one create cancels at most one
+order. Trying again could chase concurrent creates without end; the caller may retry.
+
+A create in the host's transaction (``connection=``) is refused at the limit as with
+``"refuse"``: the cancel's Redis release would wait for the host's commit, so the second
+admission could not find the room.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from orders import metrics
+from orders.domain import REPLACED_REASON, Actor, Order
+from orders.errors import UnpaidOrderLimitReached
+from orders.sql.records import OrderRecords
+from orders.sweep import Sweep
+from orders.transition import Transitioner
+
+log = logging.getLogger(__name__)
+
+
+class Replacer:
+    """Cancels a user's oldest unpaid order to make room for a new one (module docstring)."""
+
+    def __init__(self, records: OrderRecords, transitions: Transitioner, sweep: Sweep) -> None:
+        self.records = records
+        self.transitions = transitions
+        self.sweep = sweep
+
+    def oldest(self, user_id: str, now_ms: int) -> Order | None:
+        """The user's oldest open unpaid order, or None."""
+        held = self.records.list_open(user_id, now_ms)
+        return min(held, key=lambda o: (o.created_at_ms, o.id), default=None)
+
+    def make_room(
+        self,
+        refused: UnpaidOrderLimitReached,
+        *,
+        new_order_id: str,
+        now_ms: int,
+        actor: Actor,
+    ) -> Order:
+        """Cancel the oldest open order of ``refused.user_id`` for ``new_order_id``; returns
+        it cancelled. Raises ``refused`` when no order may be cancelled."""
+        victim = self.oldest(refused.user_id, now_ms)
+        if victim is None or self.payment_in_flight(victim):
+            raise refused
+        cancelled, won = self.transitions.run(
+            victim.id,
+            now_ms,
+            lambda conn: self.records.cancel(
+                conn, victim.id, now_ms, REPLACED_REASON, actor, replaced_by=new_order_id
+            ),
+        )
+        if not won:  # paid or cancelled first
+            raise refused
+        metrics.REPLACED.inc()
+        return cancelled
+
+    def payment_in_flight(self, order: Order) -> bool:
+        """The pre-close check's answer about ``order``: True keeps it (the check asked for
+        time, raised, or timed out)."""
+        check = self.sweep.pre_close
+        if check is None:
+            return False
+        (answer,) = self.sweep.hooks.ask(check, [order], self.sweep.settings.pre_close_timeout_s)
+        if answer.failed:
+            log.warning(
+                "pre-close check failed or timed out; the oldest order is kept",
+                extra={"order_id": order.id, "user_id": order.user_id},
+            )
+        return answer.failed or answer.value is not None
