@@ -294,6 +294,7 @@ def race_the_guard(
                 "expires_at_ms": now + ttl_ms,
                 "updated_at_ms": now,
                 "metadata": None,
+                "remind_at_ms": None,
             }
             barrier.wait()
             try:
