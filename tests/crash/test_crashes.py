@@ -21,6 +21,7 @@ and named in failures, and ``ORDERS_TEST_CRASH_SEED`` replays one. The lines sta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -188,6 +189,58 @@ def crash_sizes(full_size: bool, dialect: str) -> dict[str, int]:
     return {"queue": queue, "kills": 12, "pays_per_kill": 15}  # 12: CI time (40 with --full)
 
 
+def kill_while_paying(
+    child: ChildProcess,
+    rng: random.Random,
+    picks: list[str],
+    pay: Callable[[str], None],
+    delays_ms: list[int],
+    seed: int,
+) -> None:
+    """Once ``child`` holds the lease, pay ``picks`` at random moments, and SIGKILL it
+    50-400 ms after it took the lease (the delay goes to ``delays_ms``)."""
+    try:
+        # The lease of the process killed last lapses 0.5 s after its last renewal; this
+        # one starts sweeping as soon as it holds the lease.
+        active_at = child.wait_for(LEASE_ACQUIRED, 60)
+        delay_s = rng.uniform(0.05, 0.4)
+        delays_ms.append(round(delay_s * 1000))
+        kill_at = active_at + delay_s
+        for pay_at, order_id in zip(
+            sorted(rng.uniform(active_at, kill_at) for _ in picks), picks, strict=True
+        ):
+            sleep_until(pay_at)
+            pay(order_id)
+        sleep_until(kill_at)
+        returncode = child.sigkill()
+    finally:
+        child.close(signum=signal.SIGKILL)
+    if returncode != -signal.SIGKILL:
+        raise child.fail(f"seed {seed}: exited by itself ({returncode}) before the kill")
+
+
+def finish_with_a_clean_scheduler(
+    final: ChildProcess, left: Callable[[], int], what: str, engine: Engine, seed: int
+) -> None:
+    """``final`` takes over once the last lease lapses; when ``left()`` (the work still
+    due) reaches 0, SIGTERM stops it after the batch in hand, and it must exit 0."""
+    try:
+        final.wait_for(LEASE_ACQUIRED, 60)
+        deadline = time.monotonic() + 120
+        while (due := left()) > 0:
+            if final.proc.poll() is not None or time.monotonic() > deadline:
+                raise final.fail(
+                    f"seed {seed}: the clean scheduler left {due} {what}\n"
+                    + database_activity(engine)
+                )
+            time.sleep(0.01)
+        final.proc.send_signal(signal.SIGTERM)
+        returncode = final.proc.wait(30)
+    finally:
+        final.close(signum=signal.SIGKILL)
+    assert returncode == 0, final.log()[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_never_a_paid_one(
@@ -210,6 +263,14 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
     pay_refused: set[str] = set()
     mid_sweep = finished = before_first_batch = 0
     delays_ms: list[int] = []
+
+    def pay(order_id: str) -> None:
+        try:
+            service.mark_paid(order_id)
+            paid_ok.add(order_id)
+        except OrderClosed:
+            pay_refused.add(order_id)
+
     for kill in range(sizes["kills"]):
         due = service.count_due()
         if due < sizes["queue"]:
@@ -219,36 +280,15 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
             tranche = []
         closed_before = count_closed(engine)
         child = ChildProcess(SCHEDULER_ARGS, env, tmp_path / f"scheduler-{kill}.log")
-        try:
-            # The lease of the process killed last lapses 0.5 s after its last renewal; this
-            # one starts sweeping as soon as it holds the lease. Kill it 50-400 ms later.
-            active_at = child.wait_for(LEASE_ACQUIRED, 60)
-            delay_s = rng.uniform(0.05, 0.4)
-            delays_ms.append(round(delay_s * 1000))
-            kill_at = active_at + delay_s
-            # Payments race the sweep: half on orders of the new tranche (mostly still
-            # unpaid), half on any order (often closed already).
-            picks = rng.sample(tranche, min(len(tranche), sizes["pays_per_kill"] // 2))
-            tried = paid_ok | pay_refused
-            while len(picks) < sizes["pays_per_kill"]:
-                order_id = rng.choice(inserted)
-                if order_id not in picks and order_id not in tried:
-                    picks.append(order_id)
-            for pay_at, order_id in zip(
-                sorted(rng.uniform(active_at, kill_at) for _ in picks), picks, strict=True
-            ):
-                sleep_until(pay_at)
-                try:
-                    service.mark_paid(order_id)
-                    paid_ok.add(order_id)
-                except OrderClosed:
-                    pay_refused.add(order_id)
-            sleep_until(kill_at)
-            returncode = child.sigkill()
-        finally:
-            child.close(signum=signal.SIGKILL)
-        if returncode != -signal.SIGKILL:
-            raise child.fail(f"seed {seed}: exited by itself ({returncode}) before the kill")
+        # Payments race the sweep: half on orders of the new tranche (mostly still
+        # unpaid), half on any order (often closed already).
+        picks = rng.sample(tranche, min(len(tranche), sizes["pays_per_kill"] // 2))
+        tried = paid_ok | pay_refused
+        while len(picks) < sizes["pays_per_kill"]:
+            order_id = rng.choice(inserted)
+            if order_id not in picks and order_id not in tried:
+                picks.append(order_id)
+        kill_while_paying(child, rng, picks, pay, delays_ms, seed)
         closed_now, due_now = count_closed(engine), service.count_due()
         if due_now == 0:
             finished += 1
@@ -261,21 +301,7 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
     # A clean scheduler takes over once the last lease lapses and finishes the job; SIGTERM
     # then stops it after the batch in hand.
     final = ChildProcess(SCHEDULER_ARGS, env, tmp_path / "scheduler-final.log")
-    try:
-        final.wait_for(LEASE_ACQUIRED, 60)
-        deadline = time.monotonic() + 120
-        while (due := service.count_due()) > 0:
-            if final.proc.poll() is not None or time.monotonic() > deadline:
-                raise final.fail(
-                    f"seed {seed}: the clean scheduler left {due} orders due\n"
-                    + database_activity(engine)
-                )
-            time.sleep(0.01)
-        final.proc.send_signal(signal.SIGTERM)
-        returncode = final.proc.wait(30)
-    finally:
-        final.close(signum=signal.SIGKILL)
-    assert returncode == 0, final.log()[-3000:]
+    finish_with_a_clean_scheduler(final, service.count_due, "orders due", engine, seed)
     assert service.sweep_expired().closed == 0
     closed_by_final = count_closed(engine) - closed_before_final
 
@@ -365,7 +391,7 @@ def test_schedulers_killed_mid_remind_write_every_reminder_once_and_none_after_a
     rng = random.Random(seed)
     sizes = crash_sizes(full_size, engine.dialect.name)
     if not full_size:
-        sizes["kills"] = 8  # CI time: a run with 12 took about 57 s on SQLite (40 with --full)
+        sizes["kills"] = 8  # CI time: 12 took 42-57 s on a loaded 2-core machine (40: --full)
     service = OrderService(engine, redis_client, Settings(database_url=database_url))
     env = {**stores_env(database_url, redis_url), "ORDERS_REMIND_BEFORE_S": REMIND_BEFORE_S}
 
@@ -373,6 +399,11 @@ def test_schedulers_killed_mid_remind_write_every_reminder_once_and_none_after_a
     paid_ok: set[str] = set()
     mid_batches = finished = before_first_batch = 0
     delays_ms: list[int] = []
+
+    def pay(order_id: str) -> None:
+        service.mark_paid(order_id)  # nothing closes: every payment is taken
+        paid_ok.add(order_id)
+
     for kill in range(sizes["kills"]):
         due = count_reminders_due(engine)
         tranche = (
@@ -383,30 +414,14 @@ def test_schedulers_killed_mid_remind_write_every_reminder_once_and_none_after_a
         inserted += tranche
         reminded_before = count_reminded(engine)
         child = ChildProcess(SCHEDULER_ARGS, env, tmp_path / f"scheduler-{kill}.log")
-        try:
-            active_at = child.wait_for(LEASE_ACQUIRED, 60)
-            delay_s = rng.uniform(0.05, 0.4)
-            delays_ms.append(round(delay_s * 1000))
-            kill_at = active_at + delay_s
-            # Payments race the reminders: half on the new tranche (mostly not reminded
-            # yet), half on any unpaid order (often reminded already).
-            picks = rng.sample(tranche, min(len(tranche), sizes["pays_per_kill"] // 2))
-            while len(picks) < sizes["pays_per_kill"]:
-                order_id = rng.choice(inserted)
-                if order_id not in picks and order_id not in paid_ok:
-                    picks.append(order_id)
-            for pay_at, order_id in zip(
-                sorted(rng.uniform(active_at, kill_at) for _ in picks), picks, strict=True
-            ):
-                sleep_until(pay_at)
-                service.mark_paid(order_id)  # nothing closes: every payment is taken
-                paid_ok.add(order_id)
-            sleep_until(kill_at)
-            returncode = child.sigkill()
-        finally:
-            child.close(signum=signal.SIGKILL)
-        if returncode != -signal.SIGKILL:
-            raise child.fail(f"seed {seed}: exited by itself ({returncode}) before the kill")
+        # Payments race the reminders: half on the new tranche (mostly not reminded yet),
+        # half on any unpaid order (often reminded already).
+        picks = rng.sample(tranche, min(len(tranche), sizes["pays_per_kill"] // 2))
+        while len(picks) < sizes["pays_per_kill"]:
+            order_id = rng.choice(inserted)
+            if order_id not in picks and order_id not in paid_ok:
+                picks.append(order_id)
+        kill_while_paying(child, rng, picks, pay, delays_ms, seed)
         if count_reminders_due(engine) == 0:
             finished += 1
         elif count_reminded(engine) > reminded_before:
@@ -416,21 +431,8 @@ def test_schedulers_killed_mid_remind_write_every_reminder_once_and_none_after_a
 
     reminded_before_final = count_reminded(engine)
     final = ChildProcess(SCHEDULER_ARGS, env, tmp_path / "scheduler-final.log")
-    try:
-        final.wait_for(LEASE_ACQUIRED, 60)
-        deadline = time.monotonic() + 60
-        while (due := count_reminders_due(engine)) > 0:
-            if final.proc.poll() is not None or time.monotonic() > deadline:
-                raise final.fail(
-                    f"seed {seed}: the clean scheduler left {due} reminders due\n"
-                    + database_activity(engine)
-                )
-            time.sleep(0.01)
-        final.proc.send_signal(signal.SIGTERM)
-        returncode = final.proc.wait(30)
-    finally:
-        final.close(signum=signal.SIGKILL)
-    assert returncode == 0, final.log()[-3000:]
+    left = functools.partial(count_reminders_due, engine)
+    finish_with_a_clean_scheduler(final, left, "reminders due", engine, seed)
     reminded_by_final = count_reminded(engine) - reminded_before_final
 
     with engine.connect() as conn:
