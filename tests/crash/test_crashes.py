@@ -2,7 +2,8 @@
 
 1. ``orders scheduler`` processes SIGKILLed at random moments while they sweep due orders,
    with payments racing the sweep: nothing is closed twice, nothing due is left behind, no
-   payment is overridden.
+   payment is overridden. The same with reminders due instead (``ORDERS_REMIND_BEFORE_S``):
+   each unpaid order gets its ``expiring`` event once, and a paid one none after its payment.
 2. A checkout process SIGKILLed between a create's Redis admission and its SQL insert: the
    orphan slot holds the user until its own expiry and not a moment longer; reconcile keeps
    it; a retry with the same order id completes the order in that slot.
@@ -20,6 +21,7 @@ and named in failures, and ``ORDERS_TEST_CRASH_SEED`` replays one. The lines sta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -45,7 +47,7 @@ from orders.errors import OrderClosed, StoreUnavailable, UnpaidOrderLimitReached
 from orders.index.lease import SweeperLease
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sql.models import events_table, orders_table
+from orders.sql.models import events_table, orders_table, reminder_due_at
 from tests.support.clocks import ManualClock
 from tests.support.monitor import LimitMonitor
 from tests.support.processes import ChildProcess, child_env
@@ -187,6 +189,58 @@ def crash_sizes(full_size: bool, dialect: str) -> dict[str, int]:
     return {"queue": queue, "kills": 12, "pays_per_kill": 15}  # 12: CI time (40 with --full)
 
 
+def kill_while_paying(
+    child: ChildProcess,
+    rng: random.Random,
+    picks: list[str],
+    pay: Callable[[str], None],
+    delays_ms: list[int],
+    seed: int,
+) -> None:
+    """Once ``child`` holds the lease, pay ``picks`` at random moments, and SIGKILL it
+    50-400 ms after it took the lease (the delay goes to ``delays_ms``)."""
+    try:
+        # The lease of the process killed last lapses 0.5 s after its last renewal; this
+        # one starts sweeping as soon as it holds the lease.
+        active_at = child.wait_for(LEASE_ACQUIRED, 60)
+        delay_s = rng.uniform(0.05, 0.4)
+        delays_ms.append(round(delay_s * 1000))
+        kill_at = active_at + delay_s
+        for pay_at, order_id in zip(
+            sorted(rng.uniform(active_at, kill_at) for _ in picks), picks, strict=True
+        ):
+            sleep_until(pay_at)
+            pay(order_id)
+        sleep_until(kill_at)
+        returncode = child.sigkill()
+    finally:
+        child.close(signum=signal.SIGKILL)
+    if returncode != -signal.SIGKILL:
+        raise child.fail(f"seed {seed}: exited by itself ({returncode}) before the kill")
+
+
+def finish_with_a_clean_scheduler(
+    final: ChildProcess, left: Callable[[], int], what: str, engine: Engine, seed: int
+) -> None:
+    """``final`` takes over once the last lease lapses; when ``left()`` (the work still
+    due) reaches 0, SIGTERM stops it after the batch in hand, and it must exit 0."""
+    try:
+        final.wait_for(LEASE_ACQUIRED, 60)
+        deadline = time.monotonic() + 120
+        while (due := left()) > 0:
+            if final.proc.poll() is not None or time.monotonic() > deadline:
+                raise final.fail(
+                    f"seed {seed}: the clean scheduler left {due} {what}\n"
+                    + database_activity(engine)
+                )
+            time.sleep(0.01)
+        final.proc.send_signal(signal.SIGTERM)
+        returncode = final.proc.wait(30)
+    finally:
+        final.close(signum=signal.SIGKILL)
+    assert returncode == 0, final.log()[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_never_a_paid_one(
@@ -209,6 +263,14 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
     pay_refused: set[str] = set()
     mid_sweep = finished = before_first_batch = 0
     delays_ms: list[int] = []
+
+    def pay(order_id: str) -> None:
+        try:
+            service.mark_paid(order_id)
+            paid_ok.add(order_id)
+        except OrderClosed:
+            pay_refused.add(order_id)
+
     for kill in range(sizes["kills"]):
         due = service.count_due()
         if due < sizes["queue"]:
@@ -218,36 +280,15 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
             tranche = []
         closed_before = count_closed(engine)
         child = ChildProcess(SCHEDULER_ARGS, env, tmp_path / f"scheduler-{kill}.log")
-        try:
-            # The lease of the process killed last lapses 0.5 s after its last renewal; this
-            # one starts sweeping as soon as it holds the lease. Kill it 50-400 ms later.
-            active_at = child.wait_for(LEASE_ACQUIRED, 60)
-            delay_s = rng.uniform(0.05, 0.4)
-            delays_ms.append(round(delay_s * 1000))
-            kill_at = active_at + delay_s
-            # Payments race the sweep: half on orders of the new tranche (mostly still
-            # unpaid), half on any order (often closed already).
-            picks = rng.sample(tranche, min(len(tranche), sizes["pays_per_kill"] // 2))
-            tried = paid_ok | pay_refused
-            while len(picks) < sizes["pays_per_kill"]:
-                order_id = rng.choice(inserted)
-                if order_id not in picks and order_id not in tried:
-                    picks.append(order_id)
-            for pay_at, order_id in zip(
-                sorted(rng.uniform(active_at, kill_at) for _ in picks), picks, strict=True
-            ):
-                sleep_until(pay_at)
-                try:
-                    service.mark_paid(order_id)
-                    paid_ok.add(order_id)
-                except OrderClosed:
-                    pay_refused.add(order_id)
-            sleep_until(kill_at)
-            returncode = child.sigkill()
-        finally:
-            child.close(signum=signal.SIGKILL)
-        if returncode != -signal.SIGKILL:
-            raise child.fail(f"seed {seed}: exited by itself ({returncode}) before the kill")
+        # Payments race the sweep: half on orders of the new tranche (mostly still
+        # unpaid), half on any order (often closed already).
+        picks = rng.sample(tranche, min(len(tranche), sizes["pays_per_kill"] // 2))
+        tried = paid_ok | pay_refused
+        while len(picks) < sizes["pays_per_kill"]:
+            order_id = rng.choice(inserted)
+            if order_id not in picks and order_id not in tried:
+                picks.append(order_id)
+        kill_while_paying(child, rng, picks, pay, delays_ms, seed)
         closed_now, due_now = count_closed(engine), service.count_due()
         if due_now == 0:
             finished += 1
@@ -260,21 +301,7 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
     # A clean scheduler takes over once the last lease lapses and finishes the job; SIGTERM
     # then stops it after the batch in hand.
     final = ChildProcess(SCHEDULER_ARGS, env, tmp_path / "scheduler-final.log")
-    try:
-        final.wait_for(LEASE_ACQUIRED, 60)
-        deadline = time.monotonic() + 120
-        while (due := service.count_due()) > 0:
-            if final.proc.poll() is not None or time.monotonic() > deadline:
-                raise final.fail(
-                    f"seed {seed}: the clean scheduler left {due} orders due\n"
-                    + database_activity(engine)
-                )
-            time.sleep(0.01)
-        final.proc.send_signal(signal.SIGTERM)
-        returncode = final.proc.wait(30)
-    finally:
-        final.close(signum=signal.SIGKILL)
-    assert returncode == 0, final.log()[-3000:]
+    finish_with_a_clean_scheduler(final, service.count_due, "orders due", engine, seed)
     assert service.sweep_expired().closed == 0
     closed_by_final = count_closed(engine) - closed_before_final
 
@@ -308,6 +335,172 @@ def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_neve
     assert {u: m for u, m in service.index.members_of(CRASH_USERS).items() if m} == {}
     lease = SweeperLease(service.index.client, key_prefix=service.index.key_prefix)
     assert lease.owner() is None  # released by the clean scheduler
+
+
+REMIND_BEFORE_S = "600"  # only switches reminders on: each order's remind_at_ms is written
+
+
+def insert_orders_owing_a_reminder(service: OrderService, first: int, count: int) -> list[str]:
+    """``count`` unpaid orders, each with its ``created`` event, whose reminder came due a
+    minute ago and whose expiry is an hour ahead (nothing to close). Written in SQL as
+    :func:`insert_due_orders` writes its orders; reminders due in the order of insertion."""
+    now_ms = system_clock()
+    orders: list[dict[str, Any]] = []
+    for j in range(count):
+        created_at_ms = now_ms - 600_000
+        orders.append(
+            {
+                "id": f"rem-{first + j:07d}",
+                "user_id": CRASH_USERS[(first + j) % len(CRASH_USERS)],
+                "status": UNPAID,
+                "created_at_ms": created_at_ms,
+                "expires_at_ms": now_ms + 3_600_000,
+                "updated_at_ms": created_at_ms,
+                "remind_at_ms": now_ms - 60_000 + j,
+            }
+        )
+    write_orders_as_of_old(service, orders)
+    return [o["id"] for o in orders]
+
+
+def count_reminders_due(engine: Engine) -> int:
+    with engine.connect() as conn:
+        query = (
+            select(func.count()).select_from(orders_table).where(reminder_due_at(system_clock()))
+        )
+        return int(conn.scalar(query) or 0)
+
+
+def count_reminded(engine: Engine) -> int:
+    with engine.connect() as conn:
+        query = select(func.count()).select_from(orders_table).where(OC.reminded_at_ms.is_not(None))
+        return int(conn.scalar(query) or 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_schedulers_killed_mid_remind_write_every_reminder_once_and_none_after_a_payment(
+    engine: Engine,
+    database_url: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+    full_size: bool,
+    tmp_path: Path,
+) -> None:
+    seed = crash_seed()
+    rng = random.Random(seed)
+    sizes = crash_sizes(full_size, engine.dialect.name)
+    if not full_size:
+        sizes["kills"] = 8  # CI time: 12 took 42-57 s on a loaded 2-core machine (40: --full)
+    service = OrderService(engine, redis_client, Settings(database_url=database_url))
+    env = {**stores_env(database_url, redis_url), "ORDERS_REMIND_BEFORE_S": REMIND_BEFORE_S}
+
+    inserted: list[str] = []
+    paid_ok: set[str] = set()
+    mid_batches = finished = before_first_batch = 0
+    delays_ms: list[int] = []
+
+    def pay(order_id: str) -> None:
+        service.mark_paid(order_id)  # nothing closes: every payment is taken
+        paid_ok.add(order_id)
+
+    for kill in range(sizes["kills"]):
+        due = count_reminders_due(engine)
+        tranche = (
+            insert_orders_owing_a_reminder(service, len(inserted), sizes["queue"] - due)
+            if due < sizes["queue"]
+            else []
+        )
+        inserted += tranche
+        reminded_before = count_reminded(engine)
+        child = ChildProcess(SCHEDULER_ARGS, env, tmp_path / f"scheduler-{kill}.log")
+        # Payments race the reminders: half on the new tranche (mostly not reminded yet),
+        # half on any unpaid order (often reminded already).
+        picks = rng.sample(tranche, min(len(tranche), sizes["pays_per_kill"] // 2))
+        while len(picks) < sizes["pays_per_kill"]:
+            order_id = rng.choice(inserted)
+            if order_id not in picks and order_id not in paid_ok:
+                picks.append(order_id)
+        kill_while_paying(child, rng, picks, pay, delays_ms, seed)
+        if count_reminders_due(engine) == 0:
+            finished += 1
+        elif count_reminded(engine) > reminded_before:
+            mid_batches += 1
+        else:
+            before_first_batch += 1
+
+    reminded_before_final = count_reminded(engine)
+    final = ChildProcess(SCHEDULER_ARGS, env, tmp_path / "scheduler-final.log")
+    left = functools.partial(count_reminders_due, engine)
+    finish_with_a_clean_scheduler(final, left, "reminders due", engine, seed)
+    reminded_by_final = count_reminded(engine) - reminded_before_final
+
+    with engine.connect() as conn:
+        rows = {row.id: row for row in conn.execute(select(*orders_table.c)).all()}
+        expiring: dict[str, list[Any]] = defaultdict(list)
+        paid_event_id: dict[str, int] = {}
+        for ev in conn.execute(
+            select(EC.id, EC.order_id, EC.kind, EC.at_ms).where(EC.kind.in_(["expiring", "paid"]))
+        ).all():
+            if ev.kind == "expiring":
+                expiring[ev.order_id].append(ev)
+            else:
+                paid_event_id[ev.order_id] = ev.id
+    counts = Counter(row.status for row in rows.values())
+    twice = [o for o, evs in expiring.items() if len(evs) > 1]
+    # Unpaid at the end: its reminder was due all along, so it must have been written.
+    lost = [
+        o
+        for o, row in rows.items()
+        if row.status == UNPAID
+        and (len(expiring[o]) != 1 or row.reminded_at_ms is None or row.remind_at_ms is not None)
+    ]
+    # Paid: reminded before the payment (its compare-and-set saw the order unpaid, so its
+    # event precedes the payment's in the log), or never (the payment came first; then
+    # remind_at_ms stays as it was, and nothing reads it while the order is paid).
+    paid = [o for o, row in rows.items() if row.status == "paid"]
+    paid_reminded = [o for o in paid if expiring[o]]
+    after_paid = [o for o in paid_reminded if expiring[o][0].id > paid_event_id[o]]
+    unmarked = [o for o in paid if not expiring[o] and rows[o].reminded_at_ms is not None]
+    # The row agrees with its event.
+    mismatched = [
+        o
+        for o, evs in expiring.items()
+        if len(evs) == 1
+        and (rows[o].reminded_at_ms != evs[0].at_ms or rows[o].remind_at_ms is not None)
+    ]
+    # The clocks of a payment and a batch are read before their transactions, so a payment
+    # committed after the reminder may carry an earlier paid_at_ms: counted, not a failure.
+    clock_skews = [
+        expiring[o][0].at_ms - rows[o].paid_at_ms
+        for o in paid_reminded
+        if expiring[o][0].at_ms > rows[o].paid_at_ms
+    ]
+    print(
+        f"CRASH-REPORT schedulers-killed-reminding [{engine.dialect.name}] seed={seed} "
+        f"kills={sizes['kills']} orders={len(inserted)} queue={sizes['queue']} "
+        f"kills_mid_reminding={mid_batches} kills_after_reminding_done={finished} "
+        f"kills_before_first_commit={before_first_batch} "
+        f"reminded_before_final={reminded_before_final} reminded_by_final={reminded_by_final} "
+        f"paid={len(paid_ok)} paid_after_reminder={len(paid_reminded)} "
+        f"paid_before_reminder={len(paid) - len(paid_reminded)} "
+        f"paid_at_before_reminder_clock={len(clock_skews)} "
+        f"max_skew_ms={max(clock_skews, default=0)} "
+        f"delays_ms={min(delays_ms)}..{max(delays_ms)} statuses={dict(counts)}"
+    )
+    assert len(rows) == len(inserted)
+    assert counts["closed"] == 0, f"seed {seed}: orders closed before their expiry"
+    assert sorted(paid) == sorted(paid_ok), f"seed {seed}"
+    assert counts[UNPAID] == len(inserted) - len(paid_ok)
+    assert twice == [], f"seed {seed}: reminded twice: {twice[:10]}"
+    assert lost == [], f"seed {seed}: {len(lost)} unpaid orders not reminded, e.g. {lost[:10]}"
+    assert after_paid == [], f"seed {seed}: reminded after the payment: {after_paid[:10]}"
+    assert unmarked == [], f"seed {seed}: paid, never reminded, marked reminded: {unmarked[:5]}"
+    assert mismatched == [], f"seed {seed}: row and expiring event disagree: {mismatched[:5]}"
+    problems = event_problems(engine)
+    assert problems == [], f"seed {seed}: {len(problems)} orders, e.g. {problems[:10]}"
+    lease = SweeperLease(service.index.client, key_prefix=service.index.key_prefix)
+    assert lease.owner() is None
 
 
 # ============================================================================================
