@@ -25,17 +25,17 @@ from orders.errors import OrderClosed
 from orders.events.consumer import EventConsumer
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
-from orders.sql.models import cursors_table, refusals_table, retries_table
+from orders.sql.models import cursors_table, refusals_table, retries_table, user_limits_table
 from tests.support.clocks import ManualClock
 from tests.support.doubles import Poison
 from tests.support.plans import Statement, captured, explain_sql
 
 pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
 
-#: Per overview: four statements of read_stats, the latest closes, and list_consumers'
+#: Per overview: five statements of read_stats, the latest closes, and list_consumers'
 #: positions, failure counts and names, then two per consumer (lag count, oldest unread),
 #: then the refunds owed (their capped count with the oldest, the newest listed).
-OVERVIEW_STATEMENTS = 5 + 3 + 2 * 1 + 2
+OVERVIEW_STATEMENTS = 6 + 3 + 2 * 1 + 2
 #: The user's unpaid rows, then the rows of the members SQL did not return.
 COMPARE_STATEMENTS = 2
 #: Plan nodes that read a table through an index, or read no table at all.
@@ -44,8 +44,10 @@ NO_TABLE_NODES = {"Subquery Scan"}
 #: Tables the consumers' part reads whole, each a few rows (a finding of this test, see
 #: docs/bench/dashboard-1e6.md): event_cursors has one row per consumer, and list_consumers
 #: reads it without an ORDER BY an index could serve, so even its plan is a Seq Scan;
-#: event_retries has one row per failing event (retrying or parked), counted whole.
-READ_WHOLE = {cursors_table.name, retries_table.name}
+#: event_retries has one row per failing event (retrying or parked), counted whole;
+#: user_limits has one row per user with a limit of their own, counted whole (its primary
+#: key would serve the count; on a few rows PostgreSQL reads the table).
+READ_WHOLE = {cursors_table.name, retries_table.name, user_limits_table.name}
 SCAN = re.compile(r"(\w+(?: \w+)*? Scan)(?: Backward)?(?: using (\w+))? on (\w+)")
 UNPAID_INDEX = "WHERE ((status)::text = 'unpaid'::text)"
 PENDING_INDEX = "ix_oes_payment_refusals_pending_refused_at_ms"
