@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import click
 
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import user_limit_text, user_limit_to_json
 from orders.errors import InvalidInput
-from orders.sql.user_limits import UserLimit
+
+if TYPE_CHECKING:  # SQLAlchemy stays unloaded until a command needs it (``orders --help``)
+    from orders.sql.user_limits import UserLimit
 
 #: "-1" is the N of ``orders limit set USER -1`` (refused as a limit), not an option.
 NUMBER_ARGUMENTS = {"ignore_unknown_options": True}

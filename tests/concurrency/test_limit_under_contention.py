@@ -96,6 +96,7 @@ class Flusher:
 # --- 1 and 2: the limit across processes ------------------------------------------------------
 
 
+@pytest.mark.rotate("redis_kind")  # CI time: each case on one topology (both: --full)
 @pytest.mark.slow
 @pytest.mark.cluster_too
 @pytest.mark.timeout(400)

@@ -76,6 +76,7 @@ def counts(rows: Iterable[Any]) -> dict[str, int]:
     return {str(row[0]): int(row[1]) for row in rows}
 
 
+@pytest.mark.rotate("redis_kind")  # CI time: each engine on one topology (both: --full)
 @pytest.mark.slow
 @pytest.mark.cluster_too
 @pytest.mark.timeout(400)

@@ -84,6 +84,7 @@ def write_orders(
     return orders
 
 
+@pytest.mark.rotate("redis_kind")  # CI time: each engine on one topology (both: --full)
 @pytest.mark.slow
 @pytest.mark.cluster_too
 @pytest.mark.timeout(300)

@@ -124,6 +124,7 @@ def assert_async_rows_beside_the_same_floors(report: Any) -> None:
 QUICK_FIGURES = [name for name in FIGURES if name != "aio"]
 
 
+@pytest.mark.rotate("database_url")  # CI time: one engine (both: --full)
 def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
     run: Any, engine: Engine, redis_client: redis.Redis, database_url: str
 ) -> None:

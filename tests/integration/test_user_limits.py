@@ -117,6 +117,7 @@ def test_clear_returns_the_user_to_the_settings_limit_in_both_stores(
     assert service.clear_user_limit("u1").own is False  # idempotent
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 @pytest.mark.parametrize("wrong", [-1, 1_000_001, True, "3", 2.0, None])
 def test_a_limit_out_of_range_or_not_an_int_is_invalid_before_anything_is_written(
     service: OrderService, engine: Engine, redis_client: redis.Redis, wrong: object
