@@ -34,7 +34,7 @@ from tests.support.schemas import PREVIOUS_ROWS, as_previous_release, as_rows_we
 from tests.support.stores import schema_differences
 
 UPGRADERS = 2
-ROUNDS = {"empty": 6, "previous release": 3}
+ROUNDS = {"empty": 4, "previous release": 2}  # CI time: 20 each with --full
 FULL_ROUNDS = 20
 
 
