@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from datetime import datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from orders.errors import (
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
+from orders.policies import ExpiryPolicy
 
 if TYPE_CHECKING:
     from orders.events.consumer import EventPosition, OrderEvent
@@ -52,6 +54,7 @@ __all__ = [
     "Actor",
     "ActorKind",
     "CreateRateLimited",
+    "ExpiryPolicy",
     "InvalidInput",
     "Order",
     "OrderAlreadyPaid",
@@ -153,6 +156,8 @@ def create_unpaid_order(
     metadata: Mapping[str, Any] | None = None,
     actor: str | Actor | None = None,
     on_limit: str | None = None,
+    policy: str | None = None,
+    expires_at: datetime | None = None,
 ) -> Order:
     """See :meth:`OrderService.create_unpaid_order`."""
     return default_service().create_unpaid_order(
@@ -165,6 +170,8 @@ def create_unpaid_order(
         metadata=metadata,
         actor=actor,
         on_limit=on_limit,
+        policy=policy,
+        expires_at=expires_at,
     )
 
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from orders.errors import InvalidInput
+from orders.policies import ExpiryPolicy, ExpiryTerms, checked_policies, parse_policies
 from orders.urls import SecretUrl, check_database_url, check_redis_url
 from orders.validation import ON_LIMIT_REFUSE, check_count, check_on_limit, check_seconds
-
-if TYPE_CHECKING:
-    pass
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
 #: How far apart the hosts' clocks may be when one host judges another's timestamps (a
@@ -150,6 +148,11 @@ class Settings:
     #: At the limit, a create is refused ("refuse") or cancels the user's oldest unpaid
     #: order to take its place ("replace_oldest"); a create's ``on_limit`` overrides it.
     on_limit: str = ON_LIMIT_REFUSE
+    #: Named expiry policies a create may pick (``policy=``): each its own time to pay,
+    #: reminder, late-payment window and maximum lifetime, or none of them for orders that
+    #: do not expire (:mod:`orders.policies`). From the environment: a JSON object,
+    #: ``{"bank_transfer": {"ttl_s": 259200, "remind_before_s": 86400}}``.
+    policies: Mapping[str, ExpiryPolicy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -207,8 +210,39 @@ class Settings:
         if self.create_rate is not None:
             parse_create_rate(self.create_rate)
         check_on_limit(self.on_limit)
+        object.__setattr__(self, "policies", checked_policies(self.policies))
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
+
+    def expiry_terms(self, policy: str | None) -> ExpiryTerms:
+        """The terms a create under ``policy`` gets (None: the settings' own fields);
+        :class:`InvalidInput` for a name the settings do not hold."""
+        if policy is None:
+            return self.default_terms
+        found = self.policies.get(policy)
+        if found is None:
+            known = ", ".join(sorted(self.policies)) or "none configured"
+            raise InvalidInput("policy", f"is not a configured policy (known: {known[:200]})")
+        return ExpiryTerms.of_policy(policy, found)
+
+    def order_terms(self, policy: str | None) -> ExpiryTerms:
+        """The terms an existing order follows: its policy's, or the settings' own when it
+        has none or its policy is no longer configured."""
+        if policy is None or policy not in self.policies:
+            return self.default_terms
+        return ExpiryTerms.of_policy(policy, self.policies[policy])
+
+    @property
+    def default_terms(self) -> ExpiryTerms:
+        """The terms of an order created without a policy."""
+        return ExpiryTerms(
+            policy=None,
+            ttl_ms=self.ttl_ms,
+            max_ttl_ms=self.max_ttl_ms,
+            remind_before_ms=self.remind_before_ms,
+            late_payment_window_ms=self.late_payment_window_ms,
+            max_lifetime_ms=self.max_lifetime_ms,
+        )
 
     @property
     def create_rate_limit(self) -> CreateRate | None:
@@ -228,6 +262,13 @@ class Settings:
         """``remind_before_s`` in ms (None: reminders are off)."""
         before_s = self.remind_before_s
         return None if before_s is None else round(before_s * 1000)
+
+    @property
+    def reminds(self) -> bool:
+        """Whether the sweep writes reminders: ``remind_before_s`` or a policy sets one."""
+        return self.remind_before_s is not None or any(
+            policy.remind_before_s is not None for policy in self.policies.values()
+        )
 
     @property
     def late_payment_window_ms(self) -> int:
@@ -345,6 +386,8 @@ def _parse(name: str, type_name: object, raw: str) -> Any:
             return float(raw)
         if kind == "Path":
             return Path(raw)
+        if kind == "Mapping[str, ExpiryPolicy]":
+            return parse_policies(raw)
     except ValueError:
         raise InvalidInput(var, f"cannot be read as {kind}") from None
     return raw

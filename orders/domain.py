@@ -171,6 +171,8 @@ class Order:
     #: written), and when it wrote it (None: not reminded).
     remind_at_ms: int | None = None
     reminded_at_ms: int | None = None
+    #: The expiry policy it was created under (None: the settings' own fields).
+    policy: str | None = None
 
     @property
     def created_at(self) -> datetime:

@@ -5,7 +5,8 @@ the expiry is ahead; an expired order is closed instead). When it loses, the ord
 stands decides (:func:`decide`):
 
 * paid with the same reference (or the payment gives none): a retry, the order is returned;
-* closed by expiry within ``late_payment_window_s`` of its expiry: a *late payment*. The
+* closed by expiry within the late window of its policy (``late_payment_window_s``
+  without one) of its expiry: a *late payment*. The
   host's late-payment check is asked (the stock may be gone), under the rules of
   :mod:`orders.hooks`: a check that refuses, raises or runs out of time refuses the
   payment. Accepted, a second compare-and-set turns the order closed -> paid, its event
@@ -124,7 +125,7 @@ class Payments:
             metrics.PAYMENTS.labels("repeat").inc()
             return order
         if decision is Decision.LATE and self._late_check_accepts(order, payment):
-            paid = self._pay_late(order_id, payment, actor, now_ms, host)
+            paid = self._pay_late(order, payment, actor, now_ms, host)
             if paid is not None:
                 _count_paid(paid, "late_accepted")
                 return paid
@@ -146,7 +147,7 @@ class Payments:
             order,
             payment,
             now_ms,
-            window_ms=self.settings.late_payment_window_ms,
+            window_ms=self.settings.order_terms(order.policy).late_payment_window_ms,
             strict=self.settings.strict_expiry,
         )
 
@@ -168,11 +169,13 @@ class Payments:
         return True
 
     def _pay_late(
-        self, order_id: str, payment: Payment, actor: Actor, now_ms: int, host: Connection | None
+        self, closed: Order, payment: Payment, actor: Actor, now_ms: int, host: Connection | None
     ) -> Order | None:
-        """Closed -> paid; None if something else changed the order first. A closed order
-        has no member in the index: nothing to do in Redis."""
-        window_ms = self.settings.late_payment_window_ms
+        """Closed -> paid, within the late window of the order's policy; None if something
+        else changed the order first. A closed order has no member in the index: nothing
+        to do in Redis."""
+        order_id = closed.id
+        window_ms = self.settings.order_terms(closed.policy).late_payment_window_ms
 
         def attempt(conn: Connection) -> Row[Any] | None:
             return self.records.pay_late(

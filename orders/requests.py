@@ -14,6 +14,8 @@ from typing import Any
 
 from orders.config import Settings
 from orders.domain import Actor, OrderStatus, Payment
+from orders.errors import InvalidInput
+from orders.policies import ExpiryTerms, check_deadline, check_policy_name
 from orders.validation import (
     TEXT_MAX_LENGTH,
     amount_to_text,
@@ -59,9 +61,11 @@ class CreateRequest:
     actor: Actor
     #: What to do at the limit (``Settings.on_limit`` unless the call says).
     on_limit: str
+    #: The expiry policy's terms (the settings' own without ``policy=``).
+    terms: ExpiryTerms
     metadata: dict[str, Any] = field(default_factory=dict)
-    #: ``Settings.remind_before_ms`` (None: no reminder).
-    remind_before_ms: int | None = None
+    #: ``expires_at`` in ms (None: ``ttl_ms`` after the creation).
+    deadline_ms: int | None = None
 
     @classmethod
     def checked(
@@ -77,26 +81,36 @@ class CreateRequest:
         metadata: Mapping[str, Any] | None,
         actor: object,
         on_limit: object = None,
+        policy: object = None,
+        expires_at: object = None,
     ) -> CreateRequest:
         s = settings
         amt, cur = checked_money(amount, currency)
+        terms = s.expiry_terms(None if policy is None else check_policy_name(policy))
+        if expires_at is not None and ttl_s is not None:
+            raise InvalidInput("expires_at", "and ttl_s exclude each other: give one")
+        if not terms.expires and (expires_at is not None or ttl_s is not None):
+            raise InvalidInput("policy", f"{terms.policy} does not expire: no ttl_s or expires_at")
         return cls(
             user_id=check_user_id(user_id, s.max_user_id_length),
             order_id=None if order_id is None else check_order_id(order_id, s.max_order_id_length),
-            ttl_ms=s.ttl_ms if ttl_s is None else check_ttl_ms(ttl_s, s.max_ttl_ms),
+            ttl_ms=terms.ttl_ms if ttl_s is None else check_ttl_ms(ttl_s, terms.max_ttl_ms),
             limit=s.unpaid_limit if limit is None else check_limit(limit),
             amount=amt,
             currency=cur,
             metadata=check_metadata(metadata, s.max_metadata_bytes),
             actor=Actor.of(actor),
-            remind_before_ms=s.remind_before_ms,
             on_limit=s.on_limit if on_limit is None else check_on_limit(on_limit),
+            terms=terms,
+            deadline_ms=None if expires_at is None else check_deadline(expires_at),
         )
 
     def row(self, order_id: str, now_ms: int) -> dict[str, Any]:
         """The order's columns, created at ``now_ms`` (InvalidInput if its expiry would
-        not be exact as a Redis score)."""
-        expires_at_ms = check_expiry_ms(now_ms, self.ttl_ms)
+        not be exact as a Redis score, or its ``expires_at`` is not ahead of ``now_ms``)."""
+        terms = self.terms
+        expiry_ms = terms.expiry_ms(now_ms, self.ttl_ms, self.deadline_ms)
+        expires_at_ms = check_expiry_ms(now_ms, expiry_ms - now_ms)
         return {
             "id": order_id,
             "user_id": self.user_id,
@@ -107,13 +121,6 @@ class CreateRequest:
             "expires_at_ms": expires_at_ms,
             "updated_at_ms": now_ms,
             "metadata": self.metadata or None,
-            "remind_at_ms": self.remind_at_ms(now_ms, expires_at_ms),
+            "remind_at_ms": terms.remind_at_ms(now_ms, expires_at_ms),
+            "policy": terms.policy,
         }
-
-    def remind_at_ms(self, created_at_ms: int, expires_at_ms: int) -> int | None:
-        """When the sweep reminds of the order: ``remind_before_ms`` ahead of its expiry,
-        if that is after its creation (an order created inside that window gets none)."""
-        if self.remind_before_ms is None:
-            return None
-        remind_at_ms = expires_at_ms - self.remind_before_ms
-        return remind_at_ms if remind_at_ms > created_at_ms else None

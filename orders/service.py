@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, Row
 from sqlalchemy.orm import Session
 
 from orders import metrics
@@ -52,6 +53,7 @@ from orders.events.consumer import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
 from orders.payments import LatePaymentCheck, Payments
+from orders.policies import NEVER_EXPIRES_MS
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.replacing import Replacer
 from orders.requests import CreateRequest, checked_payment
@@ -152,6 +154,8 @@ class OrderService:
         actor: str | Actor | None = None,
         connection: HostConnection | None = None,
         on_limit: str | None = None,
+        policy: str | None = None,
+        expires_at: datetime | None = None,
     ) -> Order:
         """Admit a new unpaid order for ``user_id`` unless the user is at the limit.
 
@@ -176,6 +180,11 @@ class OrderService:
         was paid first or the pre-close check says its payment is in flight (then the
         create is refused as usual; see :mod:`orders.replacing`). Not with
         ``connection``: the cancel needs a transaction of its own, so the create is refused.
+
+        ``policy``: the name of one of ``Settings.policies`` (:mod:`orders.policies`): its
+        time to pay, reminder, late-payment window and maximum lifetime, or no expiry. The
+        order keeps the name. ``expires_at``: an absolute deadline instead of ``ttl_s``
+        (an aware datetime, ahead of now, capped at the maximum lifetime).
         """
         host = self._host(connection)
         asked = CreateRequest.checked(
@@ -189,6 +198,8 @@ class OrderService:
             metadata=metadata,
             actor=actor,
             on_limit=on_limit,
+            policy=policy,
+            expires_at=expires_at,
         )
         now_ms = self.clock()
         try:
@@ -347,24 +358,34 @@ class OrderService:
         A compare-and-set against the sweep: an order closed (or paid, or cancelled) first
         cannot be extended (:class:`OrderClosed` / :class:`OrderAlreadyPaid`), nor can one
         whose time is already up (:class:`OrderExpired`: its slot may have been reused).
-        The expiry never moves past ``created_at + max_lifetime_s`` (:class:`InvalidInput`).
+        The expiry never moves past ``created_at`` plus the maximum lifetime of the order's
+        policy (``max_lifetime_s`` without one), nor does an order whose policy does not
+        expire (both :class:`InvalidInput`).
         """
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
         cause = Actor.of(actor)
         now_ms = self.clock()
-        max_life_ms = self.settings.max_lifetime_ms
+
+        def attempt(conn: Connection) -> Row[Any] | None:
+            # The order's policy never changes: reading it first cannot race.
+            found = self.records.current(conn, oid, now_ms)
+            terms = self.settings.order_terms(None if found is None else found.policy)
+            if not terms.expires:
+                return None
+            max_life_ms = terms.max_lifetime_ms
+            return self.records.extend_open(conn, oid, now_ms, extra_ms, max_life_ms, cause)
+
         order, won = self.transitions.run(
-            oid,
-            now_ms,
-            lambda conn: self.records.extend_open(conn, oid, now_ms, extra_ms, max_life_ms, cause),
-            redis_after=self.admitter.rescore_after_commit,
+            oid, now_ms, attempt, redis_after=self.admitter.rescore_after_commit
         )
         if won:
             metrics.EXTENSIONS.labels("api").inc()
             return order
         if order.status is not OrderStatus.UNPAID:
             raise refusal(order)
+        if order.expires_at_ms == NEVER_EXPIRES_MS:
+            raise InvalidInput("order_id", "has a policy that does not expire: nothing to extend")
         if order.expires_at_ms <= now_ms:
             raise OrderExpired(oid)
         raise InvalidInput("extra_s", "would move the expiry past the maximum lifetime")

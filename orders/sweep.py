@@ -57,7 +57,8 @@ class Sweep:
         actor: Actor = SWEEPER,
     ) -> SweepResult:
         """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now),
-        then (with ``remind_before_s`` set) remind of those whose reminder is due by then.
+        then (when reminders are on: ``Settings.reminds``) remind of those whose reminder
+        is due by then.
 
         ``should_stop`` is asked before each batch; ``actor``: who the close events name.
         """
@@ -76,7 +77,7 @@ class Sweep:
                 break
         if result.closed:
             metrics.SWEEP_SECONDS.observe(time.monotonic() - started)
-        if self.settings.remind_before_s is not None:
+        if self.settings.reminds:
             self._remind(cutoff, size, max_batches, should_stop, result, actor)
         return result.done()
 
@@ -152,7 +153,8 @@ class Sweep:
     def _reopen(self, order: Order, extra_ms: int) -> None:
         now_ms = self.clock()
         expires_at_ms = now_ms + extra_ms
-        if expires_at_ms - order.created_at_ms > self.settings.max_lifetime_ms:
+        max_lifetime_ms = self.settings.order_terms(order.policy).max_lifetime_ms
+        if expires_at_ms - order.created_at_ms > max_lifetime_ms:
             return
         reopened = self.admitter.reopen(
             order,

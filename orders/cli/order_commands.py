@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 
 import click
 
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import order_to_json, print_order, print_orders_table
-from orders.errors import CreateRateLimited, UnpaidOrderLimitReached
+from orders.errors import CreateRateLimited, InvalidInput, UnpaidOrderLimitReached
 from orders.validation import ON_LIMIT_CHOICES
 
 
@@ -26,6 +27,13 @@ from orders.validation import ON_LIMIT_CHOICES
     type=click.Choice(ON_LIMIT_CHOICES),
     help="At the limit: refuse, or cancel the oldest unpaid order. [env var: ORDERS_ON_LIMIT]",
 )
+@click.option("--policy", help="A named expiry policy of ORDERS_POLICIES.")
+@click.option(
+    "--expires-at",
+    "expires_at",
+    help="An absolute deadline instead of --ttl, ISO 8601 with a time zone "
+    "(2026-12-24T18:00:00+01:00).",
+)
 @json_option
 @click.pass_context
 def create(
@@ -37,6 +45,8 @@ def create(
     currency: str | None,
     limit: int | None,
     on_limit: str | None,
+    policy: str | None,
+    expires_at: str | None,
     as_json: bool,
 ) -> None:
     """Create an unpaid order for USER (refused at the user's limit: exit 4; at the create
@@ -52,12 +62,24 @@ def create(
             currency=currency,
             actor=state.actor,
             on_limit=on_limit,
+            policy=policy,
+            expires_at=None if expires_at is None else parse_deadline(expires_at),
         )
     except (UnpaidOrderLimitReached, CreateRateLimited) as refused:
         if as_json:
             click.echo(json.dumps(refusal_json(refused)))
         raise
     print_order(order, as_json)
+
+
+def parse_deadline(text: str) -> datetime:
+    """``--expires-at``: ISO 8601 (the time zone is checked with the other input)."""
+    try:
+        return datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise InvalidInput(
+            "expires_at", "must be an ISO 8601 time with a time zone, e.g. 2026-12-24T18:00+01:00"
+        ) from None
 
 
 def refusal_json(refused: UnpaidOrderLimitReached | CreateRateLimited) -> dict[str, object]:

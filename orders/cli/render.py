@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from orders.domain import Order, ms_to_datetime
+from orders.policies import NEVER_EXPIRES_MS
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -81,6 +82,7 @@ def order_to_json(order: Order) -> dict[str, Any]:
         "expires_at_ms": order.expires_at_ms,
         "time_left_s": order.time_left_s,
         "metadata": dict(order.metadata),
+        "policy": order.policy,
     }
 
 
@@ -156,8 +158,11 @@ def print_order(order: Order, as_json: bool) -> None:
         click.echo(json.dumps(order_to_json(order), default=json_default))
         return
     left = f", {order.time_left_s:.1f} s left" if order.is_open else ""
+    if order.is_open and order.expires_at_ms == NEVER_EXPIRES_MS:
+        left = ", does not expire"
     amount = f", {amount_text(order)}" if order.amount is not None else ""
-    click.echo(f"{order.id}  user {order.user_id}  {order.status.value}{amount}{left}")
+    policy = f", policy {order.policy}" if order.policy is not None else ""
+    click.echo(f"{order.id}  user {order.user_id}  {order.status.value}{amount}{policy}{left}")
 
 
 def print_orders_table(user: str, found: list[Order]) -> None:

@@ -298,7 +298,7 @@ class Sweeper:
 
     def _earliest_reminder_ms(self) -> int | None:
         """None while reminders are off: the sweep writes none, so none is waited for."""
-        if self.service.settings.remind_before_s is None:
+        if not self.service.settings.reminds:
             return None
         return self.service.earliest_reminder_ms()
 

@@ -94,6 +94,7 @@ def to_order(row: Row[Any], read_at_ms: int) -> Order:
         extensions=m["extensions"],
         remind_at_ms=m["remind_at_ms"],
         reminded_at_ms=m["reminded_at_ms"],
+        policy=m["policy"],
     )
 
 

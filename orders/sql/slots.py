@@ -72,6 +72,7 @@ CREATE_COLUMNS = (
     "updated_at_ms",
     "metadata",
     "remind_at_ms",
+    "policy",
 )
 
 

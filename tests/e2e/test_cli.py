@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,42 @@ def test_create_rate_reached_exits_11_with_the_retry_after_on_one_line(
     assert "create rate reached: 2 creates in 60 s; retry in 60 s" in refused.stderr
     refusal = json.loads(refused.stdout)
     assert (refusal["error"], refusal["limit"], refusal["window_s"]) == ("rate_limited", 2, 60)
+
+
+def test_create_with_a_policy_or_a_deadline_and_their_bad_input_on_one_line(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policies = {"card": {"ttl_s": 600, "max_lifetime_s": 7200}, "admin": {"expires": False}}
+    monkeypatch.setenv("ORDERS_POLICIES", json.dumps(policies))
+    card = json.loads(run("create", "u1", "--policy", "card", "--json").stdout)
+    assert card["policy"] == "card"
+    assert card["expires_at_ms"] - card_created_ms(card) == 600_000
+    deadline = "2099-01-01T12:00:00.250+01:00"
+    capped = json.loads(
+        run("create", "u2", "--policy", "card", "--expires-at", deadline, "--json").stdout
+    )
+    assert capped["expires_at_ms"] == card_created_ms(capped) + 7_200_000
+    held = run("create", "u3", "--policy", "admin")
+    assert (held.exit_code, held.stdout.rstrip().endswith("policy admin, does not expire")) == (
+        0,
+        True,
+    ), held.output
+    for args, words in [
+        (["--policy", "wire"], "invalid policy: is not a configured policy (known: admin, card)"),
+        (["--expires-at", "2099-01-01T12:00:00"], "invalid expires_at: must carry a time zone"),
+        (["--expires-at", "next friday"], "invalid expires_at: must be an ISO 8601 time"),
+        (["--expires-at", "2001-01-01T00:00Z"], "invalid expires_at: is not in the future"),
+    ]:
+        refused = run("create", "u4", *args)
+        assert (refused.exit_code, refused.stderr.count("\n")) == (2, 1), refused.output
+        assert words in refused.stderr
+    assert run("user", "u4", "--json").stdout.strip() == "[]"
+
+
+def card_created_ms(shown: dict[str, Any]) -> int:
+    """An order's creation in ms, from ``--json``'s ``created_at``."""
+    created = datetime.fromisoformat(shown["created_at"])
+    return (created - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(milliseconds=1)
 
 
 @pytest.mark.parametrize(
@@ -261,6 +298,8 @@ SECRET = "hunter2-e2e"
         ("ORDERS_TTL_S", "soon"),
         ("ORDERS_STRICT_EXPIRY", "maybe"),
         ("ORDERS_ON_LIMIT", "replace_newest"),
+        ("ORDERS_POLICIES", '{"bank": {"ttl_s": 600, "remind_before_s": 600}}'),
+        ("ORDERS_POLICIES", "bank=3d"),
     ],
 )
 def test_a_malformed_setting_exits_2_with_one_line_and_writes_nothing(
