@@ -171,7 +171,7 @@ def print_orders_table(user: str, found: list[Order]) -> None:
         table.add_row(
             order.id,
             order.expires_at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3],
-            f"{order.time_left_s:.1f} s",
+            "never" if order.expires_at_ms == NEVER_EXPIRES_MS else f"{order.time_left_s:.1f} s",
             amount_text(order),
         )
     Console().print(table)
