@@ -49,8 +49,18 @@ from orders.validation import check_seconds
     show_default=True,
     help="Seconds between live updates (the stores are read at most this often).",
 )
+@click.option(
+    "--secure-cookie/--no-secure-cookie",
+    default=False,
+    show_default=True,
+    envvar="ORDERS_DASHBOARD_SECURE_COOKIE",
+    show_envvar=True,
+    help="Mark the login cookie Secure: set it when browsers reach the page over HTTPS.",
+)
 @click.pass_context
-def dashboard(ctx: click.Context, host: str, port: int, refresh_s: float) -> None:
+def dashboard(
+    ctx: click.Context, host: str, port: int, refresh_s: float, secure_cookie: bool
+) -> None:
     """Serve the read-only live dashboard (token: ORDERS_DASHBOARD_TOKEN, never an option)."""
     token = token_from_env()
     # Refused settings end here, before the stores are connected to.
@@ -58,7 +68,9 @@ def dashboard(ctx: click.Context, host: str, port: int, refresh_s: float) -> Non
     check_port("port", port)
     check_seconds("refresh_s", refresh_s)
     service = cli_state(ctx).service(long_running=True)
-    served = start_dashboard(service, host, port, token=token, refresh_s=refresh_s)
+    served = start_dashboard(
+        service, host, port, token=token, refresh_s=refresh_s, secure_cookie=secure_cookie
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -31,13 +31,16 @@ def start_dashboard(
     *,
     token: str | None = None,
     refresh_s: float = DEFAULT_REFRESH_S,
+    secure_cookie: bool = False,
 ) -> Served:
     """Serve the dashboard of ``service`` on ``host:port`` from a background thread.
 
     Refuses (:class:`~orders.errors.InvalidInput`) a non-loopback ``host`` without a token,
     a token under 16 characters and a port that cannot be bound, before serving anything.
+    ``secure_cookie``: the login cookie is marked ``Secure`` (behind TLS).
     """
-    return Dashboard(service, token=token, refresh_s=refresh_s).serve(host, port)
+    dashboard = Dashboard(service, token=token, refresh_s=refresh_s, secure_cookie=secure_cookie)
+    return dashboard.serve(host, port)
 
 
 __all__ = [

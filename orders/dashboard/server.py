@@ -79,10 +79,18 @@ class Dashboard:
     """One dashboard over one service: its access rule, cached overview and open streams."""
 
     def __init__(
-        self, service: OrderService, *, token: str | None, refresh_s: float = DEFAULT_REFRESH_S
+        self,
+        service: OrderService,
+        *,
+        token: str | None,
+        refresh_s: float = DEFAULT_REFRESH_S,
+        secure_cookie: bool = False,
     ) -> None:
         self.service = service
         self.access = Access(token)
+        #: Mark the login cookie ``Secure`` (served behind TLS: the browser then never sends
+        #: it over plain HTTP).
+        self.secure_cookie = secure_cookie
         self.refresh_s = check_seconds("refresh_s", refresh_s)
         # Half the refresh: a stream that wakes a little late still gets a fresh reading.
         self.overview = Overview(lambda: read_overview(service), refresh_s / 2)
@@ -142,7 +150,8 @@ class DashboardHandler(QuietHandler):
             return
         form = parse_qs(self.rfile.read(length).decode("utf-8", "replace"))
         if access.is_token(form.get("token", [""])[0]):
-            headers = {"Location": "/", "Set-Cookie": access.set_cookie(secure=False)}
+            cookie = access.set_cookie(secure=self.dashboard.secure_cookie)
+            headers = {"Location": "/", "Set-Cookie": cookie}
             send_bytes(self, 303, b"", "text/plain", headers)
         else:
             self._login_form(error=True)
@@ -182,6 +191,8 @@ class DashboardHandler(QuietHandler):
         self.send_header("X-Accel-Buffering", "no")  # a proxy must pass events at once
         self.end_headers()
         self.close_connection = True
+        if self.command == "HEAD":
+            return  # the headers only: a HEAD has no body, least of all an endless one
         closing = self.dashboard.closing
         try:
             while not closing.is_set():

@@ -266,6 +266,9 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     expect_figures(page, unpaid=0, open_unpaid=0, paid=0, cancelled=0, closed=0, backlog=0)
     expect(page.locator('[data-field="refunds_owed"]')).to_have_text("0")
     expect(page.locator("#refunds tbody tr.empty")).to_have_count(1)
+    # Durations as the page writes them: seconds are rounded before minutes are split off.
+    shown = page.evaluate("[599600, 600000, 125600, 7199600].map(duration)")
+    assert shown == ["10 min 0 s", "10 min 0 s", "2 min 6 s", "2.0 h"]
     dialogs: list[str] = []
 
     def on_dialog(dialog: Dialog) -> None:

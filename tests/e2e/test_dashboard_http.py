@@ -24,8 +24,12 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 
 @contextmanager
-def dashboard(service: OrderService, token: str | None = TOKEN) -> Iterator[Served]:
-    served = start_dashboard(service, "127.0.0.1", 0, token=token, refresh_s=0.05)
+def dashboard(
+    service: OrderService, token: str | None = TOKEN, *, secure_cookie: bool = False
+) -> Iterator[Served]:
+    served = start_dashboard(
+        service, "127.0.0.1", 0, token=token, refresh_s=0.05, secure_cookie=secure_cookie
+    )
     try:
         yield served
     finally:
@@ -62,21 +66,41 @@ def test_with_a_token_every_request_needs_it(service: OrderService) -> None:
         assert get(served, "/login")[0] == 200
 
 
+def login(served: Served, token: str) -> tuple[int, dict[str, str]]:
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+    body = f"token={token}"
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    conn.request("POST", "/login", body=body, headers=form)
+    reply = conn.getresponse()
+    reply.read()
+    conn.close()
+    return reply.status, dict(reply.getheaders())
+
+
+def test_the_login_cookie_is_secure_only_when_asked_for_behind_tls(service: OrderService) -> None:
+    with dashboard(service) as served:
+        assert "Secure" not in login(served, TOKEN)[1]["Set-Cookie"]
+    with dashboard(service, secure_cookie=True) as served:
+        status, headers = login(served, TOKEN)
+    assert status == 303
+    assert headers["Set-Cookie"].endswith("; HttpOnly; SameSite=Strict; Secure")
+
+
+def test_a_head_of_the_stream_answers_its_headers_and_ends(service: OrderService) -> None:
+    with dashboard(service) as served:
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+        conn.request("HEAD", "/api/events", headers=bearer(TOKEN))
+        reply = conn.getresponse()
+        assert (reply.status, reply.getheader("Content-Type")) == (200, "text/event-stream")
+        # A HEAD reply has no body: the server must not write one, nor keep the socket.
+        assert conn.sock is None or conn.sock.recv(1) == b""
+        conn.close()
+
+
 def test_the_login_form_sets_a_cookie_that_is_not_the_token(service: OrderService) -> None:
     with dashboard(service) as served:
-
-        def login(token: str) -> tuple[int, dict[str, str]]:
-            conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
-            body = f"token={token}"
-            form = {"Content-Type": "application/x-www-form-urlencoded"}
-            conn.request("POST", "/login", body=body, headers=form)
-            reply = conn.getresponse()
-            reply.read()
-            conn.close()
-            return reply.status, dict(reply.getheaders())
-
-        assert login("wrong-token-wrong-token")[0] == 401
-        status, headers = login(TOKEN)
+        assert login(served, "wrong-token-wrong-token")[0] == 401
+        status, headers = login(served, TOKEN)
         assert status == 303
         cookie = headers["Set-Cookie"]
         assert "HttpOnly" in cookie

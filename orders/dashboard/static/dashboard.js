@@ -31,7 +31,9 @@ function duration(ms) {
   if (ms < 1000) return `${sign}${ms} ms`;
   const s = ms / 1000;
   if (s < 120) return `${sign}${s.toFixed(s < 10 ? 2 : 1)} s`;
-  if (s < 7200) return `${sign}${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+  // Whole seconds first: 599.6 s is "10 min 0 s", never "9 min 60 s".
+  const whole = Math.round(s);
+  if (whole < 7200) return `${sign}${Math.floor(whole / 60)} min ${whole % 60} s`;
   return `${sign}${(s / 3600).toFixed(1)} h`;
 }
 
