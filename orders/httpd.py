@@ -3,9 +3,11 @@
 The dashboard and the scheduler's health checks are read by a few operators and probes, not
 by customers, so the standard library's ``ThreadingHTTPServer`` is enough and adds no
 dependency; one thread per connection lets a long-lived event stream sit beside short
-requests. :func:`serve` binds at once, so a taken port or a bad address is a typed error
-before the process goes on, and returns a :class:`Served` that stops the server and joins
-its thread.
+requests. The threads are bounded (:data:`MAX_CONNECTIONS` by default): a connection past
+the bound gets a 503 at once and is closed, so a flood of clients (or of open streams)
+cannot start threads without end. :func:`serve` binds at once, so a taken port or a bad
+address is a typed error before the process goes on, and returns a :class:`Served` that
+stops the server and joins its thread.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from orders.errors import InvalidInput
+
+#: Connections served at once (each holds a thread); one more is answered 503 and closed.
+MAX_CONNECTIONS = 64
+#: How long a connection may sit without sending its request (or reading an answer).
+CONNECTION_TIMEOUT_S = 60.0
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+    b"Retry-After: 1\r\nContent-Length: 5\r\nConnection: close\r\n\r\nbusy\n"
+)
 
 #: Host names taken as loopback without asking a resolver.
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
@@ -47,6 +58,9 @@ class QuietHandler(BaseHTTPRequestHandler):
     """A request handler whose access lines go to the ``orders.httpd`` logger at DEBUG,
     not to stderr (the stdlib default), so a probe every second does not flood the log."""
 
+    #: A client that sends nothing (or reads nothing) for this long loses its connection.
+    timeout = CONNECTION_TIMEOUT_S
+
     def log_message(self, format: str, *args: Any) -> None:
         logging.getLogger("orders.httpd").debug("%s " + format, self.address_string(), *args)
 
@@ -54,6 +68,37 @@ class QuietHandler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # an open event stream must not keep the process alive
     block_on_close = False
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self.slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread for the connection if one of the bounded slots is free, else a 503."""
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.settimeout(1.0)
+                request.sendall(_BUSY)
+            except OSError:
+                pass  # the client is gone or not reading: closing is all that is left
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started: the slot is free again
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class _Server6(_Server):
@@ -93,8 +138,10 @@ def serve(
     name: str,
     field: str,
     on_close: Callable[[], None] | None = None,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> Served:
-    """Bind ``host:port`` now and serve ``handler`` from a daemon thread named ``name``.
+    """Bind ``host:port`` now and serve ``handler`` from a daemon thread named ``name``,
+    at most ``max_connections`` connections at once.
 
     ``field`` names the setting in errors: a port that is taken or an address that cannot
     be bound is :class:`InvalidInput` on it, raised here rather than in the thread.
@@ -102,7 +149,7 @@ def serve(
     check_port(field, port)
     server_class = _Server6 if ":" in host else _Server
     try:
-        server = server_class((host.strip("[]"), port), handler)
+        server = server_class((host.strip("[]"), port), handler, max_connections)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise InvalidInput(field, f"cannot listen on {host}:{port}: {reason}") from None

@@ -200,8 +200,8 @@ class DashboardHandler(QuietHandler):
                 self.wfile.write(b"event: overview\ndata: " + data + b"\n\n")
                 self.wfile.flush()
                 closing.wait(self.dashboard.refresh_s)
-        except (BrokenPipeError, ConnectionResetError):
-            return  # the browser went away
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            return  # the browser went away, or stopped reading
 
 
 def _handler(dashboard: Dashboard) -> type[DashboardHandler]:

@@ -3,6 +3,8 @@ that binds at once (a taken port is InvalidInput here, not an error in a thread 
 
 from __future__ import annotations
 
+import http.client
+import threading
 import urllib.request
 
 import pytest
@@ -66,3 +68,48 @@ def test_serve_binds_at_once_answers_and_a_taken_port_is_invalid_input() -> None
 def test_serve_refuses_a_bad_port_before_binding() -> None:
     with pytest.raises(InvalidInput):
         serve(Hello, "127.0.0.1", 70_000, name="test-httpd", field="test_port")
+
+
+class Held(QuietHandler):
+    """Holds its connection (and thread) until the test releases it, like an event stream."""
+
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+
+    def do_GET(self) -> None:
+        self.entered.release()
+        self.release.wait(10)
+        send_json(self, 200, {"held": True})
+
+
+def test_connections_past_the_bound_get_a_503_at_once_and_a_freed_slot_serves_again() -> None:
+    served = serve(Held, "127.0.0.1", 0, name="test-httpd", field="test_port", max_connections=2)
+    Held.release.clear()
+    held = [http.client.HTTPConnection("127.0.0.1", served.port, timeout=5) for _ in range(2)]
+    try:
+        for conn in held:
+            conn.request("GET", "/")
+        # Both slots taken (each GET waits in its thread): the third is turned away at once.
+        assert all(Held.entered.acquire(timeout=5) for _ in held)
+        extra = http.client.HTTPConnection("127.0.0.1", served.port, timeout=5)
+        extra.request("GET", "/")
+        refused = extra.getresponse()
+        assert (refused.status, refused.read()) == (503, b"busy\n")
+        assert refused.getheader("Retry-After") == "1"
+        extra.close()
+        Held.release.set()
+        for conn in held:
+            assert conn.getresponse().status == 200
+            conn.close()
+        Held.release.clear()
+        again = [http.client.HTTPConnection("127.0.0.1", served.port, timeout=5) for _ in held]
+        for conn in again:
+            conn.request("GET", "/")  # the slots came back: both are served, not refused
+        assert all(Held.entered.acquire(timeout=5) for _ in again)
+        Held.release.set()
+        assert [conn.getresponse().status for conn in again] == [200, 200]
+        for conn in again:
+            conn.close()
+    finally:
+        Held.release.set()
+        served.close()
