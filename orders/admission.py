@@ -411,12 +411,16 @@ class Admitter:
         """:meth:`release_after_commit` of a transition's order (paid, cancelled)."""
         self.release_after_commit(order.user_id, order.id)
 
+    def rescore(self, wanted: Mapping[str, Mapping[str, int]], now_ms: int) -> None:
+        """Move the members given (user -> order -> expiry) to those scores, in one round
+        trip per node; a user's other members are left as they are (reconcile's extras)."""
+        batch = {user: dict(members) for user, members in wanted.items()}
+        self.index.reconcile_batch(batch, now_ms=now_ms, dry_run=False).read()
+
     def rescore_after_commit(self, order: Order) -> None:
         """Move a member's score to the order's new expiry after SQL decided."""
         try:
-            # The user's other members come back as reconcile's extras, left as they are.
-            wanted = {order.user_id: {order.id: order.expires_at_ms}}
-            self.index.reconcile_batch(wanted, now_ms=order.read_at_ms, dry_run=False).read()
+            self.rescore({order.user_id: {order.id: order.expires_at_ms}}, order.read_at_ms)
         except StoreUnavailable:
             log.warning(
                 "redis rescore failed; reconcile will fix it",

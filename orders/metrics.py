@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     OLDEST_OVERDUE_SECONDS: Gauge
     JOB_FAILURES: Counter
     PARKED_EVENTS: Gauge
+    PAUSE_STARTED_TIMESTAMP: Gauge
 
 #: Every metric this module defines, by the name it is read as (``metrics.CREATES``).
 METRIC_NAMES = frozenset(
@@ -72,6 +73,7 @@ METRIC_NAMES = frozenset(
         "OLDEST_OVERDUE_SECONDS",
         "JOB_FAILURES",
         "PARKED_EVENTS",
+        "PAUSE_STARTED_TIMESTAMP",
     }
 )
 
@@ -165,6 +167,11 @@ def _define() -> dict[str, Any]:
             "orders_parked_events",
             "events parked (out of retries) per consumer, after the last events job run",
             ["consumer"],
+            multiprocess_mode="livemostrecent",
+        ),
+        "PAUSE_STARTED_TIMESTAMP": Gauge(
+            "orders_pause_started_timestamp_seconds",
+            "Unix time the open incident pause began (0: none), after the last tick",
             multiprocess_mode="livemostrecent",
         ),
     }

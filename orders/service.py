@@ -52,12 +52,14 @@ from orders.errors import (
 from orders.events.consumer import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
+from orders.pausing import Pausing
 from orders.payments import LatePaymentCheck, Payments
 from orders.policies import NEVER_EXPIRES_MS
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.replacing import Replacer
 from orders.requests import CreateRequest, checked_payment
 from orders.sql.host import host_connection
+from orders.sql.pauses import Pause, Pauses
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sql.user_limits import UserLimit
@@ -67,6 +69,7 @@ from orders.user_limits import UserLimits
 from orders.validation import (
     ON_LIMIT_REPLACE_OLDEST,
     TEXT_MAX_LENGTH,
+    check_count,
     check_optional_text,
     check_order_id,
     check_ttl_ms,
@@ -124,6 +127,7 @@ class OrderService:
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
+        self.pausing = Pausing(Pauses(self.records.tx), self.admitter.rescore, self.now_ms)
         self.new_order_id = OrderIdGenerator(self.now_ms)
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
         self.refused_payment_handlers: list[Callable[[OrderEvent], None]] = []
@@ -264,6 +268,24 @@ class OrderService:
     ) -> UserLimit:
         """Remove the user's own limit: the settings' one applies again (idempotent)."""
         return self.user_limits.clear(user_id, actor)
+
+    def pause(self, reason: str, *, actor: str | Actor | None = None) -> Pause:
+        """Open an incident pause: nothing closes (or is reminded) by expiry until
+        :meth:`resume`; creates, payments and cancels go on (see :mod:`orders.pausing`)."""
+        return self.pausing.pause(reason, Actor.of(actor))
+
+    def resume(self, *, actor: str | Actor | None = None, batch_size: int = 500) -> Pause:
+        """End the pause: every unpaid order's expiry moves later by the part of the pause it
+        lived through, with an ``extended`` event each; then the sweep runs again."""
+        return self.pausing.resume(Actor.of(actor), batch_size)
+
+    def current_pause(self) -> Pause | None:
+        """The open pause (or the one being resumed), if any."""
+        return self.pausing.current()
+
+    def recent_pauses(self, limit: int = 10) -> list[Pause]:
+        """The latest pauses, newest first."""
+        return self.pausing.pauses.recent(check_count("limit", limit, 1, 1000))
 
     def user_limit(self, user_id: str | int) -> UserLimit:
         """The limit that applies to the user, whether it is its own, and when and by whom

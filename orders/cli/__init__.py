@@ -2,8 +2,8 @@
 
 ``app`` holds the group, its global options and the error mapping; the commands register
 themselves on it from ``order_commands``, ``ops_commands``, ``store_commands``,
-``event_commands``, ``payment_commands`` and ``limit_commands``; ``render`` prints. The
-benchmark command is loaded only when it is run.
+``event_commands``, ``payment_commands``, ``limit_commands`` and ``pause_commands``;
+``render`` prints. The benchmark command is loaded only when it is run.
 """
 
 from orders.cli import (
@@ -11,6 +11,7 @@ from orders.cli import (
     limit_commands,
     ops_commands,
     order_commands,
+    pause_commands,
     payment_commands,
     store_commands,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "main",
     "ops_commands",
     "order_commands",
+    "pause_commands",
     "payment_commands",
     "store_commands",
 ]

@@ -163,6 +163,20 @@ def read_overview(service: OrderService) -> dict[str, Any]:
         "consumers": _part(lambda: _consumers(service)),
         "refunds": _part(lambda: _refunds(service, now_ms)),
         "redis": _part(lambda: _redis(service)),
+        "pause": _part(lambda: _pause(service)),
+    }
+
+
+def _pause(service: OrderService) -> dict[str, Any] | None:
+    """The open incident pause, if any: the sweep closes nothing while it lasts."""
+    pause = service.current_pause()
+    if pause is None:
+        return None
+    return {
+        "reason": pause.reason,
+        "started_at_ms": pause.started_at_ms,
+        "actor": None if pause.actor is None else str(pause.actor),
+        "resuming": pause.resumed_at_ms is not None,
     }
 
 

@@ -36,6 +36,7 @@ from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.consumer import ConsumeResult
 from orders.index.lease import SweeperLease
 from orders.scheduler.log import BacklogWatch, LogSummary
+from orders.scheduler.pause_watch import PauseWatch
 from orders.scheduler.rebuild import UNSCHEDULED, IndexRebuilds, RebuildStopped
 from orders.scheduler.status import SweeperStatus
 from orders.service import OrderService
@@ -117,6 +118,7 @@ class Sweeper:
         )
         backlog_lag_s = check_seconds("backlog_lag_s", backlog_lag_s)
         self._backlog = BacklogWatch(backlog_lag_s, monotonic=monotonic)
+        self._pause = PauseWatch(service.current_pause, self._log)
         self._holds_lease = False
         self._renewed_at = 0.0
         self._lost_lease = False
@@ -253,6 +255,12 @@ class Sweeper:
     def _sweep(self) -> float:
         self._lost_lease = False
         started = time.monotonic()
+        try:
+            if self._pause.paused():
+                return self.cadence_s
+        except StoreUnavailable as exc:
+            self._store_down(exc.store, exc, "retrying every tick")
+            return self.cadence_s
         self._backlog.sweep_started()
         try:
             result = self.service.sweep_expired(

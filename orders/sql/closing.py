@@ -8,6 +8,9 @@ another sweeper holds are skipped (``SKIP LOCKED``), so several sweepers never w
 close the same order, and the compare-and-set (``status = 'unpaid'``) would refuse a second
 close anyway.
 
+While an incident pause is open (``oes_pauses``, :mod:`orders.sql.pauses`) both claims
+find nothing: the pause is a condition of the statements themselves.
+
 A reminder is a compare-and-set too: an unpaid order whose ``remind_at_ms`` has come and
 whose expiry is still ahead gets ``remind_at_ms = NULL, reminded_at_ms = now`` and an
 ``expiring`` event, so of several sweepers exactly one writes it, and only once. Its
@@ -42,8 +45,9 @@ from sqlalchemy import (
 
 from orders.domain import SWEEPER, Actor, EventKind, OrderStatus
 from orders.sql.models import (
+    NOT_PAUSED,
     UNPAID_PREDICATE,
-    due_at,
+    closable_at,
     events_table,
     orders_table,
     reminder_due_at,
@@ -144,7 +148,7 @@ def _close_statement(*, postgresql: bool) -> Any:
     closed_at = bindparam("closed_at_ms", type_=BigInteger())
     due = (
         select(ORDER.id)
-        .where(due_at(cutoff))
+        .where(closable_at(cutoff))
         .order_by(ORDER.expires_at_ms)
         .limit(bindparam("size", type_=Integer()))
     )
@@ -175,7 +179,7 @@ def _remind_statement(*, postgresql: bool) -> Any:
     owed = reminder_due_at(cutoff)
     due = (
         select(ORDER.id)
-        .where(owed)
+        .where(owed, NOT_PAUSED)
         .order_by(ORDER.remind_at_ms)
         .limit(bindparam("size", type_=Integer()))
     )

@@ -13,6 +13,7 @@ from typing import Any, cast
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     ColumnElement,
     ForeignKey,
@@ -22,6 +23,7 @@ from sqlalchemy import (
     String,
     Table,
     and_,
+    exists,
     literal_column,
     text,
 )
@@ -260,6 +262,30 @@ class UserLimitRow(Base):
     )
 
 
+class PauseRow(Base):
+    """An incident pause (``orders pause``): while one is open (``open_marker`` true, unique,
+    so at most one row has it), nothing is closed or reminded by expiry. ``resumed_at_ms``
+    fixes its length when a resume begins; the resume then moves every unpaid order's expiry
+    in batches (``shift_cursor``: the last order id done, ``shifted``: how many), and closes
+    the pause (``open_marker`` NULL, ``ended_at_ms``) when all are done.
+    """
+
+    __tablename__ = "oes_pauses"
+
+    id: Mapped[int] = mapped_column(EventId, primary_key=True, autoincrement=True)
+    reason: Mapped[str] = mapped_column(String(TEXT_COLUMN_LENGTH))
+    started_at_ms: Mapped[int] = mapped_column(BigInteger)
+    actor_kind: Mapped[str | None] = mapped_column(String(16))
+    actor: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
+    open_marker: Mapped[bool | None] = mapped_column(Boolean, unique=True)
+    resumed_at_ms: Mapped[int | None] = mapped_column(BigInteger)
+    resumed_actor_kind: Mapped[str | None] = mapped_column(String(16))
+    resumed_actor: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
+    shift_cursor: Mapped[str | None] = mapped_column(String(ORDER_ID_COLUMN_LENGTH))
+    shifted: Mapped[int] = mapped_column(BigInteger, default=0)
+    ended_at_ms: Mapped[int | None] = mapped_column(BigInteger)
+
+
 class EventCursorRow(Base):
     """Where a named consumer of order_events has got to (durable, one row per name)."""
 
@@ -306,6 +332,7 @@ cursors_table = cast(Table, EventCursorRow.__table__)
 retries_table = cast(Table, EventRetryRow.__table__)
 refusals_table = cast(Table, PaymentRefusalRow.__table__)
 user_limits_table = cast(Table, UserLimitRow.__table__)
+pauses_table = cast(Table, PauseRow.__table__)
 #: ``status = 'unpaid'`` as an inline literal, the form the partial indexes can serve
 #: (PostgreSQL's generic plans of prepared statements included; a bound parameter is not).
 UNPAID_PREDICATE = orders_table.c.status == literal_column(f"'{OrderStatus.UNPAID.value}'")
@@ -324,6 +351,17 @@ def open_at(now_ms: int | ColumnElement[Any]) -> ColumnElement[bool]:
 def due_at(cutoff_ms: int | ColumnElement[Any]) -> ColumnElement[bool]:
     """Unpaid with its expiry at or before ``cutoff_ms``: the sweep closes it."""
     return and_(UNPAID_PREDICATE, orders_table.c.expires_at_ms <= cutoff_ms)
+
+
+#: No incident pause is open: the close and reminder statements carry it, so a pause holds
+#: from the first statement that starts after it commits, on every host, with no extra read.
+PAUSED = exists().where(pauses_table.c.open_marker.is_not(None))
+NOT_PAUSED = ~PAUSED
+
+
+def closable_at(cutoff_ms: int | ColumnElement[Any]) -> ColumnElement[bool]:
+    """Due at ``cutoff_ms`` and no pause open: what a close by expiry may close."""
+    return and_(due_at(cutoff_ms), NOT_PAUSED)
 
 
 #: An unpaid order with a reminder still to write, as the partial index over them states it.

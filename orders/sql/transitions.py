@@ -27,12 +27,20 @@ from sqlalchemy import (
     insert,
     literal,
     literal_column,
+    or_,
     select,
     update,
 )
 
 from orders.domain import Actor, EventKind, OrderStatus
-from orders.sql.models import UNPAID_PREDICATE, due_at, events_table, open_at, orders_table
+from orders.sql.models import (
+    PAUSED,
+    UNPAID_PREDICATE,
+    closable_at,
+    events_table,
+    open_at,
+    orders_table,
+)
 
 ORDER = orders_table.c
 EXPIRED_REASON = "expired"
@@ -103,10 +111,21 @@ def record_events(
 ) -> None:
     """Write one event per (order id, user id), in the caller's transaction: for the
     transitions that SQLite cannot return from one statement with their event."""
+    insert_events(conn, [(oid, uid, data) for oid, uid in orders], kind, at_ms, actor)
+
+
+def insert_events(
+    conn: Connection,
+    events: Sequence[tuple[str, str, dict[str, Any] | None]],
+    kind: EventKind,
+    at_ms: int,
+    actor: Actor,
+) -> None:
+    """Write one event per (order id, user id, data), in the caller's transaction."""
     cause = actor.columns()
     rows = [
         {"order_id": oid, "user_id": uid, "kind": kind.value, "at_ms": at_ms, "data": data} | cause
-        for oid, uid in orders
+        for oid, uid, data in events
     ]
     if len(rows) == 1:
         conn.execute(_INSERT_EVENT, rows[0])  # one row: no executemany machinery
@@ -159,8 +178,11 @@ _PAID = {
 
 #: Unpaid -> paid, whatever the expiry (a payment that beats the sweep wins).
 PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))
-#: Unpaid -> paid while the expiry is still ahead (``strict_expiry``).
-PAY_STRICT = CompareAndSet(EventKind.PAID, _update([open_at(_NOW)], _PAID))
+#: Unpaid -> paid while the expiry is still ahead, or a pause holds every expiry
+#: (``strict_expiry``).
+PAY_STRICT = CompareAndSet(
+    EventKind.PAID, _update([UNPAID_PREDICATE, or_(ORDER.expires_at_ms > _NOW, PAUSED)], _PAID)
+)
 #: Closed by expiry, at most ``:window_ms`` after the expiry -> paid (a late payment the
 #: host accepted; ``Settings.late_payment_window_s``).
 PAY_LATE = CompareAndSet(
@@ -186,11 +208,11 @@ CANCEL = CompareAndSet(
         },
     ),
 )
-#: Unpaid and due -> closed (the sweep's rule, for one order).
+#: Unpaid and due, no pause open -> closed (the sweep's rule, for one order).
 CLOSE_EXPIRED = CompareAndSet(
     EventKind.CLOSED,
     _update(
-        [due_at(_NOW)],
+        [closable_at(_NOW)],
         {
             "status": OrderStatus.CLOSED.value,
             "closed_at_ms": _NOW,

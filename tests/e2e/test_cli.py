@@ -327,3 +327,25 @@ def test_the_cli_starts_without_importing_the_benchmark() -> None:
     )
     done = run_python("-c", probe, env=child_env())
     assert done.stdout.split() == ["0", "True", "False"], done.stderr
+
+
+def test_pause_resume_and_pauses_on_one_line_each_and_their_refusals(run: Any) -> None:
+    assert run("pauses").stdout == "never paused\n"
+    refused = run("resume")
+    assert (refused.exit_code, refused.stderr) == (2, "error: invalid resume: nothing is paused\n")
+    paused = run("--actor", "anna", "pause", "--reason", "psp down")
+    assert paused.exit_code == 0, paused.output
+    assert paused.stdout.startswith("paused since ")
+    assert paused.stdout.endswith(" by operator:anna: psp down\n")
+    again = run("pause", "--reason", "twice")
+    assert (again.exit_code, again.stderr.count("\n")) == (2, 1)
+    assert "a pause is open already (since " in again.stderr
+    assert "by operator:anna" in again.stderr
+    created = run("create", "u1", "--json")
+    assert created.exit_code == 0  # creates go on while paused
+    resumed = json.loads(run("resume", "--json").stdout)
+    assert (resumed["open"], resumed["shifted"], resumed["reason"]) == (False, 1, "psp down")
+    listed = json.loads(run("pauses", "--json").stdout)
+    assert [p["id"] for p in listed] == [resumed["id"]]
+    no_reason = run("pause")
+    assert no_reason.exit_code == 2

@@ -363,6 +363,15 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     expect(page.locator("#user-summary")).to_contain_text("0 differences")
     expect(page.locator("#user-slots tr.diff")).to_have_count(0)
 
+    banner = page.locator("#pause")
+    expect(banner).to_be_hidden()
+    service.pause("<b>psp</b> down", actor="oncall")
+    expect(banner).to_be_visible()
+    expect(banner).to_contain_text("by application:oncall: <b>psp</b> down")
+    expect(banner).to_contain_text("nothing closes by expiry")
+    service.resume()
+    expect(banner).to_be_hidden()
+
     assert page.evaluate("window.__loaded") == loaded, "the page was reloaded"
     assert page.evaluate("window.__lost") == 0, "the event stream dropped"
     assert dialogs == [], "caller text ran as script"

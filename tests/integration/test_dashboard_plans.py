@@ -25,7 +25,13 @@ from orders.errors import OrderClosed
 from orders.events.consumer import EventConsumer
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
-from orders.sql.models import cursors_table, refusals_table, retries_table, user_limits_table
+from orders.sql.models import (
+    cursors_table,
+    pauses_table,
+    refusals_table,
+    retries_table,
+    user_limits_table,
+)
 from tests.support.clocks import ManualClock
 from tests.support.doubles import Poison
 from tests.support.plans import Statement, captured, explain_sql
@@ -34,8 +40,9 @@ pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=Tr
 
 #: Per overview: five statements of read_stats, the latest closes, and list_consumers'
 #: positions, failure counts and names, then two per consumer (lag count, oldest unread),
-#: then the refunds owed (their capped count with the oldest, the newest listed).
-OVERVIEW_STATEMENTS = 6 + 3 + 2 * 1 + 2
+#: then the refunds owed (their capped count with the oldest, the newest listed), then the
+#: open pause.
+OVERVIEW_STATEMENTS = 6 + 3 + 2 * 1 + 2 + 1
 #: The user's unpaid rows, then the rows of the members SQL did not return.
 COMPARE_STATEMENTS = 2
 #: Plan nodes that read a table through an index, or read no table at all.
@@ -47,7 +54,12 @@ NO_TABLE_NODES = {"Subquery Scan"}
 #: event_retries has one row per failing event (retrying or parked), counted whole;
 #: user_limits has one row per user with a limit of their own, counted whole (its primary
 #: key would serve the count; on a few rows PostgreSQL reads the table).
-READ_WHOLE = {cursors_table.name, retries_table.name, user_limits_table.name}
+READ_WHOLE = {
+    cursors_table.name,
+    retries_table.name,
+    user_limits_table.name,
+    pauses_table.name,  # one row per incident pause
+}
 SCAN = re.compile(r"(\w+(?: \w+)*? Scan)(?: Backward)?(?: using (\w+))? on (\w+)")
 UNPAID_INDEX = "WHERE ((status)::text = 'unpaid'::text)"
 PENDING_INDEX = "ix_oes_payment_refusals_pending_refused_at_ms"

@@ -112,9 +112,21 @@ function chart(upcoming) {
   box.replaceChildren(svg);
 }
 
+function renderPause(pause, at) {
+  const el = $("#pause");
+  const open = pause && typeof pause === "object" && !("error" in pause);
+  el.hidden = !open;
+  if (!open) return;
+  const state = pause.resuming ? "Resuming" : "Paused";
+  const by = pause.actor ? ` by ${pause.actor}` : "";
+  el.textContent = `${state} for ${duration(at - pause.started_at_ms)}${by}: ${pause.reason}` +
+    " (nothing closes by expiry)";
+}
+
 function render(data) {
   const at = data.at_ms;
   field("at", clock(at));
+  renderPause(data.pause, at);
   const sql = data.sql;
   if (!showError("sql", sql)) {
     const s = sql.stats;

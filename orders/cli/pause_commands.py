@@ -1,0 +1,84 @@
+"""``orders pause`` / ``orders resume`` / ``orders pauses``: the incident pause."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from orders.cli.app import cli_state, json_option, main
+from orders.domain import ms_to_datetime
+
+if TYPE_CHECKING:  # SQLAlchemy stays unloaded until a command needs it (``orders --help``)
+    from orders.sql.pauses import Pause
+
+
+def pause_to_json(pause: Pause) -> dict[str, Any]:
+    return {
+        "id": pause.id,
+        "reason": pause.reason,
+        "started_at": pause.started_at.isoformat(),
+        "actor": None if pause.actor is None else str(pause.actor),
+        "resumed_at": _iso(pause.resumed_at_ms),
+        "ended_at": _iso(pause.ended_at_ms),
+        "shifted": pause.shifted,
+        "open": pause.is_open,
+    }
+
+
+def pause_text(pause: Pause) -> str:
+    since = pause.started_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+    by = "" if pause.actor is None else f" by {pause.actor}"
+    if pause.is_open and pause.resumed_at_ms is None:
+        return f"paused since {since}{by}: {pause.reason}"
+    if pause.is_open:
+        return f"resuming (interrupted? run orders resume again): paused {since}{by}"
+    length_s = pause.length_ms(0) / 1000
+    return (
+        f"pause {pause.id} from {since}{by} lasted {length_s:.1f} s: "
+        f"{pause.shifted} unpaid orders moved later ({pause.reason})"
+    )
+
+
+def _iso(ms: int | None) -> str | None:
+    return None if ms is None else ms_to_datetime(ms).isoformat()
+
+
+@main.command()
+@click.option("--reason", required=True, help="Why: shown to every operator and on the dashboard.")
+@json_option
+@click.pass_context
+def pause(ctx: click.Context, reason: str, as_json: bool) -> None:
+    """Hold every close by expiry until orders resume (creates, payments and cancels go on)."""
+    state = cli_state(ctx)
+    done = state.service().pause(reason, actor=state.actor)
+    click.echo(json.dumps(pause_to_json(done)) if as_json else pause_text(done))
+
+
+@main.command()
+@click.option(
+    "--batch-size", type=int, default=500, show_default=True, help="Orders moved per transaction."
+)
+@json_option
+@click.pass_context
+def resume(ctx: click.Context, batch_size: int, as_json: bool) -> None:
+    """End the pause: every unpaid order gets the paused time back, then the sweep runs."""
+    state = cli_state(ctx)
+    done = state.service().resume(actor=state.actor, batch_size=batch_size)
+    click.echo(json.dumps(pause_to_json(done)) if as_json else pause_text(done))
+
+
+@main.command()
+@json_option
+@click.pass_context
+def pauses(ctx: click.Context, as_json: bool) -> None:
+    """The latest pauses, newest first (the open one, if any, on top)."""
+    found = cli_state(ctx).service().recent_pauses()
+    if as_json:
+        click.echo(json.dumps([pause_to_json(p) for p in found]))
+    elif not found:
+        click.echo("never paused")
+    else:
+        for p in found:
+            click.echo(pause_text(p))

@@ -1,0 +1,115 @@
+"""kill -9 during ``orders resume``: real ``orders resume`` processes are SIGKILLed while they
+move the paused orders' expiries; the next resume finishes the work. Every order must end
+moved exactly once, by exactly the pause's length, with exactly one event, and the index
+must agree with SQL after a reconcile."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import Engine, func, select
+
+from orders.config import Settings
+from orders.domain import OrderStatus, system_clock
+from orders.service import OrderService
+from orders.sql.models import events_table, orders_table, pauses_table
+from tests.support.processes import ChildProcess, child_env
+from tests.support.stores import write_orders_as_of_old
+
+USERS = [f"user-{n:03d}" for n in range(97)]
+RESUME_ARGS = ["-m", "orders", "resume", "--batch-size", "20"]
+
+
+def shifted_so_far(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(func.max(pauses_table.c.shifted))) or 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resumes_killed_mid_batch_move_every_order_exactly_once(
+    engine: Engine,
+    database_url: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+    full_size: bool,
+    tmp_path: Path,
+) -> None:
+    rng = random.Random()
+    count, kills = (6000, 20) if full_size else (1500, 5)
+    service = OrderService(engine, redis_client, Settings(database_url=database_url))
+    now_ms = system_clock()
+    rows = [
+        {
+            "id": f"paused-{n:06d}",
+            "user_id": USERS[n % len(USERS)],
+            "status": OrderStatus.UNPAID.value,
+            "created_at_ms": now_ms - 60_000,
+            "expires_at_ms": now_ms + 3_600_000 + n,
+            "updated_at_ms": now_ms - 60_000,
+        }
+        for n in range(count)
+    ]
+    write_orders_as_of_old(service, rows)
+    service.pause("crash test")
+    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
+    env.pop("PYTHONWARNINGS", None)
+
+    killed_at: list[int] = []
+    for kill in range(kills):
+        before = shifted_so_far(engine)
+        child = ChildProcess(RESUME_ARGS, env, tmp_path / f"resume-{kill}.log")
+        try:
+            deadline = time.monotonic() + 60
+            while shifted_so_far(engine) == before:  # it is moving orders now
+                if child.proc.poll() is not None:
+                    raise child.fail("ended before it was killed")
+                if time.monotonic() > deadline:
+                    raise child.fail("moved nothing within 60 s")
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0, 0.05))  # somewhere inside a later batch
+            child.sigkill()
+        finally:
+            child.close()
+        killed_at.append(shifted_so_far(engine))
+    assert killed_at[-1] < count, "the kills came too late: nothing left to resume"
+    assert service.current_pause() is not None  # a resume cut short keeps the sweep held
+
+    final = ChildProcess(RESUME_ARGS, env, tmp_path / "resume-final.log")
+    try:
+        final.output_at_exit(120)
+        assert final.proc.returncode == 0, final.log()
+    finally:
+        final.close()
+
+    (pause,) = service.recent_pauses()
+    assert (pause.is_open, pause.shifted) == (False, count)
+    length = pause.length_ms(0)
+    assert length > 0
+    with engine.connect() as conn:
+        expiries = dict(conn.execute(select(orders_table.c.id, orders_table.c.expires_at_ms)).all())
+        per_order = dict(
+            conn.execute(
+                select(events_table.c.order_id, func.count())
+                .where(events_table.c.kind == "extended")
+                .group_by(events_table.c.order_id)
+            ).all()
+        )
+    wrong = [r["id"] for r in rows if expiries[r["id"]] != r["expires_at_ms"] + length]
+    assert wrong == [], f"{len(wrong)} orders not moved exactly once, e.g. {wrong[:3]}"
+    assert set(per_order.values()) == {1}
+    assert len(per_order) == count
+
+    service.reconcile()
+    members: dict[str, Any] = {}
+    for user in USERS:
+        members.update(
+            (m.decode(), int(s))
+            for m, s in redis_client.zrange(f"UnpaidOrder-{user}", 0, -1, withscores=True)
+        )
+    assert members == expiries
