@@ -384,7 +384,7 @@ class Admitter:
         the limit's members, also while other creates of the user are in flight.
         """
         try:
-            self.index.write_limits({user_id: refused.own_limit})
+            self.index.limits.write({user_id: refused.own_limit})
             for order_id, expires_at_ms in sorted(refused.holders.items(), key=lambda h: h[1]):
                 admitted = self.index.admit(
                     user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
