@@ -16,11 +16,8 @@ and the pre-close check's extension of an expired order (which no longer held a 
    written back from SQL's holders, so the next create is refused by Redis alone.
 
 When the Redis step itself fails without an answer (a timeout, a broken connection, an
-interrupt), the script may have run, or may still be queued in a stalled server: the call
-sends ``abandon.lua`` (:meth:`Admitter.abandon`) after the process's next admission that
-Redis answers (at once after an interrupt), which removes the member if that attempt added
-it and otherwise makes a late run of the attempt add nothing. What none of this reaches,
-reconcile removes once the admission window has passed since the create started.
+interrupt), the script may have run, or may still be queued in a stalled server: the
+attempt is abandoned (:mod:`orders.abandoning`).
 
 The outage policy, once: when Redis cannot be reached, admission fails with
 :class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
@@ -35,14 +32,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-from collections import deque
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection
 
+from orders.abandoning import Abandoner
 from orders.config import CreateRate
 from orders.domain import PRE_CLOSE_CHECK, Actor, Order, same_order
 from orders.errors import (
@@ -57,10 +53,6 @@ from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
 log = logging.getLogger(__name__)
-
-#: Abandons kept for Redis to take later (about 100 bytes each); past it the oldest is
-#: dropped, and its member, if any, left to reconcile.
-UNSENT_ABANDONS_MAX = 10_000
 
 
 def interrupted(stop: BaseException) -> bool:
@@ -92,10 +84,7 @@ class Admitter:
         self.create_without_redis = create_without_redis
         #: The create rate (``Settings.create_rate``), counted by creates only.
         self.rate = rate
-        #: Abandons Redis did not take (user id, order id, attempt's start): sent after
-        #: the next admission Redis answers. Bounded: past it, reconcile.
-        self.unsent_abandons: deque[tuple[str, str, int]] = deque(maxlen=UNSENT_ABANDONS_MAX)
-        self._unsent_lock = threading.Lock()
+        self.abandoner = Abandoner(index, records)
 
     def reserve(
         self,
@@ -124,7 +113,7 @@ class Admitter:
         )
         try:
             admitted = admit()
-            freed = bool(self.unsent_abandons) and self.send_abandons(user_id)
+            freed = bool(self.abandoner.unsent) and self.abandoner.send(user_id)
             if freed and admitted.outcome is not Admission.ADMITTED:
                 admitted = admit()
             return admitted
@@ -158,7 +147,7 @@ class Admitter:
             if interrupted(stop) or isinstance(stop, StoreUnavailable):
                 # After a timeout Redis is likely still stalled: the abandon waits for an
                 # admission Redis answers rather than doubling this caller's wait.
-                self.abandon(user_id, order_id, now_ms, send_now=interrupted(stop))
+                self.abandoner.abandon(user_id, order_id, now_ms, send_now=interrupted(stop))
             raise
         if admitted.outcome is Admission.ABANDONED:
             # An attempt at this order that started later (by its host's clock) was given
@@ -313,51 +302,6 @@ class Admitter:
                 self.release_after_commit(user_id, order_id)
         except OrdersError:
             log.warning("settling an interrupted call failed; reconcile will fix it")
-
-    def abandon(
-        self, user_id: str, order_id: str, started_ms: int, *, send_now: bool = True
-    ) -> None:
-        """Undo the admission a create started at ``started_ms`` may have sent, when its
-        outcome is unknown; a stalled server that runs it later then adds nothing.
-
-        A concurrent twin's order (the id open for this user in SQL) keeps its member.
-        Unless ``send_now``, and whenever Redis does not take it (still stalled: a new
-        connection cannot even say hello), it is sent after this process's next admission
-        that Redis answers.
-        A member that stays anyway names its create's start, so reconcile removes it once
-        the create is certainly over.
-        """
-        try:
-            existing = self.records.find(order_id, started_ms)
-        except OrdersError:
-            existing = None
-        if existing is not None and existing.user_id == user_id and existing.is_open:
-            return
-        with self._unsent_lock:
-            self.unsent_abandons.append((user_id, order_id, started_ms))
-        if send_now:
-            self.send_abandons()
-
-    def send_abandons(self, freeing: str | None = None) -> bool:
-        """Send the abandons Redis has not taken yet, oldest first, until one fails; True
-        if one removed a member of user ``freeing``."""
-        freed = False
-        while True:
-            with self._unsent_lock:
-                if not self.unsent_abandons:
-                    return freed
-                user_id, order_id, started_ms = self.unsent_abandons.popleft()
-            try:
-                removed = self.index.abandon(user_id, order_id, started_ms=started_ms)
-            except StoreUnavailable:
-                with self._unsent_lock:
-                    self.unsent_abandons.appendleft((user_id, order_id, started_ms))
-                log.warning(
-                    "redis abandon failed; sent again after the next admission",
-                    extra={"order_id": order_id, "user_id": user_id},
-                )
-                return freed
-            freed = freed or (removed and user_id == freeing)
 
     def _compensate(
         self, user_id: str, order_id: str, now_ms: int, host: Connection | None

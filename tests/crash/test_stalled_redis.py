@@ -120,7 +120,7 @@ def test_a_create_timed_out_by_a_stalled_redis_leaves_no_member_once_it_wakes(
     fresh = service.create_unpaid_order("u1")
     assert service.index.members("u1") == {fresh.id: fresh.expires_at_ms}
     assert rows_of(engine, "u1") == 1
-    assert service.admitter.unsent_abandons == deque()
+    assert service.admitter.abandoner.unsent == deque()
 
 
 @pytest.mark.timeout(120)
@@ -248,7 +248,7 @@ def test_a_create_that_times_out_keeps_a_concurrent_twins_open_order(
     service = stalled_service
     twin = service.create_unpaid_order("u1", order_id="same-1")
 
-    service.admitter.abandon("u1", "same-1", twin.created_at_ms)
+    service.admitter.abandoner.abandon("u1", "same-1", twin.created_at_ms)
 
     assert set(service.index.members("u1")) == {"same-1"}
     assert rows_of(engine, "u1") == 1
