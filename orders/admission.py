@@ -30,7 +30,6 @@ next reconcile.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 from decimal import Decimal
@@ -48,7 +47,7 @@ from orders.errors import (
     UnpaidOrderLimitReached,
 )
 from orders.index.errors import ServerRefused
-from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
+from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
 from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
@@ -86,59 +85,33 @@ class Admitter:
         self.rate = rate
         self.abandoner = Abandoner(index, records)
 
-    def reserve(
-        self,
-        user_id: str,
-        order_id: str,
-        *,
-        expires_at_ms: int,
-        now_ms: int,
-        limit: int,
-        rate: CreateRate | None = None,
-    ) -> AdmitResult:
-        """The Redis step, under the one outage policy; ``rate``: count it as a create.
+    def reserve(self, request: AdmitRequest) -> AdmitResult:
+        """The Redis step, under the one outage policy; ``request.rate``: count it as a
+        create.
 
         Once Redis answers, the abandons it did not take before go; when one removed a
         member of this user, an answer other than "admitted" is asked again (the member
         refused or found may have been the one removed).
         """
-        admit = functools.partial(
-            self.index.admit,
-            user_id,
-            order_id,
-            expires_at_ms=expires_at_ms,
-            now_ms=now_ms,
-            limit=limit,
-            rate=rate,
-        )
         try:
-            admitted = admit()
-            freed = bool(self.abandoner.unsent) and self.abandoner.send(user_id)
+            admitted = self.index.admit(request)
+            freed = bool(self.abandoner.unsent) and self.abandoner.send(request.user_id)
             if freed and admitted.outcome is not Admission.ADMITTED:
-                admitted = admit()
+                admitted = self.index.admit(request)
             return admitted
         except StoreUnavailable:
             if not self.create_without_redis:
                 raise
             log.warning(
                 "redis unavailable: admitting through the SQL guard only",
-                extra={"order_id": order_id, "user_id": user_id},
+                extra={"order_id": request.order_id, "user_id": request.user_id},
             )
             # As if a retry found its member: nothing of ours to compensate; SQL decides.
-            return AdmitResult(Admission.EXISTS, 0, expires_at_ms)
+            return AdmitResult(Admission.EXISTS, 0, request.expires_at_ms)
 
-    def _reserve_or_abandon(
-        self, user_id: str, order_id: str, expires_at_ms: int, now_ms: int, limit: int
-    ) -> AdmitResult:
+    def _reserve_or_abandon(self, request: AdmitRequest) -> AdmitResult:
         try:
-            admitted = self.reserve(
-                user_id,
-                order_id,
-                expires_at_ms=expires_at_ms,
-                now_ms=now_ms,
-                limit=limit,
-                rate=self.rate,
-            )
+            admitted = self.reserve(request)
         except ServerRefused as refused:  # Redis answered: nothing was written
             raise StoreUnavailable(refused.store, refused.detail) from refused.__cause__
         except BaseException as stop:
@@ -147,7 +120,12 @@ class Admitter:
             if interrupted(stop) or isinstance(stop, StoreUnavailable):
                 # After a timeout Redis is likely still stalled: the abandon waits for an
                 # admission Redis answers rather than doubling this caller's wait.
-                self.abandoner.abandon(user_id, order_id, now_ms, send_now=interrupted(stop))
+                self.abandoner.abandon(
+                    request.user_id,
+                    request.order_id,
+                    request.now_ms,
+                    send_now=interrupted(stop),
+                )
             raise
         if admitted.outcome is Admission.ABANDONED:
             # An attempt at this order that started later (by its host's clock) was given
@@ -175,7 +153,16 @@ class Admitter:
         savepoint the insert ran in) rolls back, and stays when it commits.
         """
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
-        admitted = self._reserve_or_abandon(uid, oid, values["expires_at_ms"], now_ms, limit)
+        admitted = self._reserve_or_abandon(
+            AdmitRequest(
+                uid,
+                oid,
+                expires_at_ms=values["expires_at_ms"],
+                now_ms=now_ms,
+                limit=limit,
+                rate=self.rate,
+            )
+        )
         if admitted.outcome in (Admission.REFUSED, Admission.RATE_LIMITED):
             earlier = self.records.find(oid, now_ms, host) if caller_id else None
             if earlier is not None:
@@ -268,7 +255,9 @@ class Admitter:
         """
         try:
             admitted = self.reserve(
-                order.user_id, order.id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                AdmitRequest(
+                    order.user_id, order.id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                )
             )
         except StoreUnavailable:
             return False
@@ -331,7 +320,9 @@ class Admitter:
             self.index.limits.write({user_id: refused.own_limit})
             for order_id, expires_at_ms in sorted(refused.holders.items(), key=lambda h: h[1]):
                 admitted = self.index.admit(
-                    user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                    AdmitRequest(
+                        user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                    )
                 )
                 if admitted.outcome is Admission.REFUSED:
                     return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from decimal import Decimal
 from importlib import resources
 from typing import Any
@@ -61,6 +61,22 @@ class Admission(enum.IntEnum):
     ABANDONED = -2
     #: The user's create rate is used up (``Settings.create_rate``): nothing written.
     RATE_LIMITED = -3
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """One admission asked of ``admit.lua`` (:meth:`UnpaidIndex.admit`): add ``order_id`` to
+    ``user_id``'s set with the score ``expires_at_ms`` unless the user is at ``limit`` or
+    has used up its ``rate`` of creates; ``now_ms``: when the create behind it started."""
+
+    user_id: str
+    order_id: str
+    _: KW_ONLY
+    expires_at_ms: int
+    now_ms: int
+    limit: int
+    #: Count it as a create against this rate (None: not a create, or no rate).
+    rate: CreateRate | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,32 +164,23 @@ class UnpaidIndex:
             self.rate_key(user_id),
         ]
 
-    def admit(
-        self,
-        user_id: str,
-        order_id: str,
-        *,
-        expires_at_ms: int,
-        now_ms: int,
-        limit: int,
-        rate: CreateRate | None = None,
-    ) -> AdmitResult:
-        """Add ``order_id`` unless the user is at ``limit`` (expired members do not count)
-        or has used up its ``rate`` of creates, noting that a create which started at
+    def admit(self, request: AdmitRequest) -> AdmitResult:
+        """Add the order unless the user is at the limit (expired members do not count)
+        or has used up its rate of creates, noting that a create which started at
         ``now_ms`` added it (and, with a rate, counting it). The user's own limit key
         (:attr:`limits`), when set, replaces ``limit``; a refusal says which applied.
 
         A server that refuses the script (out of memory, an ACL) raises
         :class:`ServerRefused`: then nothing was written.
         """
-        keys = self.admit_keys(user_id)
+        keys = self.admit_keys(request.user_id)
         args = admit_args(
-            order_id,
-            expires_at_ms=expires_at_ms,
-            now_ms=now_ms,
-            limit=limit,
+            request.order_id,
+            expires_at_ms=request.expires_at_ms,
+            now_ms=request.now_ms,
+            limit=request.limit,
             window_ms=self.window_ms,
-            rate=rate,
+            rate=request.rate,
         )
         with redis_errors("admit", refused=ServerRefused):
             try:
