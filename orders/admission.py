@@ -16,11 +16,8 @@ and the pre-close check's extension of an expired order (which no longer held a 
    written back from SQL's holders, so the next create is refused by Redis alone.
 
 When the Redis step itself fails without an answer (a timeout, a broken connection, an
-interrupt), the script may have run, or may still be queued in a stalled server: the call
-sends ``abandon.lua`` (:meth:`Admitter.abandon`) after the process's next admission that
-Redis answers (at once after an interrupt), which removes the member if that attempt added
-it and otherwise makes a late run of the attempt add nothing. What none of this reaches,
-reconcile removes once the admission window has passed since the create started.
+interrupt), the script may have run, or may still be queued in a stalled server: the
+attempt is abandoned (:mod:`orders.abandoning`).
 
 The outage policy, once: when Redis cannot be reached, admission fails with
 :class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
@@ -33,16 +30,14 @@ next reconcile.
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
-from collections import deque
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection
 
+from orders.abandoning import Abandoner
 from orders.config import CreateRate
 from orders.domain import PRE_CLOSE_CHECK, Actor, Order, same_order
 from orders.errors import (
@@ -52,15 +47,11 @@ from orders.errors import (
     UnpaidOrderLimitReached,
 )
 from orders.index.errors import ServerRefused
-from orders.index.unpaid import Admission, AdmitResult, UnpaidIndex
+from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
 from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
 log = logging.getLogger(__name__)
-
-#: Abandons kept for Redis to take later (about 100 bytes each); past it the oldest is
-#: dropped, and its member, if any, left to reconcile.
-UNSENT_ABANDONS_MAX = 10_000
 
 
 def interrupted(stop: BaseException) -> bool:
@@ -92,64 +83,35 @@ class Admitter:
         self.create_without_redis = create_without_redis
         #: The create rate (``Settings.create_rate``), counted by creates only.
         self.rate = rate
-        #: Abandons Redis did not take (user id, order id, attempt's start): sent after
-        #: the next admission Redis answers. Bounded: past it, reconcile.
-        self.unsent_abandons: deque[tuple[str, str, int]] = deque(maxlen=UNSENT_ABANDONS_MAX)
-        self._unsent_lock = threading.Lock()
+        self.abandoner = Abandoner(index, records)
 
-    def reserve(
-        self,
-        user_id: str,
-        order_id: str,
-        *,
-        expires_at_ms: int,
-        now_ms: int,
-        limit: int,
-        rate: CreateRate | None = None,
-    ) -> AdmitResult:
-        """The Redis step, under the one outage policy; ``rate``: count it as a create.
+    def reserve(self, request: AdmitRequest) -> AdmitResult:
+        """The Redis step, under the one outage policy; ``request.rate``: count it as a
+        create.
 
         Once Redis answers, the abandons it did not take before go; when one removed a
         member of this user, an answer other than "admitted" is asked again (the member
         refused or found may have been the one removed).
         """
-        admit = functools.partial(
-            self.index.admit,
-            user_id,
-            order_id,
-            expires_at_ms=expires_at_ms,
-            now_ms=now_ms,
-            limit=limit,
-            rate=rate,
-        )
         try:
-            admitted = admit()
-            freed = bool(self.unsent_abandons) and self.send_abandons(user_id)
+            admitted = self.index.admit(request)
+            freed = bool(self.abandoner.unsent) and self.abandoner.send(request.user_id)
             if freed and admitted.outcome is not Admission.ADMITTED:
-                admitted = admit()
+                admitted = self.index.admit(request)
             return admitted
         except StoreUnavailable:
             if not self.create_without_redis:
                 raise
             log.warning(
                 "redis unavailable: admitting through the SQL guard only",
-                extra={"order_id": order_id, "user_id": user_id},
+                extra={"order_id": request.order_id, "user_id": request.user_id},
             )
             # As if a retry found its member: nothing of ours to compensate; SQL decides.
-            return AdmitResult(Admission.EXISTS, 0, expires_at_ms)
+            return AdmitResult(Admission.EXISTS, 0, request.expires_at_ms)
 
-    def _reserve_or_abandon(
-        self, user_id: str, order_id: str, expires_at_ms: int, now_ms: int, limit: int
-    ) -> AdmitResult:
+    def _reserve_or_abandon(self, request: AdmitRequest) -> AdmitResult:
         try:
-            admitted = self.reserve(
-                user_id,
-                order_id,
-                expires_at_ms=expires_at_ms,
-                now_ms=now_ms,
-                limit=limit,
-                rate=self.rate,
-            )
+            admitted = self.reserve(request)
         except ServerRefused as refused:  # Redis answered: nothing was written
             raise StoreUnavailable(refused.store, refused.detail) from refused.__cause__
         except BaseException as stop:
@@ -158,7 +120,12 @@ class Admitter:
             if interrupted(stop) or isinstance(stop, StoreUnavailable):
                 # After a timeout Redis is likely still stalled: the abandon waits for an
                 # admission Redis answers rather than doubling this caller's wait.
-                self.abandon(user_id, order_id, now_ms, send_now=interrupted(stop))
+                self.abandoner.abandon(
+                    request.user_id,
+                    request.order_id,
+                    request.now_ms,
+                    send_now=interrupted(stop),
+                )
             raise
         if admitted.outcome is Admission.ABANDONED:
             # An attempt at this order that started later (by its host's clock) was given
@@ -186,7 +153,16 @@ class Admitter:
         savepoint the insert ran in) rolls back, and stays when it commits.
         """
         uid, oid, currency = values["user_id"], values["id"], values["currency"]
-        admitted = self._reserve_or_abandon(uid, oid, values["expires_at_ms"], now_ms, limit)
+        admitted = self._reserve_or_abandon(
+            AdmitRequest(
+                uid,
+                oid,
+                expires_at_ms=values["expires_at_ms"],
+                now_ms=now_ms,
+                limit=limit,
+                rate=self.rate,
+            )
+        )
         if admitted.outcome in (Admission.REFUSED, Admission.RATE_LIMITED):
             earlier = self.records.find(oid, now_ms, host) if caller_id else None
             if earlier is not None:
@@ -279,7 +255,9 @@ class Admitter:
         """
         try:
             admitted = self.reserve(
-                order.user_id, order.id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                AdmitRequest(
+                    order.user_id, order.id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                )
             )
         except StoreUnavailable:
             return False
@@ -314,51 +292,6 @@ class Admitter:
         except OrdersError:
             log.warning("settling an interrupted call failed; reconcile will fix it")
 
-    def abandon(
-        self, user_id: str, order_id: str, started_ms: int, *, send_now: bool = True
-    ) -> None:
-        """Undo the admission a create started at ``started_ms`` may have sent, when its
-        outcome is unknown; a stalled server that runs it later then adds nothing.
-
-        A concurrent twin's order (the id open for this user in SQL) keeps its member.
-        Unless ``send_now``, and whenever Redis does not take it (still stalled: a new
-        connection cannot even say hello), it is sent after this process's next admission
-        that Redis answers.
-        A member that stays anyway names its create's start, so reconcile removes it once
-        the create is certainly over.
-        """
-        try:
-            existing = self.records.find(order_id, started_ms)
-        except OrdersError:
-            existing = None
-        if existing is not None and existing.user_id == user_id and existing.is_open:
-            return
-        with self._unsent_lock:
-            self.unsent_abandons.append((user_id, order_id, started_ms))
-        if send_now:
-            self.send_abandons()
-
-    def send_abandons(self, freeing: str | None = None) -> bool:
-        """Send the abandons Redis has not taken yet, oldest first, until one fails; True
-        if one removed a member of user ``freeing``."""
-        freed = False
-        while True:
-            with self._unsent_lock:
-                if not self.unsent_abandons:
-                    return freed
-                user_id, order_id, started_ms = self.unsent_abandons.popleft()
-            try:
-                removed = self.index.abandon(user_id, order_id, started_ms=started_ms)
-            except StoreUnavailable:
-                with self._unsent_lock:
-                    self.unsent_abandons.appendleft((user_id, order_id, started_ms))
-                log.warning(
-                    "redis abandon failed; sent again after the next admission",
-                    extra={"order_id": order_id, "user_id": user_id},
-                )
-                return freed
-            freed = freed or (removed and user_id == freeing)
-
     def _compensate(
         self, user_id: str, order_id: str, now_ms: int, host: Connection | None
     ) -> Order | None:
@@ -384,10 +317,12 @@ class Admitter:
         the limit's members, also while other creates of the user are in flight.
         """
         try:
-            self.index.write_limits({user_id: refused.own_limit})
+            self.index.limits.write({user_id: refused.own_limit})
             for order_id, expires_at_ms in sorted(refused.holders.items(), key=lambda h: h[1]):
                 admitted = self.index.admit(
-                    user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                    AdmitRequest(
+                        user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit
+                    )
                 )
                 if admitted.outcome is Admission.REFUSED:
                     return

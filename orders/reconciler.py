@@ -61,7 +61,8 @@ from dataclasses import dataclass, fields
 
 from orders import metrics
 from orders.domain import Clock
-from orders.index.unpaid import KeysChecked, ReconcileBatch, UnpaidIndex
+from orders.index.reconcile_batch import KeysChecked, ReconcileBatch
+from orders.index.unpaid import UnpaidIndex
 from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
@@ -209,12 +210,12 @@ class Reconciler:
         while True:
             page = self.reads.limits_page(after, size)
             if not dry_run:
-                self.index.write_limits(page)
+                self.index.limits.write(page)
             report.limits_written += len(page)
             if len(page) < size:
                 break
             after = next(reversed(page))
-        with closing(self.index.scan_limit_users(chunk=size)) as batches:
+        with closing(self.index.limits.scan_users(chunk=size)) as batches:
             for users in batches:
                 self._fix_limits(users, dry_run, report, scanned=True)
 
@@ -228,13 +229,13 @@ class Reconciler:
         if not scanned:
             report.limits_written += len(own)
             if not dry_run:
-                self.index.write_limits(dict(own))
+                self.index.limits.write(dict(own))
         if not dry_run:
-            report.limits_removed += self.index.write_limits(gone)
+            report.limits_removed += self.index.limits.write(gone)
         elif scanned:
             report.limits_removed += len(gone)
         else:
-            report.limits_removed += sum(self.index.read_limit(user) is not None for user in gone)
+            report.limits_removed += sum(self.index.limits.read(user) is not None for user in gone)
 
     def _open_pages(self, now_ms: int, size: int) -> Iterator[dict[str, dict[str, int]]]:
         """SQL's open orders as {user: {order id: expiry}}, a page of ``size`` rows per

@@ -21,29 +21,69 @@ order. Trying again could chase concurrent creates without end; the caller may r
 A create in the host's transaction (``connection=``) is refused at the limit as with
 ``"refuse"``: the cancel's Redis release would wait for the host's commit, so the second
 admission could not find the room.
+
+Every create is admitted through :meth:`Replacer.admit`, whatever its ``on_limit``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
+from sqlalchemy import Connection
 
 from orders import metrics
 from orders.domain import REPLACED_REASON, Actor, Order
 from orders.errors import UnpaidOrderLimitReached
+from orders.requests import CreateRequest
 from orders.sql.records import OrderRecords
 from orders.sweep import Sweep
 from orders.transition import Transitioner
+from orders.validation import ON_LIMIT_REPLACE_OLDEST
 
 log = logging.getLogger(__name__)
 
 
 class Replacer:
-    """Cancels a user's oldest unpaid order to make room for a new one (module docstring)."""
+    """Admits a create, and at the limit cancels the user's oldest unpaid order to make room
+    for it (module docstring)."""
 
     def __init__(self, records: OrderRecords, transitions: Transitioner, sweep: Sweep) -> None:
         self.records = records
         self.transitions = transitions
         self.sweep = sweep
+
+    def admit(
+        self,
+        asked: CreateRequest,
+        make_id: Callable[[int], str],
+        now_ms: int,
+        host: Connection | None,
+    ) -> tuple[Order, bool]:
+        """The admission of a create, and at the limit its ``on_limit``: one order replaced
+        at most, then one more admission, whose refusal is the create's. ``make_id(now_ms)``
+        makes the order's id when the caller gave none."""
+        values = asked.row(asked.order_id or make_id(now_ms), now_ms)
+        admitter = self.transitions.admitter  # the one the transitions release through
+
+        def admit() -> tuple[Order, bool]:
+            return admitter.create(
+                values,
+                amount=asked.amount,
+                limit=asked.limit,
+                now_ms=now_ms,
+                caller_id=asked.order_id is not None,
+                actor=asked.actor,
+                host=host,
+            )
+
+        try:
+            return admit()
+        except UnpaidOrderLimitReached as refused:
+            if asked.on_limit != ON_LIMIT_REPLACE_OLDEST or host is not None:
+                raise
+            self.make_room(refused, new_order_id=values["id"], now_ms=now_ms, actor=asked.actor)
+        return admit()
 
     def oldest(self, user_id: str, now_ms: int) -> Order | None:
         """The user's oldest open unpaid order, or None."""

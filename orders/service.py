@@ -1,12 +1,8 @@
 """OrderService: the use cases, one method each, over composed parts.
 
 SQL is the record and decides every order's fate; Redis is the admission index in front of
-it. The service owns no SQL and no Redis command itself; it composes:
-
-* :class:`~orders.sql.records.OrderRecords`: every SQL statement, the compare-and-sets;
-* :class:`~orders.index.unpaid.UnpaidIndex`: every admission-index script;
-* :class:`~orders.admission.Admitter`: Redis admit -> SQL guard -> compensation;
-* :class:`~orders.sweep.Sweep` and :class:`~orders.reconciler.Reconciler`.
+it. The service owns no SQL and no Redis command itself: it composes the parts of the layers
+below it (docs/architecture.md), each method one use case over them.
 
 Rules that shape every method: input is checked first (:mod:`orders.validation`); the
 clock is read once per use case and passed down; one SQL transaction per use case (the
@@ -67,7 +63,6 @@ from orders.sweep import PreCloseCheck, Sweep
 from orders.transition import Transitioner
 from orders.user_limits import UserLimits
 from orders.validation import (
-    ON_LIMIT_REPLACE_OLDEST,
     TEXT_MAX_LENGTH,
     check_count,
     check_optional_text,
@@ -207,7 +202,7 @@ class OrderService:
         )
         now_ms = self.clock()
         try:
-            order, created = self._admit(asked, now_ms, host)
+            order, created = self.replacer.admit(asked, self.new_order_id, now_ms, host)
         except UnpaidOrderLimitReached as refused:
             metrics.CREATES.labels(f"refused_{refused.source}").inc()
             raise
@@ -220,46 +215,15 @@ class OrderService:
         metrics.CREATES.labels("admitted" if created else "retry").inc()
         return order
 
-    def _admit(
-        self, asked: CreateRequest, now_ms: int, host: Connection | None
-    ) -> tuple[Order, bool]:
-        """The admission of a create, and at the limit its ``on_limit``: one order replaced
-        at most, then one more admission, whose refusal is the create's."""
-        values = asked.row(asked.order_id or self.new_order_id(now_ms), now_ms)
-
-        def admit() -> tuple[Order, bool]:
-            return self.admitter.create(
-                values,
-                amount=asked.amount,
-                limit=asked.limit,
-                now_ms=now_ms,
-                caller_id=asked.order_id is not None,
-                actor=asked.actor,
-                host=host,
-            )
-
-        try:
-            return admit()
-        except UnpaidOrderLimitReached as refused:
-            if asked.on_limit != ON_LIMIT_REPLACE_OLDEST or host is not None:
-                raise
-            self.replacer.make_room(
-                refused, new_order_id=values["id"], now_ms=now_ms, actor=asked.actor
-            )
-        return admit()
-
     # --- per-user limits ---------------------------------------------------------------
 
     def set_user_limit(
         self, user_id: str | int, limit: int, *, actor: str | Actor | None = None
     ) -> UserLimit:
         """Give the user a limit of its own (0 to 1,000,000; 0: no unpaid order at all),
-        in place of the settings' one and of a create's ``limit=``.
-
-        SQL records it first; Redis gets its copy after the commit (a Redis failure is
-        logged: the SQL guard holds a lowered limit meanwhile, and reconcile, or the repair
-        after the guard's next refusal, writes the copy). Orders already held stay; a
-        lowered limit refuses creates until the user is under it again.
+        in place of the settings' one and of a create's ``limit=``: SQL first, then its Redis
+        copy (:mod:`orders.user_limits`). Orders already held stay; a lowered limit refuses
+        creates until the user is under it again.
         """
         return self.user_limits.set(user_id, limit, actor)
 
@@ -323,10 +287,9 @@ class OrderService:
         never refuses a payment. ``actor``: who reports the payment (text, or an
         :class:`~orders.domain.Actor`), recorded in the events.
 
-        ``connection``: the host's ``Connection`` or ``Session`` (see
-        :meth:`create_unpaid_order`). The payment (or its refusal) and its event are
-        written in the host's transaction, which this call never commits; the order leaves
-        the Redis index when the host commits, and stays in it when the host rolls back.
+        ``connection``: as for :meth:`create_unpaid_order`: the payment or its refusal is
+        written in the host's transaction, and the order leaves the Redis index when the
+        host commits.
         """
         host = self._host(connection)
         oid = check_order_id(order_id, self.settings.max_order_id_length)
@@ -453,8 +416,8 @@ class OrderService:
         self, handler: Callable[[OrderEvent], None]
     ) -> Callable[[OrderEvent], None]:
         """Register ``handler(event)`` for each refused payment (a refund owed), after the
-        refusal commits; run by the scheduler like :meth:`on_closed` handlers (at least
-        once, retried, parked after ``event_max_attempts``). The event's data holds
+        refusal commits; run like :meth:`on_closed` handlers (parked after
+        ``event_max_attempts``). The event's data holds
         ``payment_ref``, ``reason`` and, when the payment stated them, ``amount`` and
         ``currency``; a handler that issued the refund marks it with
         :meth:`mark_refund_handled`. Usable as a decorator.
@@ -526,9 +489,7 @@ class OrderService:
         ``create_without_redis`` is off (the one outage policy of :mod:`orders.admission`).
 
         A create with ``on_limit="replace_oldest"`` asks it too, about the order it would
-        cancel: any answer but None, a raise or a timeout keeps that order (a payment may be
-        in flight) and the create is refused; the create waits for it at most
-        ``pre_close_timeout_s``.
+        cancel, and keeps that order on any answer but None (:mod:`orders.replacing`).
         """
         self.sweep.pre_close = check
 

@@ -2,7 +2,7 @@
 
 SQL is the record (:mod:`orders.sql.user_limits`); the SQL guard reads the row inside its
 insert, so a lowered limit holds whatever Redis lost. The admission script reads a copy in
-the user's hash slot (:meth:`orders.index.unpaid.UnpaidIndex.write_limits`), written after
+the user's hash slot (:meth:`orders.index.limits.LimitCopies.write`), written after
 the commit: a Redis failure there is logged, and the repair after the guard's next refusal,
 or reconcile, writes the copy from SQL.
 """
@@ -55,7 +55,7 @@ class UserLimits:
     def copy(self, user_id: str, limit: int | None) -> None:
         """Write the user's copy in Redis (None: remove it); a failure is only logged."""
         try:
-            self.index.write_limits({user_id: limit})
+            self.index.limits.write({user_id: limit})
         except StoreUnavailable:
             log.warning(
                 "redis limit write failed; reconcile will fix it", extra={"user_id": user_id}

@@ -28,6 +28,7 @@ from orders.bench.measure import (
 from orders.bench.throughput import cancel, create, mark_paid, refusal, sql_admission
 from orders.bench.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
 from orders.domain import OrderStatus
+from orders.index.unpaid import AdmitRequest
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
@@ -207,7 +208,11 @@ def redis_memory(w: Workload) -> dict[str, Any]:
             now = clock()
             for u, user in enumerate(users):
                 for j in range(k):
-                    index.admit(user, ids[u * k + j], expires_at_ms=now + ttl, now_ms=now, limit=k)
+                    index.admit(
+                        AdmitRequest(
+                            user, ids[u * k + j], expires_at_ms=now + ttl, now_ms=now, limit=k
+                        )
+                    )
             after = w.used_memory()
             values.append((after - before) / len(ids))
             for part in chunks([k for u in users for k in w.admit_keys(u)], 1000):

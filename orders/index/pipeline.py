@@ -15,19 +15,25 @@ all read is disconnected, never handed out again. Each call touches one key, so 
 changes on Redis Cluster but the connection a key's calls go to.
 
 :func:`scan_ahead` is SCAN one call ahead: the next call runs on the server while the
-caller works on the keys of the last.
+caller works on the keys of the last; :func:`scan_named` reads the user each key names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import closing
 from typing import Any
 
 import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+from orders.index.errors import redis_errors
 from orders.index.nodes import REDIRECTIONS, RedisClient, group_by_node, primaries
+
+#: Where foreign data under the prefix is reported: (key, what is wrong with it), as
+#: :meth:`orders.index.unpaid.UnpaidIndex.foreign`.
+Foreign = Callable[[bytes | str, str], None]
 
 
 def _bulk(value: bytes) -> bytes:
@@ -275,6 +281,32 @@ def scan_all(client: RedisClient, pattern: str, count: int) -> Generator[list[by
     reshard while the walk runs may be missed or seen twice."""
     for node in primaries(client):
         yield from scan_ahead(node, pattern, count)
+
+
+def scan_named(
+    client: RedisClient,
+    op: str,
+    pattern: str,
+    chunk: int,
+    name_of: Callable[[bytes], str | None],
+    foreign: Foreign,
+) -> Generator[list[str]]:
+    """The users ``name_of`` reads from the keys matching ``pattern``, a SCAN batch at a
+    time (empty batches left out); a key it reads no user from is foreign."""
+    with (
+        redis_errors(op),
+        closing(scan_all(client, pattern, chunk)) as batches,
+    ):
+        for keys in batches:
+            users = []
+            for key in keys:
+                user = name_of(key)
+                if user is None:
+                    foreign(key, "key name is not a user id")
+                elif not user.startswith("["):  # "[...]" names the service's own keys
+                    users.append(user)
+            if users:
+                yield users
 
 
 def scan_ahead(client: redis.Redis, pattern: str, count: int) -> Generator[list[bytes]]:

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Generator, Iterable, Mapping
-from contextlib import closing
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterable
+from dataclasses import KW_ONLY, dataclass
 from decimal import Decimal
 from importlib import resources
 from typing import Any
@@ -37,26 +36,11 @@ from orders.config import CreateRate, Settings
 from orders.errors import InvalidInput
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
-from orders.index.keys import (
-    LIMIT_TAG,
-    RATE_TAG,
-    admits_key,
-    companion_key,
-    glob_escape,
-    limit_key,
-    text_of,
-    user_of,
-    user_of_limit_key,
-)
+from orders.index.keys import RATE_TAG, admits_key, companion_key, glob_escape, text_of, user_of
+from orders.index.limits import LimitCopies
 from orders.index.nodes import RedisClient
-from orders.index.pipeline import (
-    CallPacker,
-    ClusterCalls,
-    SentCalls,
-    run_per_key,
-    scan_all,
-    send_calls,
-)
+from orders.index.pipeline import CallPacker, run_per_key, scan_named
+from orders.index.reconcile_batch import ReconcileBatch
 from orders.index.server_config import server_warnings
 
 log = logging.getLogger("orders.index")  # the package's name: operators configure it
@@ -79,19 +63,20 @@ class Admission(enum.IntEnum):
     RATE_LIMITED = -3
 
 
-@dataclass(slots=True)
-class KeysChecked:
-    """What the reconcile script found in a batch of users' keys (and fixed, unless a dry
-    run); a key of another type is foreign and left out."""
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """One admission asked of ``admit.lua`` (:meth:`UnpaidIndex.admit`): add ``order_id`` to
+    ``user_id``'s set with the score ``expires_at_ms`` unless the user is at ``limit`` or
+    has used up its ``rate`` of creates; ``now_ms``: when the create behind it started."""
 
-    users: int = 0
-    expired: int = 0
-    added: int = 0
-    rescored: int = 0
-    #: Live members SQL did not list for their user, left in place: (user id, order id).
-    extras: list[tuple[str, str]] = field(default_factory=list)
-    #: Users whose key had members added or re-scored, in the order sent.
-    written: list[str] = field(default_factory=list)
+    user_id: str
+    order_id: str
+    _: KW_ONLY
+    expires_at_ms: int
+    now_ms: int
+    limit: int
+    #: Count it as a create against this rate (None: not a create, or no rate).
+    rate: CreateRate | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +133,10 @@ class UnpaidIndex:
         self._foreign_logged: set[bytes] = set()
         #: The index epoch marker (:mod:`orders.index.epoch`).
         self.epoch = EpochMarker(client, key_prefix=key_prefix)
+        #: The users' own limits, copied from SQL (:mod:`orders.index.limits`).
+        self.limits = LimitCopies(
+            client, key_prefix=key_prefix, user_key=self.key, foreign=self.foreign
+        )
         self._admit: Script = client.register_script(load_script("admit"))
         self._abandon: Script = client.register_script(load_script("abandon"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
@@ -166,45 +155,32 @@ class UnpaidIndex:
         """The user's recent creates, for the create rate (see ``admit.lua``)."""
         return companion_key(self.key(user_id), self.key_prefix, RATE_TAG)
 
-    def limit_key(self, user_id: str) -> str:
-        """The user's own limit, as ``admit.lua`` reads it (see :func:`limit_key`)."""
-        return limit_key(self.key(user_id), self.key_prefix)
-
     def admit_keys(self, user_id: str) -> list[str]:
         """``admit.lua``'s KEYS, in its header's order (all in the user's hash slot)."""
         return [
             self.key(user_id),
             self.admits_key(user_id),
-            self.limit_key(user_id),
+            self.limits.key(user_id),
             self.rate_key(user_id),
         ]
 
-    def admit(
-        self,
-        user_id: str,
-        order_id: str,
-        *,
-        expires_at_ms: int,
-        now_ms: int,
-        limit: int,
-        rate: CreateRate | None = None,
-    ) -> AdmitResult:
-        """Add ``order_id`` unless the user is at ``limit`` (expired members do not count)
-        or has used up its ``rate`` of creates, noting that a create which started at
+    def admit(self, request: AdmitRequest) -> AdmitResult:
+        """Add the order unless the user is at the limit (expired members do not count)
+        or has used up its rate of creates, noting that a create which started at
         ``now_ms`` added it (and, with a rate, counting it). The user's own limit key
-        (:meth:`limit_key`), when set, replaces ``limit``; a refusal says which applied.
+        (:attr:`limits`), when set, replaces ``limit``; a refusal says which applied.
 
         A server that refuses the script (out of memory, an ACL) raises
         :class:`ServerRefused`: then nothing was written.
         """
-        keys = self.admit_keys(user_id)
+        keys = self.admit_keys(request.user_id)
         args = admit_args(
-            order_id,
-            expires_at_ms=expires_at_ms,
-            now_ms=now_ms,
-            limit=limit,
+            request.order_id,
+            expires_at_ms=request.expires_at_ms,
+            now_ms=request.now_ms,
+            limit=request.limit,
             window_ms=self.window_ms,
-            rate=rate,
+            rate=request.rate,
         )
         with redis_errors("admit", refused=ServerRefused):
             try:
@@ -216,60 +192,6 @@ class UnpaidIndex:
         code, count, score = reply[:3]
         applied = int(reply[3]) if len(reply) > 3 else None
         return AdmitResult(Admission(int(code)), int(count), _score(score), applied)
-
-    def write_limits(self, limits: Mapping[str, int | None]) -> int:
-        """Set each user's own limit key (None: delete it, the settings' limit applies), in
-        one pipelined round trip; returns how many keys were deleted. SQL's
-        ``oes_user_limits`` is the record, this its copy."""
-        if not limits:
-            return 0
-        with redis_errors("write_limits"):
-            pipe = self.client.pipeline(transaction=False)
-            for user_id, limit in limits.items():
-                if limit is None:
-                    pipe.delete(self.limit_key(user_id))
-                else:
-                    pipe.set(self.limit_key(user_id), limit)
-            replies: list[Any] = pipe.execute()
-        return sum(
-            int(reply)
-            for reply, limit in zip(replies, limits.values(), strict=True)
-            if limit is None
-        )
-
-    def read_limit(self, user_id: str) -> int | None:
-        """The user's own limit as Redis holds it (None: no key)."""
-        with redis_errors("read_limit"):
-            value: Any = self.client.get(self.limit_key(user_id))
-        return None if value is None else int(value)
-
-    def scan_limit_users(self, *, chunk: int = 500) -> Generator[list[str]]:
-        """The users that have an own limit key, as :meth:`scan_users` finds users' keys; a
-        key under the limit tag that names no user is foreign, skipped and counted."""
-        pattern = glob_escape(self.key_prefix + LIMIT_TAG) + "*"
-        yield from self._scan_named(
-            "scan_limit_users", pattern, chunk, lambda key: user_of_limit_key(key, self.key_prefix)
-        )
-
-    def _scan_named(
-        self, op: str, pattern: str, chunk: int, name_of: Callable[[bytes], str | None]
-    ) -> Generator[list[str]]:
-        """The users ``name_of`` reads from the keys matching ``pattern``, a SCAN batch at a
-        time (empty batches left out); a key it reads no user from is foreign."""
-        with (
-            redis_errors(op),
-            closing(scan_all(self.client, pattern, chunk)) as batches,
-        ):
-            for keys in batches:
-                users = []
-                for key in keys:
-                    user = name_of(key)
-                    if user is None:
-                        self.foreign(key, "key name is not a user id")
-                    elif not user.startswith("["):  # "[...]" names the service's own keys
-                        users.append(user)
-                if users:
-                    yield users
 
     def abandon(self, user_id: str, order_id: str, *, started_ms: int) -> bool:
         """Undo the admission that a create started at ``started_ms`` may have sent, and
@@ -347,7 +269,9 @@ class UnpaidIndex:
         # "[^[]": not the service's own keys, whose names go on with "[" (no user id does).
         pattern = glob_escape(self.key_prefix) + "[^\\[]*"
         start = len(self.key_prefix)
-        yield from self._scan_named("scan_users", pattern, chunk, lambda key: user_of(key, start))
+        yield from scan_named(
+            self.client, "scan_users", pattern, chunk, lambda key: user_of(key, start), self.foreign
+        )
 
     def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
         """Every member with its score for each user, in one pipelined round trip.
@@ -410,7 +334,9 @@ class UnpaidIndex:
         prefix = self.key_prefix.encode()
         for user_id, orders in wanted.items():
             packer.add_pairs(prefix + user_id.encode(), orders)
-        return ReconcileBatch(self, list(wanted), packer)
+        return ReconcileBatch(
+            self.client, list(wanted), packer, user_key=self.key, foreign=self.foreign
+        )
 
     def remove_members(self, members: list[tuple[str, str]]) -> None:
         """ZREM each (user id, order id), in one pipelined round trip."""
@@ -421,61 +347,3 @@ class UnpaidIndex:
             for user_id, order_id in members:
                 pipe.zrem(self.key(user_id), order_id)
             pipe.execute()
-
-
-class ReconcileBatch:
-    """The reconcile scripts of a batch of users: :meth:`send` writes them all and returns
-    at once, :meth:`read` collects the outcome (sending first if need be). Once sent, read
-    or :meth:`abandon` must follow, so no reply is left on a pooled connection."""
-
-    def __init__(self, index: UnpaidIndex, users: list[str], packer: CallPacker) -> None:
-        self.index = index
-        self.users = users
-        self.packer = packer
-        self.sent: SentCalls | ClusterCalls | None = None
-
-    def send(self) -> SentCalls | ClusterCalls:
-        with redis_errors("reconcile"):
-            self.sent = send_calls(self.index.client, self.packer)
-        return self.sent
-
-    def abandon(self) -> None:
-        """Give up replies not read yet (closes their connection); else nothing."""
-        if self.sent is not None:
-            self.sent.abandon()
-
-    def read(self) -> KeysChecked:
-        """Collect the replies. Foreign data (a key of another type, a member that is not
-        UTF-8) is reported through :meth:`UnpaidIndex.foreign` and left out."""
-        sent = self.send() if self.sent is None else self.sent
-        with redis_errors("reconcile"):
-            replies = sent.read()
-        found = KeysChecked(users=len(self.users))
-        for user_id, reply in zip(self.users, replies, strict=True):
-            if reply == 0:  # the key was right already
-                continue
-            if type(reply) is not list:
-                self._failed(user_id, reply, found)
-                continue
-            found.expired += reply[0]
-            found.added += reply[1]
-            found.rescored += reply[2]
-            if reply[1] or reply[2]:
-                found.written.append(user_id)
-            for member in reply[3:]:  # rare: most fixed keys have none
-                try:
-                    found.extras.append((user_id, text_of(member)))
-                except UnicodeDecodeError:
-                    self.index.foreign(self._key(user_id), "member")
-        return found
-
-    def _failed(self, user_id: str, reply: Any, found: KeysChecked) -> None:
-        if isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE"):
-            self.index.foreign(self._key(user_id), "not a sorted set")
-            found.users -= 1
-            return
-        with redis_errors("reconcile"):  # NOPERM, OOM, ...: the store failed, not the data
-            raise reply
-
-    def _key(self, user_id: str) -> bytes:
-        return self.index.key(user_id).encode("utf-8", "surrogatepass")

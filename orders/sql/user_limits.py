@@ -2,7 +2,7 @@
 the settings' one.
 
 SQL holds them; Redis keeps a copy per user that the admission script reads
-(:meth:`orders.index.unpaid.UnpaidIndex.write_limits`), and the SQL guard reads the row
+(:meth:`orders.index.limits.LimitCopies.write`), and the SQL guard reads the row
 itself inside its insert (:func:`orders.sql.slots.effective_limit`), so a limit holds in SQL
 whatever Redis lost. Each function here opens and commits its own transaction.
 """

@@ -26,7 +26,7 @@ from sqlalchemy import Engine, func, select
 from orders import StoreUnavailable, UnpaidOrderLimitReached
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.index.unpaid import Admission
+from orders.index.unpaid import Admission, AdmitRequest
 from orders.service import OrderService
 from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
@@ -120,7 +120,7 @@ def test_a_create_timed_out_by_a_stalled_redis_leaves_no_member_once_it_wakes(
     fresh = service.create_unpaid_order("u1")
     assert service.index.members("u1") == {fresh.id: fresh.expires_at_ms}
     assert rows_of(engine, "u1") == 1
-    assert service.admitter.unsent_abandons == deque()
+    assert service.admitter.abandoner.unsent == deque()
 
 
 @pytest.mark.timeout(120)
@@ -172,7 +172,9 @@ def test_a_leftover_no_compensation_reached_goes_at_reconcile_once_the_window_pa
     # ran (late), with the create's start, and nothing undid it. No SQL row.
     started_ms = clock()
     service.index.admit(
-        "u1", "left-1", expires_at_ms=started_ms + 1_800_000, now_ms=started_ms, limit=1
+        AdmitRequest(
+            "u1", "left-1", expires_at_ms=started_ms + 1_800_000, now_ms=started_ms, limit=1
+        )
     )
     with pytest.raises(UnpaidOrderLimitReached):
         service.create_unpaid_order("u1")
@@ -214,13 +216,17 @@ def test_an_abandon_that_runs_first_makes_the_late_admission_add_nothing(
     expiry = started_ms + 600_000
 
     index.abandon("u1", "o1", started_ms=started_ms)
-    late = index.admit("u1", "o1", expires_at_ms=expiry, now_ms=started_ms, limit=1)
-    older = index.admit("u1", "o1", expires_at_ms=expiry, now_ms=started_ms - 5, limit=1)
+    late = index.admit(AdmitRequest("u1", "o1", expires_at_ms=expiry, now_ms=started_ms, limit=1))
+    older = index.admit(
+        AdmitRequest("u1", "o1", expires_at_ms=expiry, now_ms=started_ms - 5, limit=1)
+    )
 
     assert late.outcome is older.outcome is Admission.ABANDONED
     assert index.members("u1") == {}
     # A genuine retry starts later: it proceeds.
-    retry = index.admit("u1", "o1", expires_at_ms=expiry + 1, now_ms=started_ms + 1, limit=1)
+    retry = index.admit(
+        AdmitRequest("u1", "o1", expires_at_ms=expiry + 1, now_ms=started_ms + 1, limit=1)
+    )
     assert retry.outcome is Admission.ADMITTED
     assert index.members("u1") == {"o1": expiry + 1}
 
@@ -231,8 +237,8 @@ def test_an_abandon_that_runs_second_removes_only_the_member_of_its_own_attempt(
     index, started_ms = stalled_service.index, clock()
     expiry = started_ms + 600_000
 
-    index.admit("u1", "mine", expires_at_ms=expiry, now_ms=started_ms, limit=2)
-    index.admit("u1", "twin", expires_at_ms=expiry, now_ms=started_ms + 3, limit=2)
+    index.admit(AdmitRequest("u1", "mine", expires_at_ms=expiry, now_ms=started_ms, limit=2))
+    index.admit(AdmitRequest("u1", "twin", expires_at_ms=expiry, now_ms=started_ms + 3, limit=2))
     assert index.abandon("u1", "mine", started_ms=started_ms) is True
     # A concurrent twin of the same id admitted it with a start of its own: not ours.
     assert index.abandon("u1", "twin", started_ms=started_ms) is False
@@ -248,7 +254,7 @@ def test_a_create_that_times_out_keeps_a_concurrent_twins_open_order(
     service = stalled_service
     twin = service.create_unpaid_order("u1", order_id="same-1")
 
-    service.admitter.abandon("u1", "same-1", twin.created_at_ms)
+    service.admitter.abandoner.abandon("u1", "same-1", twin.created_at_ms)
 
     assert set(service.index.members("u1")) == {"same-1"}
     assert rows_of(engine, "u1") == 1

@@ -20,6 +20,7 @@ from orders import (
 )
 from orders.bootstrap import build_redis
 from orders.config import Settings
+from orders.index.unpaid import AdmitRequest
 from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 from tests.support.stores import RoundTripCounter, StatementCounter, refuse_inserts
@@ -262,7 +263,9 @@ def test_a_retry_after_a_crash_between_redis_and_sql_finishes_the_order_with_the
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
     # The first attempt got as far as the admission, then died before its SQL insert.
-    service.index.admit("u1", "ord-1", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=3)
+    service.index.admit(
+        AdmitRequest("u1", "ord-1", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=3)
+    )
     clock.advance(s=2)
 
     order = service.create_unpaid_order("u1", order_id="ord-1")

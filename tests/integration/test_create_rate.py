@@ -14,6 +14,7 @@ import orders
 import orders.aio
 from orders import CreateRateLimited, InvalidInput, Order, OrderService, UnpaidOrderLimitReached
 from orders.config import CreateRate, Settings
+from orders.index.unpaid import AdmitRequest
 from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
 from tests.support.threads import outcomes_of_race
@@ -86,7 +87,9 @@ def test_a_retry_with_the_same_order_id_is_not_a_new_create(
     # The first attempt got as far as its admission (counted), then died before its insert.
     rate = CreateRate(3, HOUR_MS)
     rated.index.admit(
-        "u1", "ord-1", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=10, rate=rate
+        AdmitRequest(
+            "u1", "ord-1", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=10, rate=rate
+        )
     )
     rated.create_unpaid_order("u1")
     rated.create_unpaid_order("u1")
@@ -154,10 +157,14 @@ def test_an_abandoned_admission_gives_its_rate_back(
     rate = CreateRate(3, HOUR_MS)
     started_ms = clock()
     rated.index.admit(
-        "u1", "lost", expires_at_ms=clock() + 60_000, now_ms=started_ms, limit=10, rate=rate
+        AdmitRequest(
+            "u1", "lost", expires_at_ms=clock() + 60_000, now_ms=started_ms, limit=10, rate=rate
+        )
     )
     rated.index.admit(
-        "u1", "kept", expires_at_ms=clock() + 60_000, now_ms=started_ms, limit=10, rate=rate
+        AdmitRequest(
+            "u1", "kept", expires_at_ms=clock() + 60_000, now_ms=started_ms, limit=10, rate=rate
+        )
     )
 
     assert rated.index.abandon("u1", "lost", started_ms=started_ms)

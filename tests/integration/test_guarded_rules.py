@@ -19,6 +19,7 @@ from orders.domain import Order
 from orders.errors import UnpaidOrderLimitReached
 from orders.events.admin import list_parked
 from orders.events.consumer import EventConsumer, OrderEvent, read_events
+from orders.index.unpaid import AdmitRequest
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 
@@ -134,7 +135,9 @@ def test_the_write_back_after_redis_lost_data_puts_the_soonest_expiries_back_fir
     redis_client.flushdb()  # Redis lost the user's members
     # Another create of the user is between its Redis and SQL steps: room for two more.
     in_flight_ms = clock() + 40_000
-    service.index.admit("u1", "in-flight", expires_at_ms=in_flight_ms, now_ms=clock(), limit=3)
+    service.index.admit(
+        AdmitRequest("u1", "in-flight", expires_at_ms=in_flight_ms, now_ms=clock(), limit=3)
+    )
 
     with pytest.raises(UnpaidOrderLimitReached) as by_sql:
         service.create_unpaid_order("u1", ttl_s=60)

@@ -17,7 +17,7 @@ from redis.crc import key_slot
 from orders.config import Settings
 from orders.index.keys import admits_key
 from orders.index.nodes import is_cluster
-from orders.index.unpaid import UnpaidIndex
+from orders.index.unpaid import AdmitRequest, UnpaidIndex
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
 
@@ -38,7 +38,7 @@ Add = Callable[[UnpaidIndex, int, int], None]
 
 
 def by_admit(index: UnpaidIndex, now_ms: int, expires_at_ms: int) -> None:
-    index.admit("u1", "o-new", expires_at_ms=expires_at_ms, now_ms=now_ms, limit=3)
+    index.admit(AdmitRequest("u1", "o-new", expires_at_ms=expires_at_ms, now_ms=now_ms, limit=3))
 
 
 def by_reconcile(index: UnpaidIndex, now_ms: int, expires_at_ms: int) -> None:
@@ -81,7 +81,9 @@ def test_a_refusal_leaves_the_key_as_it_was(
     redis_client.zadd(KEY, {"o-old": clock() + 1_000})
     redis_client.pexpireat(KEY, round(time.time() * 1000) + 3_600_000)
 
-    index.admit("u1", "o-new", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=1)
+    index.admit(
+        AdmitRequest("u1", "o-new", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=1)
+    )
 
     assert redis_client.zrange(KEY, 0, -1) == [b"o-old"]
     assert redis_client.pttl(KEY) > 3_000_000  # the hour set above, less the time since
@@ -130,7 +132,9 @@ def test_a_users_admissions_hash_shares_its_slot_and_is_no_user_key(
 def test_the_admissions_hash_expires_after_the_window_and_the_scan_skips_it(
     index: UnpaidIndex, redis_client: redis.Redis, clock: ManualClock
 ) -> None:
-    index.admit("u1", "o-new", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=3)
+    index.admit(
+        AdmitRequest("u1", "o-new", expires_at_ms=clock() + 60_000, now_ms=clock(), limit=3)
+    )
 
     assert redis_client.hget(index.admits_key("u1"), "o-new") == str(clock()).encode()
     assert 0 < redis_client.pttl(index.admits_key("u1")) <= index.window_ms

@@ -19,6 +19,7 @@ from sqlalchemy import Engine, select
 
 from orders.domain import OrderStatus
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, UnpaidOrderLimitReached
+from orders.index.unpaid import AdmitRequest
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from orders.validation import MAX_TIMESTAMP_MS
@@ -506,7 +507,9 @@ def test_twin_create_that_inserts_first_does_not_cost_the_order_its_redis_member
 
 def test_index_keeps_the_largest_exact_score_to_the_millisecond(service: OrderService) -> None:
     top = 2**53 - 1
-    admitted = service.index.admit("edge", "o-top", expires_at_ms=top, now_ms=1, limit=3)
+    admitted = service.index.admit(
+        AdmitRequest("edge", "o-top", expires_at_ms=top, now_ms=1, limit=3)
+    )
 
     assert admitted.score_ms == top
     assert service.index.members("edge") == {"o-top": top}

@@ -18,6 +18,7 @@ import redis
 from sqlalchemy import insert
 
 from orders import reconciler
+from orders.index.unpaid import AdmitRequest
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
@@ -94,7 +95,9 @@ def test_a_member_without_a_sql_row_is_kept_until_its_own_expiry(
     service: OrderService, clock: ManualClock
 ) -> None:
     # A create between its two steps: admitted in Redis, not yet inserted in SQL.
-    service.index.admit("u1", "in-flight", expires_at_ms=clock() + 10_000, now_ms=clock(), limit=3)
+    service.index.admit(
+        AdmitRequest("u1", "in-flight", expires_at_ms=clock() + 10_000, now_ms=clock(), limit=3)
+    )
 
     first = service.reconcile()
     assert service.index.members("u1") == {"in-flight": clock() + 10_000}

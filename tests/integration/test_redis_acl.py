@@ -48,7 +48,7 @@ from orders.bootstrap import build_redis, build_service
 from orders.cli import main
 from orders.config import Settings
 from orders.index.epoch import IndexEpoch
-from orders.index.unpaid import Admission, UnpaidIndex
+from orders.index.unpaid import Admission, AdmitRequest, UnpaidIndex
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from tests.support.acl import ORDERS_ACL, PREFIX, SERVICE_COMMANDS
@@ -335,7 +335,9 @@ def test_unix_socket_urls_carry_the_user_and_password_either_way(
     try:
         index = UnpaidIndex(client, key_prefix=PREFIX)
         now = ManualClock()()
-        admitted = index.admit("u1", "o1", expires_at_ms=now + 60_000, now_ms=now, limit=3)
+        admitted = index.admit(
+            AdmitRequest("u1", "o1", expires_at_ms=now + 60_000, now_ms=now, limit=3)
+        )
         assert admitted.outcome is Admission.ADMITTED
         assert admin.zscore(f"{PREFIX}u1", "o1") == now + 60_000
     finally:

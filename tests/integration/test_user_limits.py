@@ -66,7 +66,7 @@ def test_a_raised_limit_admits_past_the_settings_limit_and_a_lowered_one_refuses
     shown = service.user_limit("u1")
     assert (shown.limit, shown.own, shown.updated_at_ms) == (2, True, clock())
     assert unpaid_in_sql(engine, "u1") == 5  # orders already held stay
-    assert service.index.read_limit("u1") == 2
+    assert service.index.limits.read("u1") == 2
 
 
 def test_limit_zero_refuses_with_a_typed_error_that_says_so_and_writes_nothing(
@@ -96,7 +96,7 @@ def test_limit_zero_refuses_in_sql_too_when_redis_lost_its_key(
     assert "may hold no unpaid orders" in str(refused)
     assert unpaid_in_sql(engine, "u1") == 0
     assert service.index.members("u1") == {}
-    assert service.index.read_limit("u1") == 0  # the repair wrote the key back
+    assert service.index.limits.read("u1") == 0  # the repair wrote the key back
     assert refusal(service, "u1").source == "redis"
 
 
@@ -112,7 +112,7 @@ def test_clear_returns_the_user_to_the_settings_limit_in_both_stores(
     assert (cleared.limit, cleared.own, cleared.updated_at_ms) == (3, False, None)
     assert service.user_limit("u1") == cleared
     assert limit_rows(engine) == {}
-    assert service.index.read_limit("u1") is None
+    assert service.index.limits.read("u1") is None
     create_n(service, "u1", 2)
     assert service.clear_user_limit("u1").own is False  # idempotent
 
@@ -126,7 +126,7 @@ def test_a_limit_out_of_range_or_not_an_int_is_invalid_before_anything_is_writte
         service.set_user_limit("u1", wrong)  # type: ignore[arg-type]
     assert refused.value.field == "limit"
     assert limit_rows(engine) == {}
-    assert service.index.read_limit("u1") is None
+    assert service.index.limits.read("u1") is None
 
 
 def test_the_limits_range_ends_are_accepted_and_the_stats_count_the_users(
@@ -161,7 +161,7 @@ def test_a_lowered_limit_holds_while_holders_above_it_are_unpaid(
     members = set(service.index.members("u1"))
     assert members <= {second.id, third.id}
     assert len(members) == (1 if redis_lost else 2)
-    assert service.index.read_limit("u1") == 1
+    assert service.index.limits.read("u1") == 1
     service.cancel_order(second.id)
     assert refusal(service, "u1").open_count == 1
     service.cancel_order(third.id)
@@ -226,11 +226,11 @@ def test_the_limit_key_shares_the_users_hash_slot(
 ) -> None:
     """On a cluster the admission script (three keys) would be refused otherwise."""
     for user in ("u1", "user-with-a-long-id-0123456789", "ü-7"):
-        assert key_slot(service.index.limit_key(user).encode()) == key_slot(
+        assert key_slot(service.index.limits.key(user).encode()) == key_slot(
             service.index.key(user).encode()
         )
     tagged = UnpaidIndex(redis_client, key_prefix="shop:{eu}:")
-    assert key_slot(tagged.limit_key("u1").encode()) == key_slot(b"eu")
+    assert key_slot(tagged.limits.key("u1").encode()) == key_slot(b"eu")
     assert limit_key("shop:{eu}:u1", "shop:{eu}:").startswith("shop:{eu}:[limit]")
     service.set_user_limit("ü-7", 1)
     create_n(service, "ü-7", 1)
@@ -244,15 +244,15 @@ def test_reconcile_writes_every_limit_key_from_sql_and_removes_those_without_a_r
     service.set_user_limit("u2", 0)
     create_n(service, "u1", 1)
     flush_db(redis_client)
-    redis_client.set(service.index.limit_key("u3"), 7)  # its row is gone
+    redis_client.set(service.index.limits.key("u3"), 7)  # its row is gone
 
     dry = service.reconcile(dry_run=True, chunk_size=1)
     assert (dry.limits_written, dry.limits_removed) == (2, 1)
-    assert service.index.read_limit("u1") is None
+    assert service.index.limits.read("u1") is None
     report = service.reconcile(chunk_size=1)
 
     assert (report.limits_written, report.limits_removed) == (2, 1)
-    assert [service.index.read_limit(u) for u in ("u1", "u2", "u3")] == [1, 0, None]
+    assert [service.index.limits.read(u) for u in ("u1", "u2", "u3")] == [1, 0, None]
     assert refusal(service, "u1").source == "redis"
     assert refusal(service, "u2").source == "redis"
 
@@ -261,16 +261,16 @@ def test_reconcile_of_one_user_fixes_its_limit_key(
     service: OrderService, redis_client: redis.Redis
 ) -> None:
     service.set_user_limit("u1", 2)
-    redis_client.delete(service.index.limit_key("u1"))
-    redis_client.set(service.index.limit_key("u2"), 1)
+    redis_client.delete(service.index.limits.key("u1"))
+    redis_client.set(service.index.limits.key("u2"), 1)
 
     first = service.reconcile(user_id="u1")
     second = service.reconcile(user_id="u2")
 
     assert (first.limits_written, first.limits_removed) == (1, 0)
     assert (second.limits_written, second.limits_removed) == (0, 1)
-    assert service.index.read_limit("u1") == 2
-    assert service.index.read_limit("u2") is None
+    assert service.index.limits.read("u1") == 2
+    assert service.index.limits.read("u2") is None
 
 
 def test_a_raised_limit_whose_key_redis_lost_refuses_at_the_settings_limit_until_reconcile(

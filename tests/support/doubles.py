@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from orders.config import CreateRate
 from orders.events.consumer import OrderEvent
-from orders.index.unpaid import AdmitResult, UnpaidIndex
+from orders.index.unpaid import AdmitRequest, AdmitResult, UnpaidIndex
 from orders.service import OrderService
 
 
@@ -20,20 +19,9 @@ class PausingIndex(UnpaidIndex):
         super().__init__(base.client, key_prefix=base.key_prefix)
         self.after_admit = after_admit
 
-    def admit(
-        self,
-        user_id: str,
-        order_id: str,
-        *,
-        expires_at_ms: int,
-        now_ms: int,
-        limit: int,
-        rate: CreateRate | None = None,
-    ) -> AdmitResult:
-        result = super().admit(
-            user_id, order_id, expires_at_ms=expires_at_ms, now_ms=now_ms, limit=limit, rate=rate
-        )
-        self.after_admit(user_id, order_id)
+    def admit(self, request: AdmitRequest) -> AdmitResult:
+        result = super().admit(request)
+        self.after_admit(request.user_id, request.order_id)
         return result
 
 
