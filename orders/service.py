@@ -20,7 +20,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from orders import metrics
@@ -39,18 +39,16 @@ from orders.domain import (
 )
 from orders.errors import (
     CreateRateLimited,
-    InvalidInput,
     OrderConflict,
-    OrderExpired,
     OrderNotFound,
     UnpaidOrderLimitReached,
 )
 from orders.events.consumer import EventPosition, OrderEvent, read_events
+from orders.extending import Extender
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
 from orders.pausing import Pausing
 from orders.payments import LatePaymentCheck, Payments
-from orders.policies import NEVER_EXPIRES_MS
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.replacing import Replacer
 from orders.requests import CreateRequest, checked_payment
@@ -67,7 +65,6 @@ from orders.validation import (
     check_count,
     check_optional_text,
     check_order_id,
-    check_ttl_ms,
     check_user_id,
 )
 
@@ -122,6 +119,7 @@ class OrderService:
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
+        self.extender = Extender(self.records, self.transitions, self.admitter, s)
         self.pausing = Pausing(Pauses(self.records.tx), self.admitter.rescore, self.now_ms)
         self.new_order_id = OrderIdGenerator(self.now_ms)
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
@@ -347,33 +345,7 @@ class OrderService:
         policy (``max_lifetime_s`` without one), nor does an order whose policy does not
         expire (both :class:`InvalidInput`).
         """
-        oid = check_order_id(order_id, self.settings.max_order_id_length)
-        extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
-        cause = Actor.of(actor)
-        now_ms = self.clock()
-
-        def attempt(conn: Connection) -> Row[Any] | None:
-            # The order's policy never changes: reading it first cannot race.
-            found = self.records.current(conn, oid, now_ms)
-            terms = self.settings.order_terms(None if found is None else found.policy)
-            if not terms.expires:
-                return None
-            max_life_ms = terms.max_lifetime_ms
-            return self.records.extend_open(conn, oid, now_ms, extra_ms, max_life_ms, cause)
-
-        order, won = self.transitions.run(
-            oid, now_ms, attempt, redis_after=self.admitter.rescore_after_commit
-        )
-        if won:
-            metrics.EXTENSIONS.labels("api").inc()
-            return order
-        if order.status is not OrderStatus.UNPAID:
-            raise refusal(order)
-        if order.expires_at_ms == NEVER_EXPIRES_MS:
-            raise InvalidInput("order_id", "has a policy that does not expire: nothing to extend")
-        if order.expires_at_ms <= now_ms:
-            raise OrderExpired(oid)
-        raise InvalidInput("extra_s", "would move the expiry past the maximum lifetime")
+        return self.extender.extend(order_id, extra_s, Actor.of(actor), self.clock())
 
     def _host(self, connection: HostConnection | None) -> Connection | None:
         """The host's transaction to write in, checked (see :mod:`orders.sql.host`)."""

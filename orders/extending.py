@@ -1,0 +1,69 @@
+"""extend_order: more time for an open unpaid order, within its policy's maximum lifetime.
+
+A compare-and-set against the sweep (:data:`orders.sql.transitions.EXTEND_OPEN`): an order
+closed, paid or cancelled first cannot be extended, nor can one whose time is already up
+(its slot may have been reused). The cap is the order's own: ``created_at`` plus the
+maximum lifetime of the policy it was created under (the settings' ``max_lifetime_s``
+without one); an order whose policy does not expire has nothing to extend. The policy is
+read in the same transaction, before the compare-and-set: it never changes on an order, so
+the read cannot race. Redis follows the commit (the member's new score).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, Row
+
+from orders import metrics
+from orders.admission import Admitter
+from orders.config import Settings
+from orders.domain import Actor, Order, OrderStatus, refusal
+from orders.errors import InvalidInput, OrderExpired
+from orders.policies import NEVER_EXPIRES_MS
+from orders.sql.records import OrderRecords
+from orders.transition import Transitioner
+from orders.validation import check_order_id, check_ttl_ms
+
+
+class Extender:
+    """Extends orders over the service's records, transitions and admission."""
+
+    def __init__(
+        self,
+        records: OrderRecords,
+        transitions: Transitioner,
+        admitter: Admitter,
+        settings: Settings,
+    ) -> None:
+        self.records = records
+        self.transitions = transitions
+        self.admitter = admitter
+        self.settings = settings
+
+    def extend(self, order_id: object, extra_s: object, actor: Actor, now_ms: int) -> Order:
+        """The order with its new expiry, or the typed refusal (module docstring)."""
+        oid = check_order_id(order_id, self.settings.max_order_id_length)
+        extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
+
+        def attempt(conn: Connection) -> Row[Any] | None:
+            found = self.records.current(conn, oid, now_ms)
+            terms = self.settings.order_terms(None if found is None else found.policy)
+            if not terms.expires:
+                return None
+            max_life_ms = terms.max_lifetime_ms
+            return self.records.extend_open(conn, oid, now_ms, extra_ms, max_life_ms, actor)
+
+        order, won = self.transitions.run(
+            oid, now_ms, attempt, redis_after=self.admitter.rescore_after_commit
+        )
+        if won:
+            metrics.EXTENSIONS.labels("api").inc()
+            return order
+        if order.status is not OrderStatus.UNPAID:
+            raise refusal(order)
+        if order.expires_at_ms == NEVER_EXPIRES_MS:
+            raise InvalidInput("order_id", "has a policy that does not expire: nothing to extend")
+        if order.expires_at_ms <= now_ms:
+            raise OrderExpired(oid)
+        raise InvalidInput("extra_s", "would move the expiry past the maximum lifetime")
