@@ -217,10 +217,6 @@ class AsyncOrderService:
     set_user_limit = Awaited(OrderService.set_user_limit)
     clear_user_limit = Awaited(OrderService.clear_user_limit)
     user_limit = Awaited(OrderService.user_limit)
-    pause = Awaited(OrderService.pause)
-    resume = Awaited(OrderService.resume)
-    current_pause = Awaited(OrderService.current_pause)
-    recent_pauses = Awaited(OrderService.recent_pauses)
 
     # --- the host's hooks, handed to the synchronous service ------------------------------
 

@@ -33,6 +33,11 @@ NOT_USE_CASES = {
     "on_payment_refused",
     "set_late_payment_check",
     "set_pre_close_check",
+    # The incident pause: an operator's action (orders pause / resume), not a checkout's.
+    "pause",
+    "resume",
+    "current_pause",
+    "recent_pauses",
 }
 #: The module-level functions that bind or build the default service: no use case.
 WIRING = {"configure", "default_service", "build_async_service"}
