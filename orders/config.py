@@ -153,6 +153,10 @@ class Settings:
     #: do not expire (:mod:`orders.policies`). From the environment: a JSON object,
     #: ``{"bank_transfer": {"ttl_s": 259200, "remind_before_s": 86400}}``.
     policies: Mapping[str, ExpiryPolicy] = field(default_factory=dict)
+    #: The active scheduler prunes paid, cancelled and closed orders (and their events)
+    #: this many days after their last transition, keeping any still needed (a refund owed,
+    #: an event a consumer has not read); None: never (``orders prune`` by hand).
+    retention_days: float | None = None
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -207,10 +211,7 @@ class Settings:
         _check_lock_timeouts(self)
         check_handler_paths("on_closed", self.on_closed)
         check_handler_paths("on_payment_refused", self.on_payment_refused)
-        if self.create_rate is not None:
-            parse_create_rate(self.create_rate)
-        check_on_limit(self.on_limit)
-        object.__setattr__(self, "policies", checked_policies(self.policies))
+        _check_rules_of_the_hold(self)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
 
@@ -333,6 +334,16 @@ class Settings:
     def describe(self) -> dict[str, str]:
         """The settings as text, URLs with their passwords hidden (safe to log)."""
         return {f.name: str(getattr(self, f.name)) for f in fields(self)}
+
+
+def _check_rules_of_the_hold(settings: Settings) -> None:
+    """The create rate, the action at the limit, the policies and the retention."""
+    if settings.create_rate is not None:
+        parse_create_rate(settings.create_rate)
+    check_on_limit(settings.on_limit)
+    object.__setattr__(settings, "policies", checked_policies(settings.policies))
+    if settings.retention_days is not None:
+        check_seconds("retention_days", settings.retention_days)
 
 
 def _check_remind_before(settings: Settings) -> None:

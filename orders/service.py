@@ -52,10 +52,12 @@ from orders.payments import LatePaymentCheck, Payments
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.replacing import Replacer
 from orders.requests import CreateRequest, checked_payment
+from orders.retention import ArchiveHook, Pruner, PruneReport
 from orders.sql.host import host_connection
 from orders.sql.pauses import Pause, Pauses
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
+from orders.sql.retention import Retention
 from orders.sql.user_limits import UserLimit
 from orders.sweep import PreCloseCheck, Sweep
 from orders.transition import Transitioner
@@ -120,6 +122,7 @@ class OrderService:
         )
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
         self.extender = Extender(self.records, self.transitions, self.admitter, s)
+        self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
         self.pausing = Pausing(Pauses(self.records.tx), self.admitter.rescore, self.now_ms)
         self.new_order_id = OrderIdGenerator(self.now_ms)
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
@@ -240,6 +243,31 @@ class OrderService:
         """End the pause: every unpaid order's expiry moves later by the part of the pause it
         lived through, with an ``extended`` event each; then the sweep runs again."""
         return self.pausing.resume(Actor.of(actor), batch_size)
+
+    def prune(
+        self,
+        older_than_s: float,
+        *,
+        dry_run: bool = False,
+        batch_size: int = 500,
+        max_batches: int | None = None,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> PruneReport:
+        """Delete paid, cancelled and closed orders whose last transition is older than
+        ``older_than_s``, with their events, but none still needed (see
+        :mod:`orders.retention`); ``dry_run``: count them only."""
+        return self.pruner.prune(
+            older_than_s,
+            dry_run=dry_run,
+            batch_size=batch_size,
+            max_batches=max_batches,
+            on_batch=on_batch,
+        )
+
+    def set_archive_hook(self, hook: ArchiveHook | None) -> None:
+        """Hand each batch of pruned orders (with their events) to ``hook`` before it is
+        deleted; a hook that raises stops the prune, that batch kept."""
+        self.pruner.archive = hook
 
     def current_pause(self) -> Pause | None:
         """The open pause (or the one being resumed), if any."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import unicodedata
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
@@ -266,3 +267,24 @@ def check_token(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidInput(name, "must be a non-empty string")
     return value
+
+
+#: A duration back from now or an age: a whole number and its unit (``30m``, ``2h``, ``7d``).
+DURATION = re.compile(r"([0-9]{1,12})([smhd])")
+UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def duration_ms(text: str) -> int | None:
+    """``90s``, ``30m``, ``2h``, ``7d`` in milliseconds, or None when ``text`` is not one."""
+    found = DURATION.fullmatch(text.strip())
+    return None if found is None else int(found[1]) * UNIT_MS[found[2]]
+
+
+def check_age_ms(name: str, text: object) -> int:
+    """An age such as ``90d`` (units s, m, h, d), above 0, in milliseconds."""
+    age_ms = duration_ms(text) if isinstance(text, str) else None
+    if age_ms is None:
+        raise InvalidInput(name, "must be a whole number and a unit (s, m, h, d), e.g. 90d")
+    if age_ms <= 0:
+        raise InvalidInput(name, "must be above 0")
+    return age_ms

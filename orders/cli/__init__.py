@@ -2,7 +2,7 @@
 
 ``app`` holds the group, its global options and the error mapping; the commands register
 themselves on it from ``order_commands``, ``ops_commands``, ``store_commands``,
-``event_commands``, ``payment_commands``, ``limit_commands`` and ``pause_commands``;
+``event_commands``, ``payment_commands``, ``limit_commands`` and ``upkeep_commands``;
 ``render`` prints. The benchmark command is loaded only when it is run.
 """
 
@@ -11,9 +11,9 @@ from orders.cli import (
     limit_commands,
     ops_commands,
     order_commands,
-    pause_commands,
     payment_commands,
     store_commands,
+    upkeep_commands,
 )
 from orders.cli.app import EXIT_CODES, exit_code, main
 
@@ -25,7 +25,7 @@ __all__ = [
     "main",
     "ops_commands",
     "order_commands",
-    "pause_commands",
     "payment_commands",
     "store_commands",
+    "upkeep_commands",
 ]

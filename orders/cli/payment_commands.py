@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from datetime import UTC, datetime
 
 import click
@@ -12,19 +11,16 @@ from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import handled_text, print_refusals_table, refusal_to_json, utc_text
 from orders.domain import Clock
 from orders.errors import InvalidInput
-
-#: ``--since`` as a duration back from now: a whole number and its unit.
-DURATION = re.compile(r"([0-9]{1,12})([smhd])")
-UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+from orders.validation import duration_ms
 
 
 def since_ms(text: str, clock: Clock) -> int:
     """``--since``: ``30m``, ``2h``, ``7d`` (or ``90s``) before now, or an ISO-8601 time (UTC
     unless it names its offset); in ms since the epoch, never before 1970. The clock is
     read only for a duration, after the text is found well formed."""
-    duration = DURATION.fullmatch(text.strip())
-    if duration is not None:
-        return max(0, clock() - int(duration[1]) * UNIT_MS[duration[2]])
+    back_ms = duration_ms(text)
+    if back_ms is not None:
+        return max(0, clock() - back_ms)
     try:
         at = datetime.fromisoformat(text.strip())
         if at.tzinfo is None:

@@ -42,6 +42,7 @@ from orders.domain import EventKind
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.admin import parked_counts
 from orders.events.consumer import EventConsumer, OrderEvent
+from orders.scheduler.retention_job import RETENTION_JOB_ID, STANDBY_S, prune_step
 from orders.scheduler.sweeper import LOGGER_NAME, Sweeper, log_event
 from orders.service import OrderService
 
@@ -220,6 +221,12 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     scheduler.pausing_jobs = [sweep, rebuild]
     _add_job(scheduler, sweep, "orders sweep", next_run_time=datetime.now(UTC))
     _add_job(scheduler, rebuild, "orders index rebuild")
+    if sweeper.service.settings.retention_days is not None:
+        pruning = _PausingJob(
+            RETENTION_JOB_ID, sweeper, lambda: prune_step(sweeper), first_s=STANDBY_S
+        )
+        scheduler.pausing_jobs.append(pruning)
+        _add_job(scheduler, pruning, "orders retention")
     consumers = closed_order_consumers(sweeper.service)
     if consumers:
         handlers = _PausingJob(

@@ -349,3 +349,16 @@ def test_pause_resume_and_pauses_on_one_line_each_and_their_refusals(run: Any) -
     assert [p["id"] for p in listed] == [resumed["id"]]
     no_reason = run("pause")
     assert no_reason.exit_code == 2
+
+
+def test_prune_dry_run_counts_and_a_bad_age_is_one_line(run: Any) -> None:
+    created = json.loads(run("create", "u1", "--json").stdout)
+    assert run("pay", created["id"]).exit_code == 0
+    counted = run("prune", "--older-than", "1s", "--dry-run")
+    assert counted.exit_code == 0, counted.output
+    assert counted.stdout.startswith("would delete 0 orders and 0 events last changed before ")
+    for age in ("0d", "90", "ninety days"):
+        refused = run("prune", "--older-than", age)
+        assert (refused.exit_code, refused.stderr.count("\n")) == (2, 1), refused.output
+        assert refused.stderr.startswith("error: invalid older_than: ")
+    assert json.loads(run("show", created["id"], "--json").stdout)["status"] == "paid"

@@ -250,6 +250,7 @@ USE_CASES: dict[str, Row] = {
     "resume": Row(lambda c: c.api.resume(), InvalidInput),  # nothing is paused
     "current_pause": Row(lambda c: c.api.current_pause()),
     "recent_pauses": Row(lambda c: c.api.recent_pauses()),
+    "prune": Row(lambda c: c.api.prune(3650 * 86_400, dry_run=True)),  # SQL only
     # Builds the default service: connects to SQL (schema check), not yet to Redis.
     "default_service": Row(lambda c: c.api.default_service()),
 }
@@ -263,6 +264,7 @@ NOT_USE_CASES = {
     "on_payment_refused",  # registers a handler
     "set_pre_close_check",  # registers a hook
     "set_late_payment_check",  # registers a hook
+    "set_archive_hook",  # registers a hook
     "lag_statements",  # builds two SELECTs, runs nothing
     "backoff_ms",  # arithmetic
 }
@@ -596,6 +598,7 @@ COMMANDS: dict[str, Cmd] = {
     "pause": cmd("pause", "--reason", " ", redis=2),
     "resume": cmd("resume", redis=2),  # nothing is paused
     "pauses": cmd("pauses"),
+    "prune": cmd("prune", "--older-than", "3650d", "--dry-run"),
     "scheduler": cmd("scheduler"),
     "dashboard": cmd("dashboard", "--port", "0"),
     "demo": cmd("demo", "--fast"),
@@ -702,6 +705,7 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_CREATE_RATE", "0/0"),
     ("ORDERS_ON_LIMIT", "newest"),
     ("ORDERS_POLICIES", '{"card": {"ttl_s": -1}}'),
+    ("ORDERS_RETENTION_DAYS", "-1"),
 ]
 #: Settings any value of which is well formed.
 ANY_VALUE = {"home"}  # a folder name; created (or refused as a store failure) when used

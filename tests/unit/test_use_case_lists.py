@@ -38,6 +38,9 @@ NOT_USE_CASES = {
     "resume",
     "current_pause",
     "recent_pauses",
+    # Retention: the scheduler's job and the operator's orders prune.
+    "prune",
+    "set_archive_hook",
 }
 #: The module-level functions that bind or build the default service: no use case.
 WIRING = {"configure", "default_service", "build_async_service"}

@@ -1,4 +1,5 @@
-"""``orders pause`` / ``orders resume`` / ``orders pauses``: the incident pause."""
+"""Keeping the service through incidents and years: ``orders pause`` / ``resume`` /
+``pauses`` (the incident pause) and ``orders prune`` (retention)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import click
 
 from orders.cli.app import cli_state, json_option, main
 from orders.domain import ms_to_datetime
+from orders.validation import check_age_ms
 
 if TYPE_CHECKING:  # SQLAlchemy stays unloaded until a command needs it (``orders --help``)
     from orders.sql.pauses import Pause
@@ -82,3 +84,41 @@ def pauses(ctx: click.Context, as_json: bool) -> None:
     else:
         for p in found:
             click.echo(pause_text(p))
+
+
+@main.command()
+@click.option(
+    "--older-than",
+    "older_than",
+    required=True,
+    help="Age of the last transition, e.g. 90d, 12h (units s, m, h, d).",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would go; delete nothing.")
+@click.option(
+    "--batch-size", type=int, default=500, show_default=True, help="Orders per transaction."
+)
+@json_option
+@click.pass_context
+def prune(
+    ctx: click.Context, older_than: str, dry_run: bool, batch_size: int, as_json: bool
+) -> None:
+    """Delete paid, cancelled and closed orders older than --older-than, with their events;
+    never one with a refund owed or an event a consumer has not read, retries or parked."""
+    age_s = check_age_ms("older_than", older_than) / 1000
+    done = cli_state(ctx).service().prune(age_s, dry_run=dry_run, batch_size=batch_size)
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "orders": done.orders,
+                    "events": done.events,
+                    "batches": done.batches,
+                    "cutoff": ms_to_datetime(done.cutoff_ms).isoformat(),
+                    "dry_run": done.dry_run,
+                }
+            )
+        )
+        return
+    verb = "would delete" if done.dry_run else "deleted"
+    cutoff = ms_to_datetime(done.cutoff_ms).strftime("%Y-%m-%d %H:%M:%S UTC")
+    click.echo(f"{verb} {done.orders} orders and {done.events} events last changed before {cutoff}")

@@ -1,0 +1,48 @@
+"""The scheduler's retention job (``ORDERS_RETENTION_DAYS``): the active scheduler prunes.
+
+A run deletes at most :data:`BATCHES_PER_RUN` batches, then hands the thread back: the
+sweep and the creates never wait behind a long prune (each batch is a transaction of its
+own, read along the terminal statuses' indexes). With more left, the next run comes
+:data:`BUSY_S` later; with nothing left, an hour later. Only the scheduler holding the
+lease prunes (two would only step on each other's batches); a store outage is logged and
+retried at the next run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from orders.errors import StoreUnavailable
+from orders.scheduler.sweeper import Sweeper, log_event
+
+RETENTION_JOB_ID = "orders-retention"
+BATCHES_PER_RUN = 20
+BUSY_S = 2.0
+IDLE_S = 3600.0
+#: A standby checks again this often whether it became the active scheduler.
+STANDBY_S = 60.0
+
+
+def prune_step(sweeper: Sweeper) -> float:
+    """One run of the job; the seconds until the next."""
+    service = sweeper.service
+    days = service.settings.retention_days
+    if days is None:
+        return IDLE_S
+    if not sweeper.holds_lease:
+        return STANDBY_S
+    try:
+        done = service.prune(days * 86_400, max_batches=BATCHES_PER_RUN)
+    except StoreUnavailable as exc:
+        log_event(logging.WARNING, "prune_failed", owner=sweeper.owner, detail=str(exc))
+        return STANDBY_S
+    if done.orders:
+        log_event(
+            logging.INFO,
+            "pruned",
+            owner=sweeper.owner,
+            orders=done.orders,
+            events=done.events,
+            more=done.more,
+        )
+    return BUSY_S if done.more else IDLE_S

@@ -1,0 +1,191 @@
+"""Retention (``service.prune``, ``orders prune``, the scheduler's job): terminal orders
+past the age go with their events, in batches; none that a refund, a parked event or an
+unread consumer still needs, and never an unpaid one. Read from SQL; time moves only
+through ``clock``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, func, select
+
+from orders.errors import InvalidInput, OrderClosed
+from orders.events.consumer import EventConsumer, OrderEvent
+from orders.scheduler.retention_job import prune_step
+from orders.scheduler.sweeper import Sweeper
+from orders.service import OrderService
+from orders.sql.models import events_table, orders_table
+from tests.support.clocks import ManualClock
+from tests.support.stores import sql_rows
+
+DAY_MS = 86_400_000
+
+
+def event_count(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(func.count()).select_from(events_table)) or 0)
+
+
+def order_ids(engine: Engine) -> set[str]:
+    with engine.connect() as conn:
+        return set(conn.scalars(select(orders_table.c.id)))
+
+
+@pytest.fixture
+def shop(make_service: Callable[..., OrderService]) -> OrderService:
+    return make_service(unpaid_limit=1000)
+
+
+def old_terminal_orders(shop: OrderService, clock: ManualClock) -> dict[str, str]:
+    """One paid, one cancelled, one closed by expiry and one unpaid (never expiring soon)
+    order, all 100 days old: name -> id."""
+    paid = shop.create_unpaid_order("u1", ttl_s=600)
+    shop.mark_paid(paid.id, payment_ref="p1")
+    cancelled = shop.create_unpaid_order("u2", ttl_s=600)
+    shop.cancel_order(cancelled.id)
+    closed = shop.create_unpaid_order("u3", ttl_s=1)
+    unpaid = shop.create_unpaid_order("u4", ttl_s=7 * 24 * 3600)
+    clock.advance(ms=2000)
+    assert shop.sweep_expired().closed == 1
+    clock.advance(ms=100 * DAY_MS)
+    return {"paid": paid.id, "cancelled": cancelled.id, "closed": closed.id, "unpaid": unpaid.id}
+
+
+def test_old_terminal_orders_go_with_their_events_and_nothing_else(
+    shop: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    ids = old_terminal_orders(shop, clock)
+    recent = shop.create_unpaid_order("u5", ttl_s=600)
+    shop.mark_paid(recent.id)
+    events_before = event_count(engine)
+
+    dry = shop.prune(90 * 86_400, dry_run=True)
+    assert (dry.orders, dry.events, dry.dry_run) == (3, 6, True)
+    assert (len(order_ids(engine)), event_count(engine)) == (5, events_before)
+
+    archived: list[dict[str, Any]] = []
+    shop.set_archive_hook(archived.extend)
+    done = shop.prune(90 * 86_400, batch_size=1)
+    assert (done.orders, done.events, done.batches) == (3, 6, 3)
+    assert order_ids(engine) == {ids["unpaid"], recent.id}
+    assert event_count(engine) == events_before - 6
+    assert {row["id"] for row in archived} == {ids["paid"], ids["cancelled"], ids["closed"]}
+    kinds = {row["id"]: [e["kind"] for e in row["events"]] for row in archived}
+    assert kinds[ids["paid"]] == ["created", "paid"]
+    assert kinds[ids["closed"]] == ["created", "closed"]
+    assert shop.prune(90 * 86_400).orders == 0  # nothing left to do
+
+
+def test_an_order_still_needed_is_kept_until_it_is_not(
+    shop: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    ids = old_terminal_orders(shop, clock)
+    # A refund owed: a payment refused for the closed order.
+    with pytest.raises(OrderClosed):
+        shop.mark_paid(ids["closed"], payment_ref="too-late")
+    # A consumer that parks the paid order's events, and one that has read nothing since.
+    failing = EventConsumer(engine, "failing", _fail_on(ids["paid"]), clock=clock, max_attempts=1)
+    failing.run_once(limit=1000)
+    behind = EventConsumer(engine, "behind", lambda e: None, clock=clock)
+    behind.run_once(limit=1)  # registered, one event read
+    clock.advance(ms=DAY_MS)
+
+    assert shop.prune(90 * 86_400, batch_size=1).orders == 0
+    behind.run_once(limit=1000)
+    # The consumer caught up: now only the refund and the parked events hold their orders.
+    assert shop.prune(90 * 86_400).orders == 1  # the cancelled one
+    shop.mark_refund_handled(ids["closed"], "too-late")
+    assert shop.prune(90 * 86_400).orders == 1  # the closed one
+    assert ids["paid"] in order_ids(engine)  # parked events: an operator may requeue them
+    assert ids["unpaid"] in order_ids(engine)
+
+
+def _fail_on(order_id: str) -> Callable[[OrderEvent], None]:
+    def handle(event: OrderEvent) -> None:
+        if event.order_id == order_id:
+            raise RuntimeError("handler down")
+
+    return handle
+
+
+def test_an_archive_hook_that_raises_stops_the_prune_and_keeps_its_batch(
+    shop: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    ids = old_terminal_orders(shop, clock)
+    seen: list[str] = []
+
+    def archive(rows: list[dict[str, Any]]) -> None:
+        seen.extend(row["id"] for row in rows)
+        if len(seen) == 2:
+            raise RuntimeError("archive store down")
+
+    shop.set_archive_hook(archive)
+    with pytest.raises(RuntimeError, match="archive store down"):
+        shop.prune(90 * 86_400, batch_size=1)
+    assert seen[0] not in order_ids(engine)
+    assert seen[1] in order_ids(engine)  # handed over, then kept
+    shop.set_archive_hook(None)
+    assert shop.prune(90 * 86_400).orders == 2
+    assert order_ids(engine) == {ids["unpaid"]}
+
+
+def test_a_prune_beside_creates_payments_and_the_sweep_never_takes_an_open_order(
+    shop: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    for n in range(40):
+        order = shop.create_unpaid_order(f"old{n}", ttl_s=600)
+        shop.mark_paid(order.id)
+    clock.advance(ms=100 * DAY_MS)
+    stop = threading.Event()
+    made: list[str] = []
+
+    def shopping() -> None:
+        n = 0
+        while not stop.is_set():
+            order = shop.create_unpaid_order(f"new{n % 7}", ttl_s=60)
+            made.append(order.id)
+            if n % 2:
+                shop.mark_paid(order.id)
+            shop.sweep_expired()
+            n += 1
+
+    worker = threading.Thread(target=shopping)
+    worker.start()
+    try:
+        done = shop.prune(90 * 86_400, batch_size=3)
+    finally:
+        stop.set()
+        worker.join(30)
+    assert done.orders == 40
+    rows = sql_rows(engine)
+    assert set(made) <= set(rows)  # every order made meanwhile is still there
+    assert not any(row.user_id.startswith("old") for row in rows.values())
+
+
+@pytest.mark.parametrize("age", [0, -1, True, "90d", float("nan")])
+def test_a_bad_age_is_invalid_input_and_nothing_is_deleted(
+    shop: OrderService, engine: Engine, clock: ManualClock, age: object
+) -> None:
+    old_terminal_orders(shop, clock)
+    with pytest.raises(InvalidInput, match="older_than"):
+        shop.prune(age)  # type: ignore[arg-type]
+    assert len(order_ids(engine)) == 4
+
+
+def test_the_active_scheduler_prunes_with_retention_days_set(
+    make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
+) -> None:
+    shop = make_service(retention_days=30)
+    old_terminal_orders(shop, clock)
+    standby = Sweeper(shop, reconcile_at_start=False)
+    try:
+        assert prune_step(standby) == 60.0  # no lease yet: a standby does not prune
+        assert len(order_ids(engine)) == 4
+        standby.tick()  # takes the lease
+        assert prune_step(standby) == 3600.0
+    finally:
+        standby.close()
+    assert len(order_ids(engine)) == 1
