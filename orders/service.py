@@ -24,7 +24,6 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from orders import metrics
-from orders.admission import Admitter
 from orders.config import Settings
 from orders.domain import (
     Actor,
@@ -44,15 +43,18 @@ from orders.errors import (
     UnpaidOrderLimitReached,
 )
 from orders.events.consumer import EventPosition, OrderEvent, read_events
-from orders.extending import Extender
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
-from orders.pausing import Pausing
-from orders.payments import LatePaymentCheck, Payments
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
-from orders.replacing import Replacer
 from orders.requests import CreateRequest, checked_payment
-from orders.retention import ArchiveHook, Pruner, PruneReport
+from orders.rules.admission import Admitter
+from orders.rules.extending import Extender
+from orders.rules.pausing import Pausing
+from orders.rules.payments import LatePaymentCheck, Payments
+from orders.rules.replacing import Replacer
+from orders.rules.retention import ArchiveHook, Pruner, PruneReport
+from orders.rules.transition import Transitioner
+from orders.rules.user_limits import UserLimits
 from orders.sql.host import host_connection
 from orders.sql.pauses import Pause, Pauses
 from orders.sql.records import OrderRecords
@@ -60,8 +62,6 @@ from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sql.retention import Retention
 from orders.sql.user_limits import UserLimit
 from orders.sweep import PreCloseCheck, Sweep
-from orders.transition import Transitioner
-from orders.user_limits import UserLimits
 from orders.validation import (
     TEXT_MAX_LENGTH,
     check_count,
@@ -178,7 +178,7 @@ class OrderService:
         :class:`UnpaidOrderLimitReached`; ``"replace_oldest"`` cancels the user's oldest
         unpaid order (reason ``replaced``) and admits this one instead, unless that order
         was paid first or the pre-close check says its payment is in flight (then the
-        create is refused as usual; see :mod:`orders.replacing`). Not with
+        create is refused as usual; see :mod:`orders.rules.replacing`). Not with
         ``connection``: the cancel needs a transaction of its own, so the create is refused.
 
         ``policy``: the name of one of ``Settings.policies`` (:mod:`orders.policies`): its
@@ -223,7 +223,7 @@ class OrderService:
     ) -> UserLimit:
         """Give the user a limit of its own (0 to 1,000,000; 0: no unpaid order at all),
         in place of the settings' one and of a create's ``limit=``: SQL first, then its Redis
-        copy (:mod:`orders.user_limits`). Orders already held stay; a lowered limit refuses
+        copy (:mod:`orders.rules.user_limits`). Orders already held stay; a lowered limit refuses
         creates until the user is under it again.
         """
         return self.user_limits.set(user_id, limit, actor)
@@ -236,7 +236,7 @@ class OrderService:
 
     def pause(self, reason: str, *, actor: str | Actor | None = None) -> Pause:
         """Open an incident pause: nothing closes (or is reminded) by expiry until
-        :meth:`resume`; creates, payments and cancels go on (see :mod:`orders.pausing`)."""
+        :meth:`resume`; creates, payments and cancels go on (see :mod:`orders.rules.pausing`)."""
         return self.pausing.pause(reason, Actor.of(actor))
 
     def resume(self, *, actor: str | Actor | None = None, batch_size: int = 500) -> Pause:
@@ -255,7 +255,7 @@ class OrderService:
     ) -> PruneReport:
         """Delete paid, cancelled and closed orders whose last transition is older than
         ``older_than_s``, with their events, but none still needed (see
-        :mod:`orders.retention`); ``dry_run``: count them only."""
+        :mod:`orders.rules.retention`); ``dry_run``: count them only."""
         return self.pruner.prune(
             older_than_s,
             dry_run=dry_run,
@@ -486,10 +486,10 @@ class OrderService:
         than ``pre_close_timeout_s``, lets the close go ahead: it can never stop the sweep.
         The extension takes the order's slot again, so it is refused (and the order closed)
         when the user has meanwhile reached the limit, or when Redis is down and
-        ``create_without_redis`` is off (the one outage policy of :mod:`orders.admission`).
+        ``create_without_redis`` is off (the one outage policy of :mod:`orders.rules.admission`).
 
         A create with ``on_limit="replace_oldest"`` asks it too, about the order it would
-        cancel, and keeps that order on any answer but None (:mod:`orders.replacing`).
+        cancel, and keeps that order on any answer but None (:mod:`orders.rules.replacing`).
         """
         self.sweep.pre_close = check
 

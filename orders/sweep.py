@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 
 from orders import metrics
-from orders.admission import Admitter
 from orders.config import Settings
 from orders.domain import SWEEPER, Actor, Clock, Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.hooks import HookRunner
+from orders.rules.admission import Admitter
 from orders.sql.closing import DueCloser
 from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_cutoff, check_ttl_ms

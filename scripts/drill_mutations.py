@@ -143,7 +143,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     # --- admission: compensation, retries, conflicts, outage policy ---------------------------
     mutation(
         "compensation-keeps-the-member",
-        "orders/admission.py",
+        "orders/rules/admission.py",
         "existing.is_open):\n            self.release_after_commit(user_id, order_id)",
         "existing.is_open):\n            pass",
         "a failed insert removes the member it admitted",
@@ -152,7 +152,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "outage-policy-ignored",
-        "orders/admission.py",
+        "orders/rules/admission.py",
         "            if not self.create_without_redis:",
         "            if False:",
         "Redis down refuses a create unless create_without_redis",
@@ -160,7 +160,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "retry-after-computed-wrong",
-        "orders/admission.py",
+        "orders/rules/admission.py",
         "return max(0, earliest_ms - now_ms) / 1000",
         "return max(0, earliest_ms) / 1000",
         "retry_after_s is the time until the earliest open order frees its slot",
@@ -168,7 +168,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "idempotent-retry-refused-at-the-limit",
-        "orders/admission.py",
+        "orders/rules/admission.py",
         "earlier = self.records.find(oid, now_ms) if caller_id else None",
         "earlier = None",
         "a retry of a known order id returns it, even at the limit",
@@ -177,7 +177,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "retry-ignores-the-redis-expiry",
-        "orders/admission.py",
+        "orders/rules/admission.py",
         'values = {**values, "expires_at_ms": admitted.score_ms}',
         "values = {**values}",
         "a retry after a crash finishes the order with the expiry Redis holds",

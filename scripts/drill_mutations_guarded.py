@@ -92,7 +92,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "write-back-latest-first",
-        "orders/admission.py",
+        "orders/rules/admission.py",
         "sorted(holders.items(), key=lambda h: h[1])",
         "sorted(holders.items(), key=lambda h: -h[1])",
         "after Redis lost data, SQL's holders go back soonest expiry first",

@@ -34,7 +34,7 @@ from orders.config import Settings
 from orders.domain import Clock
 from orders.errors import InvalidInput
 from orders.index.nodes import RedisClient
-from orders.payments import LatePaymentCheck
+from orders.rules.payments import LatePaymentCheck
 from orders.service import OrderService
 from orders.sweep import PreCloseCheck
 

@@ -3,7 +3,7 @@
 SQL's ``oes_user_limits`` is the record (:mod:`orders.sql.user_limits`); this is its copy,
 one string key per user in the user's hash slot (:func:`orders.index.keys.limit_key`), so
 the admission script reads it in the same call. A missing key means the settings' limit.
-The use case writes it after the commit (:mod:`orders.user_limits`); the SQL guard's repair
+The use case writes it after the commit (:mod:`orders.rules.user_limits`); the SQL guard's repair
 and reconcile write it back from SQL.
 """
 

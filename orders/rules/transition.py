@@ -15,8 +15,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Row
 
-from orders.admission import Admitter, interrupted
 from orders.domain import Order
+from orders.rules.admission import Admitter, interrupted
 from orders.sql.host import follow
 from orders.sql.records import OrderRecords
 

@@ -40,9 +40,9 @@ from orders.errors import (
     PaymentMismatch,
 )
 from orders.hooks import HookRunner
+from orders.rules.transition import Transitioner
 from orders.sql.records import EXPIRED_REASON, to_order
 from orders.sql.refusals import record_refusal
-from orders.transition import Transitioner
 
 log = logging.getLogger("orders.service")
 

@@ -16,13 +16,13 @@ from typing import Any
 from sqlalchemy import Connection, Row
 
 from orders import metrics
-from orders.admission import Admitter
 from orders.config import Settings
 from orders.domain import Actor, Order, OrderStatus, refusal
 from orders.errors import InvalidInput, OrderExpired
 from orders.policies import NEVER_EXPIRES_MS
+from orders.rules.admission import Admitter
+from orders.rules.transition import Transitioner
 from orders.sql.records import OrderRecords
-from orders.transition import Transitioner
 from orders.validation import check_order_id, check_ttl_ms
 
 

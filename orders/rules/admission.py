@@ -17,7 +17,7 @@ and the pre-close check's extension of an expired order (which no longer held a 
 
 When the Redis step itself fails without an answer (a timeout, a broken connection, an
 interrupt), the script may have run, or may still be queued in a stalled server: the
-attempt is abandoned (:mod:`orders.abandoning`).
+attempt is abandoned (:mod:`orders.rules.abandoning`).
 
 The outage policy, once: when Redis cannot be reached, admission fails with
 :class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
@@ -37,7 +37,6 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from orders.abandoning import Abandoner
 from orders.config import CreateRate
 from orders.domain import PRE_CLOSE_CHECK, Actor, Order, same_order
 from orders.errors import (
@@ -48,6 +47,7 @@ from orders.errors import (
 )
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
+from orders.rules.abandoning import Abandoner
 from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
