@@ -689,6 +689,11 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_AIO_QUEUE", "-1"),
     ("ORDERS_CREATE_RATE", "0/0"),
     ("ORDERS_ON_LIMIT", "newest"),
+    ("ORDERS_WEBHOOK_URL", "ftp://hooks.example/orders"),
+    ("ORDERS_WEBHOOK_URL", "https://hooks.example/orders"),  # without a secret
+    ("ORDERS_WEBHOOK_SECRET", "too-short-secret"[:15]),
+    ("ORDERS_WEBHOOK_KINDS", "shipped"),
+    ("ORDERS_WEBHOOK_TIMEOUT_S", "0"),
 ]
 #: Settings any value of which is well formed.
 ANY_VALUE = {"home"}  # a folder name; created (or refused as a store failure) when used
