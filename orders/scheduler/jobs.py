@@ -363,10 +363,11 @@ class _EventsJob:
     """
 
     def __init__(
-        self, sweeper: Sweeper, consumers: list[EventConsumer], *, limit: int = 100
+        self, sweeper: Sweeper, consumers: list[EventConsumer], *, limit: int | None = None
     ) -> None:
         self.sweeper = sweeper
         self.consumers = consumers
+        #: Events per consumer per run (None: run_once's own default).
         self.limit = limit
         self._failing: set[str] = set()
         self._shown: set[str] = {consumer.name for consumer in consumers}
@@ -388,7 +389,9 @@ class _EventsJob:
     def _run_consumers(self) -> None:
         for consumer in self.consumers:
             try:
-                result = consumer.run_once(self.limit)
+                result = (
+                    consumer.run_once() if self.limit is None else consumer.run_once(self.limit)
+                )
             except StoreUnavailable as exc:
                 if consumer.name not in self._failing:
                     self._failing.add(consumer.name)
