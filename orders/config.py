@@ -16,9 +16,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from orders.domain import EventKind
 from orders.errors import InvalidInput
 from orders.policies import ExpiryPolicy, ExpiryTerms, checked_policies, parse_policies
-from orders.urls import SecretUrl, check_database_url, check_redis_url
+from orders.urls import (
+    Secret,
+    SecretUrl,
+    check_database_url,
+    check_redis_url,
+    check_webhook_secret,
+    check_webhook_url,
+)
 from orders.validation import ON_LIMIT_REFUSE, check_count, check_on_limit, check_seconds
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
@@ -157,6 +165,16 @@ class Settings:
     #: this many days after their last transition, keeping any still needed (a refund owed,
     #: an event a consumer has not read); None: never (``orders prune`` by hand).
     retention_days: float | None = None
+    #: The scheduler POSTs events, signed, to this http(s) URL (orders.events.webhooks);
+    #: None: no webhooks. Needs ``webhook_secret``.
+    webhook_url: SecretUrl | None = None
+    #: The HMAC-SHA256 key of the ``Orders-Signature`` header, 16 characters at least;
+    #: held as a :class:`~orders.urls.Secret` (never printed).
+    webhook_secret: Secret | None = None
+    #: Comma-separated event kinds the webhook gets ("closed,payment_refused"); empty: all.
+    webhook_kinds: str = ""
+    #: How long a webhook POST may wait to connect, and for each read of the answer.
+    webhook_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -214,6 +232,7 @@ class Settings:
         _check_rules_of_the_hold(self)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
+        _check_webhook(self)
 
     def expiry_terms(self, policy: str | None) -> ExpiryTerms:
         """The terms a create under ``policy`` gets (None: the settings' own fields);
@@ -355,6 +374,37 @@ def _check_remind_before(settings: Settings) -> None:
     check_seconds("remind_before_s", before_s)
     if before_s >= settings.ttl_s:
         raise InvalidInput("remind_before_s", "must be below ttl_s (the time to pay)")
+
+
+def _check_webhook(settings: Settings) -> None:
+    """The webhook's URL and secret come together (an unsigned webhook, or a secret that
+    signs nothing, is a mistake); its kinds name event kinds. The fields are stored as
+    :class:`SecretUrl` and :class:`Secret`, which never print the secret."""
+    url, secret = settings.webhook_url, settings.webhook_secret
+    url = None if url is None or url == "" else check_webhook_url(_revealed(url))
+    secret = None if secret is None or secret == "" else check_webhook_secret(secret)
+    if (url is None) != (secret is None):
+        missing = "webhook_secret" if secret is None else "webhook_url"
+        raise InvalidInput(missing, "is needed: webhook_url and webhook_secret go together")
+    object.__setattr__(settings, "webhook_url", url)
+    object.__setattr__(settings, "webhook_secret", secret)
+    parse_event_kinds("webhook_kinds", settings.webhook_kinds)
+    check_seconds("webhook_timeout_s", settings.webhook_timeout_s)
+
+
+def parse_event_kinds(name: str, text: object) -> frozenset[EventKind] | None:
+    """Comma-separated event kinds ("closed, paid") as a set; None for "" (every kind)."""
+    if not isinstance(text, str):
+        raise InvalidInput(name, "must be event kinds, comma-separated")
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    known = {kind.value for kind in EventKind}
+    if any(part not in known for part in parts):
+        raise InvalidInput(name, f"must name event kinds among {', '.join(sorted(known))}")
+    return frozenset(EventKind(part) for part in parts) or None
+
+
+def _revealed(value: object) -> str:
+    return value.reveal() if isinstance(value, Secret) else value  # type: ignore[return-value]
 
 
 def _check_lock_timeouts(settings: Settings) -> None:

@@ -1,4 +1,5 @@
-"""Store URLs: checking one before anything connects, and showing one without its secrets.
+"""Store and webhook URLs: checking one before anything connects, and showing one (or a
+secret) without its secrets.
 
 A database or Redis URL is held as :class:`SecretUrl`, whose ``str``, ``repr`` and
 ``format`` never include a password; :func:`check_redis_url` (TLS options included) and
@@ -23,7 +24,58 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 HIDDEN = "***"
 
 
-class SecretUrl:
+class Secret:
+    """A secret string that never prints: ``str``, ``repr`` and ``format`` show ``***``.
+
+    :meth:`reveal` is the one way to the raw text. :class:`SecretUrl` is one that shows
+    the harmless parts of its URL instead.
+    """
+
+    __slots__ = ("_raw", "_shown")
+    _raw: str
+    _shown: str
+
+    def __init__(self, raw: str) -> None:
+        if not isinstance(raw, str):
+            raise TypeError(f"{type(self).__name__} holds a str")
+        object.__setattr__(self, "_raw", raw)
+        object.__setattr__(self, "_shown", self.rendering(raw))
+
+    @staticmethod
+    def rendering(raw: str) -> str:
+        """What ``str`` shows for ``raw``."""
+        return HIDDEN
+
+    def reveal(self) -> str:
+        """The raw text: only for the code that must use it (a driver, an HMAC)."""
+        return self._raw
+
+    def __str__(self) -> str:
+        return self._shown
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._shown!r})"
+
+    def __format__(self, spec: str) -> str:
+        return format(self._shown, spec)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and type(other) is type(self) and other._raw == self._raw
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._raw))
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __reduce__(self) -> tuple[type[Secret], tuple[str]]:
+        return type(self), (self._raw,)
+
+
+class SecretUrl(Secret):
     """A connection URL (or libpq ``key=value`` DSN) that never prints its secrets.
 
     ``str``, ``repr`` and ``format`` show a rendering built only from whitelisted parts:
@@ -33,43 +85,11 @@ class SecretUrl:
     :meth:`reveal` is the one way to the raw text, for handing it to a driver.
     """
 
-    __slots__ = ("_raw", "_shown")
-    _raw: str
-    _shown: str
+    __slots__ = ()
 
-    def __init__(self, raw: str) -> None:
-        if not isinstance(raw, str):
-            raise TypeError("SecretUrl holds a str")
-        object.__setattr__(self, "_raw", raw)
-        object.__setattr__(self, "_shown", _safe_rendering(raw))
-
-    def reveal(self) -> str:
-        """The raw URL, password included: only for the driver that connects with it."""
-        return self._raw
-
-    def __str__(self) -> str:
-        return self._shown
-
-    def __repr__(self) -> str:
-        return f"SecretUrl({self._shown!r})"
-
-    def __format__(self, spec: str) -> str:
-        return format(self._shown, spec)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SecretUrl) and other._raw == self._raw
-
-    def __hash__(self) -> int:
-        return hash((SecretUrl, self._raw))
-
-    def __setattr__(self, name: str, value: object) -> NoReturn:
-        raise AttributeError("SecretUrl is immutable")
-
-    def __delattr__(self, name: str) -> NoReturn:
-        raise AttributeError("SecretUrl is immutable")
-
-    def __reduce__(self) -> tuple[type[SecretUrl], tuple[str]]:
-        return SecretUrl, (self._raw,)
+    @staticmethod
+    def rendering(raw: str) -> str:
+        return _safe_rendering(raw)
 
 
 def check_redis_url(raw: str) -> None:
@@ -178,6 +198,42 @@ def check_database_url(raw: str) -> URL:
             "database_url", f"SQLAlchemy has no dialect or driver called {name}"
         ) from None
     return url
+
+
+#: The shortest webhook secret accepted: 16 characters (an HMAC key guessed offline from
+#: one signed body must not be within reach).
+WEBHOOK_SECRET_MIN_LENGTH = 16
+WEBHOOK_SCHEMES = ("http", "https")
+
+
+def check_webhook_url(raw: str) -> SecretUrl:
+    """An ``http://`` or ``https://`` URL with a host and no user or password (the
+    signature authenticates the sender), as a :class:`SecretUrl`; else InvalidInput."""
+    if not isinstance(raw, str):
+        raise InvalidInput("webhook_url", "must be a URL string")
+    try:
+        parts = urlsplit(raw)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        raise InvalidInput("webhook_url", "has a bad host or port") from None
+    if parts.scheme not in WEBHOOK_SCHEMES:
+        raise InvalidInput("webhook_url", "must start with http:// or https://")
+    if not parts.hostname or not port_ok or any(c.isspace() for c in raw):
+        raise InvalidInput("webhook_url", "must name a host (and a port from 1), without spaces")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidInput("webhook_url", "must not carry a user or password")
+    return SecretUrl(raw)
+
+
+def check_webhook_secret(raw: object) -> Secret:
+    """The HMAC key of webhook signatures: a string of at least 16 characters."""
+    if isinstance(raw, Secret):
+        raw = raw.reveal()
+    if not isinstance(raw, str) or len(raw) < WEBHOOK_SECRET_MIN_LENGTH:
+        raise InvalidInput(
+            "webhook_secret", f"must be at least {WEBHOOK_SECRET_MIN_LENGTH} characters"
+        )
+    return Secret(raw)
 
 
 def redact_url(url: str) -> str:

@@ -4,7 +4,8 @@
 itself with each tick's answer, so an order closes within milliseconds of its expiry
 instead of up to an interval later. Beside it run the index rebuild (reconcile) and, when
 there are event handlers (``on_closed``, ``on_payment_refused``:
-:func:`closed_order_consumers`), the events job. Only the lease holder does any of that
+:func:`closed_order_consumers`), the events job, and with ``webhook_url`` the webhook job
+(:func:`orders.events.webhooks.webhook_consumer`). Only the lease holder does any of that
 work. Logging goes to the sweeper's logger (:data:`orders.scheduler.sweeper.LOGGER_NAME`);
 a job run that ends in an exception is counted in ``orders_job_failures_total``.
 """
@@ -42,6 +43,7 @@ from orders.domain import EventKind
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.admin import parked_counts
 from orders.events.consumer import EventConsumer, OrderEvent
+from orders.events.webhooks import webhook_consumer
 from orders.scheduler.retention_job import RETENTION_JOB_ID, STANDBY_S, prune_step
 from orders.scheduler.sweeper import LOGGER_NAME, Sweeper, log_event
 from orders.service import OrderService
@@ -55,6 +57,10 @@ CONSUMER_NAME_LENGTH = 64
 #: The job running closed-order handlers, and how often it looks for new events.
 EVENTS_JOB_ID = "orders-events"
 EVENTS_INTERVAL_S = 0.5
+#: The job POSTing events to ``Settings.webhook_url``, and the events it takes per run: a
+#: receiver that hangs holds a run (and a shutdown) up to about twice this many timeouts.
+WEBHOOK_JOB_ID = "orders-webhook"
+WEBHOOK_BATCH = 10
 #: The job rebuilding the Redis index, and how often it checks whether one is due.
 RECONCILE_JOB_ID = "orders-reconcile"
 RECONCILE_CHECK_S = 1.0
@@ -205,7 +211,9 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     """
     scheduler_class = _BlockingSweepScheduler if blocking else _BackgroundSweepScheduler
     scheduler = scheduler_class(
-        timezone=UTC, executors={"default": ThreadPoolExecutor(max_workers=3)}
+        # One thread per job (sweep, rebuild, handlers, webhook): none waits for another.
+        timezone=UTC,
+        executors={"default": ThreadPoolExecutor(max_workers=4)},
     )
     scheduler.sweeper = sweeper
     sweep = _PausingJob(
@@ -221,19 +229,27 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     scheduler.pausing_jobs = [sweep, rebuild]
     _add_job(scheduler, sweep, "orders sweep", next_run_time=datetime.now(UTC))
     _add_job(scheduler, rebuild, "orders index rebuild")
-    if sweeper.service.settings.retention_days is not None:
+    service = sweeper.service
+    if service.settings.retention_days is not None:
         pruning = _PausingJob(
             RETENTION_JOB_ID, sweeper, lambda: prune_step(sweeper), first_s=STANDBY_S
         )
         scheduler.pausing_jobs.append(pruning)
         _add_job(scheduler, pruning, "orders retention")
-    consumers = closed_order_consumers(sweeper.service)
+    consumers = closed_order_consumers(service)
     if consumers:
         handlers = _PausingJob(
             EVENTS_JOB_ID, sweeper, _EventsJob(sweeper, consumers), first_s=EVENTS_INTERVAL_S
         )
         scheduler.pausing_jobs.append(handlers)
         _add_job(scheduler, handlers, "orders event handlers")
+    webhook = webhook_consumer(service.engine, service.settings, clock=service.clock)
+    if webhook is not None:
+        # A job of its own: a slow receiver never delays the handlers above.
+        posting = _EventsJob(sweeper, [webhook], limit=WEBHOOK_BATCH)
+        poster = _PausingJob(WEBHOOK_JOB_ID, sweeper, posting, first_s=EVENTS_INTERVAL_S)
+        scheduler.pausing_jobs.append(poster)
+        _add_job(scheduler, poster, "orders webhook")
     for job in scheduler.pausing_jobs:
         job.scheduler = scheduler
         scheduler.add_listener(job.rescheduled, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
@@ -353,9 +369,13 @@ class _EventsJob:
     value); a standby shows 0 for all, as it does for the backlog.
     """
 
-    def __init__(self, sweeper: Sweeper, consumers: list[EventConsumer]) -> None:
+    def __init__(
+        self, sweeper: Sweeper, consumers: list[EventConsumer], *, limit: int | None = None
+    ) -> None:
         self.sweeper = sweeper
         self.consumers = consumers
+        #: Events per consumer per run (None: run_once's own default).
+        self.limit = limit
         self._failing: set[str] = set()
         self._shown: set[str] = {consumer.name for consumer in consumers}
 
@@ -376,7 +396,9 @@ class _EventsJob:
     def _run_consumers(self) -> None:
         for consumer in self.consumers:
             try:
-                result = consumer.run_once()
+                result = (
+                    consumer.run_once() if self.limit is None else consumer.run_once(self.limit)
+                )
             except StoreUnavailable as exc:
                 if consumer.name not in self._failing:
                     self._failing.add(consumer.name)

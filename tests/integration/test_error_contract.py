@@ -706,6 +706,11 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_ON_LIMIT", "newest"),
     ("ORDERS_POLICIES", '{"card": {"ttl_s": -1}}'),
     ("ORDERS_RETENTION_DAYS", "-1"),
+    ("ORDERS_WEBHOOK_URL", "ftp://hooks.example/orders"),
+    ("ORDERS_WEBHOOK_URL", "https://hooks.example/orders"),  # without a secret
+    ("ORDERS_WEBHOOK_SECRET", "too-short-secret"[:15]),
+    ("ORDERS_WEBHOOK_KINDS", "shipped"),
+    ("ORDERS_WEBHOOK_TIMEOUT_S", "0"),
 ]
 #: Settings any value of which is well formed.
 ANY_VALUE = {"home"}  # a folder name; created (or refused as a store failure) when used
