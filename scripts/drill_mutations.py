@@ -69,7 +69,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "admit-retry-takes-a-second-slot",
         "orders/index/lua/admit.lua",
-        "if existing then",
+        "if existing and tonumber(existing) > now then",
         "if false then",
         "a retry of the same order id takes no second slot",
         "tests/integration/test_create.py::test_retry_with_the_same_order_id_returns_the_same_order_and_takes_no_second_slot",
@@ -110,8 +110,8 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "sql-guard-dropped",
         "orders/sql/slots.py",
-        '.where(candidates.c.n <= bindparam("slot_limit", type_=Integer), ~taken)',
-        '.where(candidates.c.n <= bindparam("slot_limit", type_=Integer))',
+        ".where(candidates.c.n <= limit, ~taken, ~over_limit)",
+        ".where(candidates.c.n <= limit, ~over_limit)",
         "a create takes a slot no unpaid order of the user holds",
         "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",
         "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",
@@ -119,15 +119,16 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "sql-guard-off-by-one",
         "orders/sql/slots.py",
-        'candidates.c.n <= bindparam("slot_limit", type_=Integer)',
-        'candidates.c.n <= 1 + bindparam("slot_limit", type_=Integer)',
+        "candidates.c.n <= limit,",
+        "candidates.c.n <= 1 + limit,",
         "the slots are 1..limit, not one more",
         "tests/integration/test_create.py::test_sql_guard_refuses_when_redis_lost_its_members_and_leaves_no_phantom",
     ),
     mutation(
         "slot-of-an-expired-order-not-taken",
         "orders/sql/slots.py",
-        '                CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE)',
+        "                CLOSE_EXPIRED.run(conn, "
+        '{"oid": order_id, "now_ms": now_ms}, SLOT_REUSE, actor)',
         "                pass",
         "a create closes the expired, unswept holder of a slot to take it",
         "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",
@@ -144,7 +145,8 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "compensation-keeps-the-member",
         "orders/rules/admission.py",
-        "existing.is_open):\n            self.release_after_commit(user_id, order_id)",
+        "existing.is_open):\n"
+        "            self.release_after_commit(user_id, order_id, forget_admission=True)",
         "existing.is_open):\n            pass",
         "a failed insert removes the member it admitted",
         "tests/integration/test_create.py::test_sql_failure_on_insert_removes_the_member_again",
@@ -169,7 +171,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "idempotent-retry-refused-at-the-limit",
         "orders/rules/admission.py",
-        "earlier = self.records.find(oid, now_ms) if caller_id else None",
+        "earlier = self.records.find(oid, now_ms, host) if caller_id else None",
         "earlier = None",
         "a retry of a known order id returns it, even at the limit",
         "tests/integration/test_create.py::test_retry_of_an_order_already_paid_returns_it_even_at_the_limit",
@@ -214,15 +216,17 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "strict-expiry-ignored",
         "orders/sql/transitions.py",
-        "_update([open_at(_NOW)], _PAID)",
+        "_update([UNPAID_PREDICATE, or_(ORDER.expires_at_ms > _NOW, PAUSED)], _PAID)",
         "_update([UNPAID_PREDICATE], _PAID)",
         "under strict_expiry a payment after expires_at is refused",
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
     ),
+    # The close a refused strict payment makes is CLOSE_EXPIRED (closable_at: unpaid, due,
+    # no pause open), the same statement a create uses to take an expired holder's slot.
     mutation(
         "strict-close-cas-dropped",
         "orders/sql/transitions.py",
-        "        [due_at(_NOW)],\n",
+        "        [closable_at(_NOW)],\n",
         "        [],\n",
         "a refused strict payment closes only an unpaid, due order",
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
@@ -230,17 +234,17 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "late-payment-ref-dropped",
-        "orders/service.py",
-        'data = {"trigger": "late_payment", "payment_ref": ref}',
+        "orders/rules/payments.py",
+        'data = {"trigger": "late_payment", "payment_ref": payment.ref}',
         'data = {"trigger": "late_payment"}',
         "the late-payment close event carries the payment_ref, for the refund",
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
     ),
     mutation(
         "repeat-payment-with-same-ref-refused",
-        "orders/service.py",
-        "if order.status is OrderStatus.PAID and ref in (None, order.payment_ref):",
-        "if order.status is OrderStatus.PAID and ref is None:",
+        "orders/rules/payments.py",
+        "if payment.ref is None or payment.ref == order.payment_ref:",
+        "if payment.ref is None:",
         "paying again with the stored reference returns the order",
         "tests/integration/test_transitions.py::test_second_payment_with_same_ref_returns_the_order_without_a_second_event",
     ),
@@ -280,8 +284,10 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "created-event-dropped",
         "orders/sql/slots.py",
-        "                record_events("
-        'conn, created, EventKind.CREATED, values["created_at_ms"], None)',
+        "                record_events(\n"
+        "                    conn, created, EventKind.CREATED, "
+        'values["created_at_ms"], None, actor\n'
+        "                )",
         "                pass",
         "a create writes its created event (outbox)",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
@@ -299,16 +305,19 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "sweep-events-outside-the-transaction",
         "orders/sql/closing.py",
-        "                rows = conn.execute(self._close, params).all()",
-        "                rows = conn.execute(self._close, params).all(); conn.commit()",
+        "            rows = conn.execute(statement, params).all()",
+        "            rows = conn.execute(statement, params).all(); conn.commit()",
         "a sweep batch's closes and their events commit together",
         "tests/integration/test_sweep.py::test_batch_whose_event_insert_fails_leaves_its_orders_unpaid",
     ),
+    # The release after a commit is Transitioner.run's default for every transition: the
+    # payment's own break is its call opting out of it.
     mutation(
         "member-kept-after-payment",
-        "orders/service.py",
-        "                self.admitter.release_after_commit(order.user_id, order.id)",
-        "                pass",
+        "orders/rules/payments.py",
+        "order, won = self.transitioner.run(order_id, now_ms, attempt, host=host)",
+        "order, won = self.transitioner.run("
+        "order_id, now_ms, attempt, redis_after=_nothing, host=host)",
         "a payment removes the order's member after the commit",
         "tests/integration/test_transitions.py::test_mark_paid_moves_unpaid_to_paid_in_sql_and_removes_the_redis_member",
     ),

@@ -68,7 +68,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "pre-close-past-the-max-lifetime",
         "orders/sweep.py",
-        "if expires_at_ms - order.created_at_ms > self.settings.max_lifetime_ms:",
+        "if expires_at_ms - order.created_at_ms > max_lifetime_ms:",
         "if False:",
         "a pre-close extension never moves an expiry past created_at + max_lifetime_s",
         f"{INTEGRATION}::test_a_pre_close_extension_never_passes_the_maximum_lifetime",
@@ -93,8 +93,8 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "write-back-latest-first",
         "orders/rules/admission.py",
-        "sorted(holders.items(), key=lambda h: h[1])",
-        "sorted(holders.items(), key=lambda h: -h[1])",
+        "sorted(refused.holders.items(), key=lambda h: h[1])",
+        "sorted(refused.holders.items(), key=lambda h: -h[1])",
         "after Redis lost data, SQL's holders go back soonest expiry first",
         f"{INTEGRATION}::test_the_write_back_after_redis_lost_data_puts_the_soonest_expiries_back_first",
     ),
@@ -109,8 +109,8 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "sweep-update-without-status-check",
         "orders/sql/closing.py",
-        ".where(claim, UNPAID_PREDICATE)",
-        ".where(claim)",
+        ".where(_claim(due, postgresql=postgresql), UNPAID_PREDICATE)",
+        ".where(_claim(due, postgresql=postgresql))",
         "the sweep's UPDATE re-checks status = 'unpaid' (compare-and-set)",
         f"{INTEGRATION}::test_the_sweeps_update_itself_closes_only_rows_still_unpaid",
     ),

@@ -81,7 +81,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "lease-renewed-by-another-owner",
         "orders/index/lua/lease.lua",
-        "if redis.call('GET', key) == owner then",
+        "if holder == owner then",
         "if true then",
         "only the lease's owner can renew it",
         "tests/integration/test_sweeper.py::test_lease_is_taken_by_one_owner_renewed_and_released_only_by_it",
