@@ -29,6 +29,14 @@ from sqlalchemy.orm import Session
 
 from orders import metrics
 from orders.admission import Admitter
+from orders.bulk import (
+    DEFAULT_BATCH_SIZE,
+    BulkActions,
+    BulkReport,
+    OnBatch,
+    check_batch_size,
+    checked_filter,
+)
 from orders.config import Settings
 from orders.domain import (
     Actor,
@@ -58,6 +66,7 @@ from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.replacing import Replacer
 from orders.requests import CreateRequest, checked_payment
 from orders.sql.host import host_connection
+from orders.sql.matching import OrderFilter
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sql.user_limits import UserLimit
@@ -522,3 +531,95 @@ class OrderService:
         return self.reconciler.reconcile(
             user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
         )
+
+    # --- bulk actions (orders.bulk) --------------------------------------------------------
+
+    def bulk_actions(self) -> BulkActions:
+        """The bulk actions over this service's parts."""
+        return BulkActions(
+            self.records, self.transitions, self.admitter, self.settings, self.now_ms
+        )
+
+    def cancel_matching(
+        self,
+        *,
+        user_id: str | int | None = None,
+        created_before: datetime | None = None,
+        expiring_before: datetime | None = None,
+        metadata: Mapping[str, str] | None = None,
+        reason: str | None = None,
+        actor: str | Actor | None = None,
+        dry_run: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        on_batch: OnBatch | None = None,
+    ) -> BulkReport:
+        """Cancel every unpaid order the filter matches, each by ``cancel_order``'s
+        compare-and-set: a payment that commits first wins (the order is skipped).
+
+        The filter's parts, all of which must hold: ``user_id``; ``created_before`` and
+        ``expiring_before`` (aware datetimes, exclusive); ``metadata`` (keys whose string
+        values must be equal). At least one is required (InvalidInput otherwise, as for a
+        ``batch_size`` outside 1..10,000), and everything is checked before anything is
+        written. ``dry_run``: read the same pages and change nothing. ``on_batch(orders,
+        report)`` after each page of at most ``batch_size``. See :mod:`orders.bulk`.
+        """
+        wanted, size = self.bulk_input(
+            user_id, created_before, expiring_before, metadata, batch_size
+        )
+        why = check_optional_text("reason", reason, TEXT_MAX_LENGTH)
+        return self.bulk_actions().cancel(
+            wanted,
+            reason=why,
+            actor=Actor.of(actor),
+            dry_run=dry_run,
+            batch_size=size,
+            on_batch=on_batch,
+        )
+
+    def extend_matching(
+        self,
+        extra_s: float,
+        *,
+        user_id: str | int | None = None,
+        created_before: datetime | None = None,
+        expiring_before: datetime | None = None,
+        metadata: Mapping[str, str] | None = None,
+        actor: str | Actor | None = None,
+        dry_run: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        on_batch: OnBatch | None = None,
+    ) -> BulkReport:
+        """Move the expiry of every open order the filter matches ``extra_s`` later, each by
+        ``extend_order``'s compare-and-set and within its policy's maximum lifetime (an
+        order it would take past it is refused, and counted). The filter and the rest as
+        for :meth:`cancel_matching`."""
+        wanted, size = self.bulk_input(
+            user_id, created_before, expiring_before, metadata, batch_size
+        )
+        extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
+        return self.bulk_actions().extend(
+            wanted,
+            extra_ms,
+            actor=Actor.of(actor),
+            dry_run=dry_run,
+            batch_size=size,
+            on_batch=on_batch,
+        )
+
+    def bulk_input(
+        self,
+        user_id: str | int | None,
+        created_before: datetime | None,
+        expiring_before: datetime | None,
+        metadata: Mapping[str, str] | None,
+        batch_size: int,
+    ) -> tuple[OrderFilter, int]:
+        """A bulk action's filter and batch size, checked."""
+        wanted = checked_filter(
+            self.settings,
+            user_id=user_id,
+            created_before=created_before,
+            expiring_before=expiring_before,
+            metadata=metadata,
+        )
+        return wanted, check_batch_size(batch_size)
