@@ -534,7 +534,7 @@ class OrderService:
 
     # --- bulk actions (orders.bulk) --------------------------------------------------------
 
-    def bulk_actions(self) -> BulkActions:
+    def _bulk_actions(self) -> BulkActions:
         """The bulk actions over this service's parts."""
         return BulkActions(
             self.records, self.transitions, self.admitter, self.settings, self.now_ms
@@ -563,11 +563,11 @@ class OrderService:
         written. ``dry_run``: read the same pages and change nothing. ``on_batch(orders,
         report)`` after each page of at most ``batch_size``. See :mod:`orders.bulk`.
         """
-        wanted, size = self.bulk_input(
+        wanted, size = self._bulk_input(
             user_id, created_before, expiring_before, metadata, batch_size
         )
         why = check_optional_text("reason", reason, TEXT_MAX_LENGTH)
-        return self.bulk_actions().cancel(
+        return self._bulk_actions().cancel(
             wanted,
             reason=why,
             actor=Actor.of(actor),
@@ -593,11 +593,11 @@ class OrderService:
         ``extend_order``'s compare-and-set and within its policy's maximum lifetime (an
         order it would take past it is refused, and counted). The filter and the rest as
         for :meth:`cancel_matching`."""
-        wanted, size = self.bulk_input(
+        wanted, size = self._bulk_input(
             user_id, created_before, expiring_before, metadata, batch_size
         )
         extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
-        return self.bulk_actions().extend(
+        return self._bulk_actions().extend(
             wanted,
             extra_ms,
             actor=Actor.of(actor),
@@ -606,7 +606,7 @@ class OrderService:
             on_batch=on_batch,
         )
 
-    def bulk_input(
+    def _bulk_input(
         self,
         user_id: str | int | None,
         created_before: datetime | None,
