@@ -333,3 +333,15 @@ def test_malformed_metadata_pair_is_refused(pair: str) -> None:
 
 def test_metadata_pairs_parse_to_the_filter() -> None:
     assert parse_metadata_pairs(["shop=eu", "note=a=b"]) == {"shop": "eu", "note": "a=b"}
+
+
+def test_metadata_filter_matches_a_string_or_an_integer_by_its_text_on_both_engines(
+    shop: OrderService, engine: Engine
+) -> None:
+    word = shop.create_unpaid_order("u1", ttl_s=60, metadata={"n": "5"})
+    number = shop.create_unpaid_order("u1", ttl_s=60, metadata={"n": 5})
+    shop.create_unpaid_order("u1", ttl_s=60, metadata={"n": 50, "m": "5"})
+    report = shop.cancel_matching(metadata={"n": "5"}, actor=OPERATOR)
+    assert report.changed == 2
+    cancelled = {oid for oid, r in rows(engine).items() if r.status == "cancelled"}
+    assert cancelled == {word.id, number.id}
