@@ -131,12 +131,13 @@ def check_policy_name(value: object) -> str:
     return value
 
 
-def check_deadline(value: object) -> int:
-    """``expires_at``: an aware datetime, as epoch milliseconds (rounded down)."""
+def check_deadline(value: object, name: str = "expires_at") -> int:
+    """``expires_at`` (or the input ``name``): an aware datetime, as epoch milliseconds
+    (rounded down)."""
     if not isinstance(value, datetime):
-        raise InvalidInput("expires_at", "must be a datetime")
+        raise InvalidInput(name, "must be a datetime")
     if value.tzinfo is None or value.utcoffset() is None:
-        raise InvalidInput("expires_at", "must carry a time zone (an aware datetime)")
+        raise InvalidInput(name, "must carry a time zone (an aware datetime)")
     return (value - _EPOCH) // _ONE_MS
 
 

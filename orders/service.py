@@ -48,6 +48,14 @@ from orders.index.unpaid import UnpaidIndex
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.requests import CreateRequest, checked_payment
 from orders.rules.admission import Admitter
+from orders.rules.bulk import (
+    DEFAULT_BATCH_SIZE,
+    BulkActions,
+    BulkReport,
+    OnBatch,
+    check_batch_size,
+    checked_filter,
+)
 from orders.rules.extending import Extender
 from orders.rules.pausing import Pausing
 from orders.rules.payments import LatePaymentCheck, Payments
@@ -56,6 +64,7 @@ from orders.rules.retention import ArchiveHook, Pruner, PruneReport
 from orders.rules.transition import Transitioner
 from orders.rules.user_limits import UserLimits
 from orders.sql.host import host_connection
+from orders.sql.matching import OrderFilter
 from orders.sql.pauses import Pause, Pauses
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
@@ -67,6 +76,7 @@ from orders.validation import (
     check_count,
     check_optional_text,
     check_order_id,
+    check_ttl_ms,
     check_user_id,
 )
 
@@ -505,3 +515,95 @@ class OrderService:
         return self.reconciler.reconcile(
             user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
         )
+
+    # --- bulk actions (orders.rules.bulk) --------------------------------------------------------
+
+    def _bulk_actions(self) -> BulkActions:
+        """The bulk actions over this service's parts."""
+        return BulkActions(
+            self.records, self.transitions, self.admitter, self.settings, self.now_ms
+        )
+
+    def cancel_matching(
+        self,
+        *,
+        user_id: str | int | None = None,
+        created_before: datetime | None = None,
+        expiring_before: datetime | None = None,
+        metadata: Mapping[str, str] | None = None,
+        reason: str | None = None,
+        actor: str | Actor | None = None,
+        dry_run: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        on_batch: OnBatch | None = None,
+    ) -> BulkReport:
+        """Cancel every unpaid order the filter matches, each by ``cancel_order``'s
+        compare-and-set: a payment that commits first wins (the order is skipped).
+
+        The filter's parts, all of which must hold: ``user_id``; ``created_before`` and
+        ``expiring_before`` (aware datetimes, exclusive); ``metadata`` (keys whose string
+        values must be equal). At least one is required (InvalidInput otherwise, as for a
+        ``batch_size`` outside 1..10,000), and everything is checked before anything is
+        written. ``dry_run``: read the same pages and change nothing. ``on_batch(orders,
+        report)`` after each page of at most ``batch_size``. See :mod:`orders.rules.bulk`.
+        """
+        wanted, size = self._bulk_input(
+            user_id, created_before, expiring_before, metadata, batch_size
+        )
+        why = check_optional_text("reason", reason, TEXT_MAX_LENGTH)
+        return self._bulk_actions().cancel(
+            wanted,
+            reason=why,
+            actor=Actor.of(actor),
+            dry_run=dry_run,
+            batch_size=size,
+            on_batch=on_batch,
+        )
+
+    def extend_matching(
+        self,
+        extra_s: float,
+        *,
+        user_id: str | int | None = None,
+        created_before: datetime | None = None,
+        expiring_before: datetime | None = None,
+        metadata: Mapping[str, str] | None = None,
+        actor: str | Actor | None = None,
+        dry_run: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        on_batch: OnBatch | None = None,
+    ) -> BulkReport:
+        """Move the expiry of every open order the filter matches ``extra_s`` later, each by
+        ``extend_order``'s compare-and-set and within its policy's maximum lifetime (an
+        order it would take past it is refused, and counted). The filter and the rest as
+        for :meth:`cancel_matching`."""
+        wanted, size = self._bulk_input(
+            user_id, created_before, expiring_before, metadata, batch_size
+        )
+        extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
+        return self._bulk_actions().extend(
+            wanted,
+            extra_ms,
+            actor=Actor.of(actor),
+            dry_run=dry_run,
+            batch_size=size,
+            on_batch=on_batch,
+        )
+
+    def _bulk_input(
+        self,
+        user_id: str | int | None,
+        created_before: datetime | None,
+        expiring_before: datetime | None,
+        metadata: Mapping[str, str] | None,
+        batch_size: int,
+    ) -> tuple[OrderFilter, int]:
+        """A bulk action's filter and batch size, checked."""
+        wanted = checked_filter(
+            self.settings,
+            user_id=user_id,
+            created_before=created_before,
+            expiring_before=expiring_before,
+            metadata=metadata,
+        )
+        return wanted, check_batch_size(batch_size)

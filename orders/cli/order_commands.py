@@ -1,13 +1,16 @@
-"""Commands on single orders and users: create, pay, cancel, extend, show, user."""
+"""Commands on orders and users: create, pay, cancel, extend (one order, or by filter:
+:mod:`orders.cli.bulk_commands`), show, user."""
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
+from typing import Any
 
 import click
 
 from orders.cli.app import cli_state, json_option, main
+from orders.cli.bulk_commands import DEFAULT_BATCH_SIZE, filter_given, filter_options, run_bulk
 from orders.cli.render import order_to_json, print_order, print_orders_table
 from orders.errors import CreateRateLimited, InvalidInput, UnpaidOrderLimitReached
 from orders.validation import ON_LIMIT_CHOICES
@@ -117,25 +120,69 @@ def pay(
 
 
 @main.command()
-@click.argument("order_id", metavar="ORDER")
+@click.argument("order_id", metavar="[ORDER]", required=False)
 @click.option("--reason", help="Why, kept with the order.")
+@filter_options
 @json_option
 @click.pass_context
-def cancel(ctx: click.Context, order_id: str, reason: str | None, as_json: bool) -> None:
-    """Cancel unpaid ORDER."""
+def cancel(ctx: click.Context, /, order_id: str | None, **options: Any) -> None:
+    """Cancel unpaid ORDER; or, without ORDER, every unpaid order the filter matches
+    (--user, --created-before, --expiring-before, --metadata: all must hold; at least one
+    is required). A payment that commits first wins: that order is skipped, and counted."""
     state = cli_state(ctx)
-    print_order(state.service().cancel_order(order_id, reason=reason, actor=state.actor), as_json)
+    if single_order(order_id, options):
+        assert order_id is not None
+        cancelled = state.service().cancel_order(
+            order_id, reason=options["reason"], actor=state.actor
+        )
+        print_order(cancelled, options["as_json"])
+        return
+    run_bulk(ctx, "cancel", options, None)
 
 
 @main.command()
-@click.argument("order_id", metavar="ORDER")
-@click.argument("extra_s", metavar="SECONDS", type=float)
+@click.argument("args", metavar="[ORDER] SECONDS", nargs=-1, required=True)
+@filter_options
 @json_option
 @click.pass_context
-def extend(ctx: click.Context, order_id: str, extra_s: float, as_json: bool) -> None:
-    """Give unpaid ORDER SECONDS more to be paid (a payment is in progress, say)."""
+def extend(ctx: click.Context, /, args: tuple[str, ...], **options: Any) -> None:
+    """Give unpaid ORDER SECONDS more to be paid (a payment is in progress, say); or,
+    without ORDER, every open order the filter matches (as for cancel), each within its
+    policy's maximum lifetime (one it would take past it is refused, and counted)."""
+    if len(args) > 2:
+        raise InvalidInput("arguments", "must be [ORDER] SECONDS")
+    order_id = args[0] if len(args) == 2 else None
+    extra_s = parse_seconds(args[-1])
     state = cli_state(ctx)
-    print_order(state.service().extend_order(order_id, extra_s, actor=state.actor), as_json)
+    if single_order(order_id, options):
+        assert order_id is not None
+        extended = state.service().extend_order(order_id, extra_s, actor=state.actor)
+        print_order(extended, options["as_json"])
+        return
+    run_bulk(ctx, "extend", options, extra_s)
+
+
+def single_order(order_id: str | None, options: dict[str, Any]) -> bool:
+    """ORDER alone: the single-order command; a filter alone: the bulk one; both or
+    neither: InvalidInput (a bulk action never means every order)."""
+    if order_id is not None and filter_given(options):
+        raise InvalidInput("arguments", "give ORDER or a filter option, not both")
+    if order_id is None and not filter_given(options):
+        raise InvalidInput(
+            "filter",
+            "is empty: give ORDER, or --user, --created-before, --expiring-before or --metadata",
+        )
+    if order_id is not None and (options["dry_run"] or options["batch_size"] != DEFAULT_BATCH_SIZE):
+        raise InvalidInput("arguments", "--dry-run and --batch-size go with a filter, not ORDER")
+    return order_id is not None
+
+
+def parse_seconds(text: str) -> float:
+    """SECONDS as click's float type reads it."""
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidInput("seconds", f"must be a number, got {text[:70]!r}") from None
 
 
 @main.command()

@@ -11,17 +11,13 @@ the read cannot race. Redis follows the commit (the member's new score).
 
 from __future__ import annotations
 
-from typing import Any
-
-from sqlalchemy import Connection, Row
-
 from orders import metrics
 from orders.config import Settings
 from orders.domain import Actor, Order, OrderStatus, refusal
 from orders.errors import InvalidInput, OrderExpired
 from orders.policies import NEVER_EXPIRES_MS
 from orders.rules.admission import Admitter
-from orders.rules.transition import Transitioner
+from orders.rules.transition import Transitioner, extend_attempt
 from orders.sql.records import OrderRecords
 from orders.validation import check_order_id, check_ttl_ms
 
@@ -46,14 +42,7 @@ class Extender:
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
 
-        def attempt(conn: Connection) -> Row[Any] | None:
-            found = self.records.current(conn, oid, now_ms)
-            terms = self.settings.order_terms(None if found is None else found.policy)
-            if not terms.expires:
-                return None
-            max_life_ms = terms.max_lifetime_ms
-            return self.records.extend_open(conn, oid, now_ms, extra_ms, max_life_ms, actor)
-
+        attempt = extend_attempt(self.records, self.settings, oid, now_ms, extra_ms, actor)
         order, won = self.transitions.run(
             oid, now_ms, attempt, redis_after=self.admitter.rescore_after_commit
         )

@@ -15,7 +15,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Row
 
-from orders.domain import Order
+from orders.config import Settings
+from orders.domain import Actor, Order
 from orders.rules.admission import Admitter, interrupted
 from orders.sql.host import follow
 from orders.sql.records import OrderRecords
@@ -60,3 +61,26 @@ class Transitioner:
             step(order)
         else:
             follow(host, on_commit=functools.partial(step, order))
+
+
+def extend_attempt(
+    records: OrderRecords,
+    settings: Settings,
+    order_id: str,
+    now_ms: int,
+    extra_ms: int,
+    actor: Actor,
+) -> Attempt:
+    """The compare-and-set of one extension (``extend_order``'s and the bulk extend's),
+    within the maximum lifetime of the order's policy; it loses for a policy that does not
+    expire."""
+
+    def attempt(conn: Connection) -> Row[Any] | None:
+        # The order's policy never changes: reading it first cannot race.
+        found = records.current(conn, order_id, now_ms)
+        terms = settings.order_terms(None if found is None else found.policy)
+        if not terms.expires:
+            return None
+        return records.extend_open(conn, order_id, now_ms, extra_ms, terms.max_lifetime_ms, actor)
+
+    return attempt

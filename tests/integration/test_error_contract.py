@@ -226,6 +226,9 @@ USE_CASES: dict[str, Row] = {
     "mark_paid": Row(lambda c: c.api.mark_paid(c.order_id, payment_ref="psp-1")),
     "cancel_order": Row(lambda c: c.api.cancel_order(c.order_id, reason="test")),
     "extend_order": Row(lambda c: c.api.extend_order(c.order_id, 60)),
+    # Each order as cancel_order / extend_order: SQL decides, Redis follows or is logged.
+    "cancel_matching": Row(lambda c: c.api.cancel_matching(user_id=c.user, reason="test")),
+    "extend_matching": Row(lambda c: c.api.extend_matching(60, user_id=c.user)),
     "get_order": Row(lambda c: c.api.get_order(c.order_id)),
     "list_unpaid": Row(lambda c: c.api.list_unpaid(c.user)),
     "iter_events": Row(lambda c: c.api.iter_events(limit=5)),
