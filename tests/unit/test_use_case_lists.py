@@ -41,6 +41,9 @@ NOT_USE_CASES = {
     # Retention: the scheduler's job and the operator's orders prune.
     "prune",
     "set_archive_hook",
+    # Bulk actions: an operator's (orders cancel / extend by filter).
+    "cancel_matching",
+    "extend_matching",
 }
 #: The module-level functions that bind or build the default service: no use case.
 WIRING = {"configure", "default_service", "build_async_service"}
