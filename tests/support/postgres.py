@@ -22,6 +22,7 @@ from pathlib import Path
 import psycopg
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 UNPRIVILEGED_USER = "nobody"
 #: What a test server gives up for speed: the tests never outlive a crash of it.
@@ -235,15 +236,14 @@ class PostgresTarget:
             )
             self._admin[name] = engine
         with engine.connect() as conn:
-            if conn.exec_driver_sql(_IN_USE).scalar_one():
-                return False
-            if str(conn.exec_driver_sql(_SHAPE).scalar_one()) != self._shapes[template]:
-                return False
-            tables = conn.exec_driver_sql(_TABLES).scalars().all()
-            if tables:
-                listed = ", ".join(f'public."{table}"' for table in tables)
-                conn.exec_driver_sql("SET lock_timeout = '2s'")
-                conn.exec_driver_sql(f"TRUNCATE {listed} RESTART IDENTITY CASCADE")
+            # One statement, one round trip (this runs after every PostgreSQL test): it
+            # raises, and the copy is dropped, when the copy is in use or changed shape.
+            try:
+                conn.exec_driver_sql(_RESET.replace("{shape}", self._shapes[template]))
+            except DBAPIError as exc:
+                if _NOT_REUSABLE in str(exc.orig):
+                    return False
+                raise
             return True
 
 
@@ -288,7 +288,45 @@ SELECT (SELECT count(*) FROM pg_stat_activity
          WHERE datname = current_database() AND pid <> pg_backend_pid())
      + (SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database())
 """
-_TABLES = (
-    "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
-    " AND tablename NOT IN ('oes_alembic_version', 'alembic_version')"
-)
+#: What :meth:`PostgresTarget.hand_back` raises with when a copy cannot be used again.
+_NOT_REUSABLE = "orders test copy not reusable"
+#: Empties a copy unless it is in use or its shape differs from the template's (the
+#: ``{shape}`` digest): a TRUNCATE ... RESTART IDENTITY of our tables that hold anything,
+#: a heap page (a row, a dead one, a rolled-back insert's) or a used sequence. A table
+#: with neither is as the template left it already; truncating it too would only cost
+#: (a TRUNCATE makes new files for the table and each of its indexes).
+_RESET = f"""
+DO $reset$
+DECLARE
+  listed text;
+BEGIN
+  -- A session the test closed may still be exiting (a client's close does not wait for
+  -- its server process to end): up to 0.1 s for it, then the copy counts as in use.
+  FOR attempt IN 1..20 LOOP
+    EXIT WHEN ({_IN_USE}) = 0;
+    IF attempt = 20 THEN
+      RAISE EXCEPTION '{_NOT_REUSABLE}: in use';
+    END IF;
+    PERFORM pg_sleep(0.005);
+    PERFORM pg_stat_clear_snapshot();  -- else the transaction sees its first reading
+  END LOOP;
+  IF ({_SHAPE}) IS DISTINCT FROM '{{shape}}' THEN
+    RAISE EXCEPTION '{_NOT_REUSABLE}: changed shape';
+  END IF;
+  SELECT string_agg('public.' || quote_ident(c.relname), ', ') INTO listed
+    FROM pg_class c
+   WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'p')
+     AND c.relname NOT IN ('oes_alembic_version', 'alembic_version')
+     AND (pg_relation_size(c.oid) > 0 OR EXISTS (
+          SELECT 1 FROM pg_depend d
+            JOIN pg_class sc ON sc.oid = d.objid AND sc.relkind = 'S'
+            JOIN pg_sequences s ON s.schemaname = 'public' AND s.sequencename = sc.relname
+           WHERE d.classid = 'pg_class'::regclass AND d.refobjid = c.oid
+             AND s.last_value IS NOT NULL));
+  IF listed IS NOT NULL THEN
+    SET LOCAL lock_timeout = '2s';
+    EXECUTE 'TRUNCATE ' || listed || ' RESTART IDENTITY CASCADE';
+  END IF;
+END
+$reset$
+"""
