@@ -234,6 +234,9 @@ class RedisServers:
 
 def pytest_configure(config: pytest.Config) -> None:
     loop_kind()  # an unknown ORDERS_TEST_LOOP stops the run before any test
+    if config.getoption("--full"):
+        # Test modules read it at import (property tests size their example counts by it).
+        os.environ["ORDERS_TEST_FULL"] = "1"
     config.pluginmanager.register(RedisServers(), "orders-redis-servers")
 
 

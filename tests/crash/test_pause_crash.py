@@ -31,6 +31,7 @@ def shifted_so_far(engine: Engine) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.rotate("database_url")  # CI time: one engine a run, both with --full
 @pytest.mark.timeout(300)
 def test_resumes_killed_mid_batch_move_every_order_exactly_once(
     engine: Engine,

@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import operator
+import os
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -49,8 +50,11 @@ REFUSALS = (InvalidInput, OrderNotFound)
 #: A refused value at least this long must not be echoed into messages or logs.
 ECHO_MIN_LENGTH = 8
 
+#: Random examples per property: 40 with --full (ORDERS_TEST_FULL=1), 20 otherwise (CI
+#: time); the named hostile values below run as explicit examples either way.
+FULL = os.environ.get("ORDERS_TEST_FULL") == "1"
 HYPOTHESIS = settings(
-    max_examples=40,
+    max_examples=40 if FULL else 20,
     deadline=None,
     database=None,
     suppress_health_check=[
@@ -60,7 +64,7 @@ HYPOTHESIS = settings(
         HealthCheck.large_base_example,
     ],
 )
-CLI_HYPOTHESIS = settings(HYPOTHESIS, max_examples=25)
+CLI_HYPOTHESIS = settings(HYPOTHESIS, max_examples=25 if FULL else 12)
 
 # --- named hostile values: each always runs as an explicit example ----------------------
 

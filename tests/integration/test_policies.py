@@ -87,6 +87,7 @@ def test_a_policy_sets_the_time_to_pay_and_the_reminder_and_the_order_remembers_
     assert sql_rows(engine)[order.id].reminded_at_ms == order.remind_at_ms
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 def test_a_call_may_ask_for_its_own_time_to_pay_up_to_the_policys_maximum_lifetime(
     shop: OrderService,
 ) -> None:
@@ -134,6 +135,7 @@ def test_bad_policy_or_deadline_is_invalid_input_before_anything_is_written(
     assert nothing_written(engine, redis_client, "u1")
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 def test_an_absolute_deadline_is_kept_to_the_millisecond_and_capped_at_the_lifetime(
     shop: OrderService, engine: Engine, redis_client: RedisClient, clock: ManualClock
 ) -> None:
@@ -157,6 +159,7 @@ def test_an_absolute_deadline_is_kept_to_the_millisecond_and_capped_at_the_lifet
     assert nothing_written(engine, redis_client, "u3")
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 def test_an_order_that_does_not_expire_holds_its_slot_until_paid_or_cancelled(
     shop: OrderService, engine: Engine, redis_client: RedisClient, clock: ManualClock
 ) -> None:
@@ -187,6 +190,7 @@ def test_an_order_that_does_not_expire_holds_its_slot_until_paid_or_cancelled(
     assert redis_client.zcard("UnpaidOrder-u1") == 0
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 def test_extensions_stop_at_the_maximum_lifetime_of_the_orders_policy(
     shop: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
@@ -203,6 +207,7 @@ def test_extensions_stop_at_the_maximum_lifetime_of_the_orders_policy(
     )
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 def test_a_late_payment_is_accepted_within_the_window_of_the_orders_policy_only(
     shop: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
@@ -220,6 +225,7 @@ def test_a_late_payment_is_accepted_within_the_window_of_the_orders_policy_only(
     assert sql_rows(engine)[card.id].status == OrderStatus.CLOSED.value
 
 
+@pytest.mark.rotate("database_url", "api", "redis_kind")
 def test_an_order_whose_policy_was_removed_follows_the_settings_own_fields(
     make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
 ) -> None:
