@@ -122,6 +122,7 @@ BAD: list[tuple[str, list[str], str]] = [
 ]
 
 
+@pytest.mark.rotate("database_url")  # CI time: each case on one engine (both: --full)
 @pytest.mark.parametrize(("args", "says"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_bad_input_exits_2_on_one_line_and_writes_nothing(
     run: Any, database_url: str, args: list[str], says: str

@@ -309,6 +309,7 @@ BAD_INPUT: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+@pytest.mark.rotate("database_url")  # CI time: each case on one engine (both: --full)
 @pytest.mark.parametrize(
     ("given", "field"), [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT]
 )

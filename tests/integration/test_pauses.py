@@ -228,6 +228,7 @@ def test_the_sweeper_holds_while_paused_across_a_restart_and_reports_the_pause(
     assert sql_rows(engine)[order.id].status == "closed"
 
 
+@pytest.mark.rotate("database_url", "redis_kind")
 @pytest.mark.parametrize("reason", ["", "   ", None, 7, "x" * 300])
 def test_a_pause_needs_a_reason_and_nothing_is_written_without_one(
     shop: OrderService, engine: Engine, reason: object

@@ -165,6 +165,7 @@ def test_a_prune_beside_creates_payments_and_the_sweep_never_takes_an_open_order
     assert not any(row.user_id.startswith("old") for row in rows.values())
 
 
+@pytest.mark.rotate("database_url")
 @pytest.mark.parametrize("age", [0, -1, True, "90d", float("nan")])
 def test_a_bad_age_is_invalid_input_and_nothing_is_deleted(
     shop: OrderService, engine: Engine, clock: ManualClock, age: object
