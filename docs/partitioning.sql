@@ -1,9 +1,9 @@
 -- oes_orders and oes_order_events, hash-partitioned by user_id (PostgreSQL 11 or later;
 -- tried on 15).
 --
--- The same columns, checks, partial indexes and names as migrations 0001-0009, for a fresh
--- database; oes_event_cursors, oes_event_retries, oes_payment_refusals, oes_user_limits
--- and oes_alembic_version stay as the
+-- The same columns, checks, partial indexes and names as migrations 0001-0010, for a fresh
+-- database; oes_event_cursors, oes_event_retries, oes_payment_refusals, oes_user_limits,
+-- oes_pauses and oes_alembic_version stay as the
 -- migrations make them (small, not partitioned). The service's statements run on it unchanged:
 -- tests/integration/test_partitioning.py applies this file to a throwaway PostgreSQL and
 -- runs create, pay, cancel, the sweep and the SQL guard against it. docs/capacity.md says
@@ -193,8 +193,24 @@ CREATE TABLE oes_user_limits (
     CONSTRAINT ck_oes_user_limits_unpaid_limit_range
         CHECK (unpaid_limit >= 0 AND unpaid_limit <= 1000000)
 );
+CREATE TABLE oes_pauses (
+    id bigserial NOT NULL,
+    reason varchar(256) NOT NULL,
+    started_at_ms bigint NOT NULL,
+    actor_kind varchar(16),
+    actor varchar(128),
+    open_marker boolean,
+    resumed_at_ms bigint,
+    resumed_actor_kind varchar(16),
+    resumed_actor varchar(128),
+    shift_cursor varchar(128),
+    shifted bigint NOT NULL,
+    ended_at_ms bigint,
+    CONSTRAINT pk_oes_pauses PRIMARY KEY (id),
+    CONSTRAINT uq_oes_pauses_open_marker UNIQUE (open_marker)
+);
 CREATE TABLE oes_alembic_version (
     version_num varchar(32) NOT NULL,
     CONSTRAINT oes_alembic_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO oes_alembic_version (version_num) VALUES ('0009');
+INSERT INTO oes_alembic_version (version_num) VALUES ('0010');

@@ -133,7 +133,7 @@ class OrderService:
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
         self.extender = Extender(self.records, self.transitions, self.admitter, s)
         self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
-        self.pausing = Pausing(Pauses(self.records.tx), self.admitter.rescore, self.now_ms)
+        self.pausing = Pausing(Pauses(self.records.tx), self.index.rescore_present, self.now_ms)
         self.new_order_id = OrderIdGenerator(self.now_ms)
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
         self.refused_payment_handlers: list[Callable[[OrderEvent], None]] = []

@@ -182,7 +182,7 @@ def parse_seconds(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise InvalidInput("seconds", f"must be a number, got {text[:70]!r}") from None
+        raise InvalidInput("seconds", "must be a number of seconds") from None
 
 
 @main.command()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from decimal import Decimal
 from importlib import resources
@@ -272,6 +272,16 @@ class UnpaidIndex:
         yield from scan_named(
             self.client, "scan_users", pattern, chunk, lambda key: user_of(key, start), self.foreign
         )
+
+    def rescore_present(self, wanted: Mapping[str, Mapping[str, int]]) -> None:
+        """Give the members given (user -> order -> expiry) those scores, in one pipelined
+        round trip, but only where they are still members (ZADD XX): an order paid or
+        cancelled meanwhile has had its member removed, and must not get it back."""
+        with redis_errors("rescore_present"):
+            pipe = self.client.pipeline(transaction=False)
+            for user_id, members in wanted.items():
+                pipe.zadd(self.key(user_id), dict(members), xx=True)
+            pipe.execute()
 
     def members_of(self, user_ids: list[str]) -> dict[str, dict[str, int]]:
         """Every member with its score for each user, in one pipelined round trip.

@@ -4,7 +4,8 @@
 close or remind by expiry find nothing, on every host, while creates, payments and cancels
 go on. ``resume`` moves each unpaid order's expiry later by the part of the pause it lived
 through, in batches that each commit with their ``extended`` events and the pause's cursor,
-then rescores the orders' members in Redis, batch by batch, and closes the pause. A resume
+then rescores the members still in Redis, batch by batch (never adding one back: an order
+paid meanwhile has lost its member), and closes the pause. A resume
 cut short (a crash, Redis down) is finished by running it again: no order moves twice, and
 a member left with its old score is rescored by the next reconcile (until then the SQL
 guard still counts the order, so the limit holds).
@@ -23,8 +24,9 @@ from orders.validation import TEXT_MAX_LENGTH, check_count, check_optional_text
 
 log = logging.getLogger("orders.pausing")
 
-#: Moves the members of the orders given (user -> order -> new expiry) to their new scores.
-Rescore = Callable[[Mapping[str, Mapping[str, int]], int], None]
+#: Moves the members of the orders given (user -> order -> new expiry) to their new scores,
+#: where they are still members (a member removed by a payment meanwhile stays removed).
+Rescore = Callable[[Mapping[str, Mapping[str, int]]], None]
 DEFAULT_RESUME_BATCH = 500
 
 
@@ -60,7 +62,7 @@ class Pausing:
             for order_id, user_id, expires_at_ms in moved:
                 wanted.setdefault(user_id, {})[order_id] = expires_at_ms
             try:
-                self.rescore(wanted, now_ms)
+                self.rescore(wanted)
             except StoreUnavailable:
                 log.warning("redis rescore after a resume batch failed; reconcile will fix it")
         done = self.pauses.finish(pause, self.clock())
