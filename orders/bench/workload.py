@@ -103,6 +103,7 @@ class Workload:
             "updated_at_ms": created_ms,
             "metadata": None,
             "remind_at_ms": None,
+            "policy": None,
         }
 
     @staticmethod

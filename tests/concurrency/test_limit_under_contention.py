@@ -296,6 +296,7 @@ def race_the_guard(
                 "updated_at_ms": now,
                 "metadata": None,
                 "remind_at_ms": None,
+                "policy": None,
             }
             barrier.wait()
             try:
