@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -86,30 +88,46 @@ def test_connections_past_the_bound_get_a_503_at_once_and_a_freed_slot_serves_ag
     served = serve(Held, "127.0.0.1", 0, name="test-httpd", field="test_port", max_connections=2)
     Held.release.clear()
     held = [http.client.HTTPConnection("127.0.0.1", served.port, timeout=5) for _ in range(2)]
+    again = [http.client.HTTPConnection("127.0.0.1", served.port, timeout=5) for _ in range(2)]
+    extra = http.client.HTTPConnection("127.0.0.1", served.port, timeout=5)
     try:
         for conn in held:
             conn.request("GET", "/")
         # Both slots taken (each GET waits in its thread): the third is turned away at once.
         assert all(Held.entered.acquire(timeout=5) for _ in held)
-        extra = http.client.HTTPConnection("127.0.0.1", served.port, timeout=5)
         extra.request("GET", "/")
         refused = extra.getresponse()
         assert (refused.status, refused.read()) == (503, b"busy\n")
         assert refused.getheader("Retry-After") == "1"
-        extra.close()
         Held.release.set()
         for conn in held:
             assert conn.getresponse().status == 200
             conn.close()
+        # A slot comes back when its connection's thread ends, just after the close.
+        wait_until_served(served.url)
         Held.release.clear()
-        again = [http.client.HTTPConnection("127.0.0.1", served.port, timeout=5) for _ in held]
         for conn in again:
             conn.request("GET", "/")  # the slots came back: both are served, not refused
         assert all(Held.entered.acquire(timeout=5) for _ in again)
         Held.release.set()
         assert [conn.getresponse().status for conn in again] == [200, 200]
-        for conn in again:
-            conn.close()
     finally:
         Held.release.set()
+        for conn in [*held, *again, extra]:
+            conn.close()
         served.close()
+
+
+def wait_until_served(url: str, timeout_s: float = 10.0) -> None:
+    """Until a request gets its answer rather than the 503 of a full server."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:
+                assert answer.status == 200
+                return
+        except urllib.error.HTTPError as busy:
+            busy.close()
+            if busy.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
