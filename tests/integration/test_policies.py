@@ -105,7 +105,7 @@ def test_a_call_may_ask_for_its_own_time_to_pay_up_to_the_policys_maximum_lifeti
         ({"policy": "wire"}, "policy"),
         ({"policy": ""}, "policy"),
         ({"policy": 7}, "policy"),
-        ({"expires_at": datetime(2030, 1, 1)}, "expires_at"),  # noqa: DTZ001: the point
+        ({"expires_at": datetime(2030, 1, 1)}, "expires_at"),  # naive: the point
         ({"expires_at": "2030-01-01T00:00:00+00:00"}, "expires_at"),
         ({"expires_at": datetime(2030, 1, 1, tzinfo=UTC), "ttl_s": 60}, "expires_at"),
         ({"policy": "admin", "ttl_s": 60}, "policy"),
