@@ -23,7 +23,7 @@ The outage policy, once: when Redis cannot be reached, admission fails with
 :class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
 guard alone decides (it stays exact) and reconcile adds the member later.
 
-Redis writes that follow a SQL decision (``release_after_commit``, ``rescore_after_commit``)
+Redis writes that follow a SQL decision (``release_after_commit``, ``move_after_commit``...)
 never undo it: when Redis is down the member simply expires by its score or is fixed by the
 next reconcile.
 """
@@ -31,7 +31,7 @@ next reconcile.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
 
@@ -352,10 +352,25 @@ class Admitter:
         batch = {user: dict(members) for user, members in wanted.items()}
         self.index.reconcile_batch(batch, now_ms=now_ms, dry_run=False).read()
 
+    def move_after_commit(self, order: Order) -> None:
+        """Move the member of an order whose expiry SQL moved (an extension) to its new
+        score, only if it is still a member (``ZADD XX``): a payment or cancel that commits
+        between the extension's commit and this call has removed the member, and it must not
+        come back to hold a slot for a paid order. A member Redis had lost stays missing:
+        the SQL slot guard counts the order meanwhile, and reconcile restores it."""
+        wanted = {order.user_id: {order.id: order.expires_at_ms}}
+        self.follow_commit(order, lambda: self.index.rescore_present(wanted))
+
     def rescore_after_commit(self, order: Order) -> None:
-        """Move a member's score to the order's new expiry after SQL decided."""
+        """Give an open order its member at its expiry after SQL decided (added if missing)."""
+        wanted = {order.user_id: {order.id: order.expires_at_ms}}
+        self.follow_commit(order, lambda: self.rescore(wanted, order.read_at_ms))
+
+    @staticmethod
+    def follow_commit(order: Order, write: Callable[[], None]) -> None:
+        """Run a Redis write that follows a commit; its failure only delays the repair."""
         try:
-            self.rescore({order.user_id: {order.id: order.expires_at_ms}}, order.read_at_ms)
+            write()
         except StoreUnavailable:
             log.warning(
                 "redis rescore failed; reconcile will fix it",

@@ -33,7 +33,7 @@ def index(redis_client: redis.Redis) -> UnpaidIndex:
 
 
 #: Each script that adds members to a user's key: admit (a create), reconcile (the index
-#: rebuild, and the rescore after extend_order).
+#: rebuild, and settling an interrupted create). An extension's ZADD XX adds none.
 Add = Callable[[UnpaidIndex, int, int], None]
 
 

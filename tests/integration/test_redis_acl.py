@@ -6,10 +6,11 @@ The commands, found in ``orders/index/unpaid.py`` and ``orders/index/lua/*.lua``
 * redis-py ``Script`` objects send EVALSHA, and SCRIPT LOAD when the server answers
   NOSCRIPT; never EVAL;
 * inside the scripts: ZREMRANGEBYSCORE, ZSCORE, ZCOUNT, ZRANGE, ZADD, PERSIST (admit,
-  reconcile: the rebuild and extend_order), HGET, HGETALL, HSET, HDEL, PEXPIRE, ZREM (admit
+  reconcile), HGET, HGETALL, HSET, HDEL, PEXPIRE, ZREM (admit
   and abandon: the admissions hash), SET, GET, PEXPIRE, DEL (lease, lease_release), HSET,
   HGETALL, HDEL, PEXPIRE (heartbeat);
-* outside them: ZREM (release), ZREMRANGEBYSCORE pipelines (sweep), ZRANGE (members,
+* outside them: ZREM (release), ZADD XX (extend_order, resume), ZREMRANGEBYSCORE
+  pipelines (sweep), ZRANGE (members,
   reconcile), GET/SET (index epoch, lease owner), INFO (the server's run id, which the
   index epoch names: reconcile and the scheduler's check), SCAN (reconcile), HGETALL
   (reading the heartbeats), HDEL (a stopping scheduler's beat), HGET (reconcile: when a
