@@ -3,7 +3,8 @@
 A run deletes at most :data:`BATCHES_PER_RUN` batches, then hands the thread back: the
 sweep and the creates never wait behind a long prune (each batch is a transaction of its
 own, read along the terminal statuses' indexes). With more left, the next run comes
-:data:`BUSY_S` later; with nothing left, an hour later. Only the scheduler holding the
+:data:`BUSY_S` later; with nothing left, after a tenth of the retention period, at most an
+hour (:func:`idle_s`: a short retention is kept to within about a tenth of itself). Only the scheduler holding the
 lease prunes (two would only step on each other's batches); a store outage is logged and
 retried at the next run.
 """
@@ -19,8 +20,17 @@ RETENTION_JOB_ID = "orders-retention"
 BATCHES_PER_RUN = 20
 BUSY_S = 2.0
 IDLE_S = 3600.0
+#: The shortest wait after a run that found nothing left to prune.
+MIN_IDLE_S = 10.0
 #: A standby checks again this often whether it became the active scheduler.
 STANDBY_S = 60.0
+
+
+def idle_s(retention_days: float) -> float:
+    """The wait after a run that left nothing to prune: a tenth of the retention period,
+    between :data:`MIN_IDLE_S` and :data:`IDLE_S` (a 90-day retention checks hourly, a
+    five-minute one every 30 s)."""
+    return min(IDLE_S, max(MIN_IDLE_S, retention_days * 86_400 / 10))
 
 
 def prune_step(sweeper: Sweeper) -> float:
@@ -45,4 +55,4 @@ def prune_step(sweeper: Sweeper) -> float:
             events=done.events,
             more=done.more,
         )
-    return BUSY_S if done.more else IDLE_S
+    return BUSY_S if done.more else idle_s(days)

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, func, select
 
 from orders.errors import InvalidInput, OrderClosed
 from orders.events.consumer import EventConsumer, OrderEvent
-from orders.scheduler.retention_job import prune_step
+from orders.scheduler.retention_job import idle_s, prune_step
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
@@ -190,3 +190,9 @@ def test_the_active_scheduler_prunes_with_retention_days_set(
     finally:
         standby.close()
     assert len(order_ids(engine)) == 1
+
+
+def test_with_nothing_left_the_next_run_comes_after_a_tenth_of_the_retention() -> None:
+    assert idle_s(90) == 3600.0  # a long retention: hourly
+    assert idle_s(5 / 1440) == pytest.approx(30.0)  # five minutes: every 30 s
+    assert idle_s(1 / 86_400) == 10.0  # never busier than every 10 s
