@@ -4,9 +4,9 @@ A run deletes at most :data:`BATCHES_PER_RUN` batches, then hands the thread bac
 sweep and the creates never wait behind a long prune (each batch is a transaction of its
 own, read along the terminal statuses' indexes). With more left, the next run comes
 :data:`BUSY_S` later; with nothing left, after a tenth of the retention period, at most an
-hour (:func:`idle_s`: a short retention is kept to within about a tenth of itself). Only the scheduler holding the
-lease prunes (two would only step on each other's batches); a store outage is logged and
-retried at the next run.
+hour (:func:`idle_s`: a short retention is kept to within about a tenth of itself). Only
+the scheduler holding the lease prunes (two would only step on each other's batches); a
+store outage is logged and retried at the next run.
 """
 
 from __future__ import annotations
