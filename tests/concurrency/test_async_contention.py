@@ -262,6 +262,8 @@ async def flush_mid_run(
 
 @pytest.mark.cluster_too
 @pytest.mark.timeout(120)
+# Each case on one Redis kind, the next case on the other (CI time; --full runs both).
+@pytest.mark.rotate("redis_kind")
 @pytest.mark.parametrize(
     ("limit", "redis_index"),
     [

@@ -83,6 +83,8 @@ def version_rows(engine: Engine) -> list[tuple[object, ...]]:
 
 
 @pytest.mark.timeout(300)  # a round is two interpreter start-ups: 2 to 10 s under load
+# Each starting point on one engine, the next on the other (CI time; --full runs all four).
+@pytest.mark.rotate("new_empty_database")
 @pytest.mark.parametrize("start", list(ROUNDS))
 def test_two_upgrades_at_once_both_exit_0_with_the_schema_at_head_once(
     new_empty_database: Callable[[int], str], tmp_path: Path, full_size: bool, start: str

@@ -690,6 +690,8 @@ def run_in_terminal(*args: str, env: dict[str, str]) -> tuple[int, str]:
         os.close(leader)
 
 
+# What a terminal shows does not depend on the stores: one combination runs (CI time).
+@pytest.mark.rotate("redis_kind", "database_url")
 def test_the_command_shows_progress_on_a_terminal_only(
     service: OrderService,
     redis_client: redis.Redis,
