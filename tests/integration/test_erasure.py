@@ -218,6 +218,20 @@ def test_erasing_again_writes_nothing_returns_the_same_counts_and_finishes_redis
     assert leaks(engine, redis_client) == []
 
 
+def test_a_user_with_only_an_own_limit_loses_it_without_an_event_and_is_then_unknown(
+    shop: OrderService, engine: Engine, redis_client: RedisClient
+) -> None:
+    shop.set_user_limit(USER, 2)
+
+    done = shop.erase_user(USER)
+
+    assert (done.orders, done.limit_removed, done.redis_keys) == (0, True, 1)
+    assert events_of(engine, "erased") == []
+    assert leaks(engine, redis_client) == []
+    with pytest.raises(UnknownUser):
+        shop.erase_user(USER)
+
+
 @pytest.mark.rotate("database_url", "redis_kind")
 @pytest.mark.parametrize("case", ["unknown_user", "no_key", "bad_user_id", "bad_actor"])
 def test_bad_erasure_is_a_typed_error_with_nothing_written(
