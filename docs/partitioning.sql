@@ -1,7 +1,7 @@
 -- oes_orders and oes_order_events, hash-partitioned by user_id (PostgreSQL 11 or later;
 -- tried on 15).
 --
--- The same columns, checks, partial indexes and names as migrations 0001-0010, for a fresh
+-- The same columns, checks, partial indexes and names as migrations 0001-0011, for a fresh
 -- database; oes_event_cursors, oes_event_retries, oes_payment_refusals, oes_user_limits,
 -- oes_pauses and oes_alembic_version stay as the
 -- migrations make them (small, not partitioned). The service's statements run on it unchanged:
@@ -69,7 +69,7 @@ CREATE TABLE oes_order_events (
     CONSTRAINT pk_oes_order_events PRIMARY KEY (id, user_id),
     CONSTRAINT ck_oes_order_events_kind
         CHECK (kind IN ('created', 'paid', 'cancelled', 'closed', 'extended',
-                        'payment_refused', 'requeued', 'discarded', 'expiring')),
+                        'payment_refused', 'requeued', 'discarded', 'expiring', 'erased')),
     CONSTRAINT fk_oes_order_events_order_id_oes_orders FOREIGN KEY (order_id, user_id)
         REFERENCES oes_orders (id, user_id) ON DELETE CASCADE
 ) PARTITION BY HASH (user_id);
@@ -213,4 +213,4 @@ CREATE TABLE oes_alembic_version (
     version_num varchar(32) NOT NULL,
     CONSTRAINT oes_alembic_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO oes_alembic_version (version_num) VALUES ('0010');
+INSERT INTO oes_alembic_version (version_num) VALUES ('0011');

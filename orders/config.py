@@ -24,6 +24,7 @@ from orders.urls import (
     SecretUrl,
     check_database_url,
     check_redis_url,
+    check_secret,
     check_webhook_secret,
     check_webhook_url,
 )
@@ -175,6 +176,9 @@ class Settings:
     webhook_kinds: str = ""
     #: How long a webhook POST may wait to connect, and for each read of the answer.
     webhook_timeout_s: float = 5.0
+    #: The HMAC-SHA256 key of erasure pseudonyms (``erase_user``), 16 characters at least;
+    #: held as a :class:`~orders.urls.Secret` (never printed). None: erasure is refused.
+    erasure_key: Secret | None = None
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
@@ -233,6 +237,12 @@ class Settings:
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
         _check_webhook(self)
+        key = self.erasure_key
+        object.__setattr__(
+            self,
+            "erasure_key",
+            None if key is None or key == "" else check_secret("erasure_key", key),
+        )
 
     def expiry_terms(self, policy: str | None) -> ExpiryTerms:
         """The terms a create under ``policy`` gets (None: the settings' own fields);

@@ -53,6 +53,9 @@ class EventKind(StrEnum):
     DISCARDED = "discarded"
     #: The order's reminder: it expires soon (``remind_before_s``), and is still unpaid.
     EXPIRING = "expiring"
+    #: Its user was erased (``erase_user``): one per erasure, on one of the user's orders,
+    #: under the pseudonym; its data holds the pseudonym and the counts, never the user id.
+    ERASED = "erased"
 
 
 class ActorKind(StrEnum):
@@ -104,6 +107,8 @@ PRE_CLOSE_CHECK = Actor(ActorKind.PRE_CLOSE_CHECK)
 
 #: The close reason of an order cancelled to make room for a newer one at the limit.
 REPLACED_REASON = "replaced"
+#: The close reason of an unpaid order cancelled because its user was erased.
+ERASED_REASON = "erased"
 
 
 class RefusalReason(StrEnum):

@@ -12,6 +12,8 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
      │    └── OrderExpired         unpaid, but its time is up: the sweep will close it
      ├── OrderAlreadyPaid          paid already (with another payment reference)
      ├── PaymentMismatch           the payment's amount or currency is not the order's
+     ├── RefundOwed                erasure refused: a refund of the user's is still owed
+     ├── UnknownUser               erasure of a user the service never held
      ├── SchemaConflict            a name our schema needs is taken by something else
      └── StoreUnavailable          Redis or SQL failed; the operation did not happen
           ├── SchemaNotReady       the database has no (or an old) schema
@@ -160,6 +162,28 @@ class PaymentMismatch(OrdersError):
         self.order_id = order_id
         self.field = field
         self.refusal = refusal
+
+
+class RefundOwed(OrdersError):
+    """``erase_user`` refused: ``pending`` refused payments of the user's orders have no
+    refund marked handled yet (``orders payments refused --pending``); nothing was written.
+    The payment references are needed until the refunds are done."""
+
+    def __init__(self, user_id: str, pending: int) -> None:
+        super().__init__(
+            f"{pending} refund(s) of this user's refused payments not yet marked handled: "
+            "see orders payments refused; nothing was erased"
+        )
+        self.user_id = user_id
+        self.pending = pending
+
+
+class UnknownUser(OrdersError, LookupError):
+    """``erase_user`` of a user with no order, no own limit and no erasure on record."""
+
+    def __init__(self, user_id: str) -> None:
+        super().__init__("no order, limit or erasure of that user")
+        self.user_id = user_id
 
 
 class SchemaConflict(OrdersError):

@@ -56,6 +56,7 @@ from orders.rules.bulk import (
     check_batch_size,
     checked_filter,
 )
+from orders.rules.erasure import Eraser, Erasure
 from orders.rules.extending import Extender
 from orders.rules.pausing import Pausing
 from orders.rules.payments import LatePaymentCheck, Payments
@@ -134,6 +135,7 @@ class OrderService:
         self.extender = Extender(self.records, self.transitions, self.admitter, s)
         self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
         self.pausing = Pausing(Pauses(self.records.tx), self.index.rescore_present, self.now_ms)
+        self.eraser = Eraser(self.records, self._bulk_actions(), self.index, s, self.now_ms)
         self.new_order_id = OrderIdGenerator(self.now_ms)
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
         self.refused_payment_handlers: list[Callable[[OrderEvent], None]] = []
@@ -286,6 +288,15 @@ class OrderService:
     def recent_pauses(self, limit: int = 10) -> list[Pause]:
         """The latest pauses, newest first."""
         return self.pausing.pauses.recent(check_count("limit", limit, 1, 1000))
+
+    def erase_user(self, user_id: str | int, *, actor: str | Actor | None = None) -> Erasure:
+        """Erase the user: unpaid orders cancelled (a payment that commits first wins), the
+        user id replaced by a pseudonym keyed by ``Settings.erasure_key`` in orders, events
+        and refusals, metadata and payment references cleared, the own limit and the Redis
+        keys deleted, one ``erased`` event. Idempotent. :class:`RefundOwed` while a refund of
+        the user's is owed, :class:`UnknownUser` for a user never seen. A create racing it
+        may land after it: stop taking orders for the user first (:mod:`orders.rules.erasure`)."""
+        return self.eraser.erase(user_id, actor)
 
     def user_limit(self, user_id: str | int) -> UserLimit:
         """The limit that applies to the user, whether it is its own, and when and by whom

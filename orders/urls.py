@@ -200,9 +200,9 @@ def check_database_url(raw: str) -> URL:
     return url
 
 
-#: The shortest webhook secret accepted: 16 characters (an HMAC key guessed offline from
-#: one signed body must not be within reach).
-WEBHOOK_SECRET_MIN_LENGTH = 16
+#: The shortest HMAC key accepted (the webhook secret, the erasure key): 16 characters (a
+#: key guessed offline from one signed body or one pseudonym must not be within reach).
+SECRET_MIN_LENGTH = 16
 WEBHOOK_SCHEMES = ("http", "https")
 
 
@@ -225,15 +225,19 @@ def check_webhook_url(raw: str) -> SecretUrl:
     return SecretUrl(raw)
 
 
-def check_webhook_secret(raw: object) -> Secret:
-    """The HMAC key of webhook signatures: a string of at least 16 characters."""
+def check_secret(name: str, raw: object) -> Secret:
+    """An HMAC key (setting ``name``): a string of at least :data:`SECRET_MIN_LENGTH`
+    characters, held as a :class:`Secret`."""
     if isinstance(raw, Secret):
         raw = raw.reveal()
-    if not isinstance(raw, str) or len(raw) < WEBHOOK_SECRET_MIN_LENGTH:
-        raise InvalidInput(
-            "webhook_secret", f"must be at least {WEBHOOK_SECRET_MIN_LENGTH} characters"
-        )
+    if not isinstance(raw, str) or len(raw) < SECRET_MIN_LENGTH:
+        raise InvalidInput(name, f"must be at least {SECRET_MIN_LENGTH} characters")
     return Secret(raw)
+
+
+def check_webhook_secret(raw: object) -> Secret:
+    """The HMAC key of webhook signatures (:func:`check_secret`)."""
+    return check_secret("webhook_secret", raw)
 
 
 def redact_url(url: str) -> str:

@@ -28,8 +28,10 @@ from orders.errors import (
     OrderNotFound,
     OrdersError,
     PaymentMismatch,
+    RefundOwed,
     SchemaConflict,
     StoreUnavailable,
+    UnknownUser,
     UnpaidOrderLimitReached,
 )
 
@@ -50,6 +52,8 @@ EXIT_CODES: dict[type[OrdersError], int] = {
     SchemaConflict: 9,
     PaymentMismatch: 10,
     CreateRateLimited: 11,
+    RefundOwed: 12,
+    UnknownUser: 3,  # not found, as an order
 }
 
 #: Commands whose module is imported only when the command runs: name -> ("module:attr",

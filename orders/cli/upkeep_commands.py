@@ -1,8 +1,9 @@
 """Keeping the service through incidents and years: ``orders pause`` / ``resume`` /
-``pauses`` (the incident pause) and ``orders prune`` (retention)."""
+``pauses`` (the incident pause), ``orders prune`` (retention) and ``orders erase-user``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from orders.domain import ms_to_datetime
 from orders.validation import check_age_ms
 
 if TYPE_CHECKING:  # SQLAlchemy stays unloaded until a command needs it (``orders --help``)
+    from orders.rules.erasure import Erasure
     from orders.sql.pauses import Pause
 
 
@@ -122,3 +124,27 @@ def prune(
     verb = "would delete" if done.dry_run else "deleted"
     cutoff = ms_to_datetime(done.cutoff_ms).strftime("%Y-%m-%d %H:%M:%S UTC")
     click.echo(f"{verb} {done.orders} orders and {done.events} events last changed before {cutoff}")
+
+
+def erasure_text(done: Erasure) -> str:
+    if done.already:
+        return f"already erased as {done.pseudonym}; {done.redis_keys} Redis keys deleted now"
+    limit = ", own limit deleted" if done.limit_removed else ""
+    return (
+        f"erased as {done.pseudonym}: {done.orders} orders ({done.cancelled} cancelled), "
+        f"{done.events} events, {done.refusals} refused payments{limit}; "
+        f"{done.redis_keys} Redis keys deleted"
+    )
+
+
+@main.command("erase-user")
+@click.argument("user")
+@json_option
+@click.pass_context
+def erase_user(ctx: click.Context, user: str, as_json: bool) -> None:
+    """Erase USER: unpaid orders cancelled, the id replaced by a keyed pseudonym
+    (ORDERS_ERASURE_KEY), metadata and payment references cleared. Refused while a refund
+    of the user's is owed; safe to run again."""
+    state = cli_state(ctx)
+    done = state.service().erase_user(user, actor=state.actor)
+    click.echo(json.dumps(dataclasses.asdict(done)) if as_json else erasure_text(done))

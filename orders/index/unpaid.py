@@ -238,6 +238,13 @@ class UnpaidIndex:
             removed, _, _ = pipe.execute()
             return bool(removed)
 
+    def forget_user(self, user_id: str) -> int:
+        """Delete every key the index keeps for the user (its set, admissions hash, own
+        limit copy and rate set: one hash slot, so one DEL); how many existed."""
+        keys = self.admit_keys(user_id)
+        with redis_errors("forget_user"):
+            return int(self.client.delete(*keys))
+
     def drop_expired(self, user_ids: Iterable[str], now_ms: int) -> None:
         """``ZREMRANGEBYSCORE -inf now`` on each user's key, in one round trip, packed by
         hand: redis-py's pipeline cost the sweep more than the server's work."""

@@ -6,7 +6,8 @@ compare-and-set, then Redis); ``payments`` (who wins between a payment and an ex
 the loser's money); ``replacing`` (a create's admission, and at the limit the oldest order
 replaced); ``extending`` (more time, within the order's policy); ``user_limits`` (a user's
 own limit and its Redis copy); ``pausing`` (the incident pause and the resume that gives
-the time back); ``retention`` (pruning old orders).
+the time back); ``retention`` (pruning old orders); ``erasure`` (a user erased, over the
+bulk cancel).
 
 They import the stores' layers (``orders.sql``, ``orders.index``) and the values below
 them, and each other downwards only: a second import-linter contract in pyproject.toml

@@ -5,7 +5,8 @@
 host's transaction a use case is given as ``connection=``, and following its end), ``transitions``
 (compare-and-set updates with their event in the same statement), ``slots`` (the SQL limit
 guard), ``records`` (the use cases' reads and writes), ``closing`` (the sweep's batch),
-``reconcile_reads``, ``stats`` and ``migrate``.
+``erasure`` (a user id replaced by its pseudonym), ``reconcile_reads``, ``stats`` and
+``migrate``.
 
 May import: ``domain``, ``config``, ``validation``, ``metrics``, ``logs``, ``errors``. Never the
 Redis side (``orders.index``) nor anything above.

@@ -62,6 +62,8 @@ pytestmark = [pytest.mark.cluster_too]
 SOCKET_TIMEOUT_S = "0.2"
 PREFIX = "UnpaidOrder-"
 ACL_USER, ACL_PASSWORD = "contract-noperm", "contract-" + uuid.uuid4().hex
+#: Given to every service and command, so that erase_user's rows reach the stores.
+ERASURE_KEY = "contract-erasure-key"
 #: An outcome: success, or exactly this exception type.
 OK = None
 Outcome = type[BaseException] | None
@@ -254,6 +256,9 @@ USE_CASES: dict[str, Row] = {
     "current_pause": Row(lambda c: c.api.current_pause()),
     "recent_pauses": Row(lambda c: c.api.recent_pauses()),
     "prune": Row(lambda c: c.api.prune(3650 * 86_400, dry_run=True)),  # SQL only
+    # SQL is done first; the user's Redis keys then go, and a Redis failure there is raised
+    # (run it again to finish). DEL takes a key of any type.
+    "erase_user": Row(lambda c: c.api.erase_user(c.user), StoreUnavailable, OK),
     # Builds the default service: connects to SQL (schema check), not yet to Redis.
     "default_service": Row(lambda c: c.api.default_service()),
 }
@@ -396,7 +401,9 @@ def failing_settings(stores: Stores, spec: Failure, env: pytest.MonkeyPatch) -> 
         database_url=spec.database(stores),
         redis_url=spec.redis(stores),
         redis_socket_timeout_s=float(SOCKET_TIMEOUT_S),
+        erasure_key=ERASURE_KEY,
     )
+    env.setenv("ORDERS_ERASURE_KEY", ERASURE_KEY)
     env.setenv("ORDERS_DATABASE_URL", settings.database_url.reveal())  # type: ignore[union-attr]
     env.setenv("ORDERS_REDIS_URL", settings.redis_url.reveal())  # type: ignore[union-attr]
     env.setenv("ORDERS_REDIS_SOCKET_TIMEOUT_S", SOCKET_TIMEOUT_S)
@@ -602,6 +609,7 @@ COMMANDS: dict[str, Cmd] = {
     "resume": cmd("resume", redis=2),  # nothing is paused
     "pauses": cmd("pauses"),
     "prune": cmd("prune", "--older-than", "3650d", "--dry-run"),
+    "erase-user": cmd("erase-user", "{user}", redis=8, redis_wrong_type=0),
     "scheduler": cmd("scheduler"),
     "dashboard": cmd("dashboard", "--port", "0"),
     "demo": cmd("demo", "--fast"),
@@ -654,6 +662,7 @@ def test_command_exits_with_one_line_on_store_failure(
         "ORDERS_DATABASE_URL": database,
         "ORDERS_REDIS_URL": spec.redis(stores),
         "ORDERS_REDIS_SOCKET_TIMEOUT_S": SOCKET_TIMEOUT_S,
+        "ORDERS_ERASURE_KEY": ERASURE_KEY,
     }
     args = [a.format(user=user, order=order_id) for a in row.args]
     assert_one_error_line(invoke(args, env), row.exits[failure])
@@ -714,6 +723,7 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_WEBHOOK_SECRET", "too-short-secret"[:15]),
     ("ORDERS_WEBHOOK_KINDS", "shipped"),
     ("ORDERS_WEBHOOK_TIMEOUT_S", "0"),
+    ("ORDERS_ERASURE_KEY", "too-short-erasure-key"[:15]),
 ]
 #: Settings any value of which is well formed.
 ANY_VALUE = {"home"}  # a folder name; created (or refused as a store failure) when used

@@ -25,7 +25,7 @@ from sqlalchemy import Engine, make_url, text
 
 from orders.bootstrap import build_engine
 from orders.config import Settings
-from orders.errors import OrderConflict, UnpaidOrderLimitReached
+from orders.errors import OrderConflict, StoreUnavailable, UnpaidOrderLimitReached
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
@@ -179,3 +179,23 @@ def test_an_order_id_stays_unique_across_users_and_partitions(
     with partitioned.connect() as conn:
         ids = conn.execute(text("SELECT id, user_id FROM oes_order_ids")).all()
     assert [tuple(r) for r in ids] == [("checkout-1", "alice")]
+
+
+def test_erasure_is_refused_by_the_foreign_keys_on_user_id_with_the_user_kept(
+    partitioned: Engine, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    """Not supported here (docs/operations.md, Erasure): the events' and refusals' keys
+    name the user id, and oes_order_ids keeps it. Step 2 has run (unpaid orders cancelled);
+    step 3 is rolled back whole."""
+    settings = Settings(unpaid_limit=3, ttl_s=60, erasure_key="erasure-key-of-the-tests")
+    shop = OrderService(partitioned, redis_client, settings, clock=clock)
+    paid, unpaid = shop.create_unpaid_order("alice"), shop.create_unpaid_order("alice")
+    shop.mark_paid(paid.id, payment_ref="ref-1")
+
+    with pytest.raises(StoreUnavailable, match="constraint"):
+        shop.erase_user("alice")
+
+    assert statuses(partitioned) == {paid.id: "paid", unpaid.id: "cancelled"}
+    with partitioned.connect() as conn:
+        users = conn.execute(text(f"SELECT DISTINCT user_id FROM {orders_table.name}")).all()
+    assert [tuple(r) for r in users] == [("alice",)]

@@ -232,8 +232,9 @@ class LoopThread:
         self._runner.close()
 
 
-#: The use cases AwaitedService sends to the async service; every other attribute is the
-#: synchronous service's (the parts tests look into: index, records, settings, ...).
+#: The use cases AwaitedService sends to the async service (and the operator method it
+#: mirrors, erase_user); every other attribute is the synchronous service's (the parts tests
+#: look into: index, records, settings, ...).
 USE_CASES = frozenset(
     {
         "create_unpaid_order",
@@ -250,6 +251,7 @@ USE_CASES = frozenset(
         "set_user_limit",
         "clear_user_limit",
         "user_limit",
+        "erase_user",
     }
 )
 
