@@ -5,6 +5,7 @@ its end when the client leaves, and the page itself in Chromium."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from playwright.sync_api import ConsoleMessage, Error, expect, sync_playwright
 
 from orders.dashboard import OperatorApp, asgi_app
 from orders.errors import InvalidInput
+from orders.httpd import Request
 from orders.service import OrderService
 from tests.support.aio import loop_kind
 from tests.support.browser import CHROMIUM_ARGS, chromium_path
@@ -82,6 +84,20 @@ def test_choosing_who_guards_the_pages_is_required_and_checked(service: OrderSer
         asgi_app(service, token="short")
     with pytest.raises(InvalidInput, match="auth"):
         asgi_app(service, token=TOKEN, auth="none")  # type: ignore[arg-type]
+
+
+def test_built_from_settings_the_app_has_a_service_of_its_own_on_the_same_stores(
+    service: OrderService,
+) -> None:
+    service.create_unpaid_order("alice", order_id="ord-1", ttl_s=600)
+    ops = asgi_app(service.settings, auth="host")
+    try:
+        assert ops.dashboard.service is not service
+        answer = ops.app(Request("GET", "/api/overview"))
+        assert json.loads(answer.body)["sql"]["stats"]["by_status"]["unpaid"] == 1
+    finally:
+        ops.close()
+    assert ops.dashboard.closing.is_set()
 
 
 def test_under_a_prefix_the_json_probes_and_head_answer_and_the_token_guards_them(
