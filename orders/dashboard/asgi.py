@@ -103,13 +103,13 @@ def _request(scope: Scope, body: bytes) -> Request:
     """The scope as a :class:`Request`, its path below the mount point (the host leaves the
     full path in ``path`` and the mount point in ``root_path``, as the ASGI spec and
     Starlette's ``Mount`` do)."""
-    root = scope.get("root_path", "") or ""
+    root = (scope.get("root_path") or "").rstrip("/")
     path = scope["path"]
     if root and (path == root or path.startswith(root + "/")):
         path = path[len(root) :]
     pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])]
     query = scope.get("query_string", b"").decode("latin-1")
-    return Request(scope["method"], path, query, header_map(pairs), body, root.rstrip("/"))
+    return Request(scope["method"], path, query, header_map(pairs), body, root)
 
 
 async def _read_body(receive: Receive) -> bytes | Response | None:
