@@ -8,6 +8,11 @@ the bound gets a 503 at once and is closed, so a flood of clients (or of open st
 cannot start threads without end. :func:`serve` binds at once, so a taken port or a bad
 address is a typed error before the process goes on, and returns a :class:`Served` that
 stops the server and joins its thread.
+
+What a route answers does not depend on the server that carries it: a route is a function
+from a :class:`Request` to a :class:`Response` (or None, not one of its paths), so the same
+pages run here and under an ASGI host (``orders.dashboard.asgi``). :func:`serve` serves
+such a function too; :func:`first_of` puts several behind one port.
 """
 
 from __future__ import annotations
@@ -17,17 +22,22 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
+from urllib.parse import parse_qs, urlsplit
 
 from orders.errors import InvalidInput
+from orders.metrics import exposition
 
 #: Connections served at once (each holds a thread); one more is answered 503 and closed.
 MAX_CONNECTIONS = 64
 #: How long a connection may sit without sending its request (or reading an answer).
 CONNECTION_TIMEOUT_S = 60.0
+#: The largest request body read (a login form posts a token, nothing bigger): more is a 413.
+MAX_BODY_BYTES = 4096
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
     b"Retry-After: 1\r\nContent-Length: 5\r\nConnection: close\r\n\r\nbusy\n"
@@ -52,6 +62,141 @@ def check_port(field: str, port: object) -> int:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise InvalidInput(field, f"must be a TCP port, 0 to 65535 (got {port!r})")
     return port
+
+
+def header_map(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Request headers by lower-case name; a name sent twice is joined as HTTP allows
+    (``Cookie`` with ``; ``, which HTTP/2 splits into several, the others with ``, ``)."""
+    found: dict[str, str] = {}
+    for name, value in pairs:
+        key = name.lower()
+        if key in found:
+            found[key] += ("; " if key == "cookie" else ", ") + value
+        else:
+            found[key] = value
+    return found
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request, whichever server carried it."""
+
+    method: str
+    #: Below the mount point: ``/api/overview``; ``""`` when the mount point itself was asked.
+    path: str
+    query: str = ""
+    #: By lower-case name (:func:`header_map`).
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    #: Where the app is mounted (``/ops/orders``); ``""`` when it has the server to itself.
+    root: str = ""
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    def param(self, name: str) -> str:
+        """The first value of query parameter ``name`` ("" when absent)."""
+        return parse_qs(self.query).get(name, [""])[0]
+
+
+class OpenCount:
+    """How many of something are open now (event streams), thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            self._value += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._value -= 1
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A server-sent event stream: ``next_event()`` now and every ``interval_s`` after, until
+    ``closing`` is set or the client goes away. ``next_event`` may block (it reads the
+    stores); each server calls it where blocking is allowed."""
+
+    next_event: Callable[[], bytes]
+    interval_s: float
+    closing: threading.Event
+    #: The streams open now, of the app that made this one.
+    open: OpenCount
+
+
+@dataclass(frozen=True)
+class Response:
+    """What a route answers: a body, or an event stream (then ``body`` is unused)."""
+
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    stream: EventStream | None = None
+
+    def header_items(self) -> list[tuple[str, str]]:
+        """Every header to send: operator pages are never cached nor framed by other sites,
+        and a proxy must pass a stream's events on at once."""
+        if self.stream is not None:
+            sized = [("Content-Type", "text/event-stream"), ("X-Accel-Buffering", "no")]
+        else:
+            sized = [
+                ("Content-Type", self.content_type),
+                ("Content-Length", str(len(self.body))),
+            ]
+        return [
+            *sized,
+            ("Cache-Control", "no-store"),
+            ("X-Content-Type-Options", "nosniff"),
+            ("X-Frame-Options", "DENY"),
+            *self.headers.items(),
+        ]
+
+
+def json_response(status: int, body: Any, headers: Mapping[str, str] | None = None) -> Response:
+    """``body`` as JSON."""
+    return Response(status, json.dumps(body).encode(), "application/json", headers or {})
+
+
+#: A route: its answer to a request, or None when the path is not one of its own.
+Route = Callable[[Request], "Response | None"]
+#: An app: a route that answers everything.
+App = Callable[[Request], Response]
+
+NOT_FOUND = json_response(404, {"error": "not found"})
+TOO_LARGE = json_response(413, {"error": "request body too large"})
+BAD_LENGTH = json_response(400, {"error": "bad Content-Length"})
+
+
+def first_of(*routes: Route) -> App:
+    """The app that answers with the first route to take the path, else 404."""
+
+    def app(request: Request) -> Response:
+        for route in routes:
+            answer = route(request)
+            if answer is not None:
+                return answer
+        return NOT_FOUND
+
+    return app
+
+
+def metrics_route(request: Request) -> Response | None:
+    """``/metrics``: Prometheus' exposition of :func:`orders.metrics.registry` (GET or HEAD)."""
+    if request.path != "/metrics" or request.method not in ("GET", "HEAD"):
+        return None
+    body, content_type = exposition()
+    return Response(200, body, content_type)
 
 
 class QuietHandler(BaseHTTPRequestHandler):
@@ -131,7 +276,7 @@ class Served:
 
 
 def serve(
-    handler: type[BaseHTTPRequestHandler],
+    handler: type[BaseHTTPRequestHandler] | App,
     host: str,
     port: int,
     *,
@@ -141,12 +286,16 @@ def serve(
     max_connections: int = MAX_CONNECTIONS,
 ) -> Served:
     """Bind ``host:port`` now and serve ``handler`` from a daemon thread named ``name``,
-    at most ``max_connections`` connections at once.
+    at most ``max_connections`` connections at once. ``handler``: a request handler class,
+    or an app (a :class:`Request` to :class:`Response` function, served by
+    :class:`AppHandler`).
 
     ``field`` names the setting in errors: a port that is taken or an address that cannot
     be bound is :class:`InvalidInput` on it, raised here rather than in the thread.
     """
     check_port(field, port)
+    if not isinstance(handler, type):
+        handler = type("BoundAppHandler", (AppHandler,), {"app": staticmethod(handler)})
     server_class = _Server6 if ":" in host else _Server
     try:
         server = server_class((host.strip("[]"), port), handler, max_connections)
@@ -163,7 +312,7 @@ def serve(
 
 def send_json(handler: BaseHTTPRequestHandler, status: int, body: Any) -> None:
     """Answer with ``body`` as JSON, never cached."""
-    send_bytes(handler, status, json.dumps(body).encode(), "application/json")
+    send_response(handler, json_response(status, body))
 
 
 def send_bytes(
@@ -173,15 +322,64 @@ def send_bytes(
     content_type: str,
     headers: dict[str, str] | None = None,
 ) -> None:
-    """Answer with ``data``; operator pages are never cached nor framed by other sites."""
-    handler.send_response(status)
-    handler.send_header("Content-Type", content_type)
-    handler.send_header("Content-Length", str(len(data)))
-    handler.send_header("Cache-Control", "no-store")
-    handler.send_header("X-Content-Type-Options", "nosniff")
-    handler.send_header("X-Frame-Options", "DENY")
-    for key, value in (headers or {}).items():
+    """Answer with ``data`` (see :meth:`Response.header_items`)."""
+    send_response(handler, Response(status, data, content_type, headers or {}))
+
+
+def send_response(handler: BaseHTTPRequestHandler, response: Response) -> None:
+    """Write ``response`` on ``handler``'s connection; a stream runs until it ends."""
+    handler.send_response(response.status)
+    for key, value in response.header_items():
         handler.send_header(key, value)
     handler.end_headers()
-    if handler.command != "HEAD":
-        handler.wfile.write(data)
+    if handler.command == "HEAD":
+        if response.stream is not None:
+            handler.close_connection = (
+                True  # the headers only: no body, least of all an endless one
+            )
+        return
+    if response.stream is None:
+        handler.wfile.write(response.body)
+        return
+    handler.close_connection = True  # a stream ends by closing its connection
+    stream = response.stream
+    try:
+        with stream.open.held():
+            while not stream.closing.is_set():
+                handler.wfile.write(stream.next_event())
+                handler.wfile.flush()
+                stream.closing.wait(stream.interval_s)
+    except (BrokenPipeError, ConnectionResetError, TimeoutError):
+        return  # the client went away, or stopped reading
+
+
+class AppHandler(QuietHandler):
+    """Serves :attr:`app` on a connection; :func:`serve` binds the class to its app."""
+
+    protocol_version = "HTTP/1.1"
+    app: ClassVar[App]
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        body = self.read_body()
+        if isinstance(body, Response):
+            self.close_connection = True  # what was not read must not be taken as a request
+            send_response(self, body)
+            return
+        headers = header_map(self.headers.items())
+        request = Request(self.command, url.path, url.query, headers, body)
+        send_response(self, type(self).app(request))
+
+    do_HEAD = do_POST = do_GET
+
+    def read_body(self) -> bytes | Response:
+        """The request's body, or the answer refusing it (too large, a bad length)."""
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return BAD_LENGTH
+        if length < 0:
+            return BAD_LENGTH
+        if length > MAX_BODY_BYTES:
+            return TOO_LARGE
+        return self.rfile.read(length) if length else b""

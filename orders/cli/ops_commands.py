@@ -123,6 +123,23 @@ def sweep(
     show_envvar=True,
     help="Address the dashboard listens on; anything but loopback needs ORDERS_DASHBOARD_TOKEN.",
 )
+@click.option(
+    "--ops-port",
+    type=int,
+    envvar="ORDERS_OPS_PORT",
+    show_envvar=True,
+    help="Serve /metrics, /healthz, /readyz and the dashboard together on this one port "
+    "(beside any of their own ports). [default: off]",
+)
+@click.option(
+    "--ops-addr",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="ORDERS_OPS_ADDR",
+    show_envvar=True,
+    help="Address the one server listens on; anything but loopback needs "
+    "ORDERS_DASHBOARD_TOKEN (the dashboard is on it).",
+)
 @click.pass_context
 def scheduler(
     ctx: click.Context,
@@ -135,25 +152,36 @@ def scheduler(
     health_addr: str,
     dashboard_port: int | None,
     dashboard_host: str,
+    ops_port: int | None,
+    ops_addr: str,
 ) -> None:
     """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
+    from orders.scheduler.health import HealthServer, SchedulerHealth  # noqa: PLC0415
     from orders.scheduler.process import run_scheduler  # noqa: PLC0415
 
     dashboard_token = None
-    if dashboard_port is not None:
+    if dashboard_port is not None or ops_port is not None:
         from orders.dashboard import check_bind, token_from_env  # noqa: PLC0415
 
         dashboard_token = token_from_env()
-        check_bind(dashboard_host, dashboard_token)
-        check_port("dashboard_port", dashboard_port)
-    health = None
+        if dashboard_port is not None:
+            check_bind(dashboard_host, dashboard_token)
+            check_port("dashboard_port", dashboard_port)
+    health: SchedulerHealth | None = None
     if health_port is not None:
         # Bound first: a bad or taken port stops the command before anything else starts.
         # Its answers hold no secret, so any address given explicitly is allowed.
-        from orders.scheduler.health import HealthServer  # noqa: PLC0415
-
         health = HealthServer(health_addr, health_port)
         logging.getLogger("orders.health").info("health on %s/healthz", health.url)
+    ops = None
+    if ops_port is not None:
+        from orders.cli.ops_server import OpsServer  # noqa: PLC0415
+
+        ops = OpsServer(ops_addr, ops_port, token=dashboard_token, health=health)
+        health = ops.health  # one report, on either port
+        logging.getLogger("orders.health").info(
+            "metrics, health and dashboard on %s/ (/metrics, /healthz, /readyz)", ops.url
+        )
     if metrics_port is not None:
         from orders.metrics import serve  # noqa: PLC0415
 
@@ -165,6 +193,8 @@ def scheduler(
     dashboard = None
     try:
         service = cli_state(ctx).service(long_running=True)
+        if ops is not None:
+            ops.add_dashboard(service)
         if dashboard_port is not None:
             from orders.dashboard import start_dashboard  # noqa: PLC0415
 
@@ -180,10 +210,9 @@ def scheduler(
             health=health,
         )
     finally:
-        if dashboard is not None:
-            dashboard.close()
-        if health is not None:
-            health.close()
+        for opened in (dashboard, ops, health):
+            if opened is not None:
+                opened.close()
 
 
 @main.command()

@@ -1,8 +1,10 @@
-"""The live web dashboard: ``orders dashboard``, or ``orders scheduler --dashboard-port``.
+"""The live web dashboard: ``orders dashboard``, ``orders scheduler --dashboard-port`` (or
+``--ops-port``), or mounted in a host application as ASGI.
 
-``snapshot`` reads the figures from both stores, ``access`` decides who may see them and
-``server`` serves the page, its assets and the live stream. :func:`start_dashboard` is the
-one way the commands start it.
+``snapshot`` reads the figures from both stores, ``access`` decides who may see them,
+``server`` answers the page, its assets and the live stream (and serves them on a port of
+their own) and ``asgi`` carries the same routes to an ASGI host. :func:`start_dashboard` is
+the one way the commands start it; :func:`asgi_app` the one way a host mounts it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from collections.abc import Mapping
 
 from orders.dashboard.access import TOKEN_ENV, check_bind
+from orders.dashboard.asgi import OperatorApp, asgi_app
 from orders.dashboard.server import DEFAULT_REFRESH_S, Dashboard
 from orders.httpd import Served
 from orders.service import OrderService
@@ -48,6 +51,8 @@ __all__ = [
     "DEFAULT_PORT",
     "TOKEN_ENV",
     "Dashboard",
+    "OperatorApp",
+    "asgi_app",
     "check_bind",
     "start_dashboard",
     "token_from_env",

@@ -26,10 +26,15 @@ TOKEN_MIN_LENGTH = 16
 COOKIE_NAME = "orders_dashboard"
 
 
-def check_bind(host: str, token: str | None) -> None:
-    """Refuse a non-loopback ``host`` without a token, and a token too short to guard it."""
+def check_token(token: str | None) -> None:
+    """Refuse a token too short to guard the pages (None: no token, nothing to check)."""
     if token is not None and len(token) < TOKEN_MIN_LENGTH:
         raise InvalidInput(TOKEN_ENV, f"must be at least {TOKEN_MIN_LENGTH} characters")
+
+
+def check_bind(host: str, token: str | None) -> None:
+    """Refuse a non-loopback ``host`` without a token, and a token too short to guard it."""
+    check_token(token)
     if token is None and not is_loopback(host):
         raise InvalidInput(
             "host", f"{host} is not loopback: set {TOKEN_ENV} to serve the dashboard there"
@@ -71,10 +76,12 @@ class Access:
             candidate.encode("utf-8", "surrogateescape"), self.token.encode()
         )
 
-    def set_cookie(self, *, secure: bool) -> str:
-        """The ``Set-Cookie`` value for a logged-in browser: script-proof, same-site only."""
+    def set_cookie(self, *, secure: bool, path: str = "/") -> str:
+        """The ``Set-Cookie`` value for a logged-in browser: script-proof, same-site only,
+        sent only below ``path`` (where the dashboard is mounted)."""
         flags = "; Secure" if secure else ""
-        return f"{COOKIE_NAME}={self.session_value}; Path=/; HttpOnly; SameSite=Strict{flags}"
+        value = self.session_value
+        return f"{COOKIE_NAME}={value}; Path={path}; HttpOnly; SameSite=Strict{flags}"
 
 
 def _cookie(header: str | None, name: str) -> str | None:

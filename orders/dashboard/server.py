@@ -1,6 +1,7 @@
 """The dashboard's HTTP side: the page, its two assets, a JSON API and a live event stream.
 
-Routes (all ``GET`` but the login form's ``POST``):
+Routes (all ``GET`` or ``HEAD`` but the login form's ``POST``), below wherever the
+dashboard is mounted (``/`` on its own port, ``/ops/orders/`` inside a host app):
 
 * ``/`` the page; ``/static/dashboard.js`` and ``/static/dashboard.css`` its only assets,
   read from the package: nothing comes from the internet and nothing is built.
@@ -8,6 +9,11 @@ Routes (all ``GET`` but the login form's ``POST``):
   events, one every ``refresh_s``; ``/api/user?user_id=...`` one user's slots, SQL beside
   the index.
 * ``/login`` the token form (only with a token set); it sets the session cookie.
+
+The page and the form name these by relative URLs, and the redirects and the cookie's path
+carry the mount point, so the same files work at any prefix. :meth:`Dashboard.route`
+answers a :class:`~orders.httpd.Request` whichever server carried it: the threaded one
+here (:meth:`Dashboard.serve`) or an ASGI host (:mod:`orders.dashboard.asgi`).
 
 The overview is read at most once per ``refresh_s`` however many browsers are watching:
 the streams share one cached reading, so ten open tabs cost the stores what one does.
@@ -21,12 +27,21 @@ import time
 from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 from orders.dashboard.access import Access, check_bind
 from orders.dashboard.snapshot import compare_user, read_overview
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.httpd import QuietHandler, Served, send_bytes, send_json, serve
+from orders.httpd import (
+    EventStream,
+    OpenCount,
+    Request,
+    Response,
+    Served,
+    first_of,
+    json_response,
+    serve,
+)
 from orders.service import OrderService
 from orders.validation import check_seconds
 
@@ -34,8 +49,6 @@ ASSETS = {
     "/static/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
     "/static/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
 }
-#: A login form posts a token, nothing bigger.
-MAX_FORM_BYTES = 4096
 #: The page loads only its own assets and talks only to its own origin.
 PAGE_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -44,6 +57,7 @@ PAGE_POLICY = (
 #: The login form carries its few styles inline, so it loads before any sign-in.
 LOGIN_POLICY = PAGE_POLICY.replace("style-src 'self'", "style-src 'unsafe-inline'")
 DEFAULT_REFRESH_S = 2.0
+HTML = "text/html; charset=utf-8"
 
 
 def _asset(name: str) -> bytes:
@@ -96,113 +110,95 @@ class Dashboard:
         self.overview = Overview(lambda: read_overview(service), refresh_s / 2)
         #: Set on close: every open event stream ends at its next wake-up.
         self.closing = threading.Event()
+        #: The event streams open now, whichever server carries them.
+        self.streams = OpenCount()
 
     def serve(self, host: str, port: int) -> Served:
         """Listen on ``host:port`` (refused off loopback without a token) from a thread."""
         check_bind(host, self.access.token)
-        handler = _handler(self)
+        app = first_of(self.route)
         name = "orders-dashboard"
-        return serve(handler, host, port, name=name, field="port", on_close=self.closing.set)
+        return serve(app, host, port, name=name, field="port", on_close=self.closing.set)
 
+    def route(self, request: Request) -> Response | None:
+        """The dashboard's answer to ``request``; None for a path that is not its own."""
+        path = request.path
+        if request.method == "POST":
+            return self._login(request) if path == "/login" and not self.access.open else None
+        if request.method not in ("GET", "HEAD"):
+            return None
+        if path == "":  # the mount point without its slash: the page's relative URLs need it
+            return _redirect(request.root + "/")
+        if path == "/login":
+            return self._login_form(request.root, error=False)
+        if path == "/favicon.ico":
+            return Response(204, b"", "image/x-icon")  # browsers ask, even before a login
+        if path not in PATHS:
+            return None
+        if not self.access.allows(request.header("Authorization"), request.header("Cookie")):
+            return _refuse(request)
+        return self._guarded(request)
 
-class DashboardHandler(QuietHandler):
-    """One request to a dashboard; :func:`_handler` binds the class to its dashboard."""
+    def _guarded(self, request: Request) -> Response:
+        """One of :data:`PATHS`, for a request the access rule let in."""
+        path = request.path
+        if path in ("/", "/index.html"):
+            page_headers = {"Content-Security-Policy": PAGE_POLICY}
+            return Response(200, _asset("index.html"), HTML, page_headers)
+        if path in ASSETS:
+            name, content_type = ASSETS[path]
+            return Response(200, _asset(name), content_type)
+        if path == "/api/overview":
+            return Response(200, self.overview.json())
+        if path == "/api/events":
+            return Response(200, stream=self._stream())
+        return self._user(request.param("user_id"))
 
-    protocol_version = "HTTP/1.1"
-    dashboard: Dashboard
+    def _login(self, request: Request) -> Response:
+        form = parse_qs(request.body.decode("utf-8", "replace"))
+        if not self.access.is_token(form.get("token", [""])[0]):
+            return self._login_form(request.root, error=True)
+        cookie = self.access.set_cookie(secure=self.secure_cookie, path=request.root + "/")
+        return _redirect(request.root + "/", {"Set-Cookie": cookie})
 
-    def do_HEAD(self) -> None:
-        self.do_GET()
-
-    def do_GET(self) -> None:
-        url = urlsplit(self.path)
-        if url.path == "/login":
-            self._login_form(error=False)
-        elif url.path == "/favicon.ico":
-            send_bytes(self, 204, b"", "image/x-icon")  # browsers ask, even before a login
-        elif not self.dashboard.access.allows(
-            self.headers.get("Authorization"), self.headers.get("Cookie")
-        ):
-            self._refuse(url.path)
-        elif url.path in ("/", "/index.html"):
-            headers = {"Content-Security-Policy": PAGE_POLICY}
-            send_bytes(self, 200, _asset("index.html"), "text/html; charset=utf-8", headers)
-        elif url.path in ASSETS:
-            name, content_type = ASSETS[url.path]
-            send_bytes(self, 200, _asset(name), content_type)
-        elif url.path == "/api/overview":
-            send_bytes(self, 200, self.dashboard.overview.json(), "application/json")
-        elif url.path == "/api/events":
-            self._stream()
-        elif url.path == "/api/user":
-            self._user(parse_qs(url.query).get("user_id", [""])[0])
-        else:
-            send_json(self, 404, {"error": "not found"})
-
-    def do_POST(self) -> None:
-        access = self.dashboard.access
-        if urlsplit(self.path).path != "/login" or access.open:
-            send_json(self, 404, {"error": "not found"})
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        if not 0 <= length <= MAX_FORM_BYTES:
-            send_json(self, 413, {"error": "form too large"})
-            return
-        form = parse_qs(self.rfile.read(length).decode("utf-8", "replace"))
-        if access.is_token(form.get("token", [""])[0]):
-            cookie = access.set_cookie(secure=self.dashboard.secure_cookie)
-            headers = {"Location": "/", "Set-Cookie": cookie}
-            send_bytes(self, 303, b"", "text/plain", headers)
-        else:
-            self._login_form(error=True)
-
-    def _refuse(self, path: str) -> None:
-        """401 for scripts and the API; a browser asking for a page goes to the form."""
-        if path.startswith("/api/") or "text/html" not in self.headers.get("Accept", ""):
-            headers = {"WWW-Authenticate": 'Bearer realm="orders dashboard"'}
-            body = json.dumps({"error": "a valid token is required"}).encode()
-            send_bytes(self, 401, body, "application/json", headers)
-        else:
-            send_bytes(self, 303, b"", "text/plain", {"Location": "/login"})
-
-    def _login_form(self, *, error: bool) -> None:
-        if self.dashboard.access.open:
-            send_bytes(self, 303, b"", "text/plain", {"Location": "/"})
-            return
+    def _login_form(self, root: str, *, error: bool) -> Response:
+        if self.access.open:
+            return _redirect(root + "/")
         page = _asset("login.html")
         if error:
             page = page.replace(b"<!--error-->", b'<p class="error">Wrong token.</p>')
         headers = {"Content-Security-Policy": LOGIN_POLICY}
-        send_bytes(self, 401 if error else 200, page, "text/html; charset=utf-8", headers)
+        return Response(401 if error else 200, page, HTML, headers)
 
-    def _user(self, user_id: str) -> None:
+    def _user(self, user_id: str) -> Response:
         try:
-            send_json(self, 200, compare_user(self.dashboard.service, user_id))
+            return json_response(200, compare_user(self.service, user_id))
         except InvalidInput as exc:
-            send_json(self, 400, {"error": str(exc)})
+            return json_response(400, {"error": str(exc)})
         except StoreUnavailable as exc:
-            send_json(self, 503, {"error": str(exc)})
+            return json_response(503, {"error": str(exc)})
 
-    def _stream(self) -> None:
+    def _stream(self) -> EventStream:
         """Server-sent events: the overview now, then every ``refresh_s`` until closed."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-store")
-        self.send_header("X-Accel-Buffering", "no")  # a proxy must pass events at once
-        self.end_headers()
-        self.close_connection = True
-        if self.command == "HEAD":
-            return  # the headers only: a HEAD has no body, least of all an endless one
-        closing = self.dashboard.closing
-        try:
-            while not closing.is_set():
-                data = self.dashboard.overview.json()
-                self.wfile.write(b"event: overview\ndata: " + data + b"\n\n")
-                self.wfile.flush()
-                closing.wait(self.dashboard.refresh_s)
-        except (BrokenPipeError, ConnectionResetError, TimeoutError):
-            return  # the browser went away, or stopped reading
+
+        def next_event() -> bytes:
+            return b"event: overview\ndata: " + self.overview.json() + b"\n\n"
+
+        return EventStream(next_event, self.refresh_s, self.closing, self.streams)
 
 
-def _handler(dashboard: Dashboard) -> type[DashboardHandler]:
-    return type("BoundDashboardHandler", (DashboardHandler,), {"dashboard": dashboard})
+#: Every path the dashboard serves behind its access rule.
+PATHS = frozenset({"/", "/index.html", *ASSETS, "/api/overview", "/api/events", "/api/user"})
+
+
+def _redirect(location: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(303, b"", "text/plain", {"Location": location, **(headers or {})})
+
+
+def _refuse(request: Request) -> Response:
+    """401 for scripts and the API; a browser asking for a page goes to the form."""
+    accept = request.header("Accept") or ""
+    if request.path.startswith("/api/") or "text/html" not in accept:
+        headers = {"WWW-Authenticate": 'Bearer realm="orders dashboard"'}
+        return json_response(401, {"error": "a valid token is required"}, headers)
+    return _redirect(request.root + "/login")

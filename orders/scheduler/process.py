@@ -16,7 +16,7 @@ from orders.scheduler.sweeper import SUMMARY_PERIOD_S, Sweeper, log_event
 from orders.service import OrderService
 
 if TYPE_CHECKING:
-    from orders.scheduler.health import HealthServer
+    from orders.scheduler.health import SchedulerHealth
 
 
 def run_scheduler(
@@ -26,7 +26,7 @@ def run_scheduler(
     lease_ttl_s: float | None = None,
     batch_size: int | None = None,
     summary_period_s: float = SUMMARY_PERIOD_S,
-    health: HealthServer | None = None,
+    health: SchedulerHealth | None = None,
 ) -> None:
     """Sweep until SIGTERM or SIGINT, then finish the batch in hand, release the lease and
     return. Call it from the main thread (signal handlers are installed there).
@@ -38,8 +38,9 @@ def run_scheduler(
     The sweeper's ``summary`` line comes at most every ``summary_period_s``, and once more
     on the way out.
 
-    ``health``, a bound :class:`~orders.scheduler.health.HealthServer`, reports on this scheduler
-    while it runs and is closed on the way out.
+    ``health`` (a :class:`~orders.scheduler.health.SchedulerHealth`, a bound
+    ``HealthServer`` among them) reports on this scheduler while it runs and is closed on
+    the way out.
     """
     sweeper = Sweeper(
         service,

@@ -19,10 +19,8 @@ Every run saves a full-page screenshot to ``build/screenshots/dashboard.png``; t
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,6 +47,7 @@ from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.index.lease import SweeperLease
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
+from tests.support.browser import CHROMIUM_ARGS, chromium_path
 from tests.support.clocks import ManualClock
 
 # One engine is enough: the browser sees the same JSON whichever store answers it.
@@ -56,17 +55,6 @@ pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
 TOKEN = "browser-test-token-0123456789"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "build" / "screenshots" / "dashboard.png"
-#: Our flags on top of Playwright's own: no sandbox (CI runs as root), no GPU, and none of
-#: Chromium's background requests, which would only wait on the closed network.
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 #: How long the page may take to show a change: many refreshes (0.2 s) on a slow machine.
 WAIT_MS = 10_000
 SHOP_USERS = [
@@ -83,17 +71,6 @@ LOST_COUNTER = """() => {
 FIGURES = ("unpaid", "open_unpaid", "paid", "cancelled", "closed", "backlog")
 #: A payment reference is caller text: the page must show it as text, never run it.
 HOSTILE_REF = "<img src=x onerror=alert(1)>"
-
-
-def chromium_path() -> str:
-    """The Chromium to drive; skips (fails in CI) when there is none."""
-    path = os.environ.get("ORDERS_CHROMIUM") or shutil.which("chromium")
-    if path is None or not os.access(path, os.X_OK):
-        reason = "no Chromium: install Debian's chromium or set ORDERS_CHROMIUM to its path"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the browser test must run in CI: {reason}")
-        pytest.skip(reason)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 
@@ -18,6 +17,7 @@ from orders.errors import InvalidInput
 from orders.httpd import Served
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
+from tests.support.sse import read_event
 
 TOKEN = "s3cret-dashboard-token"
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -130,19 +130,8 @@ def test_a_bad_user_id_is_a_400_and_an_unknown_path_a_404(service: OrderService)
         assert get(served, "/nothing", bearer(TOKEN))[0] == 404
 
 
-def read_event(reply: http.client.HTTPResponse) -> dict[str, Any]:
-    """The next ``overview`` event of a server-sent event stream."""
-    kind = data = None
-    while True:
-        line = reply.fp.readline().decode().rstrip("\n")
-        if line.startswith("event: "):
-            kind = line.removeprefix("event: ")
-        elif line.startswith("data: "):
-            data = line.removeprefix("data: ")
-        elif line == "" and data is not None:
-            assert kind == "overview"
-            parsed: dict[str, Any] = json.loads(data)
-            return parsed
+def next_line(reply: http.client.HTTPResponse) -> Callable[[], str]:
+    return lambda: reply.fp.readline().decode().rstrip("\n")
 
 
 def test_the_stream_carries_a_change_without_a_new_request(
@@ -153,12 +142,12 @@ def test_the_stream_carries_a_change_without_a_new_request(
         conn.request("GET", "/api/events", headers=bearer(TOKEN))
         reply = conn.getresponse()
         assert reply.getheader("Content-Type") == "text/event-stream"
-        first = read_event(reply)
+        first = read_event(next_line(reply))
         assert first["sql"]["stats"]["by_status"]["unpaid"] == 0
         service.create_unpaid_order("u", ttl_s=60, order_id="o1")
         clock.advance(ms=1)
-        event = read_event(reply)
+        event = read_event(next_line(reply))
         while event["at_ms"] == first["at_ms"]:
-            event = read_event(reply)  # a reading cached from before the create
+            event = read_event(next_line(reply))  # a reading cached from before the create
         assert event["sql"]["stats"]["by_status"]["unpaid"] == 1
         conn.close()

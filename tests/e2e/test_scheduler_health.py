@@ -44,6 +44,35 @@ def wait_for(
         time.sleep(0.05)
 
 
+def stopped(proc: subprocess.Popen[str]) -> str:
+    """SIGTERM, then its stderr once it exited 0."""
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=15)
+    assert proc.returncode == 0, stderr
+    return stderr
+
+
+def kill_if_running(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        stop_process(proc, signum=signal.SIGKILL)
+        proc.communicate()
+
+
+def answered_after_a_sweep(
+    url: str, status: int
+) -> Callable[[], tuple[int, dict[str, Any]] | None]:
+    """A probe of ``url``: its answer once it is ``status`` and names a sweep, else None."""
+
+    def probe() -> tuple[int, dict[str, Any]] | None:
+        try:
+            found = get(url)
+        except OSError:
+            return None  # not listening yet
+        return found if found[0] == status and found[1].get("last_successful_sweep") else None
+
+    return probe
+
+
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_health_and_readiness_of_a_real_scheduler_and_its_redis_going_down(
     database_url: str, redis_binary: Path | None
@@ -67,14 +96,7 @@ def test_health_and_readiness_of_a_real_scheduler_and_its_redis_going_down(
     base = f"http://127.0.0.1:{port}"
 
     def answered(path: str, status: int) -> Callable[[], tuple[int, dict[str, Any]] | None]:
-        def probe() -> tuple[int, dict[str, Any]] | None:
-            try:
-                found = get(base + path)
-            except OSError:
-                return None  # not listening yet
-            return found if found[0] == status and found[1].get("last_successful_sweep") else None
-
-        return probe
+        return answered_after_a_sweep(base + path, status)
 
     try:
         _, healthy = wait_for("/healthz 200 after a sweep", answered("/healthz", 200), proc)
@@ -95,14 +117,9 @@ def test_health_and_readiness_of_a_real_scheduler_and_its_redis_going_down(
         status, still = get(base + "/healthz")
         assert (status, still["status"], still["checks"]["scheduler"]) == (200, "ok", "running")
 
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=15)
-        assert proc.returncode == 0, stderr
-        assert f"health on {base}/healthz" in stderr
+        assert f"health on {base}/healthz" in stopped(proc)
     finally:
-        if proc.poll() is None:
-            stop_process(proc, signum=signal.SIGKILL)
-            proc.communicate()
+        kill_if_running(proc)
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -124,3 +141,47 @@ def test_a_bad_or_taken_health_port_is_one_line_and_exit_2_before_anything_start
             (line,) = done.stderr.splitlines()
             assert line.startswith(f"error: invalid health_port: {problem}")
             assert not home.exists()  # no store was opened, no embedded Redis started
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_one_port_serves_metrics_health_and_the_dashboard(
+    database_url: str, redis_url: str, redis_client: Any, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = child_env(
+        ORDERS_HOME=str(tmp_path / "home"),
+        ORDERS_DATABASE_URL=database_url,
+        ORDERS_REDIS_URL=redis_url,
+        ORDERS_OPS_PORT=str(port),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orders", "scheduler", "--interval", "0.2"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        swept = answered_after_a_sweep(base + "/healthz", 200)
+        _, healthy = wait_for("/healthz 200 after a sweep", swept, proc)
+        assert healthy["role"] == "active"
+        status, ready = get(base + "/readyz")
+        assert (status, ready["checks"]) == (200, {"sql": "ok", "redis": "ok"})
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as answer:
+            metrics = answer.read().decode()
+        assert "\norders_scheduler_active 1.0\n" in metrics
+        status, overview = get(base + "/api/overview")  # loopback: no token needed
+        assert status == 200
+        assert overview["sql"]["stats"]["by_status"]["unpaid"] == 0
+        with urllib.request.urlopen(base + "/", timeout=10) as answer:
+            assert b'src="static/dashboard.js"' in answer.read()
+
+        assert f"metrics, health and dashboard on {base}/" in stopped(proc)
+    finally:
+        kill_if_running(proc)
+    # Off loopback the one port needs the dashboard's token, as the dashboard's own does.
+    refused = run_orders("scheduler", "--ops-port", "0", "--ops-addr", "0.0.0.0", env=env)
+    assert refused.returncode == 2, refused.stderr
+    assert "ORDERS_DASHBOARD_TOKEN" in refused.stderr

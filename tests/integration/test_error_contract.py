@@ -733,6 +733,7 @@ CLI_MALFORMED: list[tuple[str, str, tuple[str, ...]]] = [
     ("ORDERS_METRICS_PORT", "http", ("scheduler",)),
     ("ORDERS_HEALTH_PORT", "http", ("scheduler",)),
     ("ORDERS_DASHBOARD_PORT", "http", ("scheduler",)),  # the dashboard row passes --port
+    ("ORDERS_OPS_PORT", "http", ("scheduler",)),
 ]
 #: Commands that read no setting but ORDERS_HOME (and main's log format): ``demo`` always
 #: builds its own Settings on the embedded stores (README), so it is run only with those.

@@ -7,7 +7,6 @@ and each row of the mapping are checked exactly, without a server.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 from types import ModuleType
 from typing import Any, cast
@@ -27,18 +26,12 @@ from orders.errors import (
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
-from tests.support.processes import REPO
+from tests.support.examples import load_example
 
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    path = REPO / "examples" / "fastapi_checkout" / "app.py"
-    spec = importlib.util.spec_from_file_location("fastapi_checkout_app", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("fastapi_checkout/app.py", "fastapi_checkout_app")
 
 
 def answer(example: ModuleType, exc: OrdersError) -> tuple[int, dict[str, str], dict[str, Any]]:

@@ -1,5 +1,6 @@
-// The orders dashboard: fills the page from /api/events (server-sent events) and answers
-// the user search from /api/user. Every value from the server is written as text
+// The orders dashboard: fills the page from api/events (server-sent events) and answers
+// the user search from api/user, both relative to the page, so that it works wherever the
+// dashboard is mounted (/ or /ops/orders/). Every value from the server is written as text
 // (textContent), never as HTML: order and user ids are whatever checkout code chose, and
 // a payment reference whatever the payment callback passed on.
 "use strict";
@@ -189,7 +190,7 @@ function render(data) {
 async function lookUp(userId) {
   const summary = $("#user-summary");
   const table = $("#user-slots");
-  const reply = await fetch(`/api/user?user_id=${encodeURIComponent(userId)}`, { credentials: "same-origin" });
+  const reply = await fetch(`api/user?user_id=${encodeURIComponent(userId)}`, { credentials: "same-origin" });
   const body = await reply.json();
   if (!reply.ok) {
     summary.textContent = body.error;
@@ -211,7 +212,7 @@ async function lookUp(userId) {
 
 function connect() {
   const live = $("#live");
-  const events = new EventSource("/api/events");
+  const events = new EventSource("api/events");
   events.addEventListener("overview", (event) => {
     render(JSON.parse(event.data));
     live.dataset.state = "live";

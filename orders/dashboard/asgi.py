@@ -1,0 +1,212 @@
+"""The operator pages as an ASGI app, for a FastAPI or Starlette host to mount under a path.
+
+The routes are the standalone dashboard's own (:meth:`Dashboard.route`) beside the store
+probes (:class:`~orders.probes.StoreHealth`): this module is only their transport, written
+against the ASGI spec (HTTP and lifespan scopes), so it adds no dependency. Every route
+runs in a worker thread (``anyio.to_thread``), since its reads of SQL and Redis block; the
+event loop only moves bytes. An event stream reads the overview in a thread too, sleeps on
+the loop between events, and ends when the client disconnects (the ``http.disconnect``
+message, watched beside it) or when :meth:`OperatorApp.close` is called.
+
+The app works at any mount point: the path the host routed it under comes in the scope's
+``root_path``, and the page names everything else by relative URLs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+
+from orders.bootstrap import build_service
+from orders.config import Settings
+from orders.dashboard.access import check_token
+from orders.dashboard.server import DEFAULT_REFRESH_S, Dashboard
+from orders.errors import InvalidInput
+from orders.httpd import (
+    MAX_BODY_BYTES,
+    TOO_LARGE,
+    App,
+    EventStream,
+    Request,
+    Response,
+    first_of,
+    header_map,
+)
+from orders.probes import StoreHealth
+from orders.service import OrderService
+from orders.validation import check_seconds
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+#: Who guards the pages: the dashboard's token login, or the host's own auth in front.
+Auth = Literal["token", "host"]
+
+
+class OperatorApp:
+    """An ASGI app of the dashboard and the store probes (see :func:`asgi_app`)."""
+
+    def __init__(self, dashboard: Dashboard, *, owns_service: bool) -> None:
+        self.dashboard = dashboard
+        self.app: App = first_of(dashboard.route, StoreHealth(dashboard.service).route)
+        self._owns_service = owns_service
+        self._closed = False
+
+    def close(self) -> None:
+        """End every open event stream (at its next wake-up, within ``refresh_s``) and,
+        if the app built its service from settings, close it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.dashboard.closing.set()
+        if self._owns_service:
+            self.dashboard.service.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        elif scope["type"] == "http":
+            await self._http(scope, receive, send)
+        else:  # a websocket: nothing here speaks it
+            await send({"type": "websocket.close", "code": 1000})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        """Run on its own (``uvicorn orders_ops:app``), the app follows the server's life;
+        mounted, the host's lifespan is the host's, and it calls :meth:`close`."""
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client left before its request was in
+        if isinstance(body, Response):
+            await _send(scope, body, receive, send)
+            return
+        request = _request(scope, body)
+        response = await anyio.to_thread.run_sync(self.app, request)
+        await _send(scope, response, receive, send)
+
+
+def _request(scope: Scope, body: bytes) -> Request:
+    """The scope as a :class:`Request`, its path below the mount point (the host leaves the
+    full path in ``path`` and the mount point in ``root_path``, as the ASGI spec and
+    Starlette's ``Mount`` do)."""
+    root = (scope.get("root_path") or "").rstrip("/")
+    path = scope["path"]
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root) :]
+    pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])]
+    query = scope.get("query_string", b"").decode("latin-1")
+    return Request(scope["method"], path, query, header_map(pairs), body, root)
+
+
+async def _read_body(receive: Receive) -> bytes | Response | None:
+    """The body (at most ``MAX_BODY_BYTES``: more is refused), or None if the client left."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message.get("body", b"")
+        if len(body) > MAX_BODY_BYTES:
+            return TOO_LARGE
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+async def _send(scope: Scope, response: Response, receive: Receive, send: Send) -> None:
+    headers = [
+        (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.header_items()
+    ]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    if scope["method"] == "HEAD":
+        await send({"type": "http.response.body", "body": b""})
+    elif response.stream is None:
+        await send({"type": "http.response.body", "body": response.body})
+    elif not await _stream(response.stream, receive, send):
+        await send({"type": "http.response.body", "body": b""})  # the end of the stream
+
+
+async def _stream(stream: EventStream, receive: Receive, send: Send) -> bool:
+    """Send events until the stream closes or the client goes; True if the client went."""
+    gone = False
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        with stream.open.held():
+            while not stream.closing.is_set():
+                event = await anyio.to_thread.run_sync(stream.next_event)
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await anyio.sleep(stream.interval_s)
+        group.cancel_scope.cancel()
+    return gone
+
+
+def asgi_app(
+    source: OrderService | Settings,
+    *,
+    token: str | None = None,
+    auth: Auth = "token",
+    refresh_s: float = DEFAULT_REFRESH_S,
+    secure_cookie: bool = False,
+) -> OperatorApp:
+    """The dashboard and the store probes as an ASGI app, to mount under any path::
+
+        ops = asgi_app(service, token=os.environ["ORDERS_DASHBOARD_TOKEN"])
+        app.mount("/ops/orders", ops)   # FastAPI or Starlette; call ops.close() at shutdown
+
+    ``source``: the service to show, or settings to build one from (the app then owns it,
+    and :meth:`OperatorApp.close` closes it).
+
+    Who may look is a choice to make, never a default: ``auth="token"`` (the default) needs
+    ``token`` (16 characters at least) and guards the pages with the dashboard's login
+    form and bearer check; ``auth="host"`` takes no token and serves the pages to every
+    request that reaches them, for a host whose own auth stands in front of the mount.
+    ``/healthz`` and ``/readyz`` answer without a token either way (they hold no order
+    data). ``secure_cookie``: mark the login cookie ``Secure`` (the host is reached over
+    HTTPS). Anything else is :class:`~orders.errors.InvalidInput`, raised here.
+    """
+    if auth == "host":
+        if token is not None:
+            raise InvalidInput("token", 'auth="host" takes no token: the host guards the pages')
+    elif auth == "token":
+        if token is None:
+            raise InvalidInput(
+                "token",
+                'required with auth="token"; pass auth="host" if the host\'s own auth '
+                "stands in front of the pages",
+            )
+        check_token(token)
+    else:
+        raise InvalidInput("auth", f'must be "token" or "host" (got {auth!r})')
+    check_seconds("refresh_s", refresh_s)
+    owns_service = isinstance(source, Settings)
+    service = build_service(source) if isinstance(source, Settings) else source
+    try:
+        dashboard = Dashboard(
+            service, token=token, refresh_s=refresh_s, secure_cookie=secure_cookie
+        )
+    except BaseException:
+        if owns_service:
+            service.close()
+        raise
+    return OperatorApp(dashboard, owns_service=owns_service)
