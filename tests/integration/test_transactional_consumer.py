@@ -8,6 +8,7 @@ kill -9 side is ``tests/crash/test_exactly_once_consumer.py``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 
@@ -109,7 +110,7 @@ def test_twin_consumers_racing_hand_each_event_over_exactly_once(
         for _ in range(2)
     ]
     last = read_events(engine, limit=1000)[-1].position
-    results = outcomes_of_race([lambda c=c: drain(c, last) for c in twins])
+    results = outcomes_of_race([functools.partial(drain, c, last) for c in twins])
 
     assert all(isinstance(r, ConsumeResult) for r in results), results
     counts = effect_counts(engine)
