@@ -1,4 +1,5 @@
-"""Consuming order_events: every transition, in commit order, at least once per consumer.
+"""Consuming order_events: every transition, in commit order, at least once per consumer
+(exactly once for a handler that writes only to this database, with ``transactional=True``).
 
 Each transition writes an ``order_events`` row in the transaction that makes it (an
 outbox), so an event exists exactly when its transition committed. :func:`read_events`
@@ -13,7 +14,10 @@ named position and calls a handler for each event:
 * after ``max_attempts`` tries in all the event is *parked*: kept with its attempt count
   and last error, logged once at WARNING, and not tried again until an operator requeues
   it (:mod:`orders.events.admin`, ``orders events``). The vocabulary follows Oban
-  (retryable / discarded, ``max_attempts``) and Sidekiq (retry set / dead set).
+  (retryable / discarded, ``max_attempts``) and Sidekiq (retry set / dead set);
+* with ``transactional=True`` the handler writes on the consumer's own Connection, in the
+  transaction that moves the cursor (or deletes the retry row): a handled event's writes
+  and its outcome commit together, so a crash neither skips nor repeats them.
 
 Commit order: on SQLite one writer at a time means ids are assigned in commit order. On
 PostgreSQL ids are not (a transaction may take an id and commit after a later one), so each
