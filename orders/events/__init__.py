@@ -11,8 +11,18 @@ from orders.events.consumer import (
     ConsumeResult,
     EventConsumer,
     EventPosition,
+    Handler,
     OrderEvent,
+    TransactionalHandler,
     read_events,
 )
 
-__all__ = ["ConsumeResult", "EventConsumer", "EventPosition", "OrderEvent", "read_events"]
+__all__ = [
+    "ConsumeResult",
+    "EventConsumer",
+    "EventPosition",
+    "Handler",
+    "OrderEvent",
+    "TransactionalHandler",
+    "read_events",
+]

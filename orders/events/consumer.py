@@ -1,4 +1,5 @@
-"""Consuming order_events: every transition, in commit order, at least once per consumer.
+"""Consuming order_events: every transition, in commit order, at least once per consumer
+(exactly once for a handler that writes only to this database, with ``transactional=True``).
 
 Each transition writes an ``order_events`` row in the transaction that makes it (an
 outbox), so an event exists exactly when its transition committed. :func:`read_events`
@@ -13,7 +14,10 @@ named position and calls a handler for each event:
 * after ``max_attempts`` tries in all the event is *parked*: kept with its attempt count
   and last error, logged once at WARNING, and not tried again until an operator requeues
   it (:mod:`orders.events.admin`, ``orders events``). The vocabulary follows Oban
-  (retryable / discarded, ``max_attempts``) and Sidekiq (retry set / dead set).
+  (retryable / discarded, ``max_attempts``) and Sidekiq (retry set / dead set);
+* with ``transactional=True`` the handler writes on the consumer's own Connection, in the
+  transaction that moves the cursor (or deletes the retry row): a handled event's writes
+  and its outcome commit together, so a crash neither skips nor repeats them.
 
 Commit order: on SQLite one writer at a time means ids are assigned in commit order. On
 PostgreSQL ids are not (a transaction may take an id and commit after a later one), so each
@@ -28,9 +32,20 @@ import logging
 import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast, overload
 
-from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, select, tuple_
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    Select,
+    Table,
+    delete,
+    false,
+    func,
+    select,
+    tuple_,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, ActorKind, Clock, EventKind, system_clock
@@ -42,6 +57,7 @@ from orders.sql.models import (
     retries_table,
     sql_errors,
 )
+from orders.sql.transactions import Transactions
 from orders.validation import check_count
 
 log = logging.getLogger("orders.events")  # the package's name: consumers configure it
@@ -79,6 +95,14 @@ class OrderEvent:
     @property
     def position(self) -> EventPosition:
         return EventPosition(self.txid or 0, self.id)
+
+
+#: The handler of an :class:`EventConsumer`: called with each event, outside any transaction
+#: of the consumer's.
+Handler = Callable[[OrderEvent], None]
+#: The handler of an ``EventConsumer(..., transactional=True)``: called with each event and
+#: the consumer's Connection, inside the transaction that records the event's outcome.
+TransactionalHandler = Callable[[OrderEvent, Connection], None]
 
 
 def _event(row: Any) -> OrderEvent:
@@ -179,17 +203,64 @@ class EventConsumer:
     failure of an event the next try is due after a delay drawn uniformly ("full jitter")
     from 0 to ``backoff_s * 2**(n-1)``, at most ``max_backoff_s``, so many consumers failing
     at once do not retry in step; ``rand`` is the random source (``random.random``).
-    An event that failed ``max_attempts`` times is parked. One instance per name at a time
-    is meant (the scheduler runs it as a single job); a second one racing it only causes
-    duplicates.
+    An event that failed ``max_attempts`` times is parked.
+
+    By default the handler is called as ``handler(event)`` between the consumer's own
+    transactions: at least once. One instance per name at a time is meant (the scheduler
+    runs it as a single job); a second one racing it only causes duplicates.
+
+    ``transactional=True``: exactly once for writes to this database. The handler is called
+    as ``handler(event, conn)`` inside a savepoint of the one transaction that also advances
+    the cursor (or, for a retried event, deletes its retry row) and records a failure: its
+    writes on ``conn`` commit together with the event's outcome, or not at all. A handler
+    that raises has its writes rolled back with the savepoint; the failure is recorded as
+    in the default mode. The handler must not commit, roll back or close ``conn``. The
+    transaction holds the consumer's cursor row locked (on SQLite, the database's write
+    lock) from before the position is read until it commits, so instances of one name
+    running at once never hand an event over twice: on PostgreSQL an instance that finds
+    the cursor (or a retry row) locked leaves it to the holder and ends its run; on SQLite
+    it waits. Keep such handlers short: on SQLite every writer waits while one runs.
     """
+
+    @overload
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        handler: Handler,
+        *,
+        transactional: Literal[False] = False,
+        kinds: Iterable[EventKind] | None = None,
+        clock: Clock | None = None,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 300.0,
+        max_attempts: int = 10,
+        rand: Random | None = None,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        engine: Engine,
+        name: str,
+        handler: TransactionalHandler,
+        *,
+        transactional: Literal[True],
+        kinds: Iterable[EventKind] | None = None,
+        clock: Clock | None = None,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 300.0,
+        max_attempts: int = 10,
+        rand: Random | None = None,
+    ) -> None: ...
 
     def __init__(
         self,
         engine: Engine,
         name: str,
-        handler: Callable[[OrderEvent], None],
+        handler: Handler | TransactionalHandler,
         *,
+        transactional: bool = False,
         kinds: Iterable[EventKind] | None = None,
         clock: Clock | None = None,
         backoff_s: float = 1.0,
@@ -198,11 +269,15 @@ class EventConsumer:
         rand: Random | None = None,
     ) -> None:
         check_consumer_name("name", name)
+        if not isinstance(transactional, bool):
+            raise InvalidInput("transactional", "must be True or False")
         self.max_attempts = check_count("max_attempts", max_attempts, 1, 1000)
         self.rand = rand or random.random
         self.engine = engine
         self.name = name
         self.handler = handler
+        self.transactional = transactional
+        self.transactions = Transactions(engine)
         self.kinds = None if kinds is None else frozenset(EventKind(k) for k in kinds)
         self.clock = clock or system_clock
         self.base_backoff_ms = round(backoff_s * 1000)
@@ -210,17 +285,22 @@ class EventConsumer:
 
     def position(self) -> EventPosition:
         with sql_errors(), self.engine.connect() as conn:
-            row = conn.execute(
-                select(CC.txid, CC.event_id).where(CC.name == self.name)
-            ).one_or_none()
-        return EventPosition() if row is None else EventPosition(row.txid, row.event_id)
+            found = conn.execute(self._cursor_query()).one_or_none()
+        return EventPosition() if found is None else EventPosition(found.txid, found.event_id)
+
+    def _cursor_query(self) -> Select[tuple[int, int]]:
+        return select(CC.txid, CC.event_id).where(CC.name == self.name)
 
     def run_once(self, limit: int = 100) -> ConsumeResult:
         """Retry what is due, then handle up to ``limit`` new events."""
         result = ConsumeResult()
-        self._retry_due(limit, result)
+        if self.transactional:
+            self._run_in_transactions(limit, result)
+            return result
+        for event_id, attempts, event in self._due_retries(limit):
+            self._retry(event_id, attempts, event, result)
         for event in read_events(self.engine, self.position(), limit):
-            if self.kinds is None or event.kind in self.kinds:
+            if self._wanted(event):
                 error = self._call(event)
                 if error is None:
                     result.handled += 1
@@ -234,25 +314,31 @@ class EventConsumer:
             self._count_parked(parked, event.id, 1, result)
         return result
 
+    def _wanted(self, event: OrderEvent) -> bool:
+        return self.kinds is None or event.kind in self.kinds
+
     def _call(self, event: OrderEvent) -> str | None:
         try:
-            self.handler(event)
+            cast(Handler, self.handler)(event)  # the overloads pair it with the mode
         except Exception as exc:  # a handler is someone else's code; its failure is data
-            log.warning(
-                "event handler %s failed on event %d (order %s): %s",
-                self.name,
-                event.id,
-                event.order_id,
-                type(exc).__name__,
-            )
-            return error_text(exc)
+            return self._failed(event, exc)
         return None
 
-    def _retry_due(self, limit: int, result: ConsumeResult) -> None:
-        now_ms = self.clock()
+    def _failed(self, event: OrderEvent, exc: Exception) -> str:
+        log.warning(
+            "event handler %s failed on event %d (order %s): %s",
+            self.name,
+            event.id,
+            event.order_id,
+            type(exc).__name__,
+        )
+        return error_text(exc)
+
+    def _due_retries(self, limit: int) -> list[tuple[int, int, OrderEvent | None]]:
+        """The retrying events due now: (event id, failed tries, the event if it still exists)."""
         query = (
             select(RC.event_id, RC.attempts)
-            .where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= now_ms)
+            .where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= self.clock())
             .order_by(RC.next_at_ms)
             .limit(limit)
         )
@@ -263,22 +349,140 @@ class EventConsumer:
                 row.id: _event(row)
                 for row in conn.execute(select(events_table).where(EC.id.in_(ids)))
             }
-        for event_id, attempts in due:
-            event = events.get(event_id)
-            error = None if event is None else self._call(event)
-            parked = False
+        return [(event_id, attempts, events.get(event_id)) for event_id, attempts in due]
+
+    def _retry(
+        self, event_id: int, attempts: int, event: OrderEvent | None, result: ConsumeResult
+    ) -> None:
+        error = None if event is None else self._call(event)
+        parked = False
+        with sql_errors(), self.engine.begin() as conn:
+            if error is None:
+                self._forget_retry(conn, event_id)
+                result.retried_ok += event is not None
+            else:
+                result.failed += 1
+                parked = self._fail(conn, event_id, attempts + 1, error)
+        self._count_parked(parked, event_id, attempts + 1, result)
+
+    def _forget_retry(self, conn: Connection, event_id: int) -> int:
+        """Delete the event's retry row; the rows deleted."""
+        statement = delete(retries_table).where(RC.consumer == self.name, RC.event_id == event_id)
+        return conn.execute(statement).rowcount
+
+    # --- transactional=True ---------------------------------------------------------------
+
+    def _run_in_transactions(self, limit: int, result: ConsumeResult) -> None:
+        """One transaction per handed-over event (retried or new); events of other kinds
+        are passed by together, in the transaction of the next event handed over or in one
+        at the end."""
+        for event_id, _attempts, event in self._due_retries(limit):
+            self._retry_in_transaction(event_id, event, result)
+        with sql_errors(), self.engine.connect() as conn:
+            found = conn.execute(self._cursor_query()).one_or_none()
+        if found is None:
+            self._create_cursor()
+        start = EventPosition() if found is None else EventPosition(found.txid, found.event_id)
+        passed: EventPosition | None = None
+        for event in read_events(self.engine, start, limit):
+            if not self._wanted(event):
+                passed = event.position
+                continue
+            passed = None
+            if not self._handle_in_transaction(event, result):
+                return  # a twin holds the cursor: it carries on from here
+        if passed is not None:
             with sql_errors(), self.engine.begin() as conn:
-                if error is None:
-                    conn.execute(
-                        delete(retries_table).where(
-                            RC.consumer == self.name, RC.event_id == event_id
-                        )
-                    )
-                    result.retried_ok += event is not None
-                else:
-                    result.failed += 1
-                    parked = self._fail(conn, event_id, attempts + 1, error)
-            self._count_parked(parked, event_id, attempts + 1, result)
+                self._save_position(conn, passed)
+
+    def _create_cursor(self) -> None:
+        """The cursor row at the start, so that there is a row to lock; a twin's row wins."""
+        values = {"txid": 0, "event_id": 0, "updated_at_ms": self.clock()}
+        with sql_errors(), self.engine.begin() as conn:
+            upsert(conn, cursors_table, {"name": self.name}, values, only_if=lambda new: false())
+
+    def _locked(self, query: Select[Any], conn: Connection) -> Any:
+        """The row of ``query``, locked until ``conn`` commits; None if there is none or
+        (PostgreSQL) a twin holds it. On SQLite ``conn`` holds the write lock already."""
+        if conn.dialect.name == "postgresql":
+            query = query.with_for_update(skip_locked=True)
+        return conn.execute(query).one_or_none()
+
+    def _handle_in_transaction(self, event: OrderEvent, result: ConsumeResult) -> bool:
+        """Hand ``event`` over and advance the cursor past it, in one transaction; False if
+        a twin holds the cursor. An event the cursor has passed meanwhile (a twin handled
+        it) is left alone."""
+        with self.transactions.write(queue=False) as conn:
+            found = self._locked(self._cursor_query(), conn)
+            if found is None:
+                return False
+            if EventPosition(found.txid, found.event_id) >= event.position:
+                return True
+            error = self._call_in(conn, event)
+            parked = error is not None and self._fail(conn, event.id, 1, error)
+            self._save_position(conn, event.position)
+            conn.commit()
+        if error is None:
+            result.handled += 1
+        else:
+            result.failed += 1
+        self._count_parked(parked, event.id, 1, result)
+        return True
+
+    def _retry_in_transaction(
+        self, event_id: int, event: OrderEvent | None, result: ConsumeResult
+    ) -> None:
+        """Try a due event again: its retry row deleted (on success) or updated (on
+        failure) in the transaction the handler writes in. A row a twin holds, or has
+        retried, deleted or parked meanwhile, is left alone."""
+        query = select(RC.attempts).where(
+            RC.consumer == self.name,
+            RC.event_id == event_id,
+            RETRYING,
+            RC.next_at_ms <= self.clock(),
+        )
+        with self.transactions.write(queue=False) as conn:
+            found = self._locked(query, conn)
+            if found is None:
+                return
+            attempts = found.attempts + 1
+            error = None if event is None else self._call_in(conn, event)
+            parked = False
+            if error is not None:
+                parked = self._fail(conn, event_id, attempts, error)
+            elif self._forget_retry(conn, event_id) != 1:
+                return  # not ours after all: the handler's writes roll back with the rest
+            conn.commit()
+        if error is not None:
+            result.failed += 1
+        else:
+            result.retried_ok += event is not None
+        self._count_parked(parked, event_id, attempts, result)
+
+    def _call_in(self, conn: Connection, event: OrderEvent) -> str | None:
+        """Call the handler in a savepoint of ``conn``'s transaction: its writes stay if it
+        returns, and are rolled back (the error text returned) if it raises."""
+        handler = cast(TransactionalHandler, self.handler)  # the overloads pair it with the mode
+        savepoint = conn.begin_nested()
+        try:
+            handler(event, conn)
+        except Exception as exc:  # a handler is someone else's code; its failure is data
+            error: str | None = self._failed(event, exc)
+        else:
+            error = None
+        if not savepoint.is_active and not conn.invalidated:
+            # Its writes may have committed without the event's outcome: say so, loudly.
+            raise InvalidInput(
+                "handler",
+                f"of consumer {self.name} ended the consumer's transaction on event "
+                f"{event.id}; it may write on the connection, never commit, roll back or "
+                "close it",
+            )
+        if error is None:
+            savepoint.commit()
+        else:
+            savepoint.rollback()
+        return error
 
     def backoff_ms(self, attempts: int) -> int:
         """The delay before the next try after ``attempts`` failures: full jitter."""

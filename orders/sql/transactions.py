@@ -13,6 +13,7 @@ Driver errors leave as :class:`~orders.errors.StoreUnavailable` (``models.sql_er
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
@@ -62,15 +63,21 @@ class Transactions:
             yield conn
 
     @contextmanager
-    def write(self, host: Connection | None = None) -> Iterator[Connection]:
+    def write(self, host: Connection | None = None, *, queue: bool = True) -> Iterator[Connection]:
         """A write transaction; the caller commits (:meth:`commit`). Leaving without commit
-        rolls back. With ``host``, the host's transaction instead (:meth:`in_host`)."""
+        rolls back. With ``host``, the host's transaction instead (:meth:`in_host`).
+
+        ``queue=False`` (SQLite): take the write lock without queueing on this process's
+        lock first, for a transaction that runs someone else's code: should that code open
+        a write of its own on the engine, it waits out the busy timeout and fails, where
+        behind our queue it would wait for ever."""
         if host is not None:
             with self.in_host(host) as conn:
                 yield conn
             return
         if self.dialect == "sqlite":
-            with _sqlite_write_lock(self.engine), sql_errors(), self.engine.connect() as conn:
+            queued = _sqlite_write_lock(self.engine) if queue else contextlib.nullcontext()
+            with queued, sql_errors(), self.engine.connect() as conn:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
                 yield conn
             return
