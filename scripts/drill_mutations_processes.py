@@ -116,8 +116,8 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "parked-events-retried",
         "orders/events/consumer.py",
-        ".where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= now_ms)",
-        ".where(RC.consumer == self.name, RC.next_at_ms <= now_ms)",
+        ".where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= self.clock())",
+        ".where(RC.consumer == self.name, RC.next_at_ms <= self.clock())",
         "a parked event is never retried until requeued",
         "tests/integration/test_event_retries.py::test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_again",
     ),
