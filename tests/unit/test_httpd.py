@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from orders.errors import InvalidInput
-from orders.httpd import QuietHandler, check_port, is_loopback, send_json, serve
+from orders.httpd import QuietHandler, Served, check_port, is_loopback, send_json, serve
 
 
 @pytest.mark.parametrize(
@@ -105,6 +105,7 @@ def test_connections_past_the_bound_get_a_503_at_once_and_a_freed_slot_serves_ag
             conn.close()
         # A slot comes back when its connection's thread ends, just after the close.
         wait_until_served(served.url)
+        wait_until_free(served, 2)
         Held.release.clear()
         for conn in again:
             conn.request("GET", "/")  # the slots came back: both are served, not refused
@@ -116,6 +117,22 @@ def test_connections_past_the_bound_get_a_503_at_once_and_a_freed_slot_serves_ag
         for conn in [*held, *again, extra]:
             conn.close()
         served.close()
+
+
+def wait_until_free(served: Served, slots: int, timeout_s: float = 10.0) -> None:
+    """Until ``slots`` connection slots are free at once: every earlier connection's thread
+    has ended (on a loaded machine, some time after its response)."""
+    free: threading.BoundedSemaphore = served.server.slots  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        taken = [free.acquire(blocking=False) for _ in range(slots)]
+        for got in taken:
+            if got:
+                free.release()
+        if all(taken):
+            return
+        assert time.monotonic() < deadline, "the slots did not come back"
+        time.sleep(0.01)
 
 
 def wait_until_served(url: str, timeout_s: float = 10.0) -> None:
