@@ -10,15 +10,21 @@ are imported only to check a URL that was given, so reading settings (and ``orde
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from orders.domain import EventKind
 from orders.errors import InvalidInput
-from orders.policies import ExpiryPolicy, ExpiryTerms, checked_policies, parse_policies
+from orders.policies import ExpiryPolicy, ExpiryTerms, checked_policies
+from orders.setting_values import (
+    CreateRate,
+    check_handler_paths,
+    parse_create_rate,
+    parse_env_value,
+    parse_event_kinds,
+    secret_url,
+)
 from orders.urls import (
     Secret,
     SecretUrl,
@@ -37,34 +43,6 @@ CLOCK_SKEW_MARGIN_S = 5.0
 #: The SQL wait a create is assumed to need at most when neither the statement timeout nor
 #: the busy timeout bounds it (both set to 0).
 UNBOUNDED_SQL_WAIT_S = 60.0
-
-
-#: The bounds of ``Settings.create_rate``: creates per window, and the window.
-CREATE_RATE_MAX_COUNT = 10**6
-CREATE_RATE_MAX_WINDOW_S = 30 * 24 * 3600
-_CREATE_RATE = re.compile(r"([0-9]{1,9})/([0-9]{1,9}(?:\.[0-9]{1,3})?)")
-
-
-class CreateRate(NamedTuple):
-    """At most ``creates`` per user in any ``window_ms`` (a sliding window)."""
-
-    creates: int
-    window_ms: int
-
-
-def parse_create_rate(text: str) -> CreateRate:
-    """``"10/3600"`` (creates/seconds) as a :class:`CreateRate`, or :class:`InvalidInput`."""
-    found = _CREATE_RATE.fullmatch(text.strip()) if isinstance(text, str) else None
-    if found is None:
-        raise InvalidInput("create_rate", "must be COUNT/SECONDS, e.g. 10/3600")
-    count, window_ms = int(found[1]), round(float(found[2]) * 1000)
-    if not 1 <= count <= CREATE_RATE_MAX_COUNT:
-        raise InvalidInput("create_rate", f"count must be between 1 and {CREATE_RATE_MAX_COUNT}")
-    if not 1 <= window_ms <= CREATE_RATE_MAX_WINDOW_S * 1000:
-        raise InvalidInput(
-            "create_rate", f"window must be above 0 and at most {CREATE_RATE_MAX_WINDOW_S} s"
-        )
-    return CreateRate(count, window_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +160,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         # A frozen dataclass sets its own fields through object.__setattr__ too.
-        object.__setattr__(self, "database_url", _secret_url("database_url", self.database_url))
-        object.__setattr__(self, "redis_url", _secret_url("redis_url", self.redis_url))
+        object.__setattr__(self, "database_url", secret_url("database_url", self.database_url))
+        object.__setattr__(self, "redis_url", secret_url("redis_url", self.redis_url))
         if self.database_url is not None:
             check_database_url(self.database_url.reveal())
         if self.redis_url is not None:
@@ -356,7 +334,7 @@ class Settings:
             raw = env.get(f"ORDERS_{f.name.upper()}")
             if raw is None or raw == "":
                 continue
-            values[f.name] = _parse(f.name, f.type, raw)
+            values[f.name] = parse_env_value(f.name, f.type, raw)
         values.update(overrides)
         return cls(**values)
 
@@ -402,17 +380,6 @@ def _check_webhook(settings: Settings) -> None:
     check_seconds("webhook_timeout_s", settings.webhook_timeout_s)
 
 
-def parse_event_kinds(name: str, text: object) -> frozenset[EventKind] | None:
-    """Comma-separated event kinds ("closed, paid") as a set; None for "" (every kind)."""
-    if not isinstance(text, str):
-        raise InvalidInput(name, "must be event kinds, comma-separated")
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    known = {kind.value for kind in EventKind}
-    if any(part not in known for part in parts):
-        raise InvalidInput(name, f"must name event kinds among {', '.join(sorted(known))}")
-    return frozenset(EventKind(part) for part in parts) or None
-
-
 def _revealed(value: object) -> str:
     return value.reveal() if isinstance(value, Secret) else value  # type: ignore[return-value]
 
@@ -426,49 +393,3 @@ def _check_lock_timeouts(settings: Settings) -> None:
     if idle_s is not None and idle_s >= settings.lease_ttl_s:
         # A frozen sweeper must lose its locks before a standby takes its place.
         raise InvalidInput("sql_idle_in_transaction_timeout_s", "must be below lease_ttl_s")
-
-
-#: ``package.module:function`` or ``package.module.function``, as the scheduler loads it.
-_HANDLER_PATH = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*[:.][^\W\d]\w*")
-
-
-def check_handler_paths(name: str, value: object) -> None:
-    """Only the shape: whether each handler imports is known when the scheduler loads it."""
-    if not isinstance(value, str) or not all(
-        _HANDLER_PATH.fullmatch(part.strip()) for part in value.split(",") if part.strip()
-    ):
-        raise InvalidInput(name, "must name handlers as package.module:function, comma-separated")
-
-
-def _parse(name: str, type_name: object, raw: str) -> Any:
-    kind = str(type_name)
-    var = f"ORDERS_{name.upper()}"
-    try:
-        if kind == "bool":
-            lowered = raw.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if kind == "int":
-            return int(raw)
-        if kind in ("float", "float | None"):
-            return float(raw)
-        if kind == "Path":
-            return Path(raw)
-        if kind == "Mapping[str, ExpiryPolicy]":
-            return parse_policies(raw)
-    except ValueError:
-        raise InvalidInput(var, f"cannot be read as {kind}") from None
-    return raw
-
-
-def _secret_url(name: str, value: object) -> SecretUrl | None:
-    if value is None or value == "":
-        return None
-    if isinstance(value, SecretUrl):
-        return None if value.reveal() == "" else value
-    if isinstance(value, str):
-        return SecretUrl(value)
-    raise InvalidInput(name, "must be a URL string")

@@ -37,10 +37,11 @@ from urllib.error import HTTPError
 
 from sqlalchemy import Engine
 
-from orders.config import Settings, parse_event_kinds
+from orders.config import Settings
 from orders.domain import Clock, EventKind, system_clock
 from orders.errors import InvalidInput, OrdersError
 from orders.events.consumer import EventConsumer, OrderEvent
+from orders.setting_values import parse_event_kinds
 from orders.urls import Secret, SecretUrl, check_webhook_secret, check_webhook_url
 from orders.validation import check_seconds
 

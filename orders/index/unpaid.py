@@ -32,7 +32,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from orders import metrics
-from orders.config import CreateRate, Settings
+from orders.config import Settings
 from orders.errors import InvalidInput
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
@@ -42,6 +42,7 @@ from orders.index.nodes import RedisClient
 from orders.index.pipeline import CallPacker, run_per_key, scan_named
 from orders.index.reconcile_batch import ReconcileBatch
 from orders.index.server_config import server_warnings
+from orders.setting_values import CreateRate
 
 log = logging.getLogger("orders.index")  # the package's name: operators configure it
 

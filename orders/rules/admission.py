@@ -37,7 +37,6 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from orders.config import CreateRate
 from orders.domain import PRE_CLOSE_CHECK, Actor, Order, same_order
 from orders.errors import (
     CreateRateLimited,
@@ -48,6 +47,7 @@ from orders.errors import (
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
 from orders.rules.abandoning import Abandoner
+from orders.setting_values import CreateRate
 from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
