@@ -13,12 +13,10 @@ a job run that ends in an exception is counted in ``orders_job_failures_total``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from importlib import import_module
 from typing import Any
 
 from apscheduler.events import (  # type: ignore[import-untyped]
@@ -39,24 +37,17 @@ from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[im
 from apscheduler.triggers.base import BaseTrigger  # type: ignore[import-untyped]
 
 from orders import metrics
-from orders.domain import EventKind
-from orders.errors import InvalidInput, StoreUnavailable
-from orders.events.admin import parked_counts
-from orders.events.consumer import EventConsumer, OrderEvent
 from orders.events.webhooks import webhook_consumer
+from orders.scheduler.event_jobs import EVENTS_INTERVAL_S, EventsJob, closed_order_consumers
 from orders.scheduler.retention_job import RETENTION_JOB_ID, STANDBY_S, prune_step
-from orders.scheduler.sweeper import LOGGER_NAME, Sweeper, log_event
-from orders.service import OrderService
+from orders.scheduler.sweeper import LOGGER_NAME, Sweeper
 
 log = logging.getLogger(LOGGER_NAME)
 
 #: The APScheduler job id of the sweep.
 JOB_ID = "orders-sweep"
-#: The width of ``event_cursors.name``.
-CONSUMER_NAME_LENGTH = 64
-#: The job running closed-order handlers, and how often it looks for new events.
+#: The job running closed-order handlers (every ``EVENTS_INTERVAL_S``).
 EVENTS_JOB_ID = "orders-events"
-EVENTS_INTERVAL_S = 0.5
 #: The job POSTing events to ``Settings.webhook_url``, and the events it takes per run: a
 #: receiver that hangs holds a run (and a shutdown) up to about twice this many timeouts.
 WEBHOOK_JOB_ID = "orders-webhook"
@@ -239,14 +230,14 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     consumers = closed_order_consumers(service)
     if consumers:
         handlers = _PausingJob(
-            EVENTS_JOB_ID, sweeper, _EventsJob(sweeper, consumers), first_s=EVENTS_INTERVAL_S
+            EVENTS_JOB_ID, sweeper, EventsJob(sweeper, consumers), first_s=EVENTS_INTERVAL_S
         )
         scheduler.pausing_jobs.append(handlers)
         _add_job(scheduler, handlers, "orders event handlers")
     webhook = webhook_consumer(service.engine, service.settings, clock=service.clock)
     if webhook is not None:
         # A job of its own: a slow receiver never delays the handlers above.
-        posting = _EventsJob(sweeper, [webhook], limit=WEBHOOK_BATCH)
+        posting = EventsJob(sweeper, [webhook], limit=WEBHOOK_BATCH)
         poster = _PausingJob(WEBHOOK_JOB_ID, sweeper, posting, first_s=EVENTS_INTERVAL_S)
         scheduler.pausing_jobs.append(poster)
         _add_job(scheduler, poster, "orders webhook")
@@ -296,118 +287,3 @@ def _add_job(scheduler: BaseScheduler, job: _PausingJob, name: str, **options: A
         misfire_grace_time=None,
         **options,
     )
-
-
-def load_handler(path: str, setting: str = "on_closed") -> Callable[[OrderEvent], None]:
-    """``package.module:function`` (or ``package.module.function``) to the function;
-    ``setting`` names the setting it came from in an error."""
-    module_name, _, attr = path.strip().replace(":", ".").rpartition(".")
-    if not module_name or not attr:
-        raise InvalidInput(setting, "must name handlers as package.module:function")
-    try:
-        handler: Callable[[OrderEvent], None] = getattr(import_module(module_name), attr)
-    except (ImportError, AttributeError):
-        raise InvalidInput(setting, f"cannot import the handler {path.strip()}") from None
-    return handler
-
-
-def consumer_name(handler: Callable[[OrderEvent], None], hook: str = "on_closed") -> str:
-    """The durable cursor's name for a ``hook`` handler (``on_closed``,
-    ``on_payment_refused``): at most 64 characters.
-
-    A name cut to fit ends in a hash of the whole, so two handlers whose names share a
-    long prefix never share a cursor (one would silently skip what the other consumed).
-    """
-    name = f"{hook}:{handler.__module__}.{handler.__qualname__}"
-    if len(name) <= CONSUMER_NAME_LENGTH:
-        return name
-    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
-    return f"{name[: CONSUMER_NAME_LENGTH - 13]}~{digest}"
-
-
-#: The event hooks: setting (and cursor prefix) -> the kind of event its handlers get.
-HOOK_KINDS = {"on_closed": EventKind.CLOSED, "on_payment_refused": EventKind.PAYMENT_REFUSED}
-
-
-def closed_order_consumers(service: OrderService) -> list[EventConsumer]:
-    """One durable consumer per hook handler, registered in code (``on_closed``,
-    ``on_payment_refused``) or configured (the settings of the same names)."""
-    registered = {
-        "on_closed": service.closed_handlers,
-        "on_payment_refused": service.refused_payment_handlers,
-    }
-    consumers = []
-    for hook, kind in HOOK_KINDS.items():
-        configured: str = getattr(service.settings, hook)
-        handlers = list(registered[hook])
-        handlers += [load_handler(p, hook) for p in configured.split(",") if p.strip()]
-        names = [consumer_name(h, hook) for h in handlers]
-        if len(set(names)) != len(names):
-            raise InvalidInput(hook, "names one handler twice")
-        consumers += [
-            EventConsumer(
-                service.engine,
-                name,
-                handler,
-                kinds=[kind],
-                clock=service.clock,
-                max_attempts=service.settings.event_max_attempts,
-            )
-            for name, handler in zip(names, handlers, strict=True)
-        ]
-    return consumers
-
-
-class _EventsJob:
-    """Runs the closed-order handlers; only the active scheduler does (the lease holder).
-
-    A consumer whose store fails logs ``handlers_failed`` once, and ``handlers_back`` once
-    it runs again, not once per run. Its runs are counted in the sweeper's summary line.
-
-    After each run the ``orders_parked_events`` gauge is set for every consumer it has
-    ever shown, 0 for one with nothing parked any more (a label is never left at an old
-    value); a standby shows 0 for all, as it does for the backlog.
-    """
-
-    def __init__(
-        self, sweeper: Sweeper, consumers: list[EventConsumer], *, limit: int | None = None
-    ) -> None:
-        self.sweeper = sweeper
-        self.consumers = consumers
-        #: Events per consumer per run (None: run_once's own default).
-        self.limit = limit
-        self._failing: set[str] = set()
-        self._shown: set[str] = {consumer.name for consumer in consumers}
-
-    def __call__(self) -> float:
-        if self.sweeper.stopping or not self.sweeper.holds_lease:
-            self._show_parked({})
-            return EVENTS_INTERVAL_S
-        self._run_consumers()
-        with contextlib.suppress(StoreUnavailable):  # the consumers' failure was logged
-            self._show_parked(parked_counts(self.sweeper.service.engine))
-        return EVENTS_INTERVAL_S
-
-    def _show_parked(self, parked: dict[str, int]) -> None:
-        self._shown.update(parked)
-        for name in self._shown:
-            metrics.PARKED_EVENTS.labels(name).set(parked.get(name, 0))
-
-    def _run_consumers(self) -> None:
-        for consumer in self.consumers:
-            try:
-                result = (
-                    consumer.run_once() if self.limit is None else consumer.run_once(self.limit)
-                )
-            except StoreUnavailable as exc:
-                if consumer.name not in self._failing:
-                    self._failing.add(consumer.name)
-                    self._log(logging.WARNING, "handlers_failed", consumer.name, detail=str(exc))
-                continue
-            if consumer.name in self._failing:
-                self._failing.discard(consumer.name)
-                self._log(logging.INFO, "handlers_back", consumer.name)
-            self.sweeper.add_handler_run(consumer.name, result)
-
-    def _log(self, level: int, event: str, consumer: str, **fields: Any) -> None:
-        log_event(level, event, owner=self.sweeper.owner, consumer=consumer, **fields)

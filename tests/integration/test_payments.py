@@ -22,7 +22,7 @@ from orders.errors import (
     PaymentMismatch,
 )
 from orders.events.consumer import OrderEvent
-from orders.scheduler.jobs import closed_order_consumers
+from orders.scheduler.event_jobs import closed_order_consumers
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table, refusals_table
 from tests.support.clocks import ManualClock

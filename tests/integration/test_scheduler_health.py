@@ -26,7 +26,8 @@ from orders.events.admin import discard_parked, list_parked
 from orders.events.consumer import OrderEvent
 from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.scheduler.health import HealthServer
-from orders.scheduler.jobs import EVENTS_JOB_ID, JOB_ID, build_scheduler, consumer_name
+from orders.scheduler.event_jobs import consumer_name
+from orders.scheduler.jobs import EVENTS_JOB_ID, JOB_ID, build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from tests.support.clocks import ManualClock

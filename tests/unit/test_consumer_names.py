@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from orders.errors import InvalidInput
-from orders.scheduler.jobs import CONSUMER_NAME_LENGTH, closed_order_consumers, consumer_name
+from orders.scheduler.event_jobs import CONSUMER_NAME_LENGTH, closed_order_consumers, consumer_name
 
 
 def handler_named(qualname: str) -> Callable[[Any], None]:
