@@ -33,6 +33,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, Engine, Table, delete, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 
+from orders import tracing
 from orders.domain import Actor, ActorKind, Clock, EventKind, system_clock
 from orders.errors import InvalidInput
 from orders.sql.models import (
@@ -236,7 +237,15 @@ class EventConsumer:
 
     def _call(self, event: OrderEvent) -> str | None:
         try:
-            self.handler(event)
+            with tracing.consumer_span(
+                "orders.consume_event",
+                event.data,
+                consumer=self.name,
+                event_kind=event.kind.value,
+                order_id=event.order_id,
+                user_id=event.user_id,
+            ):
+                self.handler(event)
         except Exception as exc:  # a handler is someone else's code; its failure is data
             log.warning(
                 "event handler %s failed on event %d (order %s): %s",
