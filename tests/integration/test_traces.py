@@ -13,6 +13,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler, SamplingResult
 from opentelemetry.trace import StatusCode
 from sqlalchemy import Engine
 
@@ -27,13 +28,29 @@ from tests.support.processes import REPO
 _EXPORTER = InMemorySpanExporter()
 
 
+class Switch(Sampler):
+    """Records spans only while a test of this module runs: the global provider outlives
+    it, and other tests' spans (and created events) must stay as without an SDK."""
+
+    on = False
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> SamplingResult:
+        return (ALWAYS_ON if self.on else ALWAYS_OFF).should_sample(*args, **kwargs)
+
+    def get_description(self) -> str:
+        return "Switch"
+
+
+_SWITCH = Switch()
+
+
 @pytest.fixture(scope="session")
 def provider() -> TracerProvider:
     """The process's global provider: the API lets it be set once only."""
     current = trace.get_tracer_provider()
     if isinstance(current, TracerProvider):
         return current
-    made = TracerProvider()
+    made = TracerProvider(sampler=_SWITCH)
     made.add_span_processor(SimpleSpanProcessor(_EXPORTER))
     trace.set_tracer_provider(made)
     return made
@@ -42,11 +59,13 @@ def provider() -> TracerProvider:
 @pytest.fixture
 def spans(provider: TracerProvider) -> Iterator[Callable[[], list[ReadableSpan]]]:
     _EXPORTER.clear()
+    _SWITCH.on = True
 
     def orders_spans() -> list[ReadableSpan]:
         return [s for s in _EXPORTER.get_finished_spans() if s.name.startswith("orders.")]
 
     yield orders_spans
+    _SWITCH.on = False
     _EXPORTER.clear()
 
 
