@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from orders import metrics
+from orders import metrics, tracing
 from orders.config import Settings
 from orders.domain import (
     Actor,
@@ -199,34 +199,37 @@ class OrderService:
         (an aware datetime, ahead of now, capped at the maximum lifetime).
         """
         host = self._host(connection)
-        asked = CreateRequest.checked(
-            self.settings,
-            user_id,
-            order_id=order_id,
-            ttl_s=ttl_s,
-            limit=limit,
-            amount=amount,
-            currency=currency,
-            metadata=metadata,
-            actor=actor,
-            on_limit=on_limit,
-            policy=policy,
-            expires_at=expires_at,
-        )
-        now_ms = self.clock()
-        try:
-            order, created = self.replacer.admit(asked, self.new_order_id, now_ms, host)
-        except UnpaidOrderLimitReached as refused:
-            metrics.CREATES.labels(f"refused_{refused.source}").inc()
-            raise
-        except CreateRateLimited:
-            metrics.CREATES.labels("refused_rate").inc()
-            raise
-        except OrderConflict:
-            metrics.CREATES.labels("conflict").inc()
-            raise
-        metrics.CREATES.labels("admitted" if created else "retry").inc()
-        return order
+        with tracing.span("orders.create_unpaid_order") as traced:
+            asked = CreateRequest.checked(
+                self.settings,
+                user_id,
+                order_id=order_id,
+                ttl_s=ttl_s,
+                limit=limit,
+                amount=amount,
+                currency=currency,
+                metadata=metadata,
+                actor=actor,
+                on_limit=on_limit,
+                policy=policy,
+                expires_at=expires_at,
+            )
+            traced.set(user_id=asked.user_id)
+            now_ms = self.clock()
+            try:
+                order, created = self.replacer.admit(asked, self.new_order_id, now_ms, host)
+            except UnpaidOrderLimitReached as refused:
+                metrics.CREATES.labels(f"refused_{refused.source}").inc()
+                raise
+            except CreateRateLimited:
+                metrics.CREATES.labels("refused_rate").inc()
+                raise
+            except OrderConflict:
+                metrics.CREATES.labels("conflict").inc()
+                raise
+            metrics.CREATES.labels("admitted" if created else "retry").inc()
+            traced.set(order_id=order.id, outcome="admitted" if created else "retry")
+            return order
 
     # --- per-user limits ---------------------------------------------------------------
 
@@ -342,7 +345,10 @@ class OrderService:
         oid = check_order_id(order_id, self.settings.max_order_id_length)
         payment = checked_payment(payment_ref, amount, currency)
         cause = Actor.of(actor)
-        return self.payments.pay(oid, payment, cause, self.clock(), host)
+        with tracing.span("orders.mark_paid", order_id=oid) as traced:
+            order = self.payments.pay(oid, payment, cause, self.clock(), host)
+            traced.set(user_id=order.user_id, outcome=order.status.value)
+            return order
 
     def set_late_payment_check(self, check: LatePaymentCheck | None) -> None:
         """Ask ``check(order, payment)`` before a late payment turns a closed order paid
@@ -373,14 +379,19 @@ class OrderService:
         why = check_optional_text("reason", reason, TEXT_MAX_LENGTH)
         cause = Actor.of(actor)
         now_ms = self.clock()
-        order, won = self.transitions.run(
-            oid, now_ms, lambda conn: self.records.cancel(conn, oid, now_ms, why, cause), host=host
-        )
-        if won:
-            metrics.CANCELS.inc()
-        if order.status is OrderStatus.CANCELLED:
-            return order
-        raise refusal(order)
+        with tracing.span("orders.cancel_order", order_id=oid) as traced:
+            order, won = self.transitions.run(
+                oid,
+                now_ms,
+                lambda conn: self.records.cancel(conn, oid, now_ms, why, cause),
+                host=host,
+            )
+            traced.set(user_id=order.user_id, outcome=order.status.value)
+            if won:
+                metrics.CANCELS.inc()
+            if order.status is OrderStatus.CANCELLED:
+                return order
+            raise refusal(order)
 
     def extend_order(
         self, order_id: str, extra_s: float, *, actor: str | Actor | None = None
@@ -394,7 +405,10 @@ class OrderService:
         policy (``max_lifetime_s`` without one), nor does an order whose policy does not
         expire (both :class:`InvalidInput`).
         """
-        return self.extender.extend(order_id, extra_s, Actor.of(actor), self.clock())
+        with tracing.span("orders.extend_order", order_id=str(order_id)) as traced:
+            order = self.extender.extend(order_id, extra_s, Actor.of(actor), self.clock())
+            traced.set(user_id=order.user_id, outcome="extended")
+            return order
 
     def _host(self, connection: HostConnection | None) -> Connection | None:
         """The host's transaction to write in, checked (see :mod:`orders.sql.host`)."""
@@ -479,13 +493,16 @@ class OrderService:
         close events name the sweeper as their actor (``actor``: its name, or another
         :class:`~orders.domain.Actor`, as the CLI's operator).
         """
-        return self.sweep.sweep_expired(
-            now_ms=now_ms,
-            batch_size=batch_size,
-            max_batches=max_batches,
-            should_stop=should_stop,
-            actor=Actor.of(actor, ActorKind.SWEEPER),
-        )
+        with tracing.span("orders.sweep_expired") as traced:
+            result = self.sweep.sweep_expired(
+                now_ms=now_ms,
+                batch_size=batch_size,
+                max_batches=max_batches,
+                should_stop=should_stop,
+                actor=Actor.of(actor, ActorKind.SWEEPER),
+            )
+            traced.set(closed=result.closed, batches=result.batches, outcome="swept")
+            return result
 
     def count_due(self, *, now_ms: int | None = None) -> int:
         """How many unpaid orders a sweep at ``now_ms`` (default: now) would close."""

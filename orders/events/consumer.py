@@ -48,6 +48,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from orders import tracing
 from orders.domain import Actor, ActorKind, Clock, EventKind, system_clock
 from orders.errors import InvalidInput
 from orders.sql.models import (
@@ -319,10 +320,23 @@ class EventConsumer:
 
     def _call(self, event: OrderEvent) -> str | None:
         try:
-            cast(Handler, self.handler)(event)  # the overloads pair it with the mode
+            with self._span(event):
+                cast(Handler, self.handler)(event)  # the overloads pair it with the mode
         except Exception as exc:  # a handler is someone else's code; its failure is data
             return self._failed(event, exc)
         return None
+
+    def _span(self, event: OrderEvent) -> Any:  # a context manager (orders.tracing)
+        """The trace span of one handler call, linked to the create's trace if the event
+        carries it (:mod:`orders.tracing`; nothing without a tracer provider)."""
+        return tracing.consumer_span(
+            "orders.consume_event",
+            event.data,
+            consumer=self.name,
+            event_kind=event.kind.value,
+            order_id=event.order_id,
+            user_id=event.user_id,
+        )
 
     def _failed(self, event: OrderEvent, exc: Exception) -> str:
         log.warning(
@@ -465,7 +479,8 @@ class EventConsumer:
         handler = cast(TransactionalHandler, self.handler)  # the overloads pair it with the mode
         savepoint = conn.begin_nested()
         try:
-            handler(event, conn)
+            with self._span(event):
+                handler(event, conn)
         except Exception as exc:  # a handler is someone else's code; its failure is data
             error: str | None = self._failed(event, exc)
         else:

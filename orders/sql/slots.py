@@ -50,8 +50,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
+from orders import tracing
 from orders.domain import Actor, EventKind, OrderStatus
-from orders.sql.models import UNPAID_PREDICATE, orders_table, user_limits_table
+from orders.sql.models import UNPAID_PREDICATE, events_table, orders_table, user_limits_table
 from orders.sql.transactions import Transactions
 from orders.sql.transitions import CLOSE_EXPIRED, record_events, with_events
 
@@ -182,7 +183,8 @@ class SlotGuard:
         self._in_one_statement = dialect == "postgresql"
         if self._in_one_statement:
             created_at = bindparam("created_at_ms", type_=BigInteger)
-            self._insert = with_events(self._insert, "created", EventKind.CREATED, created_at)
+            data = bindparam("event_data", type_=events_table.c.data.type)
+            self._insert = with_events(self._insert, "created", EventKind.CREATED, created_at, data)
 
     def insert(
         self,
@@ -196,7 +198,10 @@ class SlotGuard:
         ``host``: in the host's transaction (``Transactions.in_host``)."""
         params = {name: values[name] for name in CREATE_COLUMNS}
         params["slot_limit"] = limit
+        # The caller's trace context, for a consumer's span to link to (orders.tracing).
+        data = tracing.event_context()
         if self._in_one_statement:
+            params["event_data"] = data
             params.update(actor.columns())
             with self.tx.statements(host) as conn:
                 try:
@@ -211,7 +216,7 @@ class SlotGuard:
             if row is not None:
                 created = [(row.id, row.user_id)]
                 record_events(
-                    conn, created, EventKind.CREATED, values["created_at_ms"], None, actor
+                    conn, created, EventKind.CREATED, values["created_at_ms"], data, actor
                 )
                 self.tx.commit(conn, host)
             return row

@@ -25,8 +25,8 @@ from orders.domain import SweepResult
 from orders.events.admin import discard_parked, list_parked
 from orders.events.consumer import OrderEvent
 from orders.index.heartbeat import Heartbeats, SchedulerBeat
-from orders.scheduler.health import HealthServer
 from orders.scheduler.event_jobs import consumer_name
+from orders.scheduler.health import HealthServer
 from orders.scheduler.jobs import EVENTS_JOB_ID, JOB_ID, build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
