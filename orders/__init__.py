@@ -44,7 +44,7 @@ from orders.errors import (
 from orders.policies import ExpiryPolicy
 
 if TYPE_CHECKING:
-    from orders.events.consumer import EventPosition, OrderEvent
+    from orders.events.stream import EventPosition, OrderEvent
     from orders.reconciler import ReconcileReport
     from orders.service import OrderService
     from orders.sql.refusals import PaymentRefusal

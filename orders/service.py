@@ -42,7 +42,7 @@ from orders.errors import (
     OrderNotFound,
     UnpaidOrderLimitReached,
 )
-from orders.events.consumer import EventPosition, OrderEvent, read_events
+from orders.events.stream import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
 from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport

@@ -268,7 +268,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "created-event-dropped-postgresql",
         "orders/sql/slots.py",
         "            self._insert = with_events("
-        'self._insert, "created", EventKind.CREATED, created_at)',
+        'self._insert, "created", EventKind.CREATED, created_at, data)',
         "            pass",
         "a create writes its created event (outbox), also in PostgreSQL's one statement",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
@@ -286,7 +286,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "orders/sql/slots.py",
         "                record_events(\n"
         "                    conn, created, EventKind.CREATED, "
-        'values["created_at_ms"], None, actor\n'
+        'values["created_at_ms"], data, actor\n'
         "                )",
         "                pass",
         "a create writes its created event (outbox)",

@@ -131,7 +131,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "pg-reader-passes-a-running-transaction",
-        "orders/events/consumer.py",
+        "orders/events/stream.py",
         "        query = query.where(EC.txid < horizon)",
         "        query = query",
         "PostgreSQL: readers never pass an event of a transaction still running",

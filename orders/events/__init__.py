@@ -1,8 +1,9 @@
 """The outbox's readers: every transition's event, consumed in commit order.
 
-``consumer`` reads events and keeps a named consumer's durable position, retries and
-parked events; ``admin`` is what an operator does to them (``orders events``). The public
-names are re-exported here: ``from orders.events import EventConsumer``.
+``stream`` reads events in commit order; ``consumer`` keeps a named consumer's durable
+position, retries and parked events; ``admin`` is what an operator does to them (``orders
+events``). The public names are re-exported here: ``from orders.events import
+EventConsumer``.
 
 May import: ``orders.sql`` and what lies below it; never the Redis side or the use cases.
 """
@@ -10,12 +11,10 @@ May import: ``orders.sql`` and what lies below it; never the Redis side or the u
 from orders.events.consumer import (
     ConsumeResult,
     EventConsumer,
-    EventPosition,
     Handler,
-    OrderEvent,
     TransactionalHandler,
-    read_events,
 )
+from orders.events.stream import EventPosition, OrderEvent, read_events
 
 __all__ = [
     "ConsumeResult",

@@ -19,19 +19,15 @@ named position and calls a handler for each event:
   transaction that moves the cursor (or deletes the retry row): a handled event's writes
   and its outcome commit together, so a crash neither skips nor repeats them.
 
-Commit order: on SQLite one writer at a time means ids are assigned in commit order. On
-PostgreSQL ids are not (a transaction may take an id and commit after a later one), so each
-event also records its transaction id, and a reader only takes events of transactions older
-than every transaction still running (``txid_snapshot_xmin``): no event can later appear
-behind a position already passed.
+The events come in commit order from :mod:`orders.events.stream`.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Literal, cast, overload
 
 from sqlalchemy import (
@@ -39,18 +35,23 @@ from sqlalchemy import (
     Connection,
     Engine,
     Select,
-    Table,
     delete,
     false,
     func,
     select,
     tuple_,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 
 from orders import tracing
-from orders.domain import Actor, ActorKind, Clock, EventKind, system_clock
+from orders.domain import Clock, EventKind, system_clock
 from orders.errors import InvalidInput
+from orders.events.stream import (
+    EC,
+    EventPosition,
+    OrderEvent,
+    event_of,
+    read_events,
+)
 from orders.sql.models import (
     TEXT_COLUMN_LENGTH,
     cursors_table,
@@ -59,11 +60,11 @@ from orders.sql.models import (
     sql_errors,
 )
 from orders.sql.transactions import Transactions
+from orders.sql.upserts import upsert
 from orders.validation import check_count
 
 log = logging.getLogger("orders.events")  # the package's name: consumers configure it
 
-EC = events_table.c
 RC = retries_table.c
 CC = cursors_table.c
 #: The rows of event_retries still being retried; the others are parked.
@@ -73,106 +74,12 @@ PARKED = RC.parked_at_ms.is_not(None)
 Random = Callable[[], float]
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class EventPosition:
-    """A place in the event stream: (transaction id, event id); (0, 0) is the start."""
-
-    txid: int = 0
-    event_id: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class OrderEvent:
-    id: int
-    order_id: str
-    user_id: str
-    kind: EventKind
-    at_ms: int
-    data: Mapping[str, Any] = field(default_factory=dict)
-    txid: int | None = None
-    #: Who caused it; None for events written before migration 0008.
-    actor: Actor | None = None
-
-    @property
-    def position(self) -> EventPosition:
-        return EventPosition(self.txid or 0, self.id)
-
-
 #: The handler of an :class:`EventConsumer`: called with each event, outside any transaction
 #: of the consumer's.
 Handler = Callable[[OrderEvent], None]
 #: The handler of an ``EventConsumer(..., transactional=True)``: called with each event and
 #: the consumer's Connection, inside the transaction that records the event's outcome.
 TransactionalHandler = Callable[[OrderEvent, Connection], None]
-
-
-def _event(row: Any) -> OrderEvent:
-    return OrderEvent(
-        id=row.id,
-        order_id=row.order_id,
-        user_id=row.user_id,
-        kind=EventKind(row.kind),
-        at_ms=row.at_ms,
-        data=dict(row.data or {}),
-        txid=row.txid,
-        actor=None if row.actor_kind is None else Actor(ActorKind(row.actor_kind), row.actor),
-    )
-
-
-def read_events(
-    engine: Engine, after: EventPosition = EventPosition(), limit: int = 100
-) -> list[OrderEvent]:
-    """Up to ``limit`` committed events after ``after``, in commit order."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-        raise InvalidInput("limit", "must be an integer between 1 and 10000")
-    if not isinstance(after, EventPosition) or not all(
-        type(v) is int and 0 <= v < 2**63 for v in (after.txid, after.event_id)
-    ):
-        raise InvalidInput("after", "must be an EventPosition of two integers in 0 .. 2**63-1")
-    query = select(events_table).where(events_after(engine, after))
-    if engine.dialect.name == "postgresql":
-        horizon = func.txid_snapshot_xmin(func.txid_current_snapshot())
-        query = query.where(EC.txid < horizon)
-    query = query.order_by(*commit_order(engine)).limit(limit)
-    with sql_errors(), engine.connect() as conn:
-        return [_event(row) for row in conn.execute(query)]
-
-
-def events_after(engine: Engine, after: EventPosition) -> ColumnElement[bool]:
-    """Events past ``after`` in commit order (served by ix_oes_order_events_txid_id, or the key)."""
-    if engine.dialect.name == "postgresql":
-        return tuple_(EC.txid, EC.id) > tuple_(after.txid, after.event_id)
-    return EC.id > after.event_id
-
-
-def commit_order(engine: Engine) -> tuple[Any, ...]:
-    return (EC.txid, EC.id) if engine.dialect.name == "postgresql" else (EC.id,)
-
-
-def upsert(
-    conn: Connection,
-    table: Table,
-    key: Mapping[str, Any],
-    values: Mapping[str, Any],
-    only_if: Callable[[Any], ColumnElement[bool]] | None = None,
-) -> int:
-    """Insert the row, or update ``values`` on the row with that ``key`` where
-    ``only_if(excluded)`` holds (``excluded``: the row that was refused, as columns).
-
-    One statement (INSERT ... ON CONFLICT DO UPDATE on both engines), so two writers of one
-    key never race between an UPDATE that found nothing and an INSERT that then conflicts.
-    Returns the rows written: 0 when the row existed and ``only_if`` was false for it.
-    """
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(table).values(**key, **values)
-    statement = statement.on_conflict_do_update(
-        index_elements=list(key),
-        set_={name: statement.excluded[name] for name in values},
-        where=None if only_if is None else only_if(statement.excluded),
-    )
-    # RETURNING, not the rowcount: psycopg reports -1 for an INSERT ... ON CONFLICT.
-    first_key = table.c[next(iter(key))]
-    return len(conn.execute(statement.returning(first_key)).all())
 
 
 def check_consumer_name(field_name: str, name: object) -> str:
@@ -360,7 +267,7 @@ class EventConsumer:
             due = conn.execute(query).all()
             ids = [row.event_id for row in due]
             events = {
-                row.id: _event(row)
+                row.id: event_of(row)
                 for row in conn.execute(select(events_table).where(EC.id.in_(ids)))
             }
         return [(event_id, attempts, events.get(event_id)) for event_id, attempts in due]

@@ -40,7 +40,8 @@ from sqlalchemy import Engine
 from orders.config import Settings
 from orders.domain import Clock, EventKind, system_clock
 from orders.errors import InvalidInput, OrdersError
-from orders.events.consumer import EventConsumer, OrderEvent
+from orders.events.consumer import EventConsumer
+from orders.events.stream import OrderEvent
 from orders.setting_values import parse_event_kinds
 from orders.urls import Secret, SecretUrl, check_webhook_secret, check_webhook_url
 from orders.validation import check_seconds

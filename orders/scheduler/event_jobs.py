@@ -17,7 +17,8 @@ from orders import metrics
 from orders.domain import EventKind
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.admin import parked_counts
-from orders.events.consumer import EventConsumer, OrderEvent
+from orders.events.consumer import EventConsumer
+from orders.events.stream import OrderEvent
 from orders.scheduler.sweeper import Sweeper, log_event
 from orders.service import OrderService
 
