@@ -241,6 +241,7 @@ def finish_with_a_clean_scheduler(
     assert returncode == 0, final.log()[-3000:]
 
 
+@pytest.mark.rotate("database_url")  # CI time: one engine a run, both with --full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_schedulers_killed_mid_sweep_close_every_due_order_exactly_once_and_never_a_paid_one(
@@ -377,6 +378,7 @@ def count_reminded(engine: Engine) -> int:
         return int(conn.scalar(query) or 0)
 
 
+@pytest.mark.rotate("database_url")  # CI time: one engine a run, both with --full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_schedulers_killed_mid_remind_write_every_reminder_once_and_none_after_a_payment(

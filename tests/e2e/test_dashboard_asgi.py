@@ -26,7 +26,8 @@ from tests.support.examples import load_example
 from tests.support.processes import free_port
 from tests.support.sse import read_event
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+# Each test on one engine, the next on the other (CI time; --full runs both everywhere).
+pytestmark = pytest.mark.rotate("database_url")
 
 TOKEN = "asgi-test-token-0123456789"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
