@@ -35,6 +35,22 @@ def shifted_so_far(engine: Engine) -> int:
         return int(conn.scalar(select(func.max(pauses_table.c.shifted))) or 0)
 
 
+def unpaid_rows(prefix: str, count: int, first_expiry_ms: int) -> list[dict[str, Any]]:
+    """``count`` unpaid orders created a minute ago, expiring 1 ms apart from the first."""
+    created_ms = system_clock() - 60_000
+    return [
+        {
+            "id": f"{prefix}-{n:06d}",
+            "user_id": USERS[n % len(USERS)],
+            "status": OrderStatus.UNPAID.value,
+            "created_at_ms": created_ms,
+            "expires_at_ms": first_expiry_ms + n,
+            "updated_at_ms": created_ms,
+        }
+        for n in range(count)
+    ]
+
+
 def closed_count(engine: Engine) -> int:
     with engine.connect() as conn:
         return int(conn.scalar(select(func.count()).where(orders_table.c.status == "closed")) or 0)
@@ -93,29 +109,9 @@ def test_resumes_killed_mid_batch_move_every_order_exactly_once(
     count, kills = (6000, 20) if full_size else (1500, 5)
     service = OrderService(engine, redis_client, Settings(database_url=database_url))
     now_ms = system_clock()
-    rows = [
-        {
-            "id": f"paused-{n:06d}",
-            "user_id": USERS[n % len(USERS)],
-            "status": OrderStatus.UNPAID.value,
-            "created_at_ms": now_ms - 60_000,
-            "expires_at_ms": now_ms + 3_600_000 + n,
-            "updated_at_ms": now_ms - 60_000,
-        }
-        for n in range(count)
-    ]
+    rows = unpaid_rows("paused", count, now_ms + 3_600_000)
     # Due 2 s from now, in the middle of the pause: held until the resume moves them.
-    due = [
-        {
-            "id": f"due-{n:03d}",
-            "user_id": USERS[n % len(USERS)],
-            "status": OrderStatus.UNPAID.value,
-            "created_at_ms": now_ms - 60_000,
-            "expires_at_ms": now_ms + 2_000 + n,
-            "updated_at_ms": now_ms - 60_000,
-        }
-        for n in range(DUE)
-    ]
+    due = unpaid_rows("due", DUE, now_ms + 2_000)
     write_orders_as_of_old(service, [*rows, *due])
     rows += due
     count += DUE
