@@ -45,7 +45,7 @@ from orders.policies import ExpiryPolicy
 
 if TYPE_CHECKING:
     from orders.events.stream import EventPosition, OrderEvent
-    from orders.reconciler import ReconcileReport
+    from orders.rules.reconcile import ReconcileReport
     from orders.service import OrderService
     from orders.sql.refusals import PaymentRefusal
     from orders.sql.user_limits import UserLimit

@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from orders.config import Settings
+from orders.config.urls import SecretUrl
 from orders.domain import Clock
 from orders.embedded.server import check_can_start, database_url
 from orders.errors import InvalidInput, SchemaNotReady
@@ -22,7 +23,6 @@ from orders.index.errors import no_cluster_node
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
 from orders.sql import engine
-from orders.urls import SecretUrl
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 A record whose message is itself a JSON object (the scheduler's events) is merged into the
 line; ``order_id`` and ``user_id`` passed as ``extra`` become fields. URLs are only ever
-logged already redacted (``orders.urls.redact_url``), so nothing here filters secrets.
+logged already redacted (``orders.config.urls.redact_url``), so nothing here filters secrets.
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@ from orders.errors import (
 from orders.events.stream import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
-from orders.reconciler import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.requests import CreateRequest, checked_payment
 from orders.rules.admission import Admitter
 from orders.rules.bulk import (
@@ -60,8 +59,10 @@ from orders.rules.erasure import Eraser, Erasure
 from orders.rules.extending import Extender
 from orders.rules.pausing import Pausing
 from orders.rules.payments import LatePaymentCheck, Payments
+from orders.rules.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.rules.replacing import Replacer
 from orders.rules.retention import ArchiveHook, Pruner, PruneReport
+from orders.rules.sweep import PreCloseCheck, Sweep
 from orders.rules.transition import Transitioner
 from orders.rules.user_limits import UserLimits
 from orders.sql.host import host_connection
@@ -71,7 +72,6 @@ from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sql.retention import Retention
 from orders.sql.user_limits import UserLimit
-from orders.sweep import PreCloseCheck, Sweep
 from orders.validation import (
     TEXT_MAX_LENGTH,
     check_count,
@@ -489,7 +489,7 @@ class OrderService:
     ) -> SweepResult:
         """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now).
 
-        Batches of ``batch_size``, each one transaction; see :mod:`orders.sweep`. The
+        Batches of ``batch_size``, each one transaction; see :mod:`orders.rules.sweep`. The
         close events name the sweeper as their actor (``actor``: its name, or another
         :class:`~orders.domain.Actor`, as the CLI's operator).
         """
@@ -539,7 +539,7 @@ class OrderService:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
-        """Make the Redis index equal to SQL (see :mod:`orders.reconciler`)."""
+        """Make the Redis index equal to SQL (see :mod:`orders.rules.reconcile`)."""
         return self.reconciler.reconcile(
             user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
         )

@@ -40,7 +40,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "password-in-the-path-shown",
-        "orders/urls.py",
+        "orders/config/urls.py",
         'path = parts.path if _PLAIN.fullmatch(parts.path) else f"/{HIDDEN}"',
         "path = parts.path",
         "a password spilled into a URL's path is hidden",
@@ -59,7 +59,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     # --- the pre-close check -----------------------------------------------------------------
     mutation(
         "pre-close-extension-uncapped",
-        "orders/sweep.py",
+        "orders/rules/sweep.py",
         "extra_ms = min(check_ttl_ms(answer, self.settings.max_ttl_ms), max_extension_ms)",
         "extra_ms = check_ttl_ms(answer, self.settings.max_ttl_ms)",
         "a pre-close extension is at most max_extension_s",
@@ -67,7 +67,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "pre-close-past-the-max-lifetime",
-        "orders/sweep.py",
+        "orders/rules/sweep.py",
         "if expires_at_ms - order.created_at_ms > max_lifetime_ms:",
         "if False:",
         "a pre-close extension never moves an expiry past created_at + max_lifetime_s",
@@ -100,7 +100,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "stale-add-check-reads-one-order-per-user",
-        "orders/reconciler.py",
+        "orders/rules/reconcile.py",
         "added = [(user, order_id) for user in found.written for order_id in wanted[user]]",
         "added = [(user, next(iter(wanted[user]))) for user in found.written]",
         "reconcile's stale-add check reads every order it added",

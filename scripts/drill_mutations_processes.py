@@ -21,7 +21,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "sweep-closes-orders-not-yet-due",
-        "orders/sweep.py",
+        "orders/rules/sweep.py",
         "        cutoff = self.cutoff(now_ms)",
         "        cutoff = self.cutoff(now_ms) + 1",
         "the sweep never closes an order before its expiry",
@@ -54,7 +54,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- reconcile ---------------------------------------------------------------------------
     mutation(
         "reconcile-removes-in-flight-members",
-        "orders/reconciler.py",
+        "orders/rules/reconcile.py",
         "remove = [(u, o) for u, o in extras if o in owners and owners[o] != u]",
         "remove = [(u, o) for u, o in extras if owners.get(o) != u]",
         "a member without a SQL row (a create in flight) stays until its expiry",
@@ -62,7 +62,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "reconcile-leaves-a-stale-add",
-        "orders/reconciler.py",
+        "orders/rules/reconcile.py",
         "            self._undo_stale_adds(added, now_ms)",
         "            pass",
         "an add racing a payment does not leave a stale member",

@@ -35,8 +35,8 @@ from orders.domain import Clock
 from orders.errors import InvalidInput
 from orders.index.nodes import RedisClient
 from orders.rules.payments import LatePaymentCheck
+from orders.rules.sweep import PreCloseCheck
 from orders.service import OrderService
-from orders.sweep import PreCloseCheck
 
 P = ParamSpec("P")
 R = TypeVar("R")

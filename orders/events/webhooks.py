@@ -38,12 +38,12 @@ from urllib.error import HTTPError
 from sqlalchemy import Engine
 
 from orders.config import Settings
+from orders.config.urls import Secret, SecretUrl, check_webhook_secret, check_webhook_url
+from orders.config.values import parse_event_kinds
 from orders.domain import Clock, EventKind, system_clock
 from orders.errors import InvalidInput, OrdersError
 from orders.events.consumer import EventConsumer
 from orders.events.stream import OrderEvent
-from orders.setting_values import parse_event_kinds
-from orders.urls import Secret, SecretUrl, check_webhook_secret, check_webhook_url
 from orders.validation import check_seconds
 
 SIGNATURE_HEADER = "Orders-Signature"
@@ -58,7 +58,7 @@ class WebhookDeliveryFailed(OrdersError):
     """The receiver was not reached in time or did not answer 2xx; the event is retried.
 
     ``status`` is the HTTP status when there was an answer (None: no answer). The message
-    names the URL as :class:`~orders.urls.SecretUrl` shows it, never the secret.
+    names the URL as :class:`~orders.config.urls.SecretUrl` shows it, never the secret.
     """
 
     def __init__(self, url: SecretUrl, problem: str, status: int | None = None) -> None:

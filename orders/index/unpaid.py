@@ -33,6 +33,7 @@ from redis.exceptions import NoScriptError
 
 from orders import metrics
 from orders.config import Settings
+from orders.config.values import CreateRate
 from orders.errors import InvalidInput
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
@@ -42,7 +43,6 @@ from orders.index.nodes import RedisClient
 from orders.index.pipeline import CallPacker, run_per_key, scan_named
 from orders.index.reconcile_batch import ReconcileBatch
 from orders.index.server_config import server_warnings
-from orders.setting_values import CreateRate
 
 log = logging.getLogger("orders.index")  # the package's name: operators configure it
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from orders.config.values import CreateRate
 from orders.domain import PRE_CLOSE_CHECK, Actor, Order, same_order
 from orders.errors import (
     CreateRateLimited,
@@ -47,7 +48,6 @@ from orders.errors import (
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
 from orders.rules.abandoning import Abandoner
-from orders.setting_values import CreateRate
 from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 

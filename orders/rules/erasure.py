@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orders.config import Settings
+from orders.config.urls import Secret
 from orders.domain import ERASED_REASON, Actor
 from orders.errors import InvalidInput, RefundOwed, UnknownUser
 from orders.index.unpaid import UnpaidIndex
@@ -55,7 +56,6 @@ from orders.sql.erasure import (
 )
 from orders.sql.matching import OrderFilter
 from orders.sql.records import OrderRecords
-from orders.urls import Secret
 from orders.validation import check_user_id
 
 #: The name an erasure's events give when the caller names no actor.

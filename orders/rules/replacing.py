@@ -36,9 +36,9 @@ from orders import metrics
 from orders.domain import REPLACED_REASON, Actor, Order
 from orders.errors import UnpaidOrderLimitReached
 from orders.requests import CreateRequest
+from orders.rules.sweep import Sweep
 from orders.rules.transition import Transitioner
 from orders.sql.records import OrderRecords
-from orders.sweep import Sweep
 from orders.validation import ON_LIMIT_REPLACE_OLDEST
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from orders.index.epoch import IndexEpoch
-from orders.reconciler import ReconcileReport
+from orders.rules.reconcile import ReconcileReport
 from orders.service import OrderService
 
 #: The reasons of a rebuild that the epoch check asked for (logged at INFO).

@@ -22,8 +22,8 @@ from sqlalchemy.pool import AsyncAdaptedQueuePool, ConnectionPoolEntry
 
 from orders import metrics
 from orders.config import Settings
+from orders.config.urls import check_database_url
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.urls import check_database_url
 
 log = logging.getLogger("orders.bootstrap")  # the name it logged under before the move
 

@@ -87,7 +87,7 @@ IDLE_USERS_POSTGRESQL = _idle_users(_PG_BATCH)
 
 
 class ReconcileReads:
-    """The queries of :mod:`orders.reconciler`, over the records' transactions."""
+    """The queries of :mod:`orders.rules.reconcile`, over the records' transactions."""
 
     def __init__(self, tx: Transactions) -> None:
         self.tx = tx

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import Engine, select
 
 from orders.config import Settings
+from orders.config.urls import Secret, SecretUrl
 from orders.domain import EventKind
 from orders.errors import InvalidInput
 from orders.events.admin import list_parked, requeue_parked
@@ -33,7 +34,6 @@ from orders.scheduler.jobs import WEBHOOK_JOB_ID, build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.models import retries_table
-from orders.urls import Secret, SecretUrl
 from tests.support.clocks import ManualClock
 from tests.support.receiver import HANG, Late, Receiver, running_receiver
 

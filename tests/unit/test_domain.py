@@ -10,10 +10,10 @@ from decimal import Decimal
 import pytest
 
 from orders.config import Settings
+from orders.config.urls import redact_url
 from orders.domain import Order, OrderIdGenerator, OrderStatus, ms_to_datetime
 from orders.errors import InvalidInput
 from orders.logs import JsonFormatter
-from orders.urls import redact_url
 from orders.validation import (
     check_amount,
     check_currency,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from orders.config.urls import SecretUrl, redact_url
 from orders.errors import InvalidInput
-from orders.urls import SecretUrl, redact_url
 from orders.validation import check_metadata, check_user_id
 
 # --- user ids --------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from orders.config import Settings
+from orders.config.urls import redact_url
 from orders.errors import InvalidInput
 from orders.logs import JsonFormatter
-from orders.urls import redact_url
 
 #: Printable text of any script, plus the characters that mean something in a URL or DSN.
 PASSWORDS = st.text(

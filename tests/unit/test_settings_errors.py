@@ -10,8 +10,8 @@ import pickle
 import pytest
 
 from orders.config import Settings
+from orders.config.urls import SecretUrl
 from orders.errors import InvalidInput
-from orders.urls import SecretUrl
 
 
 @pytest.mark.parametrize(

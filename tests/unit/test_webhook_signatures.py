@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from orders.config.urls import Secret
 from orders.errors import InvalidInput
 from orders.events.webhooks import SignatureInvalid, signature_header, verify_signature
-from orders.urls import Secret
 
 SECRET = "whsec-test-0123456789abcdef"
 BODY = b'{"id":1}'

@@ -1,8 +1,8 @@
 """Settings: one frozen value, read from ``ORDERS_*`` environment variables or built in code.
 
 Nothing here connects to anything; :func:`orders.bootstrap.build_service` does that. The
-connection URLs are held as :class:`~orders.urls.SecretUrl` (kept importable from here),
-which cannot print its password; :mod:`orders.urls` checks them. redis-py and SQLAlchemy
+connection URLs are held as :class:`~orders.config.urls.SecretUrl` (kept importable from here),
+which cannot print its password; :mod:`orders.config.urls` checks them. redis-py and SQLAlchemy
 are imported only to check a URL that was given, so reading settings (and ``orders
 --help``) costs neither.
 """
@@ -15,17 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from orders.errors import InvalidInput
-from orders.policies import ExpiryPolicy, ExpiryTerms, checked_policies
-from orders.setting_values import (
-    CreateRate,
-    check_handler_paths,
-    parse_create_rate,
-    parse_env_value,
-    parse_event_kinds,
-    secret_url,
-)
-from orders.urls import (
+from orders.config.urls import (
     Secret,
     SecretUrl,
     check_database_url,
@@ -34,6 +24,16 @@ from orders.urls import (
     check_webhook_secret,
     check_webhook_url,
 )
+from orders.config.values import (
+    CreateRate,
+    check_handler_paths,
+    parse_create_rate,
+    parse_env_value,
+    parse_event_kinds,
+    secret_url,
+)
+from orders.errors import InvalidInput
+from orders.policies import ExpiryPolicy, ExpiryTerms, checked_policies
 from orders.validation import ON_LIMIT_REFUSE, check_count, check_on_limit, check_seconds
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
@@ -148,14 +148,14 @@ class Settings:
     #: None: no webhooks. Needs ``webhook_secret``.
     webhook_url: SecretUrl | None = None
     #: The HMAC-SHA256 key of the ``Orders-Signature`` header, 16 characters at least;
-    #: held as a :class:`~orders.urls.Secret` (never printed).
+    #: held as a :class:`~orders.config.urls.Secret` (never printed).
     webhook_secret: Secret | None = None
     #: Comma-separated event kinds the webhook gets ("closed,payment_refused"); empty: all.
     webhook_kinds: str = ""
     #: How long a webhook POST may wait to connect, and for each read of the answer.
     webhook_timeout_s: float = 5.0
     #: The HMAC-SHA256 key of erasure pseudonyms (``erase_user``), 16 characters at least;
-    #: held as a :class:`~orders.urls.Secret` (never printed). None: erasure is refused.
+    #: held as a :class:`~orders.config.urls.Secret` (never printed). None: erasure is refused.
     erasure_key: Secret | None = None
 
     def __post_init__(self) -> None:

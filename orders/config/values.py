@@ -10,10 +10,10 @@ import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from orders.config.urls import SecretUrl
 from orders.domain import EventKind
 from orders.errors import InvalidInput
 from orders.policies import parse_policies
-from orders.urls import SecretUrl
 
 #: The bounds of ``Settings.create_rate``: creates per window, and the window.
 CREATE_RATE_MAX_COUNT = 10**6

@@ -66,7 +66,8 @@ from orders.index.unpaid import UnpaidIndex
 from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
-log = logging.getLogger(__name__)
+#: The logger keeps the name operators configure (docs/operations.md), whatever the module.
+log = logging.getLogger("orders.reconciler")
 
 #: Order rows per SQL page and keys per SCAN call: 1,000 measured best (scripts/reconcile_rate.py).
 DEFAULT_CHUNK_SIZE = 1000
