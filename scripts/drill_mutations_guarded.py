@@ -117,7 +117,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     # --- event consumers ---------------------------------------------------------------------
     mutation(
         "parked-event-overwritten-by-a-twin",
-        "orders/events/consumer.py",
+        "orders/events/retries.py",
         "upsert(conn, retries_table, key, values, only_if=lambda new: RETRYING)",
         "upsert(conn, retries_table, key, values)",
         "a parked event's entry is kept when a twin consumer fails on it again",
@@ -125,7 +125,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "consumer-cursor-moves-back",
-        "orders/events/consumer.py",
+        "orders/events/retries.py",
         'upsert(conn, cursors_table, {"name": self.name}, values, only_if=ahead)',
         'upsert(conn, cursors_table, {"name": self.name}, values)',
         "a consumer's saved position only moves forward (a twin behind cannot move it back)",

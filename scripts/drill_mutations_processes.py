@@ -107,7 +107,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "consumer-cursor-not-saved",
         "orders/events/consumer.py",
-        "                self._save_position(conn, event.position)",
+        "                self.book.save_position(conn, event.position)",
         "                pass",
         "a consumer saves its position after each event",
         "tests/integration/test_event_retries.py::test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_again",
@@ -115,7 +115,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "parked-events-retried",
-        "orders/events/consumer.py",
+        "orders/events/retries.py",
         ".where(RC.consumer == self.name, RETRYING, RC.next_at_ms <= self.clock())",
         ".where(RC.consumer == self.name, RC.next_at_ms <= self.clock())",
         "a parked event is never retried until requeued",
@@ -123,7 +123,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "park-one-attempt-late",
-        "orders/events/consumer.py",
+        "orders/events/retries.py",
         "park = attempts >= self.max_attempts",
         "park = attempts > self.max_attempts",
         "an event is parked after max_attempts tries, not one more",

@@ -29,7 +29,7 @@ from sqlalchemy import (
 
 from orders.domain import Actor, ActorKind, Clock, EventKind, system_clock
 from orders.errors import InvalidInput
-from orders.events.consumer import CC, PARKED, RC, RETRYING, check_consumer_name
+from orders.events.retries import CC, PARKED, RC, RETRYING, check_consumer_name
 from orders.events.stream import EC, EventPosition, commit_order, events_after
 from orders.sql.models import events_table, retries_table, sql_errors
 from orders.sql.transitions import record_events

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, inspect, select, text
 
-from orders.events.consumer import RC, RETRYING
+from orders.events.retries import RC, RETRYING
 from orders.sql import migrate
 from orders.sql.models import retries_table
 from orders.sql.schema_names import unprefixed
