@@ -200,6 +200,19 @@ def json_option(func: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(func)
 
 
+def secure_cookie_option(func: F) -> F:
+    """The dashboard's login cookie ``Secure`` flag, for every command that serves it."""
+    return click.option(
+        "--secure-cookie/--no-secure-cookie",
+        default=False,
+        show_default=True,
+        envvar="ORDERS_DASHBOARD_SECURE_COOKIE",
+        show_envvar=True,
+        help="Mark the dashboard's login cookie Secure: set it when browsers reach the page "
+        "over HTTPS.",
+    )(func)
+
+
 def configure_logging(verbose: int, log_format: str) -> None:
     # The service's own INFO lines (the scheduler's summary every 10 s at most, lease
     # changes, outages) always show; -v adds everyone else's INFO, -vv debug (the

@@ -9,7 +9,7 @@ from types import FrameType
 
 import click
 
-from orders.cli.app import cli_state
+from orders.cli.app import cli_state, secure_cookie_option
 from orders.dashboard import (
     DEFAULT_HOST,
     DEFAULT_PORT,
@@ -49,14 +49,7 @@ from orders.validation import check_seconds
     show_default=True,
     help="Seconds between live updates (the stores are read at most this often).",
 )
-@click.option(
-    "--secure-cookie/--no-secure-cookie",
-    default=False,
-    show_default=True,
-    envvar="ORDERS_DASHBOARD_SECURE_COOKIE",
-    show_envvar=True,
-    help="Mark the login cookie Secure: set it when browsers reach the page over HTTPS.",
-)
+@secure_cookie_option
 @click.pass_context
 def dashboard(
     ctx: click.Context, host: str, port: int, refresh_s: float, secure_cookie: bool

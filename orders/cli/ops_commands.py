@@ -9,7 +9,7 @@ import time
 
 import click
 
-from orders.cli.app import cli_state, json_option, main
+from orders.cli.app import cli_state, json_option, main, secure_cookie_option
 from orders.cli.render import dataclass_json, print_stats
 from orders.httpd import check_port
 
@@ -140,6 +140,7 @@ def sweep(
     help="Address the one server listens on; anything but loopback needs "
     "ORDERS_DASHBOARD_TOKEN (the dashboard is on it).",
 )
+@secure_cookie_option
 @click.pass_context
 def scheduler(
     ctx: click.Context,
@@ -154,6 +155,7 @@ def scheduler(
     dashboard_host: str,
     ops_port: int | None,
     ops_addr: str,
+    secure_cookie: bool,
 ) -> None:
     """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
     from orders.scheduler.health import HealthServer, SchedulerHealth  # noqa: PLC0415
@@ -177,7 +179,9 @@ def scheduler(
     if ops_port is not None:
         from orders.cli.ops_server import OpsServer  # noqa: PLC0415
 
-        ops = OpsServer(ops_addr, ops_port, token=dashboard_token, health=health)
+        ops = OpsServer(
+            ops_addr, ops_port, token=dashboard_token, health=health, secure_cookie=secure_cookie
+        )
         health = ops.health  # one report, on either port
         logging.getLogger("orders.health").info(
             "metrics, health and dashboard on %s/ (/metrics, /healthz, /readyz)", ops.url
@@ -199,7 +203,11 @@ def scheduler(
             from orders.dashboard import start_dashboard  # noqa: PLC0415
 
             dashboard = start_dashboard(
-                service, dashboard_host, dashboard_port, token=dashboard_token
+                service,
+                dashboard_host,
+                dashboard_port,
+                token=dashboard_token,
+                secure_cookie=secure_cookie,
             )
             logging.getLogger("orders.dashboard").info("dashboard on %s/", dashboard.url)
         run_scheduler(

@@ -19,12 +19,20 @@ class OpsServer:
     """The one operator server of a scheduler process."""
 
     def __init__(
-        self, host: str, port: int, *, token: str | None, health: SchedulerHealth | None = None
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None,
+        health: SchedulerHealth | None = None,
+        secure_cookie: bool = False,
     ) -> None:
         """Bind ``host:port`` now; ``health``: the scheduler's report if another port
-        serves it already (else one of its own)."""
+        serves it already (else one of its own); ``secure_cookie``: the dashboard's login
+        cookie is marked ``Secure`` (browsers reach it over HTTPS)."""
         check_bind(host, token)
         self.token = token
+        self.secure_cookie = secure_cookie
         self.health = health or SchedulerHealth()
         self.dashboard: Dashboard | None = None
         self._routes: list[Route] = [self.health.route, metrics_route]
@@ -38,7 +46,7 @@ class OpsServer:
 
     def add_dashboard(self, service: OrderService) -> None:
         """Serve the dashboard of ``service`` from now on."""
-        self.dashboard = Dashboard(service, token=self.token)
+        self.dashboard = Dashboard(service, token=self.token, secure_cookie=self.secure_cookie)
         self._routes.append(self.dashboard.route)
 
     def close(self) -> None:

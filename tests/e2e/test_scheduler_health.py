@@ -3,6 +3,7 @@ then its Redis stops: not ready (naming Redis), still healthy (restarting it wou
 
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
 import signal
@@ -143,6 +144,17 @@ def test_a_bad_or_taken_health_port_is_one_line_and_exit_2_before_anything_start
             assert not home.exists()  # no store was opened, no embedded Redis started
 
 
+def secure_login_cookie(port: int, token: str | None) -> str:
+    """The Set-Cookie of a login on the dashboard at ``port`` ("" when none is set)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    conn.request("POST", "/login", body=f"token={token or ''}", headers=form)
+    reply = conn.getresponse()
+    reply.read()
+    conn.close()
+    return reply.getheader("Set-Cookie") or ""
+
+
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_one_port_serves_metrics_health_and_the_dashboard(
     database_url: str, redis_url: str, redis_client: Any, tmp_path: Path
@@ -154,6 +166,26 @@ def test_one_port_serves_metrics_health_and_the_dashboard(
         ORDERS_REDIS_URL=redis_url,
         ORDERS_OPS_PORT=str(port),
     )
+    token = "t" * 32
+    proc = subprocess.Popen(  # the dashboard's login cookie marked Secure (behind TLS)
+        [sys.executable, "-m", "orders", "scheduler", "--interval", "0.2"],
+        env={**env, "ORDERS_DASHBOARD_TOKEN": token, "ORDERS_DASHBOARD_SECURE_COOKIE": "1"},
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for(
+            "/healthz 200 after a sweep",
+            answered_after_a_sweep(f"http://127.0.0.1:{port}/healthz", 200),
+            proc,
+        )
+        assert secure_login_cookie(port, token).endswith("; HttpOnly; SameSite=Strict; Secure")
+        stopped(proc)
+    finally:
+        kill_if_running(proc)
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "orders", "scheduler", "--interval", "0.2"],
         env=env,
