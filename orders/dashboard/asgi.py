@@ -4,9 +4,11 @@ The routes are the standalone dashboard's own (:meth:`Dashboard.route`) beside t
 probes (:class:`~orders.probes.StoreHealth`): this module is only their transport, written
 against the ASGI spec (HTTP and lifespan scopes), so it adds no dependency. Every route
 runs in a worker thread (``anyio.to_thread``), since its reads of SQL and Redis block; the
-event loop only moves bytes. An event stream reads the overview in a thread too, sleeps on
-the loop between events, and ends when the client disconnects (the ``http.disconnect``
-message, watched beside it) or when :meth:`OperatorApp.close` is called.
+event loop only moves bytes. The threads are bounded by a limiter of the app's own, so a
+burst of slow reads never takes the threads the host's own sync routes run on. An event
+stream reads the overview in a thread too, sleeps on the loop between events, and ends
+when the client disconnects (the ``http.disconnect`` message, watched beside it) or when
+:meth:`OperatorApp.close` is called.
 
 The app works at any mount point: the path the host routed it under comes in the scope's
 ``root_path``, and the page names everything else by relative URLs.
@@ -37,7 +39,7 @@ from orders.httpd import (
 )
 from orders.probes import StoreHealth
 from orders.service import OrderService
-from orders.validation import check_seconds
+from orders.validation import check_count, check_seconds
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -46,14 +48,24 @@ Send = Callable[[Message], Awaitable[None]]
 
 #: Who guards the pages: the dashboard's token login, or the host's own auth in front.
 Auth = Literal["token", "host"]
+#: Worker threads the pages may use at once (their own, never the host's): reads of the
+#: overview are shared between requests, so a few serve many operators.
+DEFAULT_THREADS = 4
 
 
 class OperatorApp:
     """An ASGI app of the dashboard and the store probes (see :func:`asgi_app`)."""
 
-    def __init__(self, dashboard: Dashboard, *, owns_service: bool) -> None:
+    def __init__(
+        self, dashboard: Dashboard, *, owns_service: bool, threads: int = DEFAULT_THREADS
+    ) -> None:
         self.dashboard = dashboard
         self.app: App = first_of(dashboard.route, StoreHealth(dashboard.service).route)
+        self.threads = check_count("threads", threads, 1, 64)
+        #: The pages' own bound on worker threads, made on the first request (on the
+        #: server's event loop): a burst of slow reads waits here, and the host's own
+        #: thread pool (anyio's default limiter, which FastAPI's sync routes use) stays free.
+        self.limiter: anyio.CapacityLimiter | None = None
         self._owns_service = owns_service
         self._closed = False
 
@@ -92,11 +104,17 @@ class OperatorApp:
         if body is None:
             return  # the client left before its request was in
         if isinstance(body, Response):
-            await _send(scope, body, receive, send)
+            await _send(scope, body, receive, send, self._limiter())
             return
         request = _request(scope, body)
-        response = await anyio.to_thread.run_sync(self.app, request)
-        await _send(scope, response, receive, send)
+        limiter = self._limiter()
+        response = await anyio.to_thread.run_sync(self.app, request, limiter=limiter)
+        await _send(scope, response, receive, send, limiter)
+
+    def _limiter(self) -> anyio.CapacityLimiter:
+        if self.limiter is None:
+            self.limiter = anyio.CapacityLimiter(self.threads)
+        return self.limiter
 
 
 def _request(scope: Scope, body: bytes) -> Request:
@@ -126,7 +144,9 @@ async def _read_body(receive: Receive) -> bytes | Response | None:
             return bytes(body)
 
 
-async def _send(scope: Scope, response: Response, receive: Receive, send: Send) -> None:
+async def _send(
+    scope: Scope, response: Response, receive: Receive, send: Send, limiter: anyio.CapacityLimiter
+) -> None:
     headers = [
         (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.header_items()
     ]
@@ -135,11 +155,13 @@ async def _send(scope: Scope, response: Response, receive: Receive, send: Send) 
         await send({"type": "http.response.body", "body": b""})
     elif response.stream is None:
         await send({"type": "http.response.body", "body": response.body})
-    elif not await _stream(response.stream, receive, send):
+    elif not await _stream(response.stream, receive, send, limiter):
         await send({"type": "http.response.body", "body": b""})  # the end of the stream
 
 
-async def _stream(stream: EventStream, receive: Receive, send: Send) -> bool:
+async def _stream(
+    stream: EventStream, receive: Receive, send: Send, limiter: anyio.CapacityLimiter
+) -> bool:
     """Send events until the stream closes or the client goes; True if the client went."""
     gone = False
     async with anyio.create_task_group() as group:
@@ -154,7 +176,7 @@ async def _stream(stream: EventStream, receive: Receive, send: Send) -> bool:
         group.start_soon(watch)
         with stream.open.held():
             while not stream.closing.is_set():
-                event = await anyio.to_thread.run_sync(stream.next_event)
+                event = await anyio.to_thread.run_sync(stream.next_event, limiter=limiter)
                 await send({"type": "http.response.body", "body": event, "more_body": True})
                 await anyio.sleep(stream.interval_s)
         group.cancel_scope.cancel()
@@ -168,6 +190,7 @@ def asgi_app(
     auth: Auth = "token",
     refresh_s: float = DEFAULT_REFRESH_S,
     secure_cookie: bool = False,
+    threads: int = DEFAULT_THREADS,
 ) -> OperatorApp:
     """The dashboard and the store probes as an ASGI app, to mount under any path::
 
@@ -183,7 +206,9 @@ def asgi_app(
     request that reaches them, for a host whose own auth stands in front of the mount.
     ``/healthz`` and ``/readyz`` answer without a token either way (they hold no order
     data). ``secure_cookie``: mark the login cookie ``Secure`` (the host is reached over
-    HTTPS). Anything else is :class:`~orders.errors.InvalidInput`, raised here.
+    HTTPS). ``threads``: the worker threads the pages use at once, 1 to 64, their own
+    (never the host's thread pool). Anything else is :class:`~orders.errors.InvalidInput`,
+    raised here.
     """
     if auth == "host":
         if token is not None:
@@ -199,6 +224,7 @@ def asgi_app(
     else:
         raise InvalidInput("auth", f'must be "token" or "host" (got {auth!r})')
     check_seconds("refresh_s", refresh_s)
+    check_count("threads", threads, 1, 64)
     owns_service = isinstance(source, Settings)
     service = build_service(source) if isinstance(source, Settings) else source
     try:
@@ -209,4 +235,4 @@ def asgi_app(
         if owns_service:
             service.close()
         raise
-    return OperatorApp(dashboard, owns_service=owns_service)
+    return OperatorApp(dashboard, owns_service=owns_service, threads=threads)

@@ -9,17 +9,23 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing, contextmanager
 
 import httpx
 import pytest
 import uvicorn
 from playwright.sync_api import ConsoleMessage, Error, expect, sync_playwright
+from sqlalchemy import Engine, text
 
+from orders.bootstrap import build_service
+from orders.config import Settings
 from orders.dashboard import OperatorApp, asgi_app
+from orders.dashboard.asgi import DEFAULT_THREADS
 from orders.errors import InvalidInput
 from orders.httpd import Request
 from orders.service import OrderService
+from orders.sql.models import orders_table
 from tests.support.aio import loop_kind
 from tests.support.browser import CHROMIUM_ARGS, chromium_path
 from tests.support.examples import load_example
@@ -35,12 +41,21 @@ WAIT_S = 10.0
 
 
 @contextmanager
-def mounted(service: OrderService, refresh_s: float = 0.2) -> Iterator[tuple[str, OperatorApp]]:
+def mounted(
+    service: OrderService, refresh_s: float = 0.2, threads: int = DEFAULT_THREADS
+) -> Iterator[tuple[str, OperatorApp]]:
     """The example's host app (token pages at /ops/orders) plus ``auth="host"`` pages at
-    /ops/open, under uvicorn in a thread; yields the base URL and the token pages' app."""
-    ops = asgi_app(service, token=TOKEN, refresh_s=refresh_s)
+    /ops/open and a sync route of the host's own at /host (run on anyio's default thread
+    pool, as FastAPI runs every ``def`` route), under uvicorn in a thread; yields the base
+    URL and the token pages' app."""
+    ops = asgi_app(service, token=TOKEN, refresh_s=refresh_s, threads=threads)
     app = load_example("fastapi_checkout/operator_pages.py", "operator_pages").host_app(ops)
     app.mount("/ops/open", asgi_app(service, auth="host", refresh_s=refresh_s))
+
+    @app.get("/host")
+    def host_route() -> dict[str, bool]:
+        return {"ok": True}
+
     port = free_port()
     config = uvicorn.Config(
         app,
@@ -85,6 +100,9 @@ def test_choosing_who_guards_the_pages_is_required_and_checked(service: OrderSer
         asgi_app(service, token="short")
     with pytest.raises(InvalidInput, match="auth"):
         asgi_app(service, token=TOKEN, auth="none")  # type: ignore[arg-type]
+    for threads in (0, 65, True):
+        with pytest.raises(InvalidInput, match="threads"):
+            asgi_app(service, auth="host", threads=threads)
 
 
 def test_built_from_settings_the_app_has_a_service_of_its_own_on_the_same_stores(
@@ -173,6 +191,44 @@ def test_the_stream_sends_an_event_leaves_the_loop_free_and_ends_when_the_client
         # The client closed its connection: the server's stream ends now, not at its next
         # event 30 s away (nor never: uvicorn drops what is sent to a gone client).
         wait_until(lambda: ops.dashboard.streams.value == 0, "the stream to end")
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_a_burst_of_slow_reads_waits_on_the_pages_own_threads_never_the_hosts(
+    database_url: str, redis_url: str, engine: Engine
+) -> None:
+    """More requests than anyio's default pool has threads (40), each held by a lock on the
+    orders table: the pages use their own 2 threads, the rest wait for them, and the host's
+    own sync route still answers at once; all of them answer once the lock goes."""
+    burst = 45
+    # The pages' reads wait on the lock however long a loaded machine takes to queue them.
+    patient = Settings(database_url=database_url, redis_url=redis_url, sql_lock_timeout_s=60)
+    with (
+        closing(build_service(patient)) as service,
+        mounted(service, threads=2) as (base, ops),
+        ThreadPoolExecutor(burst) as pool,
+    ):
+        with engine.connect() as holder:  # every read of the orders waits behind this lock
+            holder.execute(text("SET LOCAL idle_in_transaction_session_timeout = 0"))
+            holder.execute(text(f"LOCK TABLE {orders_table.name} IN ACCESS EXCLUSIVE MODE"))
+
+            def overview(_: int) -> int:
+                with client(base) as http:
+                    return http.get("/ops/orders/api/overview", headers=BEARER).status_code
+
+            answers = pool.map(overview, range(burst))
+            wait_until(
+                lambda: (
+                    ops.limiter is not None
+                    and (ops.limiter.borrowed_tokens, ops.limiter.statistics().tasks_waiting)
+                    == (2, burst - 2)
+                ),
+                "the burst to fill the pages' threads and queue behind them",
+            )
+            with client(base) as http:
+                assert http.get("/host").json() == {"ok": True}
+            holder.rollback()
+        assert list(answers) == [200] * burst
 
 
 def test_the_page_loads_under_the_prefix_in_chromium_and_shows_an_order(
