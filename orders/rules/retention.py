@@ -65,11 +65,15 @@ class Pruner:
             check_count("max_batches", max_batches, 1)
         cutoff_ms = self.clock() - round(older_than_s * 1000)
         orders = events = batches = 0
-        for batch, rows in self.retention.batches(cutoff_ms, size, dry_run=dry_run):
+        archive = None if dry_run else self.archive  # read once: a hook set meanwhile waits
+        found = self.retention.batches(
+            cutoff_ms, size, dry_run=dry_run, with_rows=archive is not None
+        )
+        for batch, rows in found:
             if max_batches is not None and batches >= max_batches:
                 return PruneReport(orders, events, batches, cutoff_ms, dry_run, more=True)
-            if self.archive is not None and not dry_run:
-                self.archive(rows)
+            if archive is not None:
+                archive(rows)
             orders += len(batch.orders)
             events += batch.events
             batches += 1

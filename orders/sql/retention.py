@@ -24,9 +24,9 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
-    and_,
     delete,
     exists,
+    func,
     literal_column,
     or_,
     select,
@@ -85,11 +85,13 @@ class Retention:
         self.needed = _still_needed(tx.dialect == "postgresql")
 
     def batches(
-        self, cutoff_ms: int, size: int, *, dry_run: bool
+        self, cutoff_ms: int, size: int, *, dry_run: bool, with_rows: bool = True
     ) -> Iterator[tuple[PruneBatch, list[dict[str, Any]]]]:
         """Each batch of prunable orders, oldest first per status, with their rows and
-        events as the archive sees them; unless ``dry_run``, deleted once the caller is
-        back from handling it (the next step of the iterator), in a transaction of its own.
+        events as the archive sees them (none without ``with_rows``: only their events are
+        counted, which costs a fraction of reading them); unless ``dry_run``, deleted once
+        the caller is back from handling it (the next step of the iterator), in a
+        transaction of its own.
         """
         for status, at in TERMINAL:
             after: tuple[int, str] | None = None
@@ -98,8 +100,11 @@ class Retention:
                 if not found:
                     break
                 ids = [row.id for row in found]
-                rows = self._rows_with_events(ids)
-                events = sum(len(r["events"]) for r in rows)
+                if with_rows:
+                    rows = self._rows_with_events(ids)
+                    events = sum(len(r["events"]) for r in rows)
+                else:
+                    rows, events = [], self._count_events(ids)
                 batch = PruneBatch([(r.id, r.user_id, r.status) for r in found], events)
                 yield batch, rows
                 if not dry_run:
@@ -128,9 +133,18 @@ class Retention:
             .limit(size)
         )
         if after is not None:
-            query = query.where(or_(at > after[0], and_(at == after[0], ORDER.id > after[1])))
+            # A row comparison, not "at > a OR (at = a AND id > b)": with the OR, PostgreSQL
+            # scans the index from its start past every order of the earlier batches, so a
+            # prune's batches cost more and more (n^2 over a large table); this starts the
+            # index scan at the cursor. The plain bound lets SQLite's planner do the same.
+            query = query.where(at >= after[0], tuple_(at, ORDER.id) > tuple_(*after))
         with self.tx.read() as conn:
             return conn.execute(query).all()
+
+    def _count_events(self, ids: list[str]) -> int:
+        with self.tx.read() as conn:
+            query = select(func.count()).select_from(events_table).where(EVENT.order_id.in_(ids))
+            return int(conn.scalar(query) or 0)
 
     def _rows_with_events(self, ids: list[str]) -> list[dict[str, Any]]:
         with self.tx.read() as conn:

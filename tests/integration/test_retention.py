@@ -19,6 +19,7 @@ from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
+from tests.support.plans import captured, explain_sql
 from tests.support.stores import sql_rows
 
 DAY_MS = 86_400_000
@@ -196,3 +197,26 @@ def test_with_nothing_left_the_next_run_comes_after_a_tenth_of_the_retention() -
     assert idle_s(90) == 3600.0  # a long retention: hourly
     assert idle_s(5 / 1440) == pytest.approx(30.0)  # five minutes: every 30 s
     assert idle_s(1 / 86_400) == 10.0  # never busier than every 10 s
+
+
+def test_each_batch_of_a_prune_starts_its_index_scan_at_the_last_batchs_end(
+    shop: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    """A later batch must not walk the index past every order of the batches before it (a
+    prune of n orders would cost n^2): its query bounds the index scan from below."""
+    for n in range(3):
+        order = shop.create_unpaid_order(f"u{n}", ttl_s=600)
+        shop.mark_paid(order.id)
+    clock.advance(ms=100 * DAY_MS)
+    with captured(engine) as seen:
+        assert shop.prune(90 * 86_400, batch_size=1, dry_run=True).batches == 3
+    paid_pages = [s for s in seen if "paid_at_ms" in s[0] and "ORDER BY" in s[0]]
+    assert len(paid_pages) == 4  # a page each, then the empty one that ends the walk
+    plan = explain_sql(engine, *paid_pages[1])  # the second batch: after the first's end
+    if engine.dialect.name == "sqlite":
+        assert "USING INDEX ix_oes_orders_paid_paid_at_ms (paid_at_ms>? AND paid_at_ms<?)" in plan
+    else:
+        scan = next(line for line in plan.splitlines() if "ix_oes_orders_paid_paid_at_ms" in line)
+        bounds = plan.splitlines()[plan.splitlines().index(scan) + 1]
+        assert "Index Cond" in bounds, plan
+        assert "paid_at_ms >=" in bounds, plan
