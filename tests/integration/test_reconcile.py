@@ -17,8 +17,8 @@ import pytest
 import redis
 from sqlalchemy import insert
 
-from orders import reconciler
 from orders.index.unpaid import AdmitRequest
+from orders.rules import reconcile as reconciler
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
