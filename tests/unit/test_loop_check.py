@@ -75,8 +75,10 @@ def test_a_call_that_holds_the_loop_fails_the_check(kind: str, blocking: str) ->
 @pytest.mark.parametrize("kind", KINDS)
 def test_awaiting_does_not_hold_the_loop(kind: str) -> None:
     slow = run_in_checked_loop(kind, 0.050, "await", count=4)
+    # Not "waited == 0": on a loaded machine the loop's thread waits for a CPU between two
+    # beats now and then (a CI run at load 10 saw one such gap), and those gaps are exactly
+    # what ``waited`` counts instead of reporting them.
     assert slow.reports == []
-    assert slow.waited == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
