@@ -134,6 +134,12 @@ class CreateCombiner:
         self._busy = False
         self._queue: list[Member] = []
 
+    @property
+    def queued(self) -> int:
+        """Creates waiting for the one in flight to end."""
+        with self._lock:
+            return len(self._queue)
+
     def create(
         self,
         values: Mapping[str, Any],

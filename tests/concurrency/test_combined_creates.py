@@ -16,7 +16,10 @@ batches of several creates really formed (so combining cannot be silently off), 
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -30,6 +33,7 @@ from orders.errors import UnpaidOrderLimitReached
 from orders.rules.combining import CombinerStats, CreateCombiner
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
+from tests.support.doubles import PausingIndex, pausing_after_admit
 from tests.support.stores import events_of, flush_db, orders_of
 from tests.support.threads import outcomes_of_race
 
@@ -104,6 +108,39 @@ def test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order(
     print(f"\n[combined, {engine.dialect.name}] {len(returned)} creates: {stats}")
 
 
+def gated_race(service: OrderService, calls: list[Callable[[], object]]) -> list[object]:
+    """``calls`` at once, all queued behind a create of the user "gate" that holds the
+    combiner until every call waits: they run as one batch."""
+    combiner = combiner_of(service)
+    opened = threading.Event()
+    held = threading.Event()
+
+    def hold_the_gate(user_id: str, _order_id: str) -> None:
+        if user_id == "gate":
+            held.set()
+            assert opened.wait(30), "the gate was never opened"
+
+    assert isinstance(service.index, PausingIndex)
+    service.index.after_admit = hold_the_gate
+    gate = threading.Thread(target=lambda: service.create_unpaid_order("gate", ttl_s=60))
+    gate.start()
+    try:
+        assert held.wait(30), "the gate's create did not start"
+        racing: list[object] = []
+        runner = threading.Thread(target=lambda: racing.extend(outcomes_of_race(calls)))
+        runner.start()
+        deadline = time.monotonic() + 30
+        while combiner.queued < len(calls):
+            assert time.monotonic() < deadline, f"only {combiner.queued} creates queued"
+            time.sleep(0.001)
+    finally:
+        opened.set()
+        gate.join(30)
+    runner.join(60)
+    assert len(racing) == len(calls), "a racing create did not end"
+    return racing
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("limit", [1, 3])
 def test_one_user_at_the_limit_keeps_it_in_batches_and_after_a_flush(
@@ -114,7 +151,12 @@ def test_one_user_at_the_limit_keeps_it_in_batches_and_after_a_flush(
     clock: ManualClock,
     limit: int,
 ) -> None:
-    service = combined_service(engine, redis_client, database_url, redis_options, clock)
+    """Three batches of THREADS creates for one user: the first fills the limit, the
+    second is refused by Redis, the third, after FLUSHDB, is admitted by Redis up to the
+    limit and must be refused by the batch's SQL guard (then by the single path's, which
+    writes the index back)."""
+    combined = combined_service(engine, redis_client, database_url, redis_options, clock)
+    service = pausing_after_admit(combined, lambda _user, _order: None)
     stats = combiner_of(service).stats
     user = "limited"
     service.create_unpaid_order("warm-up", ttl_s=60)
@@ -122,19 +164,20 @@ def test_one_user_at_the_limit_keeps_it_in_batches_and_after_a_flush(
     for round_ in range(3):
         if round_ == 2:
             flush_db(redis_client)  # Redis forgets the user: the SQL guard alone holds
-        outcomes = outcomes_of_race(
-            [lambda: service.create_unpaid_order(user, ttl_s=60, limit=limit)] * THREADS
+        batches = stats.batches
+        outcomes = gated_race(
+            service, [lambda: service.create_unpaid_order(user, ttl_s=60, limit=limit)] * THREADS
         )
+        assert stats.batches == batches + 1, f"the creates did not run as one batch: {stats}"
         orders = [o for o in outcomes if isinstance(o, Order)]
         refusals = [o for o in outcomes if isinstance(o, UnpaidOrderLimitReached)]
         assert len(orders) + len(refusals) == THREADS, Counter(type(o).__name__ for o in outcomes)
         assert all(r.open_count == limit and r.limit == limit for r in refusals)
         assert all(o.user_id == user for o in orders)
         admitted |= {o.id for o in orders}
-        # The first round fills the limit; the second finds it full in Redis; the third
-        # in SQL only.
         assert len(orders) == (limit if round_ == 0 else 0), (round_, orders)
-    assert stats.largest > 1, f"no batch of several formed: {stats}"
+        by_sql = [r for r in refusals if r.source == "sql"]
+        assert len(by_sql) == (limit if round_ == 2 else 0), (round_, refusals)
     rows = orders_of(engine, user)
     assert set(rows) == admitted
     assert [row.status for row in rows.values()] == ["unpaid"] * limit
