@@ -5,7 +5,8 @@ by the single path (:meth:`Admitter.create`): it never waits for company. A crea
 arrives while another create (alone or a batch) is in flight queues; when the one in flight
 ends, the first queued caller leads the next batch, taking everything queued (up to
 :data:`MAX_BATCH`), and the others wait for it. So a caller waits only while the process is
-already busy creating, for at most the one batch ahead of its own plus its own.
+already busy creating: for the create or batch in flight (and, past :data:`MAX_BATCH`
+queued, the batches ahead of its own), then its own batch.
 
 A batch does the shared work only, in the leader's thread:
 
