@@ -16,10 +16,7 @@ batches of several creates really formed (so combining cannot be silently off), 
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
@@ -33,7 +30,7 @@ from orders.errors import UnpaidOrderLimitReached
 from orders.rules.combining import CombinerStats, CreateCombiner
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
-from tests.support.doubles import PausingIndex, pausing_after_admit
+from tests.support.doubles import gated_race, pausing_after_admit
 from tests.support.stores import events_of, flush_db, orders_of
 from tests.support.threads import outcomes_of_race
 
@@ -106,39 +103,6 @@ def test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order(
         assert_one_created_event_each(engine, order.user_id, {order.id})
         assert service.index.members(order.user_id) == {order.id: order.expires_at_ms}
     print(f"\n[combined, {engine.dialect.name}] {len(returned)} creates: {stats}")
-
-
-def gated_race(service: OrderService, calls: list[Callable[[], object]]) -> list[object]:
-    """``calls`` at once, all queued behind a create of the user "gate" that holds the
-    combiner until every call waits: they run as one batch."""
-    combiner = combiner_of(service)
-    opened = threading.Event()
-    held = threading.Event()
-
-    def hold_the_gate(user_id: str, _order_id: str) -> None:
-        if user_id == "gate":
-            held.set()
-            assert opened.wait(30), "the gate was never opened"
-
-    assert isinstance(service.index, PausingIndex)
-    service.index.after_admit = hold_the_gate
-    gate = threading.Thread(target=lambda: service.create_unpaid_order("gate", ttl_s=60))
-    gate.start()
-    try:
-        assert held.wait(30), "the gate's create did not start"
-        racing: list[object] = []
-        runner = threading.Thread(target=lambda: racing.extend(outcomes_of_race(calls)))
-        runner.start()
-        deadline = time.monotonic() + 30
-        while combiner.queued < len(calls):
-            assert time.monotonic() < deadline, f"only {combiner.queued} creates queued"
-            time.sleep(0.001)
-    finally:
-        opened.set()
-        gate.join(30)
-    runner.join(60)
-    assert len(racing) == len(calls), "a racing create did not end"
-    return racing
 
 
 @pytest.mark.timeout(120)
