@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from sqlalchemy import Connection, Row
+from sqlalchemy import Connection
 
 from orders import tracing
 from orders.domain import Actor, Order
@@ -89,7 +89,7 @@ class Member:
     batch: list[Member] | None = None
     step: Step | None = None
     admitted: AdmitResult | None = None
-    row: Row[Any] | None = None
+    row: Mapping[str, Any] | None = None
     error: BaseException | None = None
     #: Cut off past its admission: make its member agree with its row before raising.
     unsettled: bool = False

@@ -14,15 +14,21 @@ slot index entries of their users in one order, and never wait for each other in
 Each order's ``created`` event is written in the same transaction (on PostgreSQL in its
 statement), so the outbox rule holds: the events of one commit share its transaction id and
 are read in event-id order (:mod:`orders.events.stream`).
+
+On PostgreSQL the statements go to the driver at once (psycopg's ``executemany`` with
+``returning``, in pipeline mode: one round trip for all), compiled once: run one by one
+through SQLAlchemy, each cost about half a millisecond of the leader's time, most of a
+batch's. They still run one after the other in the transaction, so a second order of one
+user sees the first's slot taken.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Row
+from sqlalchemy import Connection
 
 from orders.domain import Actor, EventKind
 from orders.sql.slots import CREATE_COLUMNS, insert_or_skip
@@ -47,34 +53,80 @@ class SlotBatch:
     def __init__(self, tx: Transactions) -> None:
         self.tx = tx
         self._insert = insert_or_skip(tx.dialect)
-        self._event_in_statement = tx.dialect == "postgresql"
+        self._pipelined = tx.dialect == "postgresql" and tx.engine.driver == "psycopg"
+        if self._pipelined:
+            dialect = tx.engine.dialect
+            compiled = self._insert.compile(dialect=dialect)
+            self._compiled = compiled
+            self._sql = str(compiled)
+            self._processors: dict[str, Callable[[Any], Any] | None] = {
+                key: bind.type.dialect_impl(dialect).bind_processor(dialect)
+                for key, bind in compiled.binds.items()
+            }
 
-    def insert_all(self, requests: Sequence[SlotRequest]) -> dict[str, Row[Any]]:
+    def insert_all(self, requests: Sequence[SlotRequest]) -> dict[str, Mapping[str, Any]]:
         """Insert each order with its event where a slot is free, and commit once; the rows
-        inserted, by order id (an order missing was not inserted). Raises
-        :class:`~orders.errors.StoreUnavailable` when the transaction failed (then it may or
-        may not have committed: a commit cut off is not known to have failed)."""
-        inserted: dict[str, Row[Any]] = {}
+        inserted, by order id (an order missing was not inserted). Raises when the
+        transaction failed (then it may or may not have committed: a commit cut off is not
+        known to have failed)."""
         ordered = sorted(requests, key=lambda r: (r.values["user_id"], r.values["id"]))
         with self.tx.write() as conn:
-            for request in ordered:
-                params = {name: request.values[name] for name in CREATE_COLUMNS}
-                params["slot_limit"] = request.limit
-                if self._event_in_statement:
-                    params["event_data"] = request.event_data
-                    params.update(request.actor.columns())
-                row = conn.execute(self._insert, params).one_or_none()
-                if row is None:
-                    continue
-                inserted[row.id] = row
-                if not self._event_in_statement:
-                    record_events(
-                        conn,
-                        [(row.id, row.user_id)],
-                        EventKind.CREATED,
-                        request.values["created_at_ms"],
-                        request.event_data,
-                        request.actor,
-                    )
+            if self._pipelined:
+                inserted = self._pipeline(conn, ordered)
+            else:
+                inserted = {}
+                for request in ordered:
+                    row = self._one(conn, request)
+                    if row is not None:
+                        inserted[row["id"]] = row
             conn.commit()
+        return inserted
+
+    def _params(self, request: SlotRequest) -> dict[str, Any]:
+        params = {name: request.values[name] for name in CREATE_COLUMNS}
+        params["slot_limit"] = request.limit
+        params["event_data"] = request.event_data
+        params.update(request.actor.columns())
+        return params
+
+    def _one(self, conn: Connection, request: SlotRequest) -> Mapping[str, Any] | None:
+        """SQLite: the insert, then its event, in the caller's transaction."""
+        row = conn.execute(self._insert, self._params(request)).one_or_none()
+        if row is None:
+            return None
+        record_events(
+            conn,
+            [(row.id, row.user_id)],
+            EventKind.CREATED,
+            request.values["created_at_ms"],
+            request.event_data,
+            request.actor,
+        )
+        return dict(row._mapping)
+
+    def _pipeline(
+        self, conn: Connection, ordered: Sequence[SlotRequest]
+    ) -> dict[str, Mapping[str, Any]]:
+        """PostgreSQL: every statement in one pipelined round trip (module docstring)."""
+        conn.begin()  # ours: the commit below ends it
+        batches = []
+        for request in ordered:
+            raw = self._compiled.construct_params(self._params(request))
+            batches.append(
+                {
+                    key: value if (process := self._processors.get(key)) is None else process(value)
+                    for key, value in raw.items()
+                }
+            )
+        inserted: dict[str, Mapping[str, Any]] = {}
+        driver: Any = conn.connection.driver_connection
+        with driver.cursor() as cursor:
+            cursor.executemany(self._sql, batches, returning=True)
+            while True:
+                names = [column.name for column in cursor.description or ()]
+                for values in cursor.fetchall():
+                    row = dict(zip(names, values, strict=True))
+                    inserted[row["id"]] = row
+                if not cursor.nextset():
+                    break
         return inserted
