@@ -26,7 +26,7 @@ from sqlalchemy import Engine
 
 from orders.config import Settings
 from orders.domain import Order
-from orders.errors import UnpaidOrderLimitReached
+from orders.errors import CreateRateLimited, UnpaidOrderLimitReached
 from orders.rules.combining import CombinerStats, CreateCombiner
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
@@ -206,3 +206,30 @@ def test_a_create_alone_runs_at_once_and_some_creates_are_never_combined(
     assert set(orders_of(engine, "replacing"))
     off = OrderService(engine, redis_client, Settings(database_url=database_url, **redis_options))
     assert off.replacer.combiner is None  # the default: off
+
+
+@pytest.mark.timeout(120)
+def test_the_create_rate_holds_in_a_batch(
+    engine: Engine,
+    redis_client: redis.Redis,
+    database_url: str,
+    redis_options: dict[str, Any],
+    clock: ManualClock,
+) -> None:
+    settings = Settings(
+        database_url=database_url, combine_creates=True, create_rate="5/3600", **redis_options
+    )
+    service = pausing_after_admit(
+        OrderService(engine, redis_client, settings, clock=clock), lambda _user, _order: None
+    )
+    stats = combiner_of(service).stats
+    outcomes = gated_race(
+        service, [lambda: service.create_unpaid_order("rated", ttl_s=60, limit=100)] * THREADS
+    )
+    assert stats.batches == 1, stats
+    orders = [o for o in outcomes if isinstance(o, Order)]
+    limited = [o for o in outcomes if isinstance(o, CreateRateLimited)]
+    assert len(orders) == 5, outcomes
+    assert len(limited) == THREADS - 5, outcomes
+    assert set(orders_of(engine, "rated")) == {o.id for o in orders}
+    assert_one_created_event_each(engine, "rated", {o.id for o in orders})
