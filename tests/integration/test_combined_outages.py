@@ -10,7 +10,9 @@ before the batch is sent:
 * hung, with ``create_without_redis``: every caller gets its order through the SQL guard
   alone, and reconcile makes the index equal SQL;
 * full (maxmemory, noeviction): Redis refuses each script; every caller gets
-  StoreUnavailable ("out of memory") and nothing is written anywhere.
+  StoreUnavailable ("out of memory") and nothing is written anywhere;
+* a shared transaction that fails (a trigger refuses the events): each member goes on
+  alone and fails as a create alone does, its admission taken back.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from orders.config import Settings
 from orders.domain import Order
 from orders.errors import StoreUnavailable
 from orders.service import OrderService
+from orders.sql.models import events_table
 from tests.support.clocks import ManualClock
 from tests.support.doubles import gated_race, pausing_after_admit
 from tests.support.redis_server import RedisServer, own_server
-from tests.support.stores import orders_of
+from tests.support.stores import orders_of, refuse_inserts
 
 MEMBERS = 16
 USERS = [f"b{n}" for n in range(MEMBERS)]
@@ -124,6 +127,23 @@ def test_a_full_redis_refuses_every_member_and_nothing_is_written(
     for outcome in outcomes:
         assert isinstance(outcome, StoreUnavailable), outcome
         assert "out of memory" in str(outcome)
+    for user in USERS:
+        assert orders_of(engine, user) == {}
+        assert service.index.members(user) == {}
+
+
+def test_a_batch_whose_transaction_fails_leaves_each_member_to_the_single_path(
+    own_redis: RedisServer, engine: Engine, clock: ManualClock
+) -> None:
+    """A trigger refuses every event: the shared transaction fails as a whole, and each
+    member then fails alone as a create alone does (StoreUnavailable, its member removed)."""
+    service = combining_on(own_redis, engine, clock)
+    outcomes = batch_of_creates(
+        service, lambda: refuse_inserts(engine, events_table.name, "no events today")
+    )
+    for outcome in outcomes:
+        assert isinstance(outcome, StoreUnavailable), outcome
+        assert outcome.store == "sql"
     for user in USERS:
         assert orders_of(engine, user) == {}
         assert service.index.members(user) == {}
