@@ -50,10 +50,13 @@ class SlotRequest:
 class SlotBatch:
     """Inserts admitted creates in one transaction (module docstring)."""
 
-    def __init__(self, tx: Transactions) -> None:
+    def __init__(self, tx: Transactions, *, pipelined: bool = True) -> None:
+        """``pipelined``: on PostgreSQL with psycopg, send the statements at once (False:
+        one by one through SQLAlchemy, as with any other driver)."""
         self.tx = tx
         self._insert = insert_or_skip(tx.dialect)
-        self._pipelined = tx.dialect == "postgresql" and tx.engine.driver == "psycopg"
+        self._event_in_statement = tx.dialect == "postgresql"
+        self._pipelined = pipelined and self._event_in_statement and tx.engine.driver == "psycopg"
         if self._pipelined:
             dialect = tx.engine.dialect
             compiled = self._insert.compile(dialect=dialect)
@@ -90,10 +93,10 @@ class SlotBatch:
         return params
 
     def _one(self, conn: Connection, request: SlotRequest) -> Mapping[str, Any] | None:
-        """SQLite: the insert, then its event, in the caller's transaction."""
+        """One insert in the caller's transaction, then (SQLite) its event."""
         row = conn.execute(self._insert, self._params(request)).one_or_none()
-        if row is None:
-            return None
+        if row is None or self._event_in_statement:
+            return None if row is None else dict(row._mapping)
         record_events(
             conn,
             [(row.id, row.user_id)],

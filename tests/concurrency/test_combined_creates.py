@@ -29,6 +29,7 @@ from orders.domain import Order
 from orders.errors import CreateRateLimited, UnpaidOrderLimitReached
 from orders.rules.combining import CombinerStats, CreateCombiner
 from orders.service import OrderService
+from orders.sql.slot_batch import SlotBatch
 from tests.support.clocks import ManualClock
 from tests.support.doubles import gated_race, pausing_after_admit
 from tests.support.stores import events_of, flush_db, orders_of
@@ -107,6 +108,8 @@ def test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("limit", [1, 3])
+# PostgreSQL's statements sent at once (psycopg's pipeline), or one by one (other drivers).
+@pytest.mark.parametrize("sending", ["pipelined", "one_by_one"])
 def test_one_user_at_the_limit_keeps_it_in_batches_and_after_a_flush(
     engine: Engine,
     redis_client: redis.Redis,
@@ -114,6 +117,7 @@ def test_one_user_at_the_limit_keeps_it_in_batches_and_after_a_flush(
     redis_options: dict[str, Any],
     clock: ManualClock,
     limit: int,
+    sending: str,
 ) -> None:
     """Three batches of THREADS creates for one user: the first fills the limit, the
     second is refused by Redis, the third, after FLUSHDB, is admitted by Redis up to the
@@ -121,7 +125,9 @@ def test_one_user_at_the_limit_keeps_it_in_batches_and_after_a_flush(
     writes the index back)."""
     combined = combined_service(engine, redis_client, database_url, redis_options, clock)
     service = pausing_after_admit(combined, lambda _user, _order: None)
-    stats = combiner_of(service).stats
+    combiner = combiner_of(service)
+    combiner.slot_batch = SlotBatch(service.records.tx, pipelined=sending == "pipelined")
+    stats = combiner.stats
     user = "limited"
     service.create_unpaid_order("warm-up", ttl_s=60)
     admitted: set[str] = set()
