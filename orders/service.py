@@ -55,6 +55,7 @@ from orders.rules.bulk import (
     check_batch_size,
     checked_filter,
 )
+from orders.rules.combining import CreateCombiner
 from orders.rules.erasure import Eraser, Erasure
 from orders.rules.extending import Extender
 from orders.rules.pausing import Pausing
@@ -71,6 +72,7 @@ from orders.sql.pauses import Pause, Pauses
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sql.retention import Retention
+from orders.sql.slot_batch import SlotBatch
 from orders.sql.user_limits import UserLimit
 from orders.validation import (
     TEXT_MAX_LENGTH,
@@ -128,6 +130,8 @@ class OrderService:
         self.payments = Payments(self.transitions, s)
         self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)
         self.replacer = Replacer(self.records, self.transitions, self.sweep)
+        if s.combine_creates:
+            self.replacer.combiner = CreateCombiner(self.admitter, SlotBatch(self.records.tx))
         self.reconciler = Reconciler(
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )

@@ -82,6 +82,9 @@ class Settings:
     #: When Redis is unreachable, admit orders through the SQL limit guard alone (still
     #: exact, just slower) instead of refusing them with StoreUnavailable.
     create_without_redis: bool = False
+    #: Concurrent creates of one process share one Redis round trip per node and one SQL
+    #: commit (:mod:`orders.rules.combining`); a create alone never waits.
+    combine_creates: bool = False
     sweep_batch_size: int = 500
     #: Dotted paths (module:function or module.function), comma-separated, of handlers the
     #: scheduler calls for each closed order, e.g. "shop.stock:release_closed_order".

@@ -49,6 +49,8 @@ class CallPacker:
         sha = script.sha.encode()
         self._fixed = len(head) + 4  # EVALSHA, sha, numkeys, key
         self._prefix = b"$7\r\nEVALSHA\r\n%b$1\r\n1\r\n" % _bulk(sha)
+        self._sha = sha
+        self._head_count = len(head)
         self._head = b"".join(_bulk(arg) for arg in head)
         #: One packed command per call, in the order added, and the key of each.
         self.calls: list[bytes] = []
@@ -70,6 +72,19 @@ class CallPacker:
             call += b"$%d\r\n%b\r\n$%d\r\n%b\r\n" % (len(number), number, len(text), text)
         self.calls.append(call)
         self.keys.append(key)
+
+    def add_call(self, keys: Sequence[bytes], args: Sequence[bytes]) -> None:
+        """Queue ``EVALSHA sha len(keys) *keys *head *args``: a script of several keys (all in
+        one hash slot), sent to the node of the first."""
+        parts = [b"EVALSHA", self._sha, b"%d" % len(keys), *keys]
+        call = b"*%d\r\n%b%b%b" % (
+            len(parts) + self._head_count + len(args),
+            b"".join(_bulk(part) for part in parts),
+            self._head,
+            b"".join(_bulk(arg) for arg in args),
+        )
+        self.calls.append(call)
+        self.keys.append(keys[0])
 
 
 def run_per_key(

@@ -100,6 +100,13 @@ def _score(value: bytes | str | float) -> int:
     return int(Decimal(text_of(value)))
 
 
+def admit_result(reply: list[Any]) -> AdmitResult:
+    """``admit.lua``'s reply (its header says what each element is)."""
+    code, count, score = reply[:3]
+    applied = int(reply[3]) if len(reply) > 3 else None
+    return AdmitResult(Admission(int(code)), int(count), _score(score), applied)
+
+
 def admit_args(
     order_id: str,
     *,
@@ -174,7 +181,18 @@ class UnpaidIndex:
         A server that refuses the script (out of memory, an ACL) raises
         :class:`ServerRefused`: then nothing was written.
         """
-        keys = self.admit_keys(request.user_id)
+        keys, args = self.admit_call(request)
+        with redis_errors("admit", refused=ServerRefused):
+            try:
+                # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
+                # costs a few microseconds more; it still loads the script on NOSCRIPT).
+                reply: list[Any] = self.client.evalsha(self._admit.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                reply = self._admit(keys=keys, args=args)
+        return admit_result(reply)
+
+    def admit_call(self, request: AdmitRequest) -> tuple[list[str], list[str | int]]:
+        """``admit.lua``'s KEYS and ARGV for ``request``."""
         args = admit_args(
             request.order_id,
             expires_at_ms=request.expires_at_ms,
@@ -183,16 +201,12 @@ class UnpaidIndex:
             window_ms=self.window_ms,
             rate=request.rate,
         )
-        with redis_errors("admit", refused=ServerRefused):
-            try:
-                # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
-                # costs a few microseconds more; it still loads the script on NOSCRIPT).
-                reply: list[Any] = self.client.evalsha(self._admit.sha, len(keys), *keys, *args)
-            except NoScriptError:
-                reply = self._admit(keys=keys, args=args)
-        code, count, score = reply[:3]
-        applied = int(reply[3]) if len(reply) > 3 else None
-        return AdmitResult(Admission(int(code)), int(count), _score(score), applied)
+        return self.admit_keys(request.user_id), args
+
+    @property
+    def admit_script(self) -> Script:
+        """``admit.lua``, registered (for admissions packed by :mod:`orders.index.admit_batch`)."""
+        return self._admit
 
     def abandon(self, user_id: str, order_id: str, *, started_ms: int) -> bool:
         """Undo the admission that a create started at ``started_ms`` may have sent, and

@@ -127,6 +127,11 @@ class Admitter:
                     send_now=interrupted(stop),
                 )
             raise
+        return self.not_abandoned(admitted)
+
+    @staticmethod
+    def not_abandoned(admitted: AdmitResult) -> AdmitResult:
+        """The script's answer, unless it was "abandoned" (StoreUnavailable)."""
         if admitted.outcome is Admission.ABANDONED:
             # An attempt at this order that started later (by its host's clock) was given
             # up: a new attempt starts after it.
@@ -152,17 +157,42 @@ class Admitter:
         transaction; the member this call added leaves again if that transaction (or the
         savepoint the insert ran in) rolls back, and stays when it commits.
         """
-        uid, oid, currency = values["user_id"], values["id"], values["currency"]
         admitted = self._reserve_or_abandon(
             AdmitRequest(
-                uid,
-                oid,
+                values["user_id"],
+                values["id"],
                 expires_at_ms=values["expires_at_ms"],
                 now_ms=now_ms,
                 limit=limit,
                 rate=self.rate,
             )
         )
+        return self.complete(
+            values,
+            admitted,
+            amount=amount,
+            limit=limit,
+            now_ms=now_ms,
+            caller_id=caller_id,
+            actor=actor,
+            host=host,
+        )
+
+    def complete(
+        self,
+        values: Mapping[str, Any],
+        admitted: AdmitResult,
+        *,
+        amount: Decimal | None,
+        limit: int,
+        now_ms: int,
+        caller_id: bool,
+        actor: Actor,
+        host: Connection | None = None,
+    ) -> tuple[Order, bool]:
+        """:meth:`create` from Redis's answer on: the refusal, or the SQL step (also where a
+        combined create whose order the shared transaction did not insert goes on)."""
+        uid, oid, currency = values["user_id"], values["id"], values["currency"]
         if admitted.outcome in (Admission.REFUSED, Admission.RATE_LIMITED):
             earlier = self.records.find(oid, now_ms, host) if caller_id else None
             if earlier is not None:

@@ -36,6 +36,7 @@ from orders import metrics
 from orders.domain import REPLACED_REASON, Actor, Order
 from orders.errors import UnpaidOrderLimitReached
 from orders.requests import CreateRequest
+from orders.rules.combining import CreateCombiner
 from orders.rules.sweep import Sweep
 from orders.rules.transition import Transitioner
 from orders.sql.records import OrderRecords
@@ -52,6 +53,8 @@ class Replacer:
         self.records = records
         self.transitions = transitions
         self.sweep = sweep
+        #: Combines concurrent creates (``Settings.combine_creates``), or None.
+        self.combiner: CreateCombiner | None = None
 
     def admit(
         self,
@@ -66,8 +69,13 @@ class Replacer:
         values = asked.row(asked.order_id or make_id(now_ms), now_ms)
         admitter = self.transitions.admitter  # the one the transitions release through
 
+        # Combined with concurrent creates, unless a refusal makes room (with a cancel of
+        # its own); the combiner leaves a create in the host's transaction alone.
+        combiner = self.combiner
+        creator = admitter if asked.on_limit == ON_LIMIT_REPLACE_OLDEST else combiner or admitter
+
         def admit() -> tuple[Order, bool]:
-            return admitter.create(
+            return creator.create(
                 values,
                 amount=asked.amount,
                 limit=asked.limit,

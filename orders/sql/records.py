@@ -74,8 +74,8 @@ def payment_data(payment: Payment) -> dict[str, Any]:
     return data
 
 
-def to_order(row: Row[Any], read_at_ms: int) -> Order:
-    m = row._mapping
+def to_order(row: Row[Any] | Mapping[str, Any], read_at_ms: int) -> Order:
+    m = row._mapping if isinstance(row, Row) else row
     amount = m["amount"]
     return Order(
         id=m["id"],

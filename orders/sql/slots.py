@@ -148,22 +148,24 @@ def _free_slot() -> Any:
     )
 
 
-def _insert_in_free_slot(dialect: str) -> Any:
-    """INSERT INTO oes_orders ... SELECT the values, the free slot: no row when none is free."""
+def _insert_in_free_slot(dialect: str, *, any_conflict: bool = False) -> Any:
+    """INSERT INTO oes_orders ... SELECT the values, the free slot: no row when none is free.
+    ``any_conflict``: no row either when any unique constraint refuses it (the id too)."""
     free = _free_slot()
     values = [bindparam(name, type_=ORDER[name].type) for name in CREATE_COLUMNS]
     source = select(*values, free.c.n)
     columns = [*CREATE_COLUMNS, "slot"]
     if dialect == "postgresql":
-        return (
-            postgresql.insert(orders_table)
-            .from_select(columns, source)
-            .on_conflict_do_nothing(
-                index_elements=[ORDER.user_id, ORDER.slot], index_where=UNPAID_PREDICATE
-            )
-            .returning(*orders_table.c)
-        )
-    return insert(orders_table).from_select(columns, source).returning(*orders_table.c)
+        statement = postgresql.insert(orders_table).from_select(columns, source)
+        if any_conflict:
+            return statement.on_conflict_do_nothing().returning(*orders_table.c)
+        return statement.on_conflict_do_nothing(
+            index_elements=[ORDER.user_id, ORDER.slot], index_where=UNPAID_PREDICATE
+        ).returning(*orders_table.c)
+    plain = insert(orders_table).from_select(columns, source)
+    if any_conflict:
+        plain = plain.prefix_with("OR IGNORE")
+    return plain.returning(*orders_table.c)
 
 
 _HOLDERS = select(ORDER.id, ORDER.expires_at_ms, ORDER.slot).where(
@@ -257,3 +259,16 @@ class SlotGuard:
         if due or free:
             return live
         raise LimitReachedInSql(live, bound, own_limit)
+
+
+def insert_or_skip(dialect: str) -> Any:
+    """The free-slot insert of combined creates (:mod:`orders.sql.slot_batch`): one that
+    inserts nothing on any conflict, instead of raising, so that one order can never abort
+    the transaction many share. On PostgreSQL with its ``created`` event in the statement
+    (bind parameters ``event_data``, ``actor_kind``, ``actor``)."""
+    statement = _insert_in_free_slot(dialect, any_conflict=True)
+    if dialect != "postgresql":
+        return statement
+    created_at = bindparam("created_at_ms", type_=BigInteger)
+    data = bindparam("event_data", type_=events_table.c.data.type)
+    return with_events(statement, "created", EventKind.CREATED, created_at, data)

@@ -265,17 +265,20 @@ async def flush_mid_run(
 # Each case on one Redis kind, the next case on the other (CI time; --full runs both).
 @pytest.mark.rotate("redis_kind")
 @pytest.mark.parametrize(
-    ("limit", "redis_index"),
+    ("limit", "redis_index", "creates"),
     [
-        (1, "intact"),
-        (3, "intact"),
+        (1, "intact", "single"),
+        (3, "intact", "single"),
+        # The creates combined (Settings.combine_creates): the aio threads' batches.
+        (3, "intact", "combined"),
+        pytest.param(3, "flushed", "combined", marks=pytest.mark.full_only),
         # At the issue sizes only (pytest --full). With the clock moved by the creates and
         # the flushes counted in attempts, the runs flush three times (ten of twelve runs on
         # a loaded machine got that far, each did). What is left: on SQLite the payers often
         # free a slot before the next create, and the SQL guard refuses nothing (3 runs of
         # 6); and 2 runs of 12 ended with a member of a paid order in Redis before the
         # reconcile (a create refused by SQL writes back the holders it read, one paid since).
-        pytest.param(3, "flushed", marks=pytest.mark.full_only),
+        pytest.param(3, "flushed", "single", marks=pytest.mark.full_only),
     ],
 )
 def test_500_tasks_on_one_loop_keep_the_limit_while_others_pay_cancel_and_sweep(
@@ -286,12 +289,16 @@ def test_500_tasks_on_one_loop_keep_the_limit_while_others_pay_cancel_and_sweep(
     clock: ManualClock,
     limit: int,
     redis_index: str,
+    creates: str,
 ) -> None:
     # A Redis reply may wait for the loop longer than the default 0.5 s: 500 tasks share it,
     # and on a busy machine the loop's turns come late (creates failed with TimeoutError).
     # The run is about the limit, not about timeouts.
     settings = Settings(
-        database_url=database_url, **redis_options, redis_socket_timeout_s=LOOP_REDIS_TIMEOUT_S
+        database_url=database_url,
+        **redis_options,
+        redis_socket_timeout_s=LOOP_REDIS_TIMEOUT_S,
+        combine_creates=creates == "combined",
     )
     reader = OrderService(engine, redis_client, settings, clock=clock)
     monitor = Monitor(engine, redis_client, reader.index.key(USER), USER, clock=clock)
@@ -337,6 +344,8 @@ def test_500_tasks_on_one_loop_keep_the_limit_while_others_pay_cancel_and_sweep(
             await asyncio.to_thread(monitor.stop)
             await asyncio.to_thread(before_reconcile)
             checked["reconcile"] = await service.reconcile()
+            combiner = (await service.core()).replacer.combiner
+            checked["combined"] = 0 if combiner is None else combiner.stats.combined
             return run_s
         finally:
             await service.aclose()
@@ -351,12 +360,15 @@ def test_500_tasks_on_one_loop_keep_the_limit_while_others_pay_cancel_and_sweep(
 
     data = tally.data
     print(  # first: the figures of a failed run are what one wants to see
-        f"\n[one loop, limit {limit}, {redis_index}, {engine.dialect.name}, "
+        f"\n[one loop, limit {limit}, {redis_index}, {creates} creates "
+        f"({checked['combined']} in batches), {engine.dialect.name}, "
         f"{'cluster' if redis_options['redis_cluster'] else 'server'}] {CREATORS} tasks, "
         f"{figures_of(data, monitor, checked['by_status'])}; flushes "
         f"{checked.get('flushes', 0)}, reconcile {checked['reconcile']}; run {run_s:.2f} s"
     )
     assert_counts_add_up(data, ATTEMPTS)
+    # Combined creates really ran in batches (and never when not asked for).
+    assert (checked["combined"] > 0) == (creates == "combined"), checked["combined"]
     # The tasks were concurrent: the first burst alone had hundreds of creates in flight.
     assert data["max_in_flight"] >= CREATORS // 5
     # Payers and cancellers had orders to take (whether or not they won the race with the

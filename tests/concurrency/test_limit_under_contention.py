@@ -101,14 +101,17 @@ class Flusher:
 @pytest.mark.cluster_too
 @pytest.mark.timeout(400)
 # Two of the four pairs in CI (time): a limit of 1 on an intact index, a limit of 3 on a
-# flushed one; the other two with --full.
+# flushed one; the other two with --full. The creates combined (Settings.combine_creates)
+# on a flushed index in CI, on an intact one with --full.
 @pytest.mark.parametrize(
-    ("limit", "redis_index"),
+    ("limit", "redis_index", "creates"),
     [
-        pytest.param(1, "intact"),
-        pytest.param(3, "flushed"),
-        pytest.param(1, "flushed", marks=pytest.mark.full_only),
-        pytest.param(3, "intact", marks=pytest.mark.full_only),
+        pytest.param(1, "intact", "single"),
+        pytest.param(3, "flushed", "single"),
+        pytest.param(3, "flushed", "combined"),
+        pytest.param(1, "flushed", "single", marks=pytest.mark.full_only),
+        pytest.param(3, "intact", "single", marks=pytest.mark.full_only),
+        pytest.param(1, "intact", "combined", marks=pytest.mark.full_only),
     ],
 )
 def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
@@ -120,6 +123,7 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     tmp_path: Path,
     limit: int,
     redis_index: str,
+    creates: str,
 ) -> None:
     size = sizes(full_size)
     user = "contended"
@@ -148,6 +152,7 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
                 "pool_size": THREADS + 4,
                 "max_overflow": 10,
                 "deadline_s": 300,
+                "combine_creates": creates == "combined",
             },
         )
         for n, attempts in enumerate(split(size["attempts"], PROCESSES))
@@ -176,6 +181,7 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     # --- what the workers did ---
     total = Counter[str]()
     for r in results:
+        total["combined"] += r["combined"]
         for name in ("attempts", "admitted", "refused", "paid", "cancelled", "closed", "errors"):
             total[name] += r[name]
         for name in ("pay_lost", "cancel_lost", "sweeps", "sweep_redis_errors", "sql_refused"):
@@ -190,6 +196,9 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     cancelled_ids = [oid for r in results for oid in r["cancelled_ids"]]
     assert len(paid_refs) == total["paid"]
     assert len(cancelled_ids) == len(set(cancelled_ids)) == total["cancelled"]
+
+    # Combined creates really ran in batches (and never when not asked for).
+    assert (total["combined"] > 0) == (creates == "combined"), total["combined"]
 
     # --- during the run ---
     assert monitor.samples > 0, "the monitor took no sample"
@@ -249,7 +258,8 @@ def test_limit_holds_across_processes_while_others_pay_cancel_and_sweep(
     assert all(events[oid] == ["created", row.status] for oid, row in rows_after.items())
 
     print(
-        f"\n[limit {limit}, {redis_index}, {engine.dialect.name}] "
+        f"\n[limit {limit}, {redis_index}, {creates} creates ({total['combined']} in batches), "
+        f"{engine.dialect.name}] "
         f"{PROCESSES}x{THREADS} creator threads, attempts {total['attempts']}, "
         f"admitted {total['admitted']}, refused {total['refused']} "
         f"(by the SQL guard {total['sql_refused']}); "

@@ -692,6 +692,7 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_MAX_METADATA_BYTES", "-1"),
     ("ORDERS_STRICT_EXPIRY", "maybe"),
     ("ORDERS_CREATE_WITHOUT_REDIS", "2"),
+    ("ORDERS_COMBINE_CREATES", "sometimes"),
     ("ORDERS_SWEEP_BATCH_SIZE", "0"),
     ("ORDERS_ON_CLOSED", "shop stock release"),
     ("ORDERS_ON_PAYMENT_REFUSED", "shop refunds issue"),

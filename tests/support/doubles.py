@@ -4,11 +4,16 @@ an event handler that fails on the orders it is told to (:class:`Poison`)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Callable
 
+from orders.errors import OrdersError
 from orders.events.consumer import OrderEvent
 from orders.index.unpaid import AdmitRequest, AdmitResult, UnpaidIndex
 from orders.service import OrderService
+from tests.support.threads import outcomes_of_race
 
 
 class PausingIndex(UnpaidIndex):
@@ -36,6 +41,52 @@ def pausing_after_admit(
         clock=service.clock,
         index=PausingIndex(service.index, after_admit),
     )
+
+
+def gated_race(
+    service: OrderService,
+    calls: list[Callable[[], object]],
+    before_open: Callable[[], None] = lambda: None,
+) -> list[object]:
+    """``calls`` at once, all queued behind a create of the user "gate" that holds the
+    combiner (``Settings.combine_creates``) until every call waits: they run as one batch,
+    once ``before_open`` has run. ``service``: from :func:`pausing_after_admit`. What each
+    call returned or raised (an OrdersError), in order."""
+    combiner = service.replacer.combiner
+    assert combiner is not None, "not a combining service"
+    opened = threading.Event()
+    held = threading.Event()
+
+    def hold_the_gate(user_id: str, _order_id: str) -> None:
+        if user_id == "gate":
+            held.set()
+            assert opened.wait(30), "the gate was never opened"
+
+    assert isinstance(service.index, PausingIndex)
+    service.index.after_admit = hold_the_gate
+
+    def pass_the_gate() -> None:
+        with contextlib.suppress(OrdersError):  # what ``before_open`` broke may refuse it
+            service.create_unpaid_order("gate", ttl_s=60)
+
+    gate = threading.Thread(target=pass_the_gate)
+    gate.start()
+    racing: list[object] = []
+    runner = threading.Thread(target=lambda: racing.extend(outcomes_of_race(calls)))
+    try:
+        assert held.wait(30), "the gate's create did not start"
+        runner.start()
+        deadline = time.monotonic() + 30
+        while combiner.queued < len(calls):
+            assert time.monotonic() < deadline, f"only {combiner.queued} creates queued"
+            time.sleep(0.001)
+        before_open()
+    finally:
+        opened.set()
+        gate.join(30)
+    runner.join(60)
+    assert len(racing) == len(calls), "a racing create did not end"
+    return racing
 
 
 class Poison:

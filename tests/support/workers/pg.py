@@ -13,7 +13,9 @@ fsynced before the next call, so the file is what a caller was told, in order:
 * ``{"op": "create", "id", "user", "expires_at_ms"}``;
 * ``{"op": "pay", "id", "ref"}``;
 * ``{"op": "close", "closed": [[user_id, expires_at_ms, closed_at_ms], ...]}``: the orders
-  each batch of an acknowledged sweep closed (read from the batch close's own return).
+  each batch of an acknowledged sweep closed (read from the batch close's own return);
+* ``{"op": "combined", "creates": n}``: with ``ORDERS_COMBINE_CREATES``, how many creates
+  ran in batches so far.
 
 Every call is timed. The counts report, per operation, the calls, the failures by
 exception type (``StoreUnavailable`` is the expected one), the longest call, and the
@@ -159,8 +161,15 @@ def load(service: OrderService, cfg: dict[str, Any], stop: threading.Event) -> T
 
     service.sweep.closer.close_due = recording  # type: ignore[method-assign]
 
+    combiner = service.replacer.combiner
+    seen_combined = [0]
+
     def sweeper() -> None:
         while not stop.wait(0.02):
+            if combiner is not None and combiner.stats.combined != seen_combined[0]:
+                # How many creates ran in batches so far (ORDERS_COMBINE_CREATES).
+                seen_combined[0] = combiner.stats.combined
+                acks.write({"op": "combined", "creates": seen_combined[0]})
             batches.clear()
             ok, swept = sweeps.call(service.sweep_expired)
             if ok:  # batches closed in SQL whose Redis cleanup failed

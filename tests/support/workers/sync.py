@@ -342,7 +342,9 @@ def main(argv: list[str]) -> int:
     from orders.config import Settings  # noqa: PLC0415
 
     settings = Settings.from_env(
-        sql_pool_size=config.get("pool_size", 5), sql_max_overflow=config.get("max_overflow", 10)
+        sql_pool_size=config.get("pool_size", 5),
+        sql_max_overflow=config.get("max_overflow", 10),
+        combine_creates=config.get("combine_creates", False),
     )
     service = build_service(settings)
     pool = service.engine.pool
@@ -373,6 +375,8 @@ def main(argv: list[str]) -> int:
         tally.data.setdefault("elapsed_s", round(time.monotonic() - started, 3))
         tally.data["pid"] = os.getpid()
         tally.data["pool_capacity"] = pool_capacity
+        combiner = service.replacer.combiner
+        tally.data["combined"] = 0 if combiner is None else combiner.stats.combined
         print(json.dumps(tally.data), flush=True)
         return 0
     finally:
