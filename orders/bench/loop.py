@@ -6,7 +6,8 @@ The async variants run on a single ``asyncio.Runner`` held for the whole bench: 
 sockets belong to that loop, as in an application, and each timed run is one
 ``runner.run`` of :func:`~orders.bench.measure.run_tasks` (so starting the loop is not in
 any operation's time). The loop runs only while an async variant runs; between them, the
-threaded variants have the machine to themselves.
+threaded variants have the machine to themselves. The bench closes it after each figure
+(:func:`~orders.bench.report.run_bench`), so no figure inherits the service's threads.
 """
 
 from __future__ import annotations

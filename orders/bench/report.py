@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from orders.bench import candidates
+from orders.bench import candidates, threads
 from orders.bench.concurrency import task_counts, thread_counts
 from orders.bench.figures import MAKERS
 from orders.bench.measure import (
@@ -76,6 +76,7 @@ def run_bench(
         "sizes": asdict(sizes),
         "figures": {},
         "durations_s": {},
+        "threads_left": {},
     }
     try:
         holder = SweeperLease(service.index.client, key_prefix=service.index.key_prefix).owner()
@@ -90,11 +91,19 @@ def run_bench(
     try:
         for name in figures:
             figure_started = time.monotonic()
+            before = threads.running()
             result = MAKERS[name](work)
             if result is not None:
                 report["figures"][name] = result
             status(f"{name}: cleaning up")
             work.cleanup()
+            # The next figure starts with none of this one's threads (the async service's
+            # call pool, the loop's executor): they would share the GIL with its timings.
+            work.close()
+            left = threads.left_behind(before)
+            report["threads_left"][name] = left
+            if left:
+                work.notes.append(f"{name} left threads running: {', '.join(left)}")
             report["durations_s"][name] = round(time.monotonic() - figure_started, 2)
     finally:
         try:

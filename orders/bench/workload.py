@@ -265,7 +265,8 @@ class Workload:
             self.client.delete(*part)
 
     def close(self) -> None:
-        """Close the async variants' service and event loop (after the last figure)."""
+        """Close the async variants' service and event loop, and with them their threads
+        (after each figure; the next async variant builds them again)."""
         self.loop.close()
 
     def bench_keys(self) -> list[str]:
