@@ -18,6 +18,7 @@ import cProfile
 import pstats
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,20 +34,30 @@ from orders.sql import migrate  # noqa: E402
 from scripts.bench_durable import durable_stores  # noqa: E402
 
 
-def run(service: OrderService, users: list[str], refuse: bool, top: int | None) -> None:
-    """Create (or, with ``refuse``, be refused) once per user; print the rate."""
-    if refuse:
-        for user in users:
-            service.create_unpaid_order(user, limit=1)
+def run(service: OrderService, users: list[str], mode: str, top: int | None) -> None:
+    """Once per user: create, be refused at the limit, pay or cancel (the last three on an
+    order created beforehand, untimed); print the rate."""
+    opened = (
+        [service.create_unpaid_order(user, limit=1).id for user in users]
+        if mode != "create"
+        else []
+    )
+    calls: dict[str, Callable[[int, str], object]] = {
+        "create": lambda _i, user: service.create_unpaid_order(user, limit=1),
+        "refuse": lambda _i, user: service.create_unpaid_order(user, limit=1),
+        "pay": lambda i, _user: service.mark_paid(opened[i], payment_ref=f"ref-{i}"),
+        "cancel": lambda i, _user: service.cancel_order(opened[i]),
+    }
+    call = calls[mode]
     profiler = cProfile.Profile() if top else None
     started = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    for user in users:
+    for i, user in enumerate(users):
         try:
-            service.create_unpaid_order(user, limit=1)
+            call(i, user)
         except UnpaidOrderLimitReached:
-            if not refuse:
+            if mode != "refuse":
                 raise
     if profiler is not None:
         profiler.disable()
@@ -60,7 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=("sqlite", "postgresql"), default="sqlite")
     parser.add_argument("--ops", type=int, default=5000)
-    parser.add_argument("--refuse", action="store_true", help="time refusals instead")
+    parser.add_argument("--refuse", action="store_true", help="time refusals (--mode refuse)")
+    parser.add_argument("--mode", choices=("create", "refuse", "pay", "cancel"), default="create")
     parser.add_argument(
         "--cprofile", type=int, metavar="N", help="print the N costliest functions of the loop"
     )
@@ -72,7 +84,7 @@ def main() -> None:
         migrate.upgrade(engine)
         service = OrderService(engine, redis.Redis(unix_socket_path=str(sock)), settings)
         users = [f"user-{i:07d}" for i in range(options.ops)]
-        run(service, users, options.refuse, options.cprofile)
+        run(service, users, "refuse" if options.refuse else options.mode, options.cprofile)
         service.close()
 
 
