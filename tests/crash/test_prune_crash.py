@@ -75,7 +75,8 @@ def test_prunes_killed_mid_batch_beside_a_scheduler_delete_exactly_the_old_finis
     tmp_path: Path,
 ) -> None:
     rng = random.Random()
-    count, kills = (6000, 12) if full_size else (1000, 3)
+    # Enough orders that three kills come before the end: a prune deletes about 10^4 a second.
+    count, kills = (6000, 12) if full_size else (3000, 3)
     service = OrderService(engine, redis_client, Settings(database_url=database_url))
     now_ms = system_clock()
     rows = old_rows(count, now_ms)
@@ -124,7 +125,7 @@ def test_prunes_killed_mid_batch_beside_a_scheduler_delete_exactly_the_old_finis
                         raise prune.fail("ended before it was killed")
                     if time.monotonic() > deadline:
                         raise prune.fail("deleted nothing within 60 s")
-                time.sleep(rng.uniform(0, 0.05))  # somewhere inside a later batch
+                time.sleep(rng.uniform(0, 0.02))  # somewhere inside a later batch
                 prune.sigkill()
             finally:
                 prune.close()
