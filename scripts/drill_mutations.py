@@ -135,7 +135,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "open-at-includes-the-expiry-instant",
-        "orders/sql/models.py",
+        "orders/sql/predicates.py",
         "orders_table.c.expires_at_ms > now_ms",
         "orders_table.c.expires_at_ms >= now_ms",
         "an order stops being open at its expiry instant (strict pay at expires_at refused)",

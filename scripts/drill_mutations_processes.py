@@ -13,7 +13,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- the sweep ---------------------------------------------------------------------------
     mutation(
         "sweep-skips-orders-due-exactly-now",
-        "orders/sql/models.py",
+        "orders/sql/predicates.py",
         "orders_table.c.expires_at_ms <= cutoff_ms",
         "orders_table.c.expires_at_ms < cutoff_ms",
         "an order is due at its expiry instant",

@@ -39,7 +39,8 @@ from sqlalchemy import Engine, create_engine, event, func, make_url, select, tex
 
 from orders.domain import OrderStatus
 from orders.sql import migrate
-from orders.sql.models import UNPAID_PREDICATE, orders_table
+from orders.sql.models import orders_table
+from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.stats import Window, close_lag, read_stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the tests' server

@@ -44,14 +44,8 @@ from sqlalchemy import (
 )
 
 from orders.domain import SWEEPER, Actor, EventKind, OrderStatus
-from orders.sql.models import (
-    NOT_PAUSED,
-    UNPAID_PREDICATE,
-    closable_at,
-    events_table,
-    orders_table,
-    reminder_due_at,
-)
+from orders.sql.models import events_table, orders_table
+from orders.sql.predicates import NOT_PAUSED, UNPAID_PREDICATE, closable_at, reminder_due_at
 from orders.sql.records import EXPIRED_REASON, OrderRecords
 from orders.sql.transitions import ACTOR_PARAMS, EVENT_COLUMNS, with_events
 

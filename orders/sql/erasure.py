@@ -33,13 +33,8 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from orders.domain import ERASED_REASON, Actor, EventKind, OrderStatus
 from orders.errors import RefundOwed
-from orders.sql.models import (
-    UNPAID_PREDICATE,
-    events_table,
-    orders_table,
-    refusals_table,
-    user_limits_table,
-)
+from orders.sql.models import events_table, orders_table, refusals_table, user_limits_table
+from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.refusals import PENDING
 
 ORDER = orders_table.c

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from sqlalchemy import ColumnElement, and_, or_, select
 
 from orders.domain import Order
-from orders.sql.models import UNPAID_PREDICATE, orders_table
+from orders.sql.models import orders_table
+from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.records import to_order
 from orders.sql.transactions import Transactions
 

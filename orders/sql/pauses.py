@@ -27,7 +27,8 @@ from sqlalchemy.exc import IntegrityError
 from orders.domain import Actor, ActorKind, EventKind, ms_to_datetime
 from orders.errors import InvalidInput
 from orders.policies import NEVER_EXPIRES_MS
-from orders.sql.models import UNPAID_PREDICATE, orders_table, pauses_table
+from orders.sql.models import orders_table, pauses_table
+from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.transactions import Transactions
 from orders.sql.transitions import insert_events
 

@@ -25,7 +25,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from orders.domain import is_open
-from orders.sql.models import open_at, orders_table, user_limits_table
+from orders.sql.models import orders_table, user_limits_table
+from orders.sql.predicates import open_at
 from orders.sql.transactions import Transactions
 
 ORDER = orders_table.c

@@ -30,12 +30,12 @@ from sqlalchemy import (
 
 from orders.domain import Actor, Order, OrderStatus, Payment
 from orders.errors import OrderNotFound
-from orders.sql.models import (
+from orders.sql.models import orders_table
+from orders.sql.predicates import (
     REMINDER_DUE_PREDICATE,
     UNPAID_PREDICATE,
     due_at,
     open_at,
-    orders_table,
     reminder_due_at,
 )
 from orders.sql.reconcile_reads import ReconcileReads

@@ -52,7 +52,8 @@ from sqlalchemy.exc import IntegrityError
 
 from orders import tracing
 from orders.domain import Actor, EventKind, OrderStatus
-from orders.sql.models import UNPAID_PREDICATE, events_table, orders_table, user_limits_table
+from orders.sql.models import events_table, orders_table, user_limits_table
+from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.transactions import Transactions
 from orders.sql.transitions import CLOSE_EXPIRED, record_events, with_events
 

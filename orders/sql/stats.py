@@ -37,13 +37,8 @@ from sqlalchemy import (
 )
 
 from orders.domain import REPLACED_REASON, Clock, OrderStatus
-from orders.sql.models import (
-    UNPAID_PREDICATE,
-    open_at,
-    orders_table,
-    sql_errors,
-    user_limits_table,
-)
+from orders.sql.models import orders_table, sql_errors, user_limits_table
+from orders.sql.predicates import UNPAID_PREDICATE, open_at
 from orders.validation import check_count
 
 OC = orders_table.c

@@ -33,14 +33,8 @@ from sqlalchemy import (
 )
 
 from orders.domain import Actor, EventKind, OrderStatus
-from orders.sql.models import (
-    PAUSED,
-    UNPAID_PREDICATE,
-    closable_at,
-    events_table,
-    open_at,
-    orders_table,
-)
+from orders.sql.models import events_table, orders_table
+from orders.sql.predicates import PAUSED, UNPAID_PREDICATE, closable_at, open_at
 
 ORDER = orders_table.c
 EXPIRED_REASON = "expired"

@@ -47,7 +47,8 @@ from orders.errors import OrderClosed, StoreUnavailable, UnpaidOrderLimitReached
 from orders.index.lease import SweeperLease
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sql.models import events_table, orders_table, reminder_due_at
+from orders.sql.models import events_table, orders_table
+from orders.sql.predicates import reminder_due_at
 from tests.support.clocks import ManualClock
 from tests.support.monitor import LimitMonitor
 from tests.support.processes import ChildProcess, child_env

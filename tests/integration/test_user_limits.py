@@ -14,7 +14,8 @@ from orders import InvalidInput, Order, OrderService, UnpaidOrderLimitReached
 from orders.domain import Actor, ActorKind
 from orders.index.keys import limit_key
 from orders.index.unpaid import UnpaidIndex
-from orders.sql.models import UNPAID_PREDICATE, orders_table, user_limits_table
+from orders.sql.models import orders_table, user_limits_table
+from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.stats import collect_stats
 from tests.support.clocks import ManualClock
 from tests.support.stores import flush_db
