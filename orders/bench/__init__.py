@@ -24,18 +24,21 @@ The figures, each with what it is compared with:
    tasks, against the same EVALSHA.
 3. ``mark_paid`` and ``cancel``: each end to end against the raw driver's ``UPDATE ...
    WHERE status = 'unpaid'`` plus its event row, in one committed transaction.
-4. ``sweep``: closes per second of ``sweep_expired`` per batch size, on a table of many
+4. ``callers``: create, mark_paid and refusal at 1, 8 and 64 concurrent callers, as
+   threads and as tasks of the asyncio API, each beside its floor on as many threads, with
+   p50 and p99 latency per caller (:mod:`orders.bench.callers`).
+5. ``sweep``: closes per second of ``sweep_expired`` per batch size, on a table of many
    unpaid orders of which a fixed number are due, then on a table ten times larger with the
    same number due (the cost should stay flat), then on the first size again: a table cannot
    grow and shrink between two sweeps, so the sizes take turns as phases (1x 10x 1x).
-5. ``close_lag``: ``closed_at - expires_at`` with a real
+6. ``close_lag``: ``closed_at - expires_at`` with a real
    :class:`~orders.scheduler.sweeper.Sweeper` in an APScheduler background scheduler while
    orders expire at a steady rate (every order's lag is kept, with when it fell due, for the
    plot).
-6. ``redis_memory``: Redis ``used_memory`` per open order, with 1 and 3 orders per user.
-7. ``sql_admission``: the SQL guard alone (``records.insert_guarded``, no Redis) as a peer
+7. ``redis_memory``: Redis ``used_memory`` per open order, with 1 and 3 orders per user.
+8. ``sql_admission``: the SQL guard alone (``records.insert_guarded``, no Redis) as a peer
    of the Redis path, for refusals and for admissions.
-8. ``aio``: the designs the asyncio API can run on, side by side: the sync create on 1 and
+9. ``aio``: the designs the asyncio API can run on, side by side: the sync create on 1 and
    8 threads, ``AsyncOrderService`` as 1, 16 and 64 tasks, ``asyncio.to_thread`` over the
    sync service as 16 and 64 tasks, and a native floor on ``redis.asyncio`` and an
    ``AsyncEngine`` (an upper bound for a native design, see :mod:`orders.bench.native`),
@@ -62,7 +65,8 @@ The report's JSON shape is documented in docs/bench.md. The package, one job a m
 task counts, the report's parts by count), ``loop`` (the async variants' event loop and
 stores), ``workload`` (the bench's namespace, rows, cleanup and machine block),
 ``driver`` (the raw DBAPI floors), ``native`` (the async floor's stores), ``variants``,
-``throughput``, ``candidates`` and ``figures`` (what is timed), ``report`` (the report
+``throughput``, ``callers``, ``candidates`` and ``figures`` (what is timed), ``verdicts``
+(a target's pass or miss), ``report`` (the report
 and its targets), ``tables`` (printing it), ``compare`` (saved reports, side by side),
 ``plot`` (matplotlib, optional). The click command is the CLI's
 (:mod:`orders.cli.bench_command`, loaded lazily, see ``orders.cli.app.LAZY_COMMANDS``); it

@@ -1,9 +1,11 @@
 """The raw driver of the floors: DBAPI cursors, SQL text in the driver's own paramstyle.
 
 A floor is what the durable work costs the driver alone, so nothing of SQLAlchemy runs per
-operation: each thread checks a DBAPI connection out of the engine's pool once (so it has
-the engine's connect-time settings: WAL, foreign keys, timeouts) and holds it for the whole
-run; an operation is ``cursor.execute`` of each statement, then ``commit``. No pool
+operation: the driver checks DBAPI connections out of the engine's pool as it first needs
+them (so they have the engine's connect-time settings: WAL, foreign keys, timeouts), at
+most ``connections`` of them, and holds them for the whole run; an operation takes an idle
+one from its own stack (a thread waits there when all are busy, as the service's callers
+wait on its pool), runs ``cursor.execute`` of each statement, then ``commit``. No pool
 check-out, no pre-ping, no statement compilation, no result processing.
 
 SQLite takes one writer at a time, and its busy handler sleeps (1, 2, 5, 10 ms ...) before
@@ -15,8 +17,9 @@ the service's do (:mod:`orders.sql.transactions`).
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
-from typing import Any
+from collections.abc import Iterator
 
 from sqlalchemy import Engine
 from sqlalchemy.engine.interfaces import DBAPIConnection
@@ -29,10 +32,12 @@ _PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}
 
 
 class RawDriver:
-    """The floors' statements on one engine's DBAPI driver, one held connection a thread."""
+    """The floors' statements on one engine's DBAPI driver, on at most ``connections`` held
+    connections (give it the threads' count, capped at what the service's pool may open)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, connections: int = 1) -> None:
         self.engine = engine
+        self.most = max(1, connections)
         style = getattr(engine.dialect.dbapi, "paramstyle", None)
         mark = _PLACEHOLDERS.get(str(style))
         if mark is None:
@@ -66,32 +71,41 @@ class RawDriver:
             EventKind.PAID: OrderStatus.PAID,
             EventKind.CANCELLED: OrderStatus.CANCELLED,
         }
-        self._local = threading.local()
-        self._held: list[Any] = []
+        self._idle: queue.LifoQueue[DBAPIConnection] = queue.LifoQueue()
+        self._held: list[DBAPIConnection] = []
         self._guard = threading.Lock()
         self.writer = writer_queue(engine)
 
-    def connection(self) -> DBAPIConnection:
-        """This thread's connection (checked out on its first use, held until release)."""
-        conn: Any = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self.engine.raw_connection()
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[DBAPIConnection]:
+        """An idle held connection; a new one from the pool while fewer than ``most`` are
+        held; else the next one given back."""
+        try:
+            conn = self._idle.get_nowait()
+        except queue.Empty:
             with self._guard:
-                self._held.append(conn)
-        return conn  # type: ignore[no-any-return]
+                fresh = len(self._held) < self.most
+                if fresh:
+                    conn = self.engine.raw_connection()
+                    self._held.append(conn)
+            if not fresh:
+                conn = self._idle.get()
+        try:
+            yield conn
+        finally:
+            self._idle.put(conn)
 
     def release(self) -> None:
         """Return every held connection to the pool (after a run; uncommitted work rolls back)."""
         with self._guard:
             held, self._held = self._held, []
-            self._local = threading.local()
+            self._idle = queue.LifoQueue()
         for conn in held:
             conn.close()
 
     def create(self, order_id: str, user_id: str, now_ms: int, expires_at_ms: int) -> None:
         """The minimal durable record of a create: the order row and its ``created`` event."""
-        conn = self.connection()
-        with self.writer, contextlib.closing(conn.cursor()) as cursor:
+        with self.connection() as conn, self.writer, contextlib.closing(conn.cursor()) as cursor:
             cursor.execute(
                 self.insert_order,
                 (order_id, user_id, OrderStatus.UNPAID.value, now_ms, expires_at_ms, now_ms),
@@ -101,8 +115,7 @@ class RawDriver:
 
     def transition(self, kind: EventKind, order_id: str, user_id: str, now_ms: int) -> None:
         """``UPDATE ... WHERE id = ? AND status = 'unpaid'`` and, as it won, its event."""
-        conn = self.connection()
-        with self.writer, contextlib.closing(conn.cursor()) as cursor:
+        with self.connection() as conn, self.writer, contextlib.closing(conn.cursor()) as cursor:
             cursor.execute(self.updates[kind], (self._status[kind].value, now_ms, now_ms, order_id))
             if cursor.rowcount != 1:
                 raise RuntimeError(f"the raw {kind.value} update found no unpaid {order_id}")

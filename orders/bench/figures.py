@@ -1,7 +1,8 @@
 """The figures: each runs its variants side by side and returns its part of the report.
 
 The throughput figures (create, refusal, mark_paid, cancel, sql_admission) are in
-:mod:`orders.bench.throughput`, the ways of running the asyncio API (aio) in
+:mod:`orders.bench.throughput`, the three use cases at 1, 8 and 64 callers (callers) in
+:mod:`orders.bench.callers`, the ways of running the asyncio API (aio) in
 :mod:`orders.bench.candidates`; the sweep, close-lag and Redis memory figures here.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from orders.bench.callers import callers
 from orders.bench.candidates import aio
 from orders.bench.measure import (
     Run,
@@ -233,6 +235,7 @@ FIGURES = (
     "refusal",
     "mark_paid",
     "cancel",
+    "callers",
     "sweep",
     "close_lag",
     "redis_memory",
@@ -246,6 +249,7 @@ MAKERS: dict[str, Callable[[Workload], dict[str, Any] | None]] = {
     "refusal": refusal,
     "mark_paid": mark_paid,
     "cancel": cancel,
+    "callers": callers,
     "sweep": sweep,
     "close_lag": close_lag,
     "redis_memory": redis_memory,

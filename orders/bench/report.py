@@ -8,12 +8,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from orders.bench import candidates, threads
+from orders.bench import callers, candidates, threads
 from orders.bench.concurrency import task_counts, thread_counts
 from orders.bench.figures import MAKERS
-from orders.bench.measure import (
-    Sizes,
-)
+from orders.bench.measure import Sizes
+from orders.bench.verdicts import check
 from orders.bench.workload import Workload
 from orders.errors import OrdersError
 from orders.index.lease import SweeperLease
@@ -50,6 +49,7 @@ def progress_units(sizes: Sizes, figure: str, engine: str) -> float:
         "refusal": (3 + tasks) * per_measure,
         "mark_paid": 4 * per_measure,
         "cancel": 2 * per_measure,
+        "callers": callers.progress_units(sizes.reps),
         "sweep": 3 * (1 + len(sizes.batch_sizes) * (1 + min(sizes.reps, 3))),
         "close_lag": 10,
         "redis_memory": 2 * sizes.memory_reps,
@@ -151,27 +151,11 @@ def _pool_notes(service: OrderService, sizes: Sizes, figures: Sequence[str]) -> 
     return notes
 
 
-def _check(
-    key: str, name: str, measured: float, op: str, required: float, unit: str, note: str = ""
-) -> dict[str, Any]:
-    ok = {">=": measured >= required, "<=": measured <= required, "==": measured == required}
-    return {
-        "id": key,
-        "name": name,
-        "measured": float(measured),
-        "op": op,
-        "required": float(required),
-        "unit": unit,
-        "verdict": "pass" if ok[op] else "miss",
-        "note": note,
-    }
-
-
 def _create_targets(fig: Mapping[str, Any], engine: str, threads: int) -> list[dict[str, Any]]:
     t, out = TARGETS, []
     one = fig["threads_1"]
     out.append(
-        _check(
+        check(
             "create_vs_floor_1",
             "create / floor, 1 thread",
             one["create_vs_floor"]["median"],
@@ -182,7 +166,7 @@ def _create_targets(fig: Mapping[str, Any], engine: str, threads: int) -> list[d
     )
     for n in dict.fromkeys((1, threads)):
         out.append(
-            _check(
+            check(
                 f"create_vs_naive_{n}",
                 f"create / naive, {n} thread{'s' * (n > 1)}",
                 fig[f"threads_{n}"]["create_vs_naive"]["median"],
@@ -193,7 +177,7 @@ def _create_targets(fig: Mapping[str, Any], engine: str, threads: int) -> list[d
         )
     if engine == "postgresql" and "threads_8_vs_1" in fig["scaling"]:
         out.append(
-            _check(
+            check(
                 "threads_8_vs_1",
                 "create, 8 threads / 1 thread",
                 fig["scaling"]["threads_8_vs_1"]["create"]["median"],
@@ -207,7 +191,7 @@ def _create_targets(fig: Mapping[str, Any], engine: str, threads: int) -> list[d
 
 def _refusal_targets(part: Mapping[str, Any]) -> list[dict[str, Any]]:
     out = [
-        _check(
+        check(
             "refusal_sql_statements",
             "refusal's SQL statements",
             part["sql_statements"],
@@ -219,7 +203,7 @@ def _refusal_targets(part: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
     if "task_counts" in part:  # reports of the asyncio API too
         out.append(
-            _check(
+            check(
                 "refusal_async_sql_statements",
                 "async refusal's SQL statements",
                 sum(part[f"tasks_{n}"]["sql_statements"] for n in part["task_counts"]),
@@ -230,7 +214,7 @@ def _refusal_targets(part: Mapping[str, Any]) -> list[dict[str, Any]]:
             )
         )
     out.append(
-        _check(
+        check(
             "refusal_vs_evalsha",
             "refusal / raw EVALSHA",
             part["refusal_vs_evalsha"]["median"],
@@ -257,7 +241,7 @@ def _aio_targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
             else f"async create p99 at 64 tasks {p99:.1f} ms"
         )
         out.append(
-            _check(
+            check(
                 target.id,
                 candidates.target_name(target),
                 fig["ratios"][target.ratio]["median"],
@@ -270,7 +254,7 @@ def _aio_targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
     counts = fig["sql_statements"]
     refused = counts[candidates.on_tasks("refusal_async", 1)]
     seen = counts[candidates.on_tasks("create_async", 1)]
-    check = _check(
+    statements = check(
         "aio_refusal_sql_statements",
         "aio: async refusal's SQL statements",
         refused,
@@ -280,13 +264,13 @@ def _aio_targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
         f"in {fig['ops_per_variant']:,} refusals; the async creates sent {seen:,} in as many",
     )
     if not seen:  # the counter saw no engine of the async service: its 0 proves nothing
-        check["verdict"] = "miss"
-    return [*out, check]
+        statements["verdict"] = "miss"
+    return [*out, statements]
 
 
 def _transition_targets(fig: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [
-        _check(
+        check(
             f"{name}_vs_raw",
             f"{name} / raw UPDATE + event",
             fig[name][f"{name}_vs_raw"]["median"],
@@ -308,11 +292,13 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     if "refusal" in fig:
         out += _refusal_targets(fig["refusal"])
     out += _transition_targets(fig)
+    if "callers" in fig:
+        out += callers.targets(fig["callers"], engine)
     if "sweep" in fig:
         part = fig["sweep"]
         bound = SWEEP_TARGET_CLOSES_S.get(engine, SWEEP_TARGET_CLOSES_S["postgresql"])
         out.append(
-            _check(
+            check(
                 "sweep_closes_s",
                 f"sweep, best batch ({part['best_batch']})",
                 part["best_closes_s"],
@@ -322,7 +308,7 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
             )
         )
         out.append(
-            _check(
+            check(
                 "sweep_cost_10x",
                 "sweep on a 10x table, cost",
                 part["cost_10x"],
@@ -336,7 +322,7 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
         for k, bound in REDIS_TARGET_BYTES.items():
             per = fig["redis_memory"][f"per_user_{k}"]["bytes_per_order"]["median"]
             out.append(
-                _check(
+                check(
                     f"redis_bytes_per_order_{k}",
                     f"redis bytes per open order, {k} per user",
                     per,
@@ -351,7 +337,7 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
         part = fig["close_lag"]
         missing = part["orders"] - part["closed"]
         note = "" if part["rate_s"] >= 1000 else "target is stated at 1,000 expiries/s"
-        check = _check(
+        lag = check(
             "close_lag_p99_ms",
             f"close lag p99 at {part['rate_s']:g} expiries/s",
             part["p99_ms"],
@@ -361,6 +347,6 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
             f"{missing:,} not closed" if missing else note,
         )
         if missing:
-            check["verdict"] = "miss"
-        out.append(check)
+            lag["verdict"] = "miss"
+        out.append(lag)
     return out

@@ -109,6 +109,26 @@ def _transition(name: str) -> Callable[[_Rows, Mapping[str, Any]], None]:
     return section
 
 
+def _callers(rows: _Rows, fig: Mapping[str, Any]) -> None:
+    """Each count's variants (threads, then tasks), then each ratio to its floor."""
+    for key in [f"threads_{n}" for n in fig["thread_counts"]] + [
+        f"tasks_{n}" for n in fig["task_counts"]
+    ]:
+        part, label = fig[key], f"callers, {part_label(key)}"
+        rows.variants(label, part)
+        against = part_label(f"threads_{part.get('floors_threads', part.get('threads'))}")
+        for name, s in part.items():
+            if "_vs_" in name:
+                rows.ratio(label, f"{name.replace('_vs_', ' / ')} ({against})", s)
+        rows.table.add_section()
+    most = fig["concurrent_creates"]
+    against = part_label(f"threads_{most['floor_threads']}")
+    for way in ("threads", "tasks"):
+        shown = f"create, {most['callers']} {way} / floor ({against})"
+        rows.ratio("callers, concurrent", shown, most[f"{way}_vs_floor"])
+    rows.table.add_section()
+
+
 def _sweep(rows: _Rows, part: Mapping[str, Any]) -> None:
     for label in ("table_1x", "table_10x", "table_1x_again"):
         again = " (again)" if label.endswith("again") else ""
@@ -167,6 +187,7 @@ _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
     "refusal": _refusal,
     "mark_paid": _transition("mark_paid"),
     "cancel": _transition("cancel"),
+    "callers": _callers,
     "sweep": _sweep,
     "close_lag": _close_lag,
     "redis_memory": _redis_memory,

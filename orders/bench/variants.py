@@ -153,7 +153,7 @@ def _admitted(
 def floor(w: Workload, threads: int = 1) -> Variant:
     """The honest floor of a create: one EVALSHA of the admission script, then the raw
     driver writing the order row and its ``created`` event in one committed transaction."""
-    driver = RawDriver(w.engine)
+    driver = RawDriver(w.engine, w.connections(threads))
     return _admitted(w, "f", threads, driver.create, driver.release)
 
 
@@ -244,10 +244,12 @@ def native_floor(w: Workload, tasks: int) -> Variant:
     return variant
 
 
-def refusal(w: Workload, *, given_id: bool = False, tasks: int | None = None) -> Variant:
+def refusal(
+    w: Workload, *, given_id: bool = False, threads: int = 1, tasks: int | None = None
+) -> Variant:
     """``create_unpaid_order`` refused at the limit (users holding 1 of 1); with
     ``given_id``, the caller supplies a new order id (a refusal may then read it by key);
-    with ``tasks``, on the asyncio API."""
+    on ``threads`` threads or, with ``tasks``, on the asyncio API."""
     users = w.full_users()
 
     def variant(n: int) -> Run:
@@ -256,13 +258,14 @@ def refusal(w: Workload, *, given_id: bool = False, tasks: int | None = None) ->
         def call(s: Any, i: int) -> Any:
             return s.create_unpaid_order(users[i % len(users)], order_id=ids[i], limit=1)
 
-        return _use_case(w, call, n, tasks=tasks, refused=UnpaidOrderLimitReached)
+        return _use_case(w, call, n, threads=threads, tasks=tasks, refused=UnpaidOrderLimitReached)
 
     return variant
 
 
-def evalsha_refused(w: Workload) -> Variant:
-    """One EVALSHA of the admission script that refuses (the same full users)."""
+def evalsha_refused(w: Workload, threads: int = 1) -> Variant:
+    """One EVALSHA of the admission script that refuses (the same full users), on
+    ``threads`` threads."""
     client, sha, clock = w.client, w.admit_sha, w.service.clock
     ttl, window_ms = w.service.settings.ttl_ms, w.service.index.window_ms
     keys = [w.admit_keys(u) for u in w.full_users()]
@@ -280,23 +283,28 @@ def evalsha_refused(w: Workload) -> Variant:
             if int(reply[0]) != -1:
                 raise RuntimeError("raw admission at the limit was not refused")
 
-        return run_ops(op, n)
+        return run_ops(op, n, threads)
 
     return variant
 
 
-def transition(w: Workload, kind: EventKind) -> Variant:
-    """``mark_paid`` or ``cancel_order`` end to end, on open orders with their members."""
-    service = w.service
-    acts: dict[EventKind, Callable[[str], object]] = {
-        EventKind.PAID: service.mark_paid,
-        EventKind.CANCELLED: service.cancel_order,
-    }
-    act = acts[kind]
+#: ``mark_paid`` or ``cancel_order`` of one order id, on either API.
+_ACTS: dict[EventKind, Callable[[Any, str], Any]] = {
+    EventKind.PAID: lambda s, order_id: s.mark_paid(order_id),
+    EventKind.CANCELLED: lambda s, order_id: s.cancel_order(order_id),
+}
+
+
+def transition(
+    w: Workload, kind: EventKind, threads: int = 1, *, tasks: int | None = None
+) -> Variant:
+    """``mark_paid`` or ``cancel_order`` end to end, on open orders with their members, on
+    ``threads`` threads or (``tasks``) on the asyncio API."""
+    act = _ACTS[kind]
 
     def variant(n: int) -> Run:
         ids, _users = w.open_orders(kind.value[0], n, members=True)
-        return run_ops(lambda i: act(ids[i]), n)
+        return _use_case(w, lambda s, i: act(s, ids[i]), n, threads=threads, tasks=tasks)
 
     return variant
 
@@ -334,15 +342,15 @@ def refused_payment(w: Workload) -> Variant:
     return variant
 
 
-def raw_transition(w: Workload, kind: EventKind) -> Variant:
+def raw_transition(w: Workload, kind: EventKind, threads: int = 1) -> Variant:
     """Its floor: the raw driver's ``UPDATE ... WHERE status = 'unpaid'`` and the event row,
     in one committed transaction (no Redis: the orders have no members)."""
-    driver, clock = RawDriver(w.engine), w.service.clock
+    driver, clock = RawDriver(w.engine, w.connections(threads)), w.service.clock
 
     def variant(n: int) -> Run:
         ids, users = w.open_orders("r", n, members=False)
         try:
-            return run_ops(lambda i: driver.transition(kind, ids[i], users[i], clock()), n)
+            return run_ops(lambda i: driver.transition(kind, ids[i], users[i], clock()), n, threads)
         finally:
             driver.release()
 

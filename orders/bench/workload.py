@@ -70,6 +70,12 @@ class Workload:
         #: The async variants' event loop and service (built when the first is made).
         self.loop = BenchLoop(service.settings, service.clock)
 
+    def connections(self, threads: int) -> int:
+        """How many connections a floor on ``threads`` threads may hold: one a thread, up
+        to what the service's own pool may open (its size and overflow)."""
+        settings = self.service.settings
+        return min(threads, settings.sql_pool_size + settings.sql_max_overflow)
+
     def users(self, kind: str, n: int) -> list[str]:
         """``n`` user ids never used before, all under the bench's tag."""
         batch = next(self._serial)

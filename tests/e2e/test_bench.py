@@ -120,6 +120,39 @@ def assert_async_rows_beside_the_same_floors(report: Any) -> None:
     assert verdicts["refusal_async_sql_statements"] == "pass"
 
 
+def assert_callers_at_1_8_64_beside_their_floors(report: Any, postgres: bool) -> None:
+    fig = report["figures"]["callers"]
+    assert fig["thread_counts"] == fig["task_counts"] == [1, 8, 64]
+    for n in (1, 8, 64):
+        threaded, tasks = fig[f"threads_{n}"], fig[f"tasks_{n}"]
+        floors = ["create", "floor", "mark_paid", "raw", "refusal", "evalsha"]
+        assert list(threaded["variants"]) == floors + (["naive"] if n == 1 else [])
+        assert list(tasks["variants"]) == ["create_async", "mark_paid_async", "refusal_async"]
+        assert tasks["floors_threads"] == n
+        for part in (threaded, tasks):
+            for variant in part["variants"].values():
+                assert variant["ops_s"]["min"] > 0
+                assert 0 < variant["p50_ms"] <= variant["p99_ms"]
+        for use, floor in (("create", "floor"), ("mark_paid", "raw"), ("refusal", "evalsha")):
+            assert threaded[f"{use}_vs_{floor}"]["min"] > 0
+            assert tasks[f"{use}_async_vs_{floor}"]["min"] > 0
+    # Not a speed: 64 callers in flight at once wait for one another (Little's law).
+    one, many = (fig[f"threads_{n}"]["variants"]["create"]["p50_ms"] for n in (1, 64))
+    assert many > 2 * one, (one, many)
+    most = fig["concurrent_creates"]
+    assert (most["callers"], most["floor_threads"]) == (64, 8 if postgres else 1)
+    ids = [t["id"] for t in report["targets"] if t["id"].startswith("callers_")]
+    assert ids == [
+        "callers_create_vs_naive_1",
+        "callers_refusal_vs_evalsha_1",
+        "callers_mark_paid_vs_raw_1",
+        "callers_creates_64_threads",
+        "callers_creates_64_threads_p99",
+        "callers_creates_64_tasks",
+        "callers_creates_64_tasks_p99",
+    ]
+
+
 #: The figures of the quick run below; ``aio`` has a smaller run of its own (CI time).
 QUICK_FIGURES = [name for name in FIGURES if name != "aio"]
 
@@ -152,6 +185,7 @@ def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
     assert report["threads_left"] == {name: [] for name in QUICK_FIGURES}, report["notes"]
     assert_floors_thread_counts_and_keyed_refusal(report, database_url.startswith("postgresql"))
     assert_async_rows_beside_the_same_floors(report)
+    assert_callers_at_1_8_64_beside_their_floors(report, database_url.startswith("postgresql"))
     assert report["left_behind"] == {"rows": 0, "events": 0, "keys": 0}
     assert rows(engine) == (0, 0)
     assert redis_client.keys("*") == []
