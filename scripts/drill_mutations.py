@@ -138,8 +138,8 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "orders/sql/predicates.py",
         "orders_table.c.expires_at_ms > now_ms",
         "orders_table.c.expires_at_ms >= now_ms",
-        "an order stops being open at its expiry instant (strict pay at expires_at refused)",
-        "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_payment_at_exactly_expires_at",
+        "an order stops being open at its expiry instant (an extension at expires_at refused)",
+        "tests/integration/test_events.py::test_extend_at_exactly_expires_at_is_refused_and_one_ms_before_is_not",
     ),
     # --- admission: compensation, retries, conflicts, outage policy ---------------------------
     mutation(

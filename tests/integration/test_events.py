@@ -322,6 +322,37 @@ def test_extend_refuses_closed_paid_expired_and_too_long(
     assert short_lived.extend_order(fresh.id, 40).expires_at_ms == fresh.created_at_ms + 100_000
 
 
+def test_extend_at_exactly_expires_at_is_refused_and_one_ms_before_is_not(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    # The extension's compare-and-set is the one transition guarded by open_at: an order
+    # stops being open at its expiry instant, not one ms after it (strict pay has its own
+    # bound and the sweep uses due_at, so neither would notice open_at moving by one ms).
+    on_time = service.create_unpaid_order("u1", ttl_s=60)
+    at_expiry = service.create_unpaid_order("u2", ttl_s=60)
+
+    clock.set(on_time.expires_at_ms - 1)
+    extended = service.extend_order(on_time.id, 30)
+    clock.set(at_expiry.expires_at_ms)
+    with pytest.raises(OrderExpired):
+        service.extend_order(at_expiry.id, 30)
+
+    rows = sql_rows(engine)
+    assert (rows[on_time.id].expires_at_ms, rows[on_time.id].extensions) == (
+        on_time.expires_at_ms + 30_000,
+        1,
+    )
+    assert extended.expires_at_ms == on_time.expires_at_ms + 30_000
+    assert (rows[at_expiry.id].expires_at_ms, rows[at_expiry.id].extensions) == (
+        at_expiry.expires_at_ms,
+        0,
+    )
+    assert kinds_of(engine, on_time.id) == ["created", "extended"]
+    assert kinds_of(engine, at_expiry.id) == ["created"]
+    assert service.index.members("u1") == {on_time.id: on_time.expires_at_ms + 30_000}
+    assert service.index.members("u2") == {at_expiry.id: at_expiry.expires_at_ms}
+
+
 def test_extend_racing_the_sweep_exactly_one_wins(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
