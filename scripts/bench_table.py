@@ -3,7 +3,9 @@
     .venv/bin/python scripts/bench_table.py /tmp/bench/sqlite.json /tmp/bench/postgresql.json
 
 Prints one Markdown row per target (the measured value of each engine, its bound, and
-pass or miss), then the headline rates. Every number comes from the reports as written.
+pass or miss), then the headline rates, then (reports with the ``callers`` figure) the
+README's table of create, mark_paid and refusal at 1, 8 and 64 callers beside their
+floors. Every number comes from the reports as written.
 """
 
 from __future__ import annotations
@@ -78,6 +80,40 @@ def main(sqlite_path: str, postgresql_path: str) -> None:
     ]  # fmt: skip
     for label, path in rows:
         print(f"| {label} | {_rate(reports[0], *path)} | {_rate(reports[1], *path)} |")
+    callers_table(reports)
+
+
+#: The callers table's rows: label, the part's kind (threads or tasks), the variant.
+CALLER_ROWS = (
+    ("create", "threads", "create"),
+    ("create, asyncio tasks", "tasks", "create_async"),
+    ("floor: EVALSHA + raw insert of order and event", "threads", "floor"),
+    ("mark_paid", "threads", "mark_paid"),
+    ("mark_paid, asyncio tasks", "tasks", "mark_paid_async"),
+    ("floor: raw UPDATE + event", "threads", "raw"),
+    ("refusal at the limit", "threads", "refusal"),
+    ("refusal, asyncio tasks", "tasks", "refusal_async"),
+    ("floor: raw EVALSHA that refuses", "threads", "evalsha"),
+)
+
+
+def callers_table(reports: list[dict[str, Any]]) -> None:
+    """ops/s (median) and p99 ms per caller, at 1, 8 and 64 callers, on each engine."""
+    found = [r["figures"].get("callers") for r in reports]
+    if not all(found):
+        return
+    names = {"sqlite": "SQLite", "postgresql": "PostgreSQL"}
+    heads = [f"{names.get(r['engine'], r['engine'])}, {n}" for r in reports for n in (1, 8, 64)]
+    print()
+    print("| ops/s (p99 ms), by callers | " + " | ".join(heads) + " |")
+    print("| --- |" + " --- |" * len(heads))
+    for label, kind, variant in CALLER_ROWS:
+        cells = []
+        for fig in found:
+            for n in fig["thread_counts"]:
+                v = fig[f"{kind}_{n}"]["variants"][variant]
+                cells.append(f"{v['ops_s']['median']:,.0f} ({v['p99_ms']:.1f})")
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

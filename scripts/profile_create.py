@@ -34,7 +34,9 @@ from orders.sql import migrate  # noqa: E402
 from scripts.bench_durable import durable_stores  # noqa: E402
 
 
-def run(service: OrderService, users: list[str], mode: str, top: int | None) -> None:
+def run(
+    service: OrderService, users: list[str], mode: str, top: int | None, sort: str = "tottime"
+) -> None:
     """Once per user: create, be refused at the limit, pay or cancel (the last three on an
     order created beforehand, untimed); print the rate."""
     opened = (
@@ -63,7 +65,7 @@ def run(service: OrderService, users: list[str], mode: str, top: int | None) -> 
         profiler.disable()
     elapsed = time.perf_counter() - started
     if profiler is not None:
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(top)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats(sort).print_stats(top)
     print(f"{len(users) / elapsed:,.0f} ops/s", file=sys.stderr)
 
 
@@ -76,6 +78,9 @@ def main() -> None:
     parser.add_argument(
         "--cprofile", type=int, metavar="N", help="print the N costliest functions of the loop"
     )
+    parser.add_argument(
+        "--sort", default="tottime", help="the profile's order: tottime, cumulative..."
+    )
     options = parser.parse_args()
     with durable_stores([options.engine]) as stores:
         url, sock = stores(options.engine)
@@ -84,7 +89,8 @@ def main() -> None:
         migrate.upgrade(engine)
         service = OrderService(engine, redis.Redis(unix_socket_path=str(sock)), settings)
         users = [f"user-{i:07d}" for i in range(options.ops)]
-        run(service, users, "refuse" if options.refuse else options.mode, options.cprofile)
+        mode = "refuse" if options.refuse else options.mode
+        run(service, users, mode, options.cprofile, options.sort)
         service.close()
 
 

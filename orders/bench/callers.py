@@ -6,7 +6,9 @@ threads: the raw floor of a create (one EVALSHA, then the raw driver writing the
 its event in one commit), the raw ``UPDATE`` plus event of a payment, the raw EVALSHA that
 refuses. Every variant of every count takes its turn in one interleaved measure, so the
 ratios at 64 callers and at 1 are taken on the same machine in the same minutes. The
-1-thread create also runs beside the naive create (ZCARD, ZADD, INSERT).
+1-thread create also runs beside the naive create (ZCARD, ZADD, INSERT), and the creates
+on 8 and 64 threads beside the same creates by a service that combines concurrent creates
+(``create_combined``: ``Settings.combine_creates``, off by default).
 
 A floor on N threads holds at most as many connections as the service's pool may open
 (``Workload.connections``): 64 threads share them, as the service's 64 callers share its
@@ -22,6 +24,7 @@ most 10 ms.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 from orders.bench import variants
@@ -32,6 +35,9 @@ from orders.domain import EventKind
 
 #: The concurrent callers of every use case: threads, and tasks on one event loop.
 CALLERS = (1, 8, 64)
+
+#: The thread counts the combining service's creates also run at.
+COMBINED = CALLERS[1:]
 
 #: A use case's variant on ``threads`` threads, or on the asyncio API as ``tasks`` tasks.
 UseCaseMaker = Callable[[Workload, int, int | None], Variant]
@@ -71,14 +77,16 @@ def _chosen(w: Workload) -> dict[str, Variant]:
             chosen[f"{floor_name}@{n}"] = make_floor(w, n)
             chosen[f"{use}_async@{n}tasks"] = make(w, 1, n)
     chosen["naive@1"] = variants.naive(w)
+    for n in COMBINED:
+        chosen[f"create_combined@{n}"] = variants.create(w, n, combined=True)
     return chosen
 
 
 def _threads_part(w: Workload, n: int, runs: Mapping[str, list[Run]]) -> dict[str, Any]:
     part: dict[str, Any] = {"threads": n, "ops_per_rep": w.sizes.ops, "variants": {}}
     names = [name for use, (_m, floor_name, _f) in USE_CASES.items() for name in (use, floor_name)]
-    if n == 1:
-        names.append("naive")
+    names += ["naive"] if n == 1 else []
+    names += ["create_combined"] if n in COMBINED else []
     part["variants"] = {name: describe(runs[f"{name}@{n}"]) for name in names}
     for use, (_make, floor_name, _floor) in USE_CASES.items():
         part[f"{use}_vs_{floor_name}"] = spread(
@@ -86,6 +94,10 @@ def _threads_part(w: Workload, n: int, runs: Mapping[str, list[Run]]) -> dict[st
         )
     if n == 1:
         part["create_vs_naive"] = spread(ratios(runs["create@1"], runs["naive@1"]))
+    if n in COMBINED:
+        mine = runs[f"create_combined@{n}"]
+        part["create_combined_vs_floor"] = spread(ratios(mine, runs[f"floor@{n}"]))
+        part["create_combined_vs_create"] = spread(ratios(mine, runs[f"create@{n}"]))
     return part
 
 
@@ -123,13 +135,17 @@ def callers(w: Workload) -> dict[str, Any]:
         "floor_threads": floor_threads,
         "threads_vs_floor": spread(ratios(runs[f"create@{most}"], against)),
         "tasks_vs_floor": spread(ratios(runs[f"create_async@{most}tasks"], against)),
+        "combined_vs_floor": spread(ratios(runs[f"create_combined@{most}"], against)),
     }
+    combiner = w.combined.replacer.combiner
+    if combiner is not None:  # what the combining service did, over all its runs
+        out["combiner"] = asdict(combiner.stats)
     return out
 
 
 def progress_units(reps: int) -> int:
     """Timed runs of the figure (a unit of the progress bar each), warm-up included."""
-    return (len(CALLERS) * len(USE_CASES) * 3 + 1) * (1 + reps)
+    return (len(CALLERS) * len(USE_CASES) * 3 + 1 + len(COMBINED)) * (1 + reps)
 
 
 def targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
@@ -151,6 +167,7 @@ def targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
     for way, part, name in (
         ("threads", fig[f"threads_{most['callers']}"], "create"),
         ("tasks", fig[f"tasks_{most['callers']}"], "create_async"),
+        ("combined", fig[f"threads_{most['callers']}"], "create_combined"),
     ):
         p99 = part["variants"][name]["p99_ms"]
         shown = f"{most['callers']} concurrent creates ({way})"

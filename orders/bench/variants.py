@@ -21,6 +21,7 @@ from orders.bench.workload import Workload
 from orders.domain import APPLICATION, EventKind
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from orders.index.unpaid import admit_args
+from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from orders.sql.records import LimitReachedInSql
 
@@ -62,16 +63,18 @@ def _use_case(
     threads: int = 1,
     tasks: int | None = None,
     refused: type[Exception] | None = None,
+    service: OrderService | None = None,
 ) -> Run:
-    """``call`` n times: on the synchronous service on ``threads`` threads or, given
-    ``tasks``, awaited on the async service as that many tasks on the bench's loop."""
+    """``call`` n times: on the synchronous service (``service``, else the bench's) on
+    ``threads`` threads or, given ``tasks``, awaited on the async service as that many
+    tasks on the bench's loop."""
     expect = _Expect(refused)
     if tasks is None:
-        service = w.service
+        chosen = service or w.service
 
         def op(i: int) -> None:
             with expect:
-                call(service, i)
+                call(chosen, i)
 
         return run_ops(op, n, threads)
 
@@ -82,14 +85,22 @@ def _use_case(
     return w.loop.run(awaited, n, tasks)
 
 
-def create(w: Workload, threads: int = 1, *, tasks: int | None = None) -> Variant:
+def create(
+    w: Workload, threads: int = 1, *, tasks: int | None = None, combined: bool = False
+) -> Variant:
     """``create_unpaid_order`` of a new user per op, on ``threads`` threads or (``tasks``)
-    on the asyncio API."""
+    on the asyncio API; ``combined``: on threads, by the service that combines concurrent
+    creates (``Workload.combined``)."""
 
     def variant(n: int) -> Run:
         users = w.users("c" if tasks is None else "a", n)
         return _use_case(
-            w, lambda s, i: s.create_unpaid_order(users[i]), n, threads=threads, tasks=tasks
+            w,
+            lambda s, i: s.create_unpaid_order(users[i]),
+            n,
+            threads=threads,
+            tasks=tasks,
+            service=w.combined if combined else None,
         )
 
     return variant

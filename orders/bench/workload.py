@@ -8,6 +8,7 @@ import platform
 import secrets
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -69,6 +70,17 @@ class Workload:
         self._full_users: list[str] | None = None
         #: The async variants' event loop and service (built when the first is made).
         self.loop = BenchLoop(service.settings, service.clock)
+        self._combined: OrderService | None = None
+
+    @property
+    def combined(self) -> OrderService:
+        """The service with concurrent creates combined (``combine_creates``), on the same
+        engine, Redis client and clock (built on first use)."""
+        if self._combined is None:
+            s = self.service
+            settings = replace(s.settings, combine_creates=True)
+            self._combined = OrderService(s.engine, s.index.client, settings, clock=s.clock)
+        return self._combined
 
     def connections(self, threads: int) -> int:
         """How many connections a floor on ``threads`` threads may hold: one a thread, up
@@ -273,7 +285,12 @@ class Workload:
 
     def close(self) -> None:
         """Close the async variants' service and event loop, and with them their threads
-        (after each figure; the next async variant builds them again)."""
+        (after each figure; the next async variant builds them again), and the combining
+        service's hook threads (not its engine and client: they are the bench's own)."""
+        combined, self._combined = self._combined, None
+        if combined is not None:
+            combined.sweep.close()
+            combined.payments.close()
         self.loop.close()
 
     def bench_keys(self) -> list[str]:

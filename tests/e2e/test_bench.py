@@ -126,7 +126,8 @@ def assert_callers_at_1_8_64_beside_their_floors(report: Any, postgres: bool) ->
     for n in (1, 8, 64):
         threaded, tasks = fig[f"threads_{n}"], fig[f"tasks_{n}"]
         floors = ["create", "floor", "mark_paid", "raw", "refusal", "evalsha"]
-        assert list(threaded["variants"]) == floors + (["naive"] if n == 1 else [])
+        more = ["naive"] if n == 1 else ["create_combined"]
+        assert list(threaded["variants"]) == floors + more
         assert list(tasks["variants"]) == ["create_async", "mark_paid_async", "refusal_async"]
         assert tasks["floors_threads"] == n
         for part in (threaded, tasks):
@@ -150,7 +151,14 @@ def assert_callers_at_1_8_64_beside_their_floors(report: Any, postgres: bool) ->
         "callers_creates_64_threads_p99",
         "callers_creates_64_tasks",
         "callers_creates_64_tasks_p99",
+        "callers_creates_64_combined",
+        "callers_creates_64_combined_p99",
     ]
+    # The combining service's creates ran beside the others, and formed batches.
+    assert fig["threads_64"]["create_combined_vs_create"]["min"] > 0
+    combiner = fig["combiner"]
+    assert combiner["batches"] > 0, combiner
+    assert 2 * combiner["batches"] <= combiner["combined"] <= 64 * combiner["batches"]
 
 
 #: The figures of the quick run below; ``aio`` has a smaller run of its own (CI time).
