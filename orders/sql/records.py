@@ -75,7 +75,8 @@ def payment_data(payment: Payment) -> dict[str, Any]:
 
 
 def to_order(row: Row[Any] | Mapping[str, Any], read_at_ms: int) -> Order:
-    m = row._mapping if isinstance(row, Row) else row
+    """The order a row of ``oes_orders`` describes (a Row, or a mapping of its columns)."""
+    m: Any = row if isinstance(row, Mapping) else _Columns(row)
     amount = m["amount"]
     return Order(
         id=m["id"],
@@ -96,6 +97,18 @@ def to_order(row: Row[Any] | Mapping[str, Any], read_at_ms: int) -> Order:
         reminded_at_ms=m["reminded_at_ms"],
         policy=m["policy"],
     )
+
+
+class _Columns:
+    """A Row's columns by name, read as its attributes (the Row's public access)."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: Row[Any]) -> None:
+        self.row = row
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self.row, name)
 
 
 class OrderRecords:

@@ -148,14 +148,16 @@ class Retention:
 
     def _rows_with_events(self, ids: list[str]) -> list[dict[str, Any]]:
         with self.tx.read() as conn:
-            orders = conn.execute(select(orders_table).where(ORDER.id.in_(ids))).all()
-            events = conn.execute(
-                select(events_table).where(EVENT.order_id.in_(ids)).order_by(EVENT.id)
-            ).all()
+            orders = conn.execute(select(orders_table).where(ORDER.id.in_(ids))).mappings().all()
+            events = (
+                conn.execute(select(events_table).where(EVENT.order_id.in_(ids)).order_by(EVENT.id))
+                .mappings()
+                .all()
+            )
         by_order: dict[str, list[dict[str, Any]]] = {oid: [] for oid in ids}
         for event in events:
-            by_order[event.order_id].append(dict(event._mapping))
-        return [dict(row._mapping) | {"events": by_order[row.id]} for row in orders]
+            by_order[event["order_id"]].append(dict(event))
+        return [dict(row) | {"events": by_order[row["id"]]} for row in orders]
 
     def _delete(self, ids: list[str]) -> None:
         terminal = ORDER.status != literal_column(f"'{OrderStatus.UNPAID.value}'")

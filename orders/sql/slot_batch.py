@@ -94,18 +94,18 @@ class SlotBatch:
 
     def _one(self, conn: Connection, request: SlotRequest) -> Mapping[str, Any] | None:
         """One insert in the caller's transaction, then (SQLite) its event."""
-        row = conn.execute(self._insert, self._params(request)).one_or_none()
+        row = conn.execute(self._insert, self._params(request)).mappings().one_or_none()
         if row is None or self._event_in_statement:
-            return None if row is None else dict(row._mapping)
+            return None if row is None else dict(row)
         record_events(
             conn,
-            [(row.id, row.user_id)],
+            [(row["id"], row["user_id"])],
             EventKind.CREATED,
             request.values["created_at_ms"],
             request.event_data,
             request.actor,
         )
-        return dict(row._mapping)
+        return dict(row)
 
     def _pipeline(
         self, conn: Connection, ordered: Sequence[SlotRequest]
