@@ -152,6 +152,11 @@ def _redis_memory(rows: _Rows, part: Mapping[str, Any]) -> None:
         s = part[f"per_user_{k}"]["bytes_per_order"]
         rows.add(f"redis memory, {k}/user", f"bytes per open order ({part['users']:,} users)",
                  f"{s['median']:.0f}", f"{s['min']:.0f} - {s['max']:.0f}")  # fmt: skip
+        s = part[f"per_user_{k}"].get("bytes_per_order_in_flight")
+        if s is not None:  # reports from before the admissions hash have none
+            rows.add(f"redis memory, {k}/user",
+                     f"the same within {part['window_s']:g} s of its admission",
+                     f"{s['median']:.0f}", f"{s['min']:.0f} - {s['max']:.0f}")  # fmt: skip
     rows.table.add_section()
 
 

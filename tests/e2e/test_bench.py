@@ -194,6 +194,11 @@ def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
     assert_floors_thread_counts_and_keyed_refusal(report, database_url.startswith("postgresql"))
     assert_async_rows_beside_the_same_floors(report)
     assert_callers_at_1_8_64_beside_their_floors(report, database_url.startswith("postgresql"))
+    # Within the admission window each user also holds its admissions record.
+    memory = report["figures"]["redis_memory"]
+    for k in (1, 3):
+        part = memory[f"per_user_{k}"]
+        assert part["bytes_per_order_in_flight"]["min"] > part["bytes_per_order"]["max"] > 0
     assert report["left_behind"] == {"rows": 0, "events": 0, "keys": 0}
     assert rows(engine) == (0, 0)
     assert redis_client.keys("*") == []
