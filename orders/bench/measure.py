@@ -137,6 +137,20 @@ async def run_tasks(op: Callable[[int], Awaitable[object]], n: int, tasks: int =
     return _finished(n, ns() - started, per_task, cpu_started)
 
 
+def python_loop_ms(rounds: int = 5, n: int = 1_000_000) -> float:
+    """The median wall time of a fixed pure-Python loop (``n`` additions), in ms: how fast
+    this machine runs Python just now. Client-bound figures of two reports compare only as
+    far as this does (the same code measured twice as slow on a slower virtual machine)."""
+    times = []
+    for _ in range(rounds):
+        started = ns()
+        total = 0
+        for i in range(n):
+            total += i
+        times.append((ns() - started) / 1e6)
+    return float(statistics.median(times))
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``."""
     if not values:

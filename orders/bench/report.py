@@ -11,7 +11,7 @@ from typing import Any
 from orders.bench import callers, candidates, threads
 from orders.bench.concurrency import task_counts, thread_counts
 from orders.bench.figures import MAKERS
-from orders.bench.measure import Sizes
+from orders.bench.measure import Sizes, python_loop_ms
 from orders.bench.verdicts import check
 from orders.bench.workload import Workload
 from orders.errors import OrdersError
@@ -111,6 +111,7 @@ def run_bench(
         finally:
             work.close()
     report["machine"]["load_average_end"] = os.getloadavg()[0]
+    report["machine"]["python_loop_ms_end"] = python_loop_ms()
     if report["machine"]["durable"] is False:
         work.notes.append(
             "the database does not make each commit durable (see machine.sql_settings): "

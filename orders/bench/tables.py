@@ -201,6 +201,13 @@ _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
 }
 
 
+def _loop(machine: Mapping[str, Any]) -> str:
+    """The machine's Python speed, in the reports that measured it."""
+    if "python_loop_ms" not in machine:
+        return ""
+    return f", a 10^6-step Python loop {machine['python_loop_ms']:.0f} ms"
+
+
 def results_table(report: Mapping[str, Any]) -> Table:
     m = report["machine"]
     settings = ", ".join(f"{k} {v}" for k, v in m["sql_settings"].items())
@@ -216,7 +223,8 @@ def results_table(report: Mapping[str, Any]) -> Table:
         title=(
             f"orders bench on {m['sql_engine']} {m['sql_version']} ({durable}: {settings}) "
             f"+ redis {m['redis']} "
-            f"({m['nproc']} cpus, load {m['load_average']:.1f}, python {m['python']}), "
+            f"({m['nproc']} cpus, load {m['load_average']:.1f}, python {m['python']}"
+            f"{_loop(m)}), "
             f"{report['elapsed_s']:.0f} s"
         ),
     )

@@ -21,6 +21,7 @@ from orders.bench.measure import (
     Sizes,
     Variant,
     chunks,
+    python_loop_ms,
 )
 from orders.domain import EventKind, OrderIdGenerator, OrderStatus
 from orders.index.keys import glob_escape
@@ -327,6 +328,7 @@ class Workload:
         return {
             "nproc": os.cpu_count() or 0,
             "load_average": os.getloadavg()[0],
+            "python_loop_ms": python_loop_ms(),
             "python": platform.python_version(),
             "platform": platform.platform(),
             "redis": str(server.get("redis_version", "?")),

@@ -189,6 +189,8 @@ def test_quick_bench_reports_every_figure_and_leaves_nothing_behind(
         assert is_number(target["measured"])
         assert is_number(target["required"])
     assert report["schema_version"] == 1
+    for key in ("python_loop_ms", "python_loop_ms_end"):
+        assert report["machine"][key] > 0
     # Each figure starts alone: none leaves a thread of its own running for the next.
     assert report["threads_left"] == {name: [] for name in QUICK_FIGURES}, report["notes"]
     assert_floors_thread_counts_and_keyed_refusal(report, database_url.startswith("postgresql"))
