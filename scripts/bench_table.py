@@ -87,6 +87,7 @@ def main(sqlite_path: str, postgresql_path: str) -> None:
 CALLER_ROWS = (
     ("create", "threads", "create"),
     ("create, asyncio tasks", "tasks", "create_async"),
+    ("create, combined (ORDERS_COMBINE_CREATES)", "threads", "create_combined"),
     ("floor: EVALSHA + raw insert of order and event", "threads", "floor"),
     ("mark_paid", "threads", "mark_paid"),
     ("mark_paid, asyncio tasks", "tasks", "mark_paid_async"),
@@ -111,8 +112,10 @@ def callers_table(reports: list[dict[str, Any]]) -> None:
         cells = []
         for fig in found:
             for n in fig["thread_counts"]:
-                v = fig[f"{kind}_{n}"]["variants"][variant]
-                cells.append(f"{v['ops_s']['median']:,.0f} ({v['p99_ms']:.1f})")
+                v = fig[f"{kind}_{n}"]["variants"].get(variant)
+                cells.append(
+                    "-" if v is None else f"{v['ops_s']['median']:,.0f} ({v['p99_ms']:.1f})"
+                )
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
