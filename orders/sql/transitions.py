@@ -175,7 +175,7 @@ PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))
 #: Unpaid -> paid while the expiry is still ahead, or a pause holds every expiry
 #: (``strict_expiry``).
 PAY_STRICT = CompareAndSet(
-    EventKind.PAID, _update([UNPAID_PREDICATE, or_(ORDER.expires_at_ms > _NOW, PAUSED)], _PAID)
+    EventKind.PAID, _update([UNPAID_PREDICATE, or_(open_at(_NOW), PAUSED)], _PAID)
 )
 #: Closed by expiry, at most ``:window_ms`` after the expiry -> paid (a late payment the
 #: host accepted; ``Settings.late_payment_window_s``).
