@@ -216,7 +216,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "strict-expiry-ignored",
         "orders/sql/transitions.py",
-        "_update([UNPAID_PREDICATE, or_(ORDER.expires_at_ms > _NOW, PAUSED)], _PAID)",
+        "_update([UNPAID_PREDICATE, or_(open_at(_NOW), PAUSED)], _PAID)",
         "_update([UNPAID_PREDICATE], _PAID)",
         "under strict_expiry a payment after expires_at is refused",
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
