@@ -252,7 +252,7 @@ class Admitter:
         except LimitReachedInSql as refused:
             if ours:
                 self._compensate(uid, oid, now_ms, host)
-            self._restore(uid, refused, now_ms, limit)
+            self._restore(uid, refused, now_ms, limit, host)
             wait_s = retry_after_s(refused.earliest_ms, now_ms)
             raise UnpaidOrderLimitReached(
                 uid, refused.limit, refused.open_count, wait_s, source="sql"
@@ -339,12 +339,23 @@ class Admitter:
             self.release_after_commit(user_id, order_id, forget_admission=True)
         return existing
 
-    def _restore(self, user_id: str, refused: LimitReachedInSql, now_ms: int, limit: int) -> None:
+    def _restore(
+        self,
+        user_id: str,
+        refused: LimitReachedInSql,
+        now_ms: int,
+        limit: int,
+        host: Connection | None,
+    ) -> None:
         """Write SQL's view of the user back into the index (Redis had lost it): its own
         limit first, then its live orders.
 
         Through the admission script, soonest expiry first: the index never holds more than
-        the limit's members, also while other creates of the user are in flight.
+        the limit's members, also while other creates of the user are in flight. A holder
+        paid, cancelled or closed since SQL listed it may have had its member removed
+        before the write-back put it back, so each is read again after the write and loses
+        its member unless still open (one that leaves later removes its own, after its
+        commit).
         """
         try:
             self.index.limits.write({user_id: refused.own_limit})
@@ -355,7 +366,11 @@ class Admitter:
                     )
                 )
                 if admitted.outcome is Admission.REFUSED:
-                    return
+                    break
+            for order_id in refused.holders:
+                order = self.records.find(order_id, now_ms, host)
+                if order is None or not order.is_open:
+                    self.release_after_commit(user_id, order_id)
         except StoreUnavailable:
             log.warning("redis repair failed; reconcile will fix it", extra={"user_id": user_id})
 

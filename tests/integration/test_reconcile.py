@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import insert
+from sqlalchemy import Engine, insert
 
+from orders import UnpaidOrderLimitReached
 from orders.index.unpaid import AdmitRequest
 from orders.rules import reconcile as reconciler
 from orders.scheduler.jobs import build_scheduler
@@ -24,10 +25,11 @@ from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql import reconcile_reads as record_reads
 from orders.sql.models import orders_table
+from orders.sql.records import LimitReachedInSql
 from tests.support.clocks import ManualClock
 from tests.support.plans import explain, explain_sql
 from tests.support.processes import child_env, run_orders, stop_process
-from tests.support.stores import flush_db
+from tests.support.stores import flush_db, sql_rows
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
 pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
@@ -723,3 +725,35 @@ def test_the_command_shows_progress_on_a_terminal_only(
     assert as_json[0] == 0
     assert "reconciling" not in as_json[1]
     assert json.loads(as_json[1])["users"] == 3
+
+
+def test_a_holder_paid_while_sql_refuses_does_not_come_back_into_the_index(
+    service: OrderService, engine: Engine, redis_client: redis.Redis, monkeypatch: Any
+) -> None:
+    first = service.create_unpaid_order("u1")
+    service.create_unpaid_order("u1")
+    service.create_unpaid_order("u1")
+    redis_client.flushdb()
+    make_room = service.records.slots.make_room
+
+    def paid_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        # SQL has listed the holders; a payment then commits and removes its member
+        # before the refused create writes the holders back into the emptied index.
+        try:
+            return make_room(*args, **kwargs)
+        except LimitReachedInSql:
+            service.mark_paid(first.id)
+            raise
+
+    monkeypatch.setattr(service.records.slots, "make_room", paid_meanwhile)
+
+    with pytest.raises(UnpaidOrderLimitReached) as info:
+        service.create_unpaid_order("u1")
+
+    assert info.value.source == "sql"
+    unpaid = {oid: r.expires_at_ms for oid, r in sql_rows(engine).items() if r.status == "unpaid"}
+    assert len(unpaid) == 2
+    assert first.id not in unpaid
+    # The paid order holds no member: the user's next create is not refused by Redis.
+    assert service.index.members("u1") == unpaid
+    assert service.create_unpaid_order("u1").status.value == "unpaid"
