@@ -146,7 +146,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "compensation-keeps-the-member",
         "orders/rules/admission.py",
         "existing.is_open):\n"
-        "            self.release_after_commit(user_id, order_id, forget_admission=True)",
+        "            self.followups.release_after_commit(user_id, order_id, forget_admission=True)",
         "existing.is_open):\n            pass",
         "a failed insert removes the member it admitted",
         "tests/integration/test_create.py::test_sql_failure_on_insert_removes_the_member_again",

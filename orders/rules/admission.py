@@ -23,15 +23,14 @@ The outage policy, once: when Redis cannot be reached, admission fails with
 :class:`StoreUnavailable`, unless ``create_without_redis`` is set, in which case the SQL
 guard alone decides (it stays exact) and reconcile adds the member later.
 
-Redis writes that follow a SQL decision (``release_after_commit``, ``move_after_commit``...)
-never undo it: when Redis is down the member simply expires by its score or is fixed by the
-next reconcile.
+Redis writes that follow a SQL decision live in :mod:`orders.rules.followups`: they never
+undo it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from decimal import Decimal
 from typing import Any
 
@@ -48,6 +47,7 @@ from orders.errors import (
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
 from orders.rules.abandoning import Abandoner
+from orders.rules.followups import Followups
 from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
@@ -84,6 +84,8 @@ class Admitter:
         #: The create rate (``Settings.create_rate``), counted by creates only.
         self.rate = rate
         self.abandoner = Abandoner(index, records)
+        #: The Redis writes after a commit (also the transitions' and extensions').
+        self.followups = Followups(index, records)
 
     def reserve(self, request: AdmitRequest) -> AdmitResult:
         """The Redis step, under the one outage policy; ``request.rate``: count it as a
@@ -215,12 +217,15 @@ class Admitter:
             )
         except BaseException as stop:
             if interrupted(stop):  # anywhere past the script: SQL may or may not have it
-                self.settle(oid, now_ms, user_id=uid)
+                self.followups.settle(oid, now_ms, user_id=uid)
             raise
         if host is not None and ours and created:
             # The compensation, should the host's transaction not keep the row.
             follow(
-                host, on_rollback=lambda: self.release_after_commit(uid, oid, forget_admission=True)
+                host,
+                on_rollback=lambda: self.followups.release_after_commit(
+                    uid, oid, forget_admission=True
+                ),
             )
         return order, created
 
@@ -302,25 +307,8 @@ class Admitter:
             )
             conn.commit()
         if row is None and admitted.outcome is Admission.ADMITTED:
-            self.release_after_commit(order.user_id, order.id)
+            self.followups.release_after_commit(order.user_id, order.id)
         return row is not None
-
-    def settle(self, order_id: str, now_ms: int, *, user_id: str | None = None) -> None:
-        """Make the order's member agree with its row, after a call that was cut off half-way
-        (a cancelled task, an interrupt): SQL may or may not have committed, Redis may or
-        may not have run. An open order gets its member at its expiry; any other (or none
-        at all) loses it. Best effort: what fails here, reconcile repairs.
-        """
-        try:
-            order = self.records.find(order_id, now_ms)
-            if order is not None and order.is_open:
-                self.rescore_after_commit(order)
-            elif order is not None:
-                self.release_after_commit(order.user_id, order_id)
-            elif user_id is not None:
-                self.release_after_commit(user_id, order_id)
-        except OrdersError:
-            log.warning("settling an interrupted call failed; reconcile will fix it")
 
     def _compensate(
         self, user_id: str, order_id: str, now_ms: int, host: Connection | None
@@ -336,7 +324,7 @@ class Admitter:
         except OrdersError:
             existing = None
         if not (existing is not None and existing.user_id == user_id and existing.is_open):
-            self.release_after_commit(user_id, order_id, forget_admission=True)
+            self.followups.release_after_commit(user_id, order_id, forget_admission=True)
         return existing
 
     def _restore(
@@ -370,54 +358,6 @@ class Admitter:
             for order_id in refused.holders:
                 order = self.records.find(order_id, now_ms, host)
                 if order is None or not order.is_open:
-                    self.release_after_commit(user_id, order_id)
+                    self.followups.release_after_commit(user_id, order_id)
         except StoreUnavailable:
             log.warning("redis repair failed; reconcile will fix it", extra={"user_id": user_id})
-
-    def release_after_commit(
-        self, user_id: str, order_id: str, *, forget_admission: bool = False
-    ) -> None:
-        """Remove a member after SQL decided; a Redis failure only delays the cleanup.
-        ``forget_admission``: the create failed (see :meth:`UnpaidIndex.release`)."""
-        try:
-            self.index.release(user_id, order_id, forget_admission=forget_admission)
-        except StoreUnavailable:
-            log.warning(
-                "redis release failed; the member expires by its score or at reconcile",
-                extra={"order_id": order_id, "user_id": user_id},
-            )
-
-    def release_of(self, order: Order) -> None:
-        """:meth:`release_after_commit` of a transition's order (paid, cancelled)."""
-        self.release_after_commit(order.user_id, order.id)
-
-    def rescore(self, wanted: Mapping[str, Mapping[str, int]], now_ms: int) -> None:
-        """Move the members given (user -> order -> expiry) to those scores, in one round
-        trip per node; a user's other members are left as they are (reconcile's extras)."""
-        batch = {user: dict(members) for user, members in wanted.items()}
-        self.index.reconcile_batch(batch, now_ms=now_ms, dry_run=False).read()
-
-    def move_after_commit(self, order: Order) -> None:
-        """Move the member of an order whose expiry SQL moved (an extension) to its new
-        score, only if it is still a member (``ZADD XX``): a payment or cancel that commits
-        between the extension's commit and this call has removed the member, and it must not
-        come back to hold a slot for a paid order. A member Redis had lost stays missing:
-        the SQL slot guard counts the order meanwhile, and reconcile restores it."""
-        wanted = {order.user_id: {order.id: order.expires_at_ms}}
-        self.follow_commit(order, lambda: self.index.rescore_present(wanted))
-
-    def rescore_after_commit(self, order: Order) -> None:
-        """Give an open order its member at its expiry after SQL decided (added if missing)."""
-        wanted = {order.user_id: {order.id: order.expires_at_ms}}
-        self.follow_commit(order, lambda: self.rescore(wanted, order.read_at_ms))
-
-    @staticmethod
-    def follow_commit(order: Order, write: Callable[[], None]) -> None:
-        """Run a Redis write that follows a commit; its failure only delays the repair."""
-        try:
-            write()
-        except StoreUnavailable:
-            log.warning(
-                "redis rescore failed; reconcile will fix it",
-                extra={"order_id": order.id, "user_id": order.user_id},
-            )

@@ -183,7 +183,7 @@ class BulkActions:
                 order.id,
                 now_ms,
                 extend_attempt(self.records, self.settings, order.id, now_ms, extra_ms, actor),
-                redis_after=self.admitter.move_after_commit,
+                redis_after=self.admitter.followups.move_after_commit,
             )
 
         report = BulkReport("extend", dry_run)

@@ -314,7 +314,7 @@ class CreateCombiner:
         if member.step is Step.FAILED and member.error is not None:
             if member.unsettled:
                 v = member.values
-                self.admitter.settle(v["id"], member.now_ms, user_id=v["user_id"])
+                self.admitter.followups.settle(v["id"], member.now_ms, user_id=v["user_id"])
             raise member.error
         return self._single(member)
 

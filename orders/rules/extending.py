@@ -44,7 +44,7 @@ class Extender:
 
         attempt = extend_attempt(self.records, self.settings, oid, now_ms, extra_ms, actor)
         order, won = self.transitions.run(
-            oid, now_ms, attempt, redis_after=self.admitter.move_after_commit
+            oid, now_ms, attempt, redis_after=self.admitter.followups.move_after_commit
         )
         if won:
             metrics.EXTENSIONS.labels("api").inc()

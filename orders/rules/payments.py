@@ -214,7 +214,9 @@ class Payments:
                 row = records.pay(conn, order_id, now_ms, payment, actor, strict=False)
                 records.tx.commit(conn, host)
                 paid = to_order(row, now_ms) if row is not None else order
-                self.transitioner.after_commit(paid, host, self.transitioner.admitter.release_of)
+                self.transitioner.after_commit(
+                    paid, host, self.transitioner.admitter.followups.release_of
+                )
                 _count_paid(paid, "on_time")
                 return paid
             if decision is Decision.REPEAT or reason is None:
@@ -229,7 +231,9 @@ class Payments:
             records.tx.commit(conn, host)
         if closed is not None:
             order = to_order(closed, now_ms)
-            self.transitioner.after_commit(order, host, self.transitioner.admitter.release_of)
+            self.transitioner.after_commit(
+                order, host, self.transitioner.admitter.followups.release_of
+            )
         strict_close = closed_now or closed is not None
         metrics.PAYMENTS.labels("refused_strict" if strict_close else _OUTCOMES[reason]).inc()
         raise refusal_error(order, reason, position)

@@ -47,10 +47,10 @@ class Transitioner:
         try:
             order, won = self.records.transition_or_current(order_id, now_ms, attempt, host)
             if won:
-                self.after_commit(order, host, redis_after or self.admitter.release_of)
+                self.after_commit(order, host, redis_after or self.admitter.followups.release_of)
         except BaseException as stop:
             if interrupted(stop):  # it may have committed: Redis must follow the row
-                self.admitter.settle(order_id, now_ms)
+                self.admitter.followups.settle(order_id, now_ms)
             raise
         return order, won
 

@@ -286,13 +286,13 @@ def test_a_payment_between_the_extensions_commit_and_its_redis_write_frees_the_s
     """The extension's Redis write comes after its commit; a payment that commits and
     removes the member in between must not see the member come back at the new score."""
     order = service.create_unpaid_order("u1", ttl_s=60)
-    move = service.admitter.move_after_commit
+    move = service.admitter.followups.move_after_commit
 
     def paid_first(extended: Order) -> None:
         service.mark_paid(order.id)
         move(extended)
 
-    monkeypatch.setattr(service.admitter, "move_after_commit", paid_first)
+    monkeypatch.setattr(service.admitter.followups, "move_after_commit", paid_first)
     service.extend_order(order.id, 90)
 
     assert sql_rows(engine)[order.id].status == "paid"
