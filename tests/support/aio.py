@@ -194,8 +194,12 @@ def run_watched(main: Coroutine[Any, Any, T]) -> T:
 async def new_async_service(
     settings: Settings, *, clock: Callable[[], int] | None = None
 ) -> AsyncOrderService:
-    """An AsyncOrderService on the stores ``settings`` names (schema already there)."""
-    engine = build_async_engine(settings)
+    """An AsyncOrderService on the stores ``settings`` names (schema already there).
+
+    The engine is built in a thread, as :func:`orders.aio.build_async_service` builds its
+    own: the first engine of a driver imports the dialect's modules (CI saw 12 ms of import
+    work, inside pytest's import hook, hold a checked loop)."""
+    engine = await asyncio.to_thread(build_async_engine, settings)
     return AsyncOrderService(engine, await async_redis(settings), settings, clock=clock)
 
 

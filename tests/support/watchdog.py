@@ -4,7 +4,8 @@ A heartbeat is a callback the loop runs every :data:`BEAT_S`; each beat stamps t
 loop thread's CPU time and the run-queue waits of the process's threads. Two beats further
 apart than :data:`SLOW_CALLBACK_S` mean the loop ran nothing else for that long: something
 on it held it (one call, or a burst of ready callbacks run back to back). The gap is judged
-in *held* time (see :class:`SlowCallbacks`), so a busy machine cannot fail it. The watchdog
+in *held* time (see :class:`SlowCallbacks`), so a busy machine (or a busy host under a virtual
+one) cannot fail it. The watchdog
 thread looks at every loop's last beat while a check is on and, when one is late, dumps the
 loop thread's stack with :mod:`faulthandler` (public, unlike ``sys._current_frames``): what
 was running, for the report. Nothing here touches the loop's internals, so it works on any
@@ -67,14 +68,58 @@ class RunQueueWaits:
             return waits
 
 
-def held_s(took_s: float, cpu_s: float, before: dict[int, int], after: dict[int, int]) -> float:
+class StolenTime:
+    """How long the hypervisor has kept each CPU of this (virtual) machine from running it
+    (the ``steal`` field of each ``cpuN`` line of Linux's ``/proc/stat``, in clock ticks),
+    or an empty tuple where there is no such file. A stolen CPU is no run-queue wait: a
+    thread holding the GIL on it stands still, and the loop waiting for that GIL too, with
+    nothing counted in :class:`RunQueueWaits` (seen in CI: 21 to 27 ms held, 0.1 ms
+    computed, beside a busy thread). One read is about 8 microseconds."""
+
+    TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+    def __init__(self) -> None:
+        # The total's line and one per CPU come first (the interrupt counts, long, after).
+        self.size = 160 * ((os.cpu_count() or 1) + 1)
+        try:
+            self._file: int | None = os.open("/proc/stat", os.O_RDONLY)
+        except OSError:
+            self._file = None
+
+    def read(self) -> tuple[int, ...]:
+        if self._file is None:
+            return ()
+        try:
+            text = os.pread(self._file, self.size, 0).decode()
+        except OSError:
+            return ()
+        lines = text.partition("\nintr")[0].splitlines()
+        cpus = [line.split() for line in lines if line[3:4].isdigit()]
+        return tuple(int(fields[8]) for fields in cpus if len(fields) > 8)
+
+    @classmethod
+    def most_s(cls, before: tuple[int, ...], after: tuple[int, ...]) -> float:
+        """The most time one CPU was stolen between two reads (the GIL's holder may have
+        run on any of them). Ticks are coarse (10 ms): a short theft may count a whole tick,
+        which makes a loaded run less strict, never stricter."""
+        deltas = [now - then for then, now in zip(before, after, strict=False)]
+        return max(deltas, default=0) * cls.TICK_S
+
+
+def held_s(
+    took_s: float,
+    cpu_s: float,
+    before: dict[int, int],
+    after: dict[int, int],
+    stolen_s: float = 0.0,
+) -> float:
     """A gap's wall time ``took_s`` less the run-queue waits of the process's threads
-    meanwhile, and at least the loop thread's ``cpu_s``. A thread started meanwhile waited
-    all its life in it (``Thread.start()`` waits for the new thread to run: on a busy
-    machine, tens of milliseconds); one that ended meanwhile cannot be read, and counts
-    nothing."""
+    meanwhile and the time a CPU was stolen from the machine (``stolen_s``), and at least
+    the loop thread's ``cpu_s``. A thread started meanwhile waited all its life in the run
+    queue (``Thread.start()`` waits for the new thread to run: on a busy machine, tens of
+    milliseconds); one that ended meanwhile cannot be read, and counts nothing."""
     waited_ns = sum(waits - before.get(tid, 0) for tid, waits in after.items())
-    return max(cpu_s, took_s - waited_ns / 1e9)
+    return max(cpu_s, took_s - waited_ns / 1e9 - stolen_s)
 
 
 class Gap(NamedTuple):
@@ -95,15 +140,17 @@ class SlowCallbacks:
     blocking call: I/O, ``time.sleep``, a lock) plus what the machine did to it: on a busy
     machine the loop's thread waits in the CPU run queue, and so do the process's other
     threads, one of which may hold the GIL or a lock the loop waits for. The kernel counts
-    those waits per thread (:class:`RunQueueWaits`); a gap's *held* time is its wall time
-    less the waits of every thread of the process meanwhile, and never less than the CPU
-    time the loop's thread spent in it. Load only adds waits, so it cannot push a gap over
-    the bound (it can hide a blocking call that coincides with another thread's wait: a
-    loaded run is less strict, never stricter). Gaps over the bound in wall time but not in
-    held time are counted in ``waited``, and so are gaps whose stack was caught in the
-    heartbeat's own code: the loop was then waiting for the GIL or the run-queue reader's
-    lock inside the check, not running the code under test (a wait the kernel does not count
-    as a run-queue wait, seen on a loaded CI machine). Only gaps that began after ``since``
+    those waits per thread (:class:`RunQueueWaits`), and a virtual machine's hypervisor the
+    time it kept each CPU from it (:class:`StolenTime`); a gap's *held* time is its wall
+    time less the waits of every thread of the process and the longest theft meanwhile,
+    and never less than the CPU time the loop's thread spent in it. Load only adds waits,
+    so it cannot push a gap over the bound (it can hide a blocking call that coincides
+    with another thread's wait: a loaded run is less strict, never stricter). Gaps over
+    the bound in wall time but not in held time are counted in ``waited``, and so are gaps
+    whose stack was caught in the heartbeat's own code: the loop was then waiting for the
+    GIL or the run-queue reader's lock inside the check, not running the code under test
+    (a wait the kernel does not count as a run-queue wait, seen on a loaded CI machine).
+    Only gaps that began after ``since``
     count.
     """
 
@@ -150,6 +197,7 @@ class Beat(NamedTuple):
     wall: float
     cpu: float
     waits: dict[int, int]
+    stolen: tuple[int, ...]
 
 
 class Heartbeat:
@@ -211,9 +259,9 @@ class Heartbeat:
         took_s, cpu_s = now.wall - last.wall, now.cpu - last.cpu
         caught_at, stack = self.stack
         stack = stack if caught_at == last.wall else ""
-        return Gap(
-            self.kind, last.wall, took_s, held_s(took_s, cpu_s, last.waits, now.waits), cpu_s, stack
-        )
+        stolen_s = StolenTime.most_s(last.stolen, now.stolen)
+        held = held_s(took_s, cpu_s, last.waits, now.waits, stolen_s)
+        return Gap(self.kind, last.wall, took_s, held, cpu_s, stack)
 
     def in_progress(self) -> Gap | None:
         """From another thread: the gap since the last beat, if the loop is running."""
@@ -222,12 +270,12 @@ class Heartbeat:
             return None
         cpu = time.clock_gettime(time.pthread_getcpuclockid(self.thread))
         waits = WAITS.read()
-        return self.gap(last, Beat(time.perf_counter(), cpu, waits))
+        return self.gap(last, Beat(time.perf_counter(), cpu, waits, STOLEN.read()))
 
 
 def beat_now() -> Beat:
     waits = WAITS.read()
-    return Beat(time.perf_counter(), time.thread_time(), waits)
+    return Beat(time.perf_counter(), time.thread_time(), waits, STOLEN.read())
 
 
 class Watchdog:
@@ -309,4 +357,5 @@ class Watchdog:
 
 
 WAITS = RunQueueWaits()
+STOLEN = StolenTime()
 WATCHDOG = Watchdog()
