@@ -35,10 +35,16 @@ from scripts.bench_durable import durable_stores  # noqa: E402
 
 
 def run(
-    service: OrderService, users: list[str], mode: str, top: int | None, sort: str = "tottime"
+    service: OrderService,
+    users: list[str],
+    mode: str,
+    top: int | None,
+    sort: str = "tottime",
+    callers: str | None = None,
 ) -> None:
     """Once per user: create, be refused at the limit, pay or cancel (the last three on an
-    order created beforehand, untimed); print the rate."""
+    order created beforehand, untimed); print the rate. ``callers``: also print who called
+    the profiled functions whose names match that pattern."""
     opened = (
         [service.create_unpaid_order(user, limit=1).id for user in users]
         if mode != "create"
@@ -65,7 +71,10 @@ def run(
         profiler.disable()
     elapsed = time.perf_counter() - started
     if profiler is not None:
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats(sort).print_stats(top)
+        stats = pstats.Stats(profiler, stream=sys.stderr).sort_stats(sort)
+        stats.print_stats(top)
+        if callers:
+            stats.print_callers(callers)
     print(f"{len(users) / elapsed:,.0f} ops/s", file=sys.stderr)
 
 
@@ -81,6 +90,9 @@ def main() -> None:
     parser.add_argument(
         "--sort", default="tottime", help="the profile's order: tottime, cumulative..."
     )
+    parser.add_argument(
+        "--callers", metavar="PATTERN", help="with --cprofile: who called the functions matched"
+    )
     options = parser.parse_args()
     with durable_stores([options.engine]) as stores:
         url, sock = stores(options.engine)
@@ -90,7 +102,7 @@ def main() -> None:
         service = OrderService(engine, redis.Redis(unix_socket_path=str(sock)), settings)
         users = [f"user-{i:07d}" for i in range(options.ops)]
         mode = "refuse" if options.refuse else options.mode
-        run(service, users, mode, options.cprofile, options.sort)
+        run(service, users, mode, options.cprofile, options.sort, options.callers)
         service.close()
 
 
