@@ -9,7 +9,8 @@ clock is read once per use case and passed down; one SQL transaction per use cas
 host's own, when a create, payment or cancel is given ``connection=``: see
 :mod:`orders.sql.host`); Redis writes that follow a SQL change run after the commit (in
 the host's transaction, at its commit event); only :class:`~orders.errors.OrdersError`
-leaves.
+leaves. The operator's actions over many orders (the incident pause, retention, the bulk
+cancel and extend) are :class:`~orders.operations.Operations`, at ``service.operations``.
 """
 
 from __future__ import annotations
@@ -45,15 +46,11 @@ from orders.errors import (
 from orders.events.stream import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
+from orders.operations import Operations
 from orders.requests import CreateRequest, checked_payment
 from orders.rules.admission import Admitter
 from orders.rules.bulk import (
-    DEFAULT_BATCH_SIZE,
     BulkActions,
-    BulkReport,
-    OnBatch,
-    check_batch_size,
-    checked_filter,
 )
 from orders.rules.combining import CreateCombiner
 from orders.rules.erasure import Eraser, Erasure
@@ -62,13 +59,12 @@ from orders.rules.pausing import Pausing
 from orders.rules.payments import LatePaymentCheck, Payments
 from orders.rules.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.rules.replacing import Replacer
-from orders.rules.retention import ArchiveHook, Pruner, PruneReport
+from orders.rules.retention import Pruner
 from orders.rules.sweep import PreCloseCheck, Sweep
 from orders.rules.transition import Transitioner
 from orders.rules.user_limits import UserLimits
 from orders.sql.host import host_connection
-from orders.sql.matching import OrderFilter
-from orders.sql.pauses import Pause, Pauses
+from orders.sql.pauses import Pauses
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sql.retention import Retention
@@ -76,10 +72,8 @@ from orders.sql.slot_batch import SlotBatch
 from orders.sql.user_limits import UserLimit
 from orders.validation import (
     TEXT_MAX_LENGTH,
-    check_count,
     check_optional_text,
     check_order_id,
-    check_ttl_ms,
     check_user_id,
 )
 
@@ -139,7 +133,10 @@ class OrderService:
         self.extender = Extender(self.records, self.transitions, self.admitter, s)
         self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
         self.pausing = Pausing(Pauses(self.records.tx), self.index.rescore_present, self.now_ms)
-        self.eraser = Eraser(self.records, self._bulk_actions(), self.index, s, self.now_ms)
+        bulk = BulkActions(self.records, self.transitions, self.admitter, s, self.now_ms)
+        self.eraser = Eraser(self.records, bulk, self.index, s, self.now_ms)
+        #: The operator's actions over many orders: the pause, retention, bulk actions.
+        self.operations = Operations(self.pausing, self.pruner, bulk, s)
         self.new_order_id = OrderIdGenerator(self.now_ms)
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
         self.refused_payment_handlers: list[Callable[[OrderEvent], None]] = []
@@ -252,49 +249,6 @@ class OrderService:
     ) -> UserLimit:
         """Remove the user's own limit: the settings' one applies again (idempotent)."""
         return self.user_limits.clear(user_id, actor)
-
-    def pause(self, reason: str, *, actor: str | Actor | None = None) -> Pause:
-        """Open an incident pause: nothing closes (or is reminded) by expiry until
-        :meth:`resume`; creates, payments and cancels go on (see :mod:`orders.rules.pausing`)."""
-        return self.pausing.pause(reason, Actor.of(actor))
-
-    def resume(self, *, actor: str | Actor | None = None, batch_size: int = 500) -> Pause:
-        """End the pause: every unpaid order's expiry moves later by the part of the pause it
-        lived through, with an ``extended`` event each; then the sweep runs again."""
-        return self.pausing.resume(Actor.of(actor), batch_size)
-
-    def prune(
-        self,
-        older_than_s: float,
-        *,
-        dry_run: bool = False,
-        batch_size: int = 500,
-        max_batches: int | None = None,
-        on_batch: Callable[[int], None] | None = None,
-    ) -> PruneReport:
-        """Delete paid, cancelled and closed orders whose last transition is older than
-        ``older_than_s``, with their events, but none still needed (see
-        :mod:`orders.rules.retention`); ``dry_run``: count them only."""
-        return self.pruner.prune(
-            older_than_s,
-            dry_run=dry_run,
-            batch_size=batch_size,
-            max_batches=max_batches,
-            on_batch=on_batch,
-        )
-
-    def set_archive_hook(self, hook: ArchiveHook | None) -> None:
-        """Hand each batch of pruned orders (with their events) to ``hook`` before it is
-        deleted; a hook that raises stops the prune, that batch kept."""
-        self.pruner.archive = hook
-
-    def current_pause(self) -> Pause | None:
-        """The open pause (or the one being resumed), if any."""
-        return self.pausing.current()
-
-    def recent_pauses(self, limit: int = 10) -> list[Pause]:
-        """The latest pauses, newest first."""
-        return self.pausing.pauses.recent(check_count("limit", limit, 1, 1000))
 
     def erase_user(self, user_id: str | int, *, actor: str | Actor | None = None) -> Erasure:
         """Erase the user: unpaid orders cancelled (a payment that commits first wins), the
@@ -547,95 +501,3 @@ class OrderService:
         return self.reconciler.reconcile(
             user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
         )
-
-    # --- bulk actions (orders.rules.bulk) --------------------------------------------------------
-
-    def _bulk_actions(self) -> BulkActions:
-        """The bulk actions over this service's parts."""
-        return BulkActions(
-            self.records, self.transitions, self.admitter, self.settings, self.now_ms
-        )
-
-    def cancel_matching(
-        self,
-        *,
-        user_id: str | int | None = None,
-        created_before: datetime | None = None,
-        expiring_before: datetime | None = None,
-        metadata: Mapping[str, str] | None = None,
-        reason: str | None = None,
-        actor: str | Actor | None = None,
-        dry_run: bool = False,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        on_batch: OnBatch | None = None,
-    ) -> BulkReport:
-        """Cancel every unpaid order the filter matches, each by ``cancel_order``'s
-        compare-and-set: a payment that commits first wins (the order is skipped).
-
-        The filter's parts, all of which must hold: ``user_id``; ``created_before`` and
-        ``expiring_before`` (aware datetimes, exclusive); ``metadata`` (keys whose string
-        values must be equal). At least one is required (InvalidInput otherwise, as for a
-        ``batch_size`` outside 1..10,000), and everything is checked before anything is
-        written. ``dry_run``: read the same pages and change nothing. ``on_batch(orders,
-        report)`` after each page of at most ``batch_size``. See :mod:`orders.rules.bulk`.
-        """
-        wanted, size = self._bulk_input(
-            user_id, created_before, expiring_before, metadata, batch_size
-        )
-        why = check_optional_text("reason", reason, TEXT_MAX_LENGTH)
-        return self._bulk_actions().cancel(
-            wanted,
-            reason=why,
-            actor=Actor.of(actor),
-            dry_run=dry_run,
-            batch_size=size,
-            on_batch=on_batch,
-        )
-
-    def extend_matching(
-        self,
-        extra_s: float,
-        *,
-        user_id: str | int | None = None,
-        created_before: datetime | None = None,
-        expiring_before: datetime | None = None,
-        metadata: Mapping[str, str] | None = None,
-        actor: str | Actor | None = None,
-        dry_run: bool = False,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        on_batch: OnBatch | None = None,
-    ) -> BulkReport:
-        """Move the expiry of every open order the filter matches ``extra_s`` later, each by
-        ``extend_order``'s compare-and-set and within its policy's maximum lifetime (an
-        order it would take past it is refused, and counted). The filter and the rest as
-        for :meth:`cancel_matching`."""
-        wanted, size = self._bulk_input(
-            user_id, created_before, expiring_before, metadata, batch_size
-        )
-        extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
-        return self._bulk_actions().extend(
-            wanted,
-            extra_ms,
-            actor=Actor.of(actor),
-            dry_run=dry_run,
-            batch_size=size,
-            on_batch=on_batch,
-        )
-
-    def _bulk_input(
-        self,
-        user_id: str | int | None,
-        created_before: datetime | None,
-        expiring_before: datetime | None,
-        metadata: Mapping[str, str] | None,
-        batch_size: int,
-    ) -> tuple[OrderFilter, int]:
-        """A bulk action's filter and batch size, checked."""
-        wanted = checked_filter(
-            self.settings,
-            user_id=user_id,
-            created_before=created_before,
-            expiring_before=expiring_before,
-            metadata=metadata,
-        )
-        return wanted, check_batch_size(batch_size)

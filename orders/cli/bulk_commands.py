@@ -188,10 +188,12 @@ def run_bulk(
     extra_ms = None if extra_s is None else round(extra_s * 1000)
     with shown_batches(asked["dry_run"], options["as_json"], extra_ms) as (on_batch, found):
         if action == "cancel":
-            report = service.cancel_matching(
+            report = service.operations.cancel_matching(
                 **asked, reason=options["reason"], actor=state.actor, on_batch=on_batch
             )
         else:
             assert extra_s is not None
-            report = service.extend_matching(extra_s, **asked, actor=state.actor, on_batch=on_batch)
+            report = service.operations.extend_matching(
+                extra_s, **asked, actor=state.actor, on_batch=on_batch
+            )
     print_summary(report, found, options["as_json"])

@@ -56,7 +56,7 @@ def _iso(ms: int | None) -> str | None:
 def pause(ctx: click.Context, reason: str, as_json: bool) -> None:
     """Hold every close by expiry until orders resume (creates, payments and cancels go on)."""
     state = cli_state(ctx)
-    done = state.service().pause(reason, actor=state.actor)
+    done = state.service().operations.pause(reason, actor=state.actor)
     click.echo(json.dumps(pause_to_json(done)) if as_json else pause_text(done))
 
 
@@ -69,7 +69,7 @@ def pause(ctx: click.Context, reason: str, as_json: bool) -> None:
 def resume(ctx: click.Context, batch_size: int, as_json: bool) -> None:
     """End the pause: every unpaid order gets the paused time back, then the sweep runs."""
     state = cli_state(ctx)
-    done = state.service().resume(actor=state.actor, batch_size=batch_size)
+    done = state.service().operations.resume(actor=state.actor, batch_size=batch_size)
     click.echo(json.dumps(pause_to_json(done)) if as_json else pause_text(done))
 
 
@@ -78,7 +78,7 @@ def resume(ctx: click.Context, batch_size: int, as_json: bool) -> None:
 @click.pass_context
 def pauses(ctx: click.Context, as_json: bool) -> None:
     """The latest pauses, newest first (the open one, if any, on top)."""
-    found = cli_state(ctx).service().recent_pauses()
+    found = cli_state(ctx).service().operations.recent_pauses()
     if as_json:
         click.echo(json.dumps([pause_to_json(p) for p in found]))
     elif not found:
@@ -107,7 +107,7 @@ def prune(
     """Delete paid, cancelled and closed orders older than --older-than, with their events;
     never one with a refund owed or an event a consumer has not read, retries or parked."""
     age_s = check_age_ms("older_than", older_than) / 1000
-    done = cli_state(ctx).service().prune(age_s, dry_run=dry_run, batch_size=batch_size)
+    done = cli_state(ctx).service().operations.prune(age_s, dry_run=dry_run, batch_size=batch_size)
     if as_json:
         click.echo(
             json.dumps(

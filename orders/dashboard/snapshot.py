@@ -170,7 +170,7 @@ def read_overview(service: OrderService) -> dict[str, Any]:
 
 def _pause(service: OrderService) -> dict[str, Any] | None:
     """The open incident pause, if any: the sweep closes nothing while it lasts."""
-    pause = service.current_pause()
+    pause = service.operations.current_pause()
     if pause is None:
         return None
     return {

@@ -42,7 +42,7 @@ def prune_step(sweeper: Sweeper) -> float:
     if not sweeper.holds_lease:
         return STANDBY_S
     try:
-        done = service.prune(days * 86_400, max_batches=BATCHES_PER_RUN)
+        done = service.operations.prune(days * 86_400, max_batches=BATCHES_PER_RUN)
     except StoreUnavailable as exc:
         log_event(logging.WARNING, "prune_failed", owner=sweeper.owner, detail=str(exc))
         return STANDBY_S

@@ -118,7 +118,7 @@ class Sweeper:
         )
         backlog_lag_s = check_seconds("backlog_lag_s", backlog_lag_s)
         self._backlog = BacklogWatch(backlog_lag_s, monotonic=monotonic)
-        self._pause = PauseWatch(service.current_pause, self._log)
+        self._pause = PauseWatch(service.operations.current_pause, self._log)
         self._holds_lease = False
         self._renewed_at = 0.0
         self._lost_lease = False

@@ -115,7 +115,7 @@ def test_resumes_killed_mid_batch_move_every_order_exactly_once(
     write_orders_as_of_old(service, [*rows, *due])
     rows += due
     count += DUE
-    service.pause("crash test")
+    service.operations.pause("crash test")
     env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
     env.pop("PYTHONWARNINGS", None)
     scheduler = ChildProcess(SCHEDULER_ARGS, env, tmp_path / "scheduler.log")
@@ -130,7 +130,7 @@ def test_resumes_killed_mid_batch_move_every_order_exactly_once(
     finally:
         scheduler.close()
 
-    (pause,) = service.recent_pauses()
+    (pause,) = service.operations.recent_pauses()
     assert (pause.is_open, pause.shifted) == (False, count)
     length = pause.length_ms(0)
     assert length > 0

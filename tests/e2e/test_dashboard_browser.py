@@ -342,11 +342,11 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
 
     banner = page.locator("#pause")
     expect(banner).to_be_hidden()
-    service.pause("<b>psp</b> down", actor="oncall")
+    service.operations.pause("<b>psp</b> down", actor="oncall")
     expect(banner).to_be_visible()
     expect(banner).to_contain_text("by application:oncall: <b>psp</b> down")
     expect(banner).to_contain_text("nothing closes by expiry")
-    service.resume()
+    service.operations.resume()
     expect(banner).to_be_hidden()
 
     assert page.evaluate("window.__loaded") == loaded, "the page was reloaded"

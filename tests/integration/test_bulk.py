@@ -72,8 +72,8 @@ def assert_redis_agrees_with_sql(service: OrderService, engine: Engine, users: l
 def run_action(shop: OrderService, action: str, **given: Any) -> BulkReport:
     """The bulk ``action`` ("cancel", or "extend" by 60 s) with ``given``."""
     if action == "cancel":
-        return shop.cancel_matching(**given)
-    return shop.extend_matching(60, **given)
+        return shop.operations.cancel_matching(**given)
+    return shop.operations.extend_matching(60, **given)
 
 
 @pytest.fixture
@@ -164,7 +164,7 @@ def test_bulk_action_changes_exactly_the_orders_the_filter_matches(
 def test_bulk_cancel_events_carry_the_reason(
     shop: OrderService, engine: Engine, placed: dict[str, Order]
 ) -> None:
-    shop.cancel_matching(user_id="u2", reason="incident 7", actor=OPERATOR)
+    shop.operations.cancel_matching(user_id="u2", reason="incident 7", actor=OPERATOR)
     assert [e.data for e in events(engine, "cancelled")] == [{"reason": "incident 7"}] * 2
 
 
@@ -191,7 +191,9 @@ def test_more_orders_than_the_batch_size_are_each_extended_exactly_once(
 ) -> None:
     users = [f"u{n}" for n in range(5)]
     made = [shop.create_unpaid_order(u, ttl_s=60 + n) for n in range(5) for u in users]
-    report = shop.extend_matching(600, expiring_before=at(HOUR_S), actor=OPERATOR, batch_size=4)
+    report = shop.operations.extend_matching(
+        600, expiring_before=at(HOUR_S), actor=OPERATOR, batch_size=4
+    )
 
     after = rows(engine)
     assert (report.matched, report.changed, report.batches) == (25, 25, 7)
@@ -209,7 +211,7 @@ def test_more_orders_than_the_batch_size_are_each_cancelled_exactly_once(
     for _round in range(5):
         for user in users:
             shop.create_unpaid_order(user, ttl_s=60, metadata={"batch": "x"})
-    report = shop.cancel_matching(metadata={"batch": "x"}, actor=OPERATOR, batch_size=3)
+    report = shop.operations.cancel_matching(metadata={"batch": "x"}, actor=OPERATOR, batch_size=3)
 
     assert (report.matched, report.changed) == (25, 25)
     assert {r.status for r in rows(engine).values()} == {"cancelled"}
@@ -231,7 +233,7 @@ def test_extension_keeps_to_each_orders_policy_and_counts_the_refusals(
     card = shop.create_unpaid_order("u1", policy="card")
     admin = shop.create_unpaid_order("u1", policy="admin")
 
-    report = shop.extend_matching(3 * HOUR_S, user_id="u1", actor=OPERATOR)
+    report = shop.operations.extend_matching(3 * HOUR_S, user_id="u1", actor=OPERATOR)
 
     after = rows(engine)
     assert (report.matched, report.changed, report.refused, report.skipped) == (3, 1, 2, 0)
@@ -255,7 +257,9 @@ def test_payment_racing_the_bulk_cancel_wins_or_loses_whole_and_redis_follows_sq
     def cancel_all() -> None:
         start.wait(timeout=30)
         reports.append(
-            shop.cancel_matching(expiring_before=at(HOUR_S), actor=OPERATOR, batch_size=5)
+            shop.operations.cancel_matching(
+                expiring_before=at(HOUR_S), actor=OPERATOR, batch_size=5
+            )
         )
 
     def pay(ids: list[str]) -> None:
@@ -293,7 +297,7 @@ def test_payment_racing_the_bulk_cancel_wins_or_loses_whole_and_redis_follows_sq
 def test_a_filter_matching_nothing_is_a_no_op(shop: OrderService, engine: Engine) -> None:
     shop.create_unpaid_order("u1", ttl_s=60)
     before = (rows(engine), event_count(engine))
-    report = shop.cancel_matching(user_id="nobody", actor=OPERATOR)
+    report = shop.operations.cancel_matching(user_id="nobody", actor=OPERATOR)
     assert (report.matched, report.changed, report.batches) == (0, 0, 0)
     assert (rows(engine), event_count(engine)) == before
 
@@ -342,7 +346,7 @@ def test_metadata_filter_matches_a_string_or_an_integer_by_its_text_on_both_engi
     word = shop.create_unpaid_order("u1", ttl_s=60, metadata={"n": "5"})
     number = shop.create_unpaid_order("u1", ttl_s=60, metadata={"n": 5})
     shop.create_unpaid_order("u1", ttl_s=60, metadata={"n": 50, "m": "5"})
-    report = shop.cancel_matching(metadata={"n": "5"}, actor=OPERATOR)
+    report = shop.operations.cancel_matching(metadata={"n": "5"}, actor=OPERATOR)
     assert report.changed == 2
     cancelled = {oid for oid, r in rows(engine).items() if r.status == "cancelled"}
     assert cancelled == {word.id, number.id}

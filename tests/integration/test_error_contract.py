@@ -7,10 +7,10 @@ the exact ``OrdersError`` subclass (or success, where the README promises one: a
 with Redis down commits); each command gets its exit status and exactly one stderr line.
 
 The tables are checked for completeness against what the package exposes (``orders.__all__``,
-``OrderService``'s public methods, ``orders.events.admin``, ``EventConsumer``, ``orders.aio``'s
-``__all__`` and ``AsyncOrderService``'s public methods, the click group walked to its
-leaves, ``Settings``' fields): a new public function, command or setting without a row
-fails here. Adding one is one line.
+``OrderService``'s and ``Operations``' public methods, ``orders.events.admin``,
+``EventConsumer``, ``orders.aio``'s ``__all__`` and ``AsyncOrderService``'s public
+methods, the click group walked to its leaves, ``Settings``' fields): a new public
+function, command or setting without a row fails here. Adding one is one line.
 
 The asyncio API (``orders.aio``) has no table of its own: its rows are the synchronous
 ones, awaited on a checked event loop (``tests.support.aio``), with the same outcome.
@@ -46,6 +46,7 @@ from orders.cli import main
 from orders.config import Settings
 from orders.events import admin as event_admin
 from orders.events.consumer import EventConsumer
+from orders.operations import Operations
 from orders.service import OrderService
 from tests.support.aio import new_async_service, run_checked
 from tests.support.postgres import PostgresTarget
@@ -229,8 +230,6 @@ USE_CASES: dict[str, Row] = {
     "cancel_order": Row(lambda c: c.api.cancel_order(c.order_id, reason="test")),
     "extend_order": Row(lambda c: c.api.extend_order(c.order_id, 60)),
     # Each order as cancel_order / extend_order: SQL decides, Redis follows or is logged.
-    "cancel_matching": Row(lambda c: c.api.cancel_matching(user_id=c.user, reason="test")),
-    "extend_matching": Row(lambda c: c.api.extend_matching(60, user_id=c.user)),
     "get_order": Row(lambda c: c.api.get_order(c.order_id)),
     "list_unpaid": Row(lambda c: c.api.list_unpaid(c.user)),
     "iter_events": Row(lambda c: c.api.iter_events(limit=5)),
@@ -249,18 +248,25 @@ USE_CASES: dict[str, Row] = {
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
     "earliest_reminder_ms": Row(lambda c: c.api.earliest_reminder_ms()),
-    # SQL only; paused and resumed at once, so no pause stays open in the shared database
-    # (the resume's rescore with Redis failing is logged, left to reconcile).
-    "pause": Row(lambda c: (c.api.pause("contract"), c.api.resume())),
-    "resume": Row(lambda c: c.api.resume(), InvalidInput),  # nothing is paused
-    "current_pause": Row(lambda c: c.api.current_pause()),
-    "recent_pauses": Row(lambda c: c.api.recent_pauses()),
-    "prune": Row(lambda c: c.api.prune(3650 * 86_400, dry_run=True)),  # SQL only
     # SQL is done first; the user's Redis keys then go, and a Redis failure there is raised
     # (run it again to finish). DEL takes a key of any type.
     "erase_user": Row(lambda c: c.api.erase_user(c.user), StoreUnavailable, OK),
     # Builds the default service: connects to SQL (schema check), not yet to Redis.
     "default_service": Row(lambda c: c.api.default_service()),
+}
+#: The operator's actions over many orders (``service.operations``): ``api`` is the service.
+OPERATIONS: dict[str, Row] = {
+    "cancel_matching": Row(
+        lambda c: c.api.operations.cancel_matching(user_id=c.user, reason="test")
+    ),
+    "extend_matching": Row(lambda c: c.api.operations.extend_matching(60, user_id=c.user)),
+    # SQL only; paused and resumed at once, so no pause stays open in the shared database
+    # (the resume's rescore with Redis failing is logged, left to reconcile).
+    "pause": Row(lambda c: (c.api.operations.pause("contract"), c.api.operations.resume())),
+    "resume": Row(lambda c: c.api.operations.resume(), InvalidInput),  # nothing is paused
+    "current_pause": Row(lambda c: c.api.operations.current_pause()),
+    "recent_pauses": Row(lambda c: c.api.operations.recent_pauses()),
+    "prune": Row(lambda c: c.api.operations.prune(3650 * 86_400, dry_run=True)),  # SQL only
 }
 #: Public names that are not use cases: wiring, registration, pure arithmetic.
 NOT_USE_CASES = {
@@ -317,6 +323,7 @@ SURFACES: Surfaces = {
         USE_CASES,
     ),
     "OrderService": (public_methods(OrderService), USE_CASES),
+    "Operations": (public_methods(Operations), OPERATIONS),
     "event_admin": (public_functions(event_admin), EVENT_ADMIN),
     "EventConsumer": (public_methods(EventConsumer), CONSUMER),
 }

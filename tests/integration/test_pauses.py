@@ -1,6 +1,6 @@
-"""The incident pause (``service.pause`` / ``resume``): while it lasts nothing is closed or
-reminded by expiry, by the sweep or by a create reusing a slot; at resume every unpaid order
-gets back the part of the pause it lived through, in SQL and in Redis, once.
+"""The incident pause (``service.operations.pause`` / ``resume``): while it lasts nothing
+is closed or reminded by expiry, by the sweep or by a create reusing a slot; at resume every
+unpaid order gets back the part of the pause it lived through, in SQL and in Redis, once.
 
 Outcomes are read from both stores; time moves only through ``clock``.
 """
@@ -69,13 +69,13 @@ def test_while_paused_nothing_closes_or_is_reminded_and_payments_go_on(
 ) -> None:
     first = shop.create_unpaid_order("u1", ttl_s=600)
     other = shop.create_unpaid_order("u2", ttl_s=600)
-    pause = shop.pause("psp outage", actor="oncall")
+    pause = shop.operations.pause("psp outage", actor="oncall")
     assert (pause.reason, str(pause.actor), pause.is_open) == (
         "psp outage",
         "application:oncall",
         True,
     )
-    assert shop.current_pause() == pause
+    assert shop.operations.current_pause() == pause
 
     clock.set(first.expires_at_ms + 3600 * S)
     result = shop.sweep_expired()
@@ -88,7 +88,7 @@ def test_while_paused_nothing_closes_or_is_reminded_and_payments_go_on(
     assert shop.mark_paid(first.id, payment_ref="late-but-paused").status is OrderStatus.PAID
     assert shop.cancel_order(other.id).status is OrderStatus.CANCELLED
     with pytest.raises(InvalidInput, match="open already"):
-        shop.pause("again")
+        shop.operations.pause("again")
     assert pause_rows(engine) == 1
 
 
@@ -105,17 +105,17 @@ def test_resume_gives_each_unpaid_order_the_part_of_the_pause_it_lived_through(
     paid = shop.create_unpaid_order("u4", ttl_s=600)
     clock.advance(ms=10 * S)
     started = clock()
-    shop.pause("psp outage")
+    shop.operations.pause("psp outage")
     clock.advance(ms=300 * S)
     during = shop.create_unpaid_order("u5", ttl_s=600)  # 700 s of the pause were its own
     shop.mark_paid(paid.id)
     clock.advance(ms=700 * S)
     resumed = clock()
 
-    done = shop.resume(actor="oncall", batch_size=1)
+    done = shop.operations.resume(actor="oncall", batch_size=1)
 
     assert (done.is_open, done.shifted, done.resumed_at_ms) == (False, 2, resumed)
-    assert shop.current_pause() is None
+    assert shop.operations.current_pause() is None
     rows = sql_rows(engine)
     whole = resumed - started
     assert rows[before.id].expires_at_ms == before.expires_at_ms + whole
@@ -140,7 +140,7 @@ def test_resume_gives_each_unpaid_order_the_part_of_the_pause_it_lived_through(
     assert shop.sweep_expired().closed == 1
     assert sql_rows(engine)[overdue.id].status == "closed"
     with pytest.raises(InvalidInput, match="nothing is paused"):
-        shop.resume()
+        shop.operations.resume()
 
 
 def test_a_resume_cut_short_is_finished_by_the_next_and_moves_no_order_twice(
@@ -148,15 +148,15 @@ def test_a_resume_cut_short_is_finished_by_the_next_and_moves_no_order_twice(
 ) -> None:
     shop = make_service(unpaid_limit=10)
     orders = [shop.create_unpaid_order(f"u{i}", ttl_s=600) for i in range(7)]
-    shop.pause("db failover")
+    shop.operations.pause("db failover")
     clock.advance(ms=120 * S)
     pauses = shop.pausing.pauses
     begun = pauses.begin_resume(clock(), OPERATOR)
     assert pauses.shift_batch(begun, clock(), 3, OPERATOR) is not None  # then "the crash"
-    assert shop.current_pause() is not None  # still held: the sweep waits for the rest
+    assert shop.operations.current_pause() is not None  # still held: the sweep waits for the rest
     clock.advance(ms=50 * S)  # the second resume keeps the first one's end
 
-    done = shop.resume(batch_size=2)
+    done = shop.operations.resume(batch_size=2)
 
     assert done.shifted == 7
     rows = sql_rows(engine)
@@ -173,7 +173,7 @@ def test_payments_racing_a_resume_leave_each_order_paid_or_moved_and_redis_agree
 ) -> None:
     shop = make_service(unpaid_limit=200)
     orders = [shop.create_unpaid_order("u1", ttl_s=600) for _ in range(120)]
-    shop.pause("incident")
+    shop.operations.pause("incident")
     clock.advance(ms=60 * S)
     start = threading.Barrier(2)
 
@@ -185,7 +185,7 @@ def test_payments_racing_a_resume_leave_each_order_paid_or_moved_and_redis_agree
     payer = threading.Thread(target=pay)
     payer.start()
     start.wait()
-    shop.resume(batch_size=7)
+    shop.operations.resume(batch_size=7)
     payer.join(60)
 
     rows = sql_rows(engine)
@@ -211,14 +211,14 @@ def test_the_sweeper_holds_while_paused_across_a_restart_and_reports_the_pause(
     shop: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
     order = shop.create_unpaid_order("u1", ttl_s=60)
-    pause = shop.pause("maintenance")
+    pause = shop.operations.pause("maintenance")
     clock.set(order.expires_at_ms + 10 * S)
     for _ in range(2):  # a scheduler restarted during the pause stays paused
         tick_once(shop)
         assert sql_rows(engine)[order.id].status == "unpaid"
         gauge = REGISTRY.get_sample_value("orders_pause_started_timestamp_seconds")
         assert gauge == pause.started_at_ms / 1000
-    shop.resume()
+    shop.operations.resume()
     tick_once(shop)
     # Moved by the 10 s the pause held it past its expiry... and more: still open now.
     assert sql_rows(engine)[order.id].status == "unpaid"
@@ -234,5 +234,5 @@ def test_a_pause_needs_a_reason_and_nothing_is_written_without_one(
     shop: OrderService, engine: Engine, reason: object
 ) -> None:
     with pytest.raises(InvalidInput, match="reason"):
-        shop.pause(reason)  # type: ignore[arg-type]
+        shop.operations.pause(reason)  # type: ignore[arg-type]
     assert pause_rows(engine) == 0

@@ -1,4 +1,4 @@
-"""Retention (``service.prune``, ``orders prune``, the scheduler's job): terminal orders
+"""Retention (``service.operations.prune``, ``orders prune``, the scheduler's job): terminal orders
 past the age go with their events, in batches; none that a refund, a parked event or an
 unread consumer still needs, and never an unpaid one. Read from SQL; time moves only
 through ``clock``."""
@@ -63,13 +63,13 @@ def test_old_terminal_orders_go_with_their_events_and_nothing_else(
     shop.mark_paid(recent.id)
     events_before = event_count(engine)
 
-    dry = shop.prune(90 * 86_400, dry_run=True)
+    dry = shop.operations.prune(90 * 86_400, dry_run=True)
     assert (dry.orders, dry.events, dry.dry_run) == (3, 6, True)
     assert (len(order_ids(engine)), event_count(engine)) == (5, events_before)
 
     archived: list[dict[str, Any]] = []
-    shop.set_archive_hook(archived.extend)
-    done = shop.prune(90 * 86_400, batch_size=1)
+    shop.operations.set_archive_hook(archived.extend)
+    done = shop.operations.prune(90 * 86_400, batch_size=1)
     assert (done.orders, done.events, done.batches) == (3, 6, 3)
     assert order_ids(engine) == {ids["unpaid"], recent.id}
     assert event_count(engine) == events_before - 6
@@ -77,7 +77,7 @@ def test_old_terminal_orders_go_with_their_events_and_nothing_else(
     kinds = {row["id"]: [e["kind"] for e in row["events"]] for row in archived}
     assert kinds[ids["paid"]] == ["created", "paid"]
     assert kinds[ids["closed"]] == ["created", "closed"]
-    assert shop.prune(90 * 86_400).orders == 0  # nothing left to do
+    assert shop.operations.prune(90 * 86_400).orders == 0  # nothing left to do
 
 
 def test_an_order_still_needed_is_kept_until_it_is_not(
@@ -94,12 +94,12 @@ def test_an_order_still_needed_is_kept_until_it_is_not(
     behind.run_once(limit=1)  # registered, one event read
     clock.advance(ms=DAY_MS)
 
-    assert shop.prune(90 * 86_400, batch_size=1).orders == 0
+    assert shop.operations.prune(90 * 86_400, batch_size=1).orders == 0
     behind.run_once(limit=1000)
     # The consumer caught up: now only the refund and the parked events hold their orders.
-    assert shop.prune(90 * 86_400).orders == 1  # the cancelled one
+    assert shop.operations.prune(90 * 86_400).orders == 1  # the cancelled one
     shop.mark_refund_handled(ids["closed"], "too-late")
-    assert shop.prune(90 * 86_400).orders == 1  # the closed one
+    assert shop.operations.prune(90 * 86_400).orders == 1  # the closed one
     assert ids["paid"] in order_ids(engine)  # parked events: an operator may requeue them
     assert ids["unpaid"] in order_ids(engine)
 
@@ -123,13 +123,13 @@ def test_an_archive_hook_that_raises_stops_the_prune_and_keeps_its_batch(
         if len(seen) == 2:
             raise RuntimeError("archive store down")
 
-    shop.set_archive_hook(archive)
+    shop.operations.set_archive_hook(archive)
     with pytest.raises(RuntimeError, match="archive store down"):
-        shop.prune(90 * 86_400, batch_size=1)
+        shop.operations.prune(90 * 86_400, batch_size=1)
     assert seen[0] not in order_ids(engine)
     assert seen[1] in order_ids(engine)  # handed over, then kept
-    shop.set_archive_hook(None)
-    assert shop.prune(90 * 86_400).orders == 2
+    shop.operations.set_archive_hook(None)
+    assert shop.operations.prune(90 * 86_400).orders == 2
     assert order_ids(engine) == {ids["unpaid"]}
 
 
@@ -156,7 +156,7 @@ def test_a_prune_beside_creates_payments_and_the_sweep_never_takes_an_open_order
     worker = threading.Thread(target=shopping)
     worker.start()
     try:
-        done = shop.prune(90 * 86_400, batch_size=3)
+        done = shop.operations.prune(90 * 86_400, batch_size=3)
     finally:
         stop.set()
         worker.join(30)
@@ -173,7 +173,7 @@ def test_a_bad_age_is_invalid_input_and_nothing_is_deleted(
 ) -> None:
     old_terminal_orders(shop, clock)
     with pytest.raises(InvalidInput, match="older_than"):
-        shop.prune(age)  # type: ignore[arg-type]
+        shop.operations.prune(age)  # type: ignore[arg-type]
     assert len(order_ids(engine)) == 4
 
 
@@ -209,7 +209,7 @@ def test_each_batch_of_a_prune_starts_its_index_scan_at_the_last_batchs_end(
         shop.mark_paid(order.id)
     clock.advance(ms=100 * DAY_MS)
     with captured(engine) as seen:
-        assert shop.prune(90 * 86_400, batch_size=1, dry_run=True).batches == 3
+        assert shop.operations.prune(90 * 86_400, batch_size=1, dry_run=True).batches == 3
     paid_pages = [s for s in seen if "paid_at_ms" in s[0] and "ORDER BY" in s[0]]
     assert len(paid_pages) == 4  # a page each, then the empty one that ends the walk
     plan = explain_sql(engine, *paid_pages[1])  # the second batch: after the first's end
