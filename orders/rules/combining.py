@@ -1,12 +1,8 @@
 """Concurrent creates of one process share their Redis round trip and their SQL commit.
 
-Leader and followers, no timer. A create that finds nothing in flight runs at once, alone,
-by the single path (:meth:`Admitter.create`): it never waits for company. A create that
-arrives while another create (alone or a batch) is in flight queues; when the one in flight
-ends, the first queued caller leads the next batch, taking everything queued (up to
-:data:`MAX_BATCH`), and the others wait for it. So a caller waits only while the process is
-already busy creating: for the create or batch in flight (and, past :data:`MAX_BATCH`
-queued, the batches ahead of its own), then its own batch.
+Leader and followers, no timer (:mod:`orders.rules.batching`): a create that finds nothing
+in flight runs at once, alone, by the single path (:meth:`Admitter.create`); one that
+arrives while a create or a batch is in flight waits, and goes in the next batch.
 
 A batch does the shared work only, in the leader's thread:
 
@@ -36,7 +32,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -51,6 +46,7 @@ from orders.index.admit_batch import admit_all
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitRequest, AdmitResult
 from orders.rules.admission import Admitter, interrupted
+from orders.rules.batching import BatchQueue, CombinerStats, Seat
 from orders.sql.records import to_order
 from orders.sql.slot_batch import SlotBatch, SlotRequest
 
@@ -84,10 +80,8 @@ class Member:
     caller_id: bool
     actor: Actor
     event_data: dict[str, str] | None
-    ready: threading.Event = field(default_factory=threading.Event)
-    #: Set when this member leads: the batch it runs.
-    batch: list[Member] | None = None
-    step: Step | None = None
+    seat: Seat[Member] = field(default_factory=Seat)
+    step: Step = Step.ALONE
     admitted: AdmitResult | None = None
     row: Mapping[str, Any] | None = None
     error: BaseException | None = None
@@ -109,37 +103,19 @@ class Member:
         self.step, self.error = Step.FAILED, error
 
 
-@dataclass(slots=True)
-class CombinerStats:
-    """What the combiner did so far (read by tests and the bench)."""
-
-    #: Creates that found nothing in flight and ran at once by the single path.
-    alone: int = 0
-    #: Creates that waited and then ran alone anyway (nobody else queued with them).
-    waited_alone: int = 0
-    #: Batches of two creates or more, the creates in them, and the largest.
-    batches: int = 0
-    combined: int = 0
-    largest: int = 0
-
-
 class CreateCombiner:
     """Combines concurrent creates (module docstring)."""
 
     def __init__(self, admitter: Admitter, batch: SlotBatch, *, max_batch: int = MAX_BATCH) -> None:
         self.admitter = admitter
         self.slot_batch = batch
-        self.max_batch = max_batch
-        self.stats = CombinerStats()
-        self._lock = threading.Lock()
-        self._busy = False
-        self._queue: list[Member] = []
+        self.queue: BatchQueue[Member] = BatchQueue(lambda member: member.seat, max_batch)
+        self.stats: CombinerStats = self.queue.stats
 
     @property
     def queued(self) -> int:
         """Creates waiting for the one in flight to end."""
-        with self._lock:
-            return len(self._queue)
+        return self.queue.queued
 
     def create(
         self,
@@ -165,72 +141,26 @@ class CreateCombiner:
                 host=host,
             )
         member = Member(values, amount, limit, now_ms, caller_id, actor, tracing.event_context())
-        with self._lock:
-            alone = not self._busy
-            if alone:
-                self._busy = True
-                self.stats.alone += 1
-            else:
-                self._queue.append(member)
-        if alone:
+        if self.queue.enter(member):
             try:
                 return self._single(member)
             finally:
-                self._hand_over()
-        stop = self._wait(member)
-        if member.batch is not None:
-            self._lead(member.batch)
+                self.queue.hand_over()
+        stop = self.queue.wait(member)
+        if member.seat.batch is not None:
+            self._lead(member.seat.batch)
         if stop is not None:  # cut off while its batch ran: the order as SQL has it
             member.fail(stop)
             member.unsettled = True
         return self._finish(member)
 
-    def _wait(self, member: Member) -> BaseException | None:
-        """Wait for the member's batch; an interrupt that came meanwhile is returned."""
-        try:
-            member.ready.wait()
-        except BaseException as stop:
-            with self._lock:
-                if member in self._queue:  # not taken yet: nothing was done for it
-                    self._queue.remove(member)
-                    raise
-            # Taken into a batch: it must run (or be run) to its end.
-            member.ready.wait()
-            return stop
-        return None
-
-    def _hand_over(self) -> None:
-        """The create or batch in flight is over: the first queued caller leads the next."""
-        with self._lock:
-            if not self._queue:
-                self._busy = False
-                return
-            batch = self._queue[: self.max_batch]
-            del self._queue[: self.max_batch]
-        batch[0].batch = batch
-        batch[0].ready.set()
-
     def _lead(self, batch: list[Member]) -> None:
-        leader = batch[0]
         try:
-            if len(batch) == 1:
-                self.stats.waited_alone += 1
-                leader.step = Step.ALONE
-            else:
-                self.stats.batches += 1
-                self.stats.combined += len(batch)
-                self.stats.largest = max(self.stats.largest, len(batch))
-                self._run(batch)
+            self.queue.lead(batch, self._run)
         except BaseException as stop:  # an interrupt of the leader's thread (or a bug)
+            leader = batch[0]
             leader.fail(stop)
             leader.unsettled = True  # its admission may stand, its row may or may not
-        finally:
-            for member in batch:
-                if member.step is None:  # never reached: the single path from the start
-                    member.step = Step.ALONE
-            for member in batch[1:]:
-                member.ready.set()
-            self._hand_over()
 
     def _run(self, batch: list[Member]) -> None:
         if self.admitter.abandoner.unsent:

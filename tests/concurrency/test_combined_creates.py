@@ -27,7 +27,8 @@ from sqlalchemy import Engine
 from orders.config import Settings
 from orders.domain import Order
 from orders.errors import CreateRateLimited, UnpaidOrderLimitReached
-from orders.rules.combining import CombinerStats, CreateCombiner
+from orders.rules.batching import CombinerStats
+from orders.rules.combining import CreateCombiner
 from orders.service import OrderService
 from orders.sql.slot_batch import SlotBatch
 from tests.support.clocks import ManualClock

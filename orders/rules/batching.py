@@ -1,0 +1,124 @@
+"""The queue that lets concurrent calls of one process share work: leader and followers.
+
+A call that finds fewer than one batch in flight runs at once, alone: it never waits for
+company. A call that arrives while another call (alone or a batch) is in flight queues;
+when the one in flight ends, the first queued caller leads the next batch, taking
+everything queued (up to ``max_batch``), and the others wait for it. So a caller waits only
+while the process is already busy with that kind of call: for the call or batch in flight
+(and, past ``max_batch`` queued, the batches ahead of its own), then its own batch.
+
+What a batch does is its user's (:mod:`orders.rules.combining` for creates,
+:mod:`orders.rules.transition_batches` for transitions); this module only decides who
+runs, who waits, and who leads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+M = TypeVar("M")
+
+
+@dataclass(slots=True, eq=False)
+class Seat(Generic[M]):
+    """One caller's place in the queue: ``ready`` is set when its batch is over, or when
+    it is to lead one (``batch`` then holds the batch it runs, itself first)."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    batch: list[M] | None = None
+
+
+@dataclass(slots=True)
+class CombinerStats:
+    """What a combiner did so far (read by tests and the bench)."""
+
+    #: Calls that found nothing in flight and ran at once by the single path.
+    alone: int = 0
+    #: Calls that waited and then ran alone anyway (nobody else queued with them).
+    waited_alone: int = 0
+    #: Batches of two calls or more, the calls in them, and the largest.
+    batches: int = 0
+    combined: int = 0
+    largest: int = 0
+
+    def count(self, batch_size: int) -> None:
+        if batch_size == 1:
+            self.waited_alone += 1
+            return
+        self.batches += 1
+        self.combined += batch_size
+        self.largest = max(self.largest, batch_size)
+
+
+class BatchQueue(Generic[M]):
+    """Who runs alone, who waits, and who leads (module docstring). ``seat_of(member)``:
+    the member's :class:`Seat`."""
+
+    def __init__(self, seat_of: Callable[[M], Seat[M]], max_batch: int) -> None:
+        self.seat_of = seat_of
+        self.max_batch = max_batch
+        self.stats = CombinerStats()
+        self._lock = threading.Lock()
+        self._busy = False
+        self._queue: list[M] = []
+
+    @property
+    def queued(self) -> int:
+        """Calls waiting for the one in flight to end."""
+        with self._lock:
+            return len(self._queue)
+
+    def enter(self, member: M) -> bool:
+        """True: nothing was in flight, run alone now (then :meth:`hand_over`). False: the
+        member queued; :meth:`wait` for it."""
+        with self._lock:
+            if not self._busy:
+                self._busy = True
+                self.stats.alone += 1
+                return True
+            self._queue.append(member)
+            return False
+
+    def wait(self, member: M) -> BaseException | None:
+        """Wait for the member's batch (or its turn to lead); an interrupt that came
+        meanwhile is returned once the member's batch is over. Interrupted before any
+        batch took it, the member leaves the queue and the interrupt is raised."""
+        seat = self.seat_of(member)
+        try:
+            seat.ready.wait()
+        except BaseException as stop:
+            with self._lock:
+                if member in self._queue:  # not taken yet: nothing was done for it
+                    self._queue.remove(member)
+                    raise
+            # Taken into a batch: it must run (or be run) to its end.
+            seat.ready.wait()
+            return stop
+        return None
+
+    def lead(self, batch: list[M], run: Callable[[list[M]], None]) -> None:
+        """Run the batch the first member leads (``run``, unless it is alone in it), then
+        let its followers go on and hand the next batch over, whatever ``run`` raised."""
+        try:
+            self.stats.count(len(batch))
+            if len(batch) > 1:
+                run(batch)
+        finally:
+            for member in batch[1:]:
+                self.seat_of(member).ready.set()
+            self.hand_over()
+
+    def hand_over(self) -> None:
+        """The call or batch in flight is over: the first queued caller leads the next."""
+        with self._lock:
+            if not self._queue:
+                self._busy = False
+                return
+            batch = self._queue[: self.max_batch]
+            del self._queue[: self.max_batch]
+        leader = self.seat_of(batch[0])
+        leader.batch = batch
+        leader.ready.set()
