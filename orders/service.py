@@ -120,7 +120,8 @@ class OrderService:
             rate=s.create_rate_limit,
         )
         # The parts read the time through now_ms, so a clock swapped later reaches them too.
-        self.transitions = Transitioner(self.records, self.admitter)
+        combine = s.combine_transitions and engine.dialect.name == "sqlite"
+        self.transitions = Transitioner(self.records, self.admitter, combine=combine)
         self.payments = Payments(self.transitions, s)
         self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)
         self.replacer = Replacer(self.records, self.transitions, self.sweep)

@@ -91,6 +91,7 @@ CALLER_ROWS = (
     ("floor: EVALSHA + raw insert of order and event", "threads", "floor"),
     ("mark_paid", "threads", "mark_paid"),
     ("mark_paid, asyncio tasks", "tasks", "mark_paid_async"),
+    ("mark_paid, combined (ORDERS_COMBINE_TRANSITIONS)", "threads", "mark_paid_combined"),
     ("floor: raw UPDATE + event", "threads", "raw"),
     ("refusal at the limit", "threads", "refusal"),
     ("refusal, asyncio tasks", "tasks", "refusal_async"),

@@ -195,6 +195,22 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     ),
     # --- transitions: compare-and-set and the outbox ------------------------------------------
     mutation(
+        "combined-transitions-decide-nothing",
+        "orders/rules/transition.py",
+        "            pending.outcome = outcome",
+        "            pending.outcome = None",
+        "a combined transition's caller gets the outcome of the shared transaction",
+        "tests/concurrency/test_combined_transitions.py::test_payments_cancels_and_extensions_in_one_batch_each_get_their_own_result",
+    ),
+    mutation(
+        "combined-transition-unknown-not-settled",
+        "orders/rules/transition.py",
+        "            if pending.unknown:",
+        "            if False:",
+        "followers of a cut-off leader make Redis follow their rows",
+        "tests/concurrency/test_combined_transitions.py::test_followers_of_a_leader_cut_off_after_the_commit_leave_no_member_behind",
+    ),
+    mutation(
         "pay-cas-dropped",
         "orders/sql/transitions.py",
         "PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))",

@@ -8,7 +8,9 @@ refuses. Every variant of every count takes its turn in one interleaved measure,
 ratios at 64 callers and at 1 are taken on the same machine in the same minutes. The
 1-thread create also runs beside the naive create (ZCARD, ZADD, INSERT), and the creates
 on 8 and 64 threads beside the same creates by a service that combines concurrent creates
-(``create_combined``: ``Settings.combine_creates``, off by default).
+(``create_combined``: ``Settings.combine_creates``, off by default), and on SQLite the
+payments on 8 and 64 threads beside the same payments combined (``mark_paid_combined``:
+``Settings.combine_transitions``).
 
 A floor on N threads holds at most as many connections as the service's pool may open
 (``Workload.connections``): 64 threads share them, as the service's 64 callers share its
@@ -79,7 +81,16 @@ def _chosen(w: Workload) -> dict[str, Variant]:
     chosen["naive@1"] = variants.naive(w)
     for n in COMBINED:
         chosen[f"create_combined@{n}"] = variants.create(w, n, combined=True)
+        if combines_transitions(w):
+            chosen[f"mark_paid_combined@{n}"] = variants.transition(
+                w, EventKind.PAID, n, combined=True
+            )
     return chosen
+
+
+def combines_transitions(w: Workload) -> bool:
+    """Whether the combining service shares transitions' transactions (SQLite only)."""
+    return w.combined.transitions.queue is not None
 
 
 def _threads_part(w: Workload, n: int, runs: Mapping[str, list[Run]]) -> dict[str, Any]:
@@ -87,6 +98,8 @@ def _threads_part(w: Workload, n: int, runs: Mapping[str, list[Run]]) -> dict[st
     names = [name for use, (_m, floor_name, _f) in USE_CASES.items() for name in (use, floor_name)]
     names += ["naive"] if n == 1 else []
     names += ["create_combined"] if n in COMBINED else []
+    paid_combined = n in COMBINED and combines_transitions(w)
+    names += ["mark_paid_combined"] if paid_combined else []
     part["variants"] = {name: describe(runs[f"{name}@{n}"]) for name in names}
     for use, (_make, floor_name, _floor) in USE_CASES.items():
         part[f"{use}_vs_{floor_name}"] = spread(
@@ -98,6 +111,10 @@ def _threads_part(w: Workload, n: int, runs: Mapping[str, list[Run]]) -> dict[st
         mine = runs[f"create_combined@{n}"]
         part["create_combined_vs_floor"] = spread(ratios(mine, runs[f"floor@{n}"]))
         part["create_combined_vs_create"] = spread(ratios(mine, runs[f"create@{n}"]))
+    if paid_combined:
+        paid = runs[f"mark_paid_combined@{n}"]
+        part["mark_paid_combined_vs_raw"] = spread(ratios(paid, runs[f"raw@{n}"]))
+        part["mark_paid_combined_vs_mark_paid"] = spread(ratios(paid, runs[f"mark_paid@{n}"]))
     return part
 
 
@@ -140,12 +157,17 @@ def callers(w: Workload) -> dict[str, Any]:
     combiner = w.combined.replacer.combiner
     if combiner is not None:  # what the combining service did, over all its runs
         out["combiner"] = asdict(combiner.stats)
+    queue = w.combined.transitions.queue
+    if queue is not None:
+        out["transition_combiner"] = asdict(queue.stats)
     return out
 
 
-def progress_units(reps: int) -> int:
-    """Timed runs of the figure (a unit of the progress bar each), warm-up included."""
-    return (len(CALLERS) * len(USE_CASES) * 3 + 1 + len(COMBINED)) * (1 + reps)
+def progress_units(reps: int, engine: str) -> int:
+    """Timed runs of the figure (a unit of the progress bar each), warm-up included; on
+    SQLite the combined payments too."""
+    combined = len(COMBINED) * (2 if engine == "sqlite" else 1)
+    return (len(CALLERS) * len(USE_CASES) * 3 + 1 + combined) * (1 + reps)
 
 
 def targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:

@@ -49,7 +49,7 @@ def progress_units(sizes: Sizes, figure: str, engine: str) -> float:
         "refusal": (3 + tasks) * per_measure,
         "mark_paid": 4 * per_measure,
         "cancel": 2 * per_measure,
-        "callers": callers.progress_units(sizes.reps),
+        "callers": callers.progress_units(sizes.reps, engine),
         "sweep": 3 * (1 + len(sizes.batch_sizes) * (1 + min(sizes.reps, 3))),
         "close_lag": 10,
         "redis_memory": 2 * sizes.memory_reps,

@@ -307,15 +307,28 @@ _ACTS: dict[EventKind, Callable[[Any, str], Any]] = {
 
 
 def transition(
-    w: Workload, kind: EventKind, threads: int = 1, *, tasks: int | None = None
+    w: Workload,
+    kind: EventKind,
+    threads: int = 1,
+    *,
+    tasks: int | None = None,
+    combined: bool = False,
 ) -> Variant:
     """``mark_paid`` or ``cancel_order`` end to end, on open orders with their members, on
-    ``threads`` threads or (``tasks``) on the asyncio API."""
+    ``threads`` threads or (``tasks``) on the asyncio API; ``combined``: on threads, by the
+    service that combines concurrent transitions (``Workload.combined``; SQLite)."""
     act = _ACTS[kind]
 
     def variant(n: int) -> Run:
         ids, _users = w.open_orders(kind.value[0], n, members=True)
-        return _use_case(w, lambda s, i: act(s, ids[i]), n, threads=threads, tasks=tasks)
+        return _use_case(
+            w,
+            lambda s, i: act(s, ids[i]),
+            n,
+            threads=threads,
+            tasks=tasks,
+            service=w.combined if combined else None,
+        )
 
     return variant
 

@@ -75,11 +75,12 @@ class Workload:
 
     @property
     def combined(self) -> OrderService:
-        """The service with concurrent creates combined (``combine_creates``), on the same
-        engine, Redis client and clock (built on first use)."""
+        """The service with concurrent creates and transitions combined
+        (``combine_creates``, ``combine_transitions``), on the same engine, Redis client
+        and clock (built on first use)."""
         if self._combined is None:
             s = self.service
-            settings = replace(s.settings, combine_creates=True)
+            settings = replace(s.settings, combine_creates=True, combine_transitions=True)
             self._combined = OrderService(s.engine, s.index.client, settings, clock=s.clock)
         return self._combined
 

@@ -85,6 +85,10 @@ class Settings:
     #: Concurrent creates of one process share one Redis round trip per node and one SQL
     #: commit (:mod:`orders.rules.combining`); a create alone never waits.
     combine_creates: bool = False
+    #: SQLite: concurrent payments, cancels and extensions of one process share one write
+    #: transaction and one commit (:mod:`orders.rules.transition`); one alone never waits.
+    #: No effect on PostgreSQL, where each is one autocommit statement already.
+    combine_transitions: bool = False
     sweep_batch_size: int = 500
     #: Dotted paths (module:function or module.function), comma-separated, of handlers the
     #: scheduler calls for each closed order, e.g. "shop.stock:release_closed_order".

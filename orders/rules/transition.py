@@ -5,33 +5,71 @@ it won, the Redis follow-up runs after the commit: by default the order's member
 the index. In the host's transaction the follow-up waits for the host's commit (and does
 not run if the host rolls back). A call cut off half-way (a cancelled task, an interrupt)
 may have committed, so Redis is made to follow the row as it stands.
+
+Combined transitions (``Settings.combine_transitions``, SQLite only): concurrent
+transitions of one process (payments, cancels, extensions) share one write transaction and
+its commit, so one fsync, in the queue of :mod:`orders.rules.batching` (a transition alone
+never waits). Each attempt still runs its own compare-and-set in that transaction, one
+after the other, so the rules are the single path's; then each caller, in its own thread,
+makes Redis follow its own order. A batch whose transaction fails leaves each of its
+transitions to run alone. Not combined: a transition in the host's transaction. On
+PostgreSQL each transition is already one statement in autocommit, and the server shares
+the WAL flushes of concurrent commits (``commit_delay``); a shared transaction there would
+run its statements one after another and hold every order's row lock until its commit.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection, Row
 
 from orders.config import Settings
 from orders.domain import Actor, Order
+from orders.errors import OrderNotFound
 from orders.rules.admission import Admitter, interrupted
+from orders.rules.batching import BatchQueue, Seat
 from orders.sql.host import follow
-from orders.sql.records import OrderRecords
+from orders.sql.records import OrderRecords, to_order
+
+log = logging.getLogger(__name__)
+
+#: The most transitions one shared transaction takes.
+MAX_BATCH = 64
 
 #: One transition's SQL: the compare-and-sets to try in the transaction; the row after
 #: the one that won, or None.
 Attempt = Callable[[Connection], Row[Any] | None]
 
 
-class Transitioner:
-    """Runs one order's transitions over the records and the admission index."""
+@dataclass(slots=True, eq=False)
+class Pending:
+    """One caller's transition, and what its batch decided for it."""
 
-    def __init__(self, records: OrderRecords, admitter: Admitter) -> None:
+    order_id: str
+    now_ms: int
+    attempt: Attempt
+    seat: Seat[Pending] = field(default_factory=Seat)
+    #: The row after its attempt (None: no such order) and whether it won, once decided.
+    outcome: tuple[Row[Any] | None, bool] | None = None
+    #: Its batch's leader was cut off: its attempt may or may not have committed.
+    unknown: bool = False
+
+
+class Transitioner:
+    """Runs one order's transitions over the records and the admission index;
+    ``combine``: share concurrent transitions' commits (module docstring)."""
+
+    def __init__(self, records: OrderRecords, admitter: Admitter, *, combine: bool = False) -> None:
         self.records = records
         self.admitter = admitter
+        self.queue: BatchQueue[Pending] | None = (
+            BatchQueue(lambda pending: pending.seat, MAX_BATCH) if combine else None
+        )
 
     def run(
         self,
@@ -45,7 +83,7 @@ class Transitioner:
         """The order after ``attempt`` and whether it won (when it lost: the order as it
         stands, for the caller to say what the loss means). Raises OrderNotFound."""
         try:
-            order, won = self.records.transition_or_current(order_id, now_ms, attempt, host)
+            order, won = self._decide(order_id, now_ms, attempt, host)
             if won:
                 self.after_commit(order, host, redis_after or self.admitter.followups.release_of)
         except BaseException as stop:
@@ -53,6 +91,45 @@ class Transitioner:
                 self.admitter.followups.settle(order_id, now_ms)
             raise
         return order, won
+
+    def _decide(
+        self, order_id: str, now_ms: int, attempt: Attempt, host: Connection | None
+    ) -> tuple[Order, bool]:
+        """The compare-and-set, alone or in a shared transaction."""
+        if self.queue is None or host is not None:
+            return self.records.transition_or_current(order_id, now_ms, attempt, host)
+        pending = Pending(order_id, now_ms, attempt)
+        if self.queue.enter(pending):
+            try:
+                return self.records.transition_or_current(order_id, now_ms, attempt)
+            finally:
+                self.queue.hand_over()
+        stop = self.queue.wait(pending)
+        if pending.seat.batch is not None:
+            self.queue.lead(pending.seat.batch, self._run_batch)
+        if stop is not None:  # cut off while its batch ran: settled by run()
+            raise stop
+        if pending.outcome is None:  # not decided by a batch: alone
+            if pending.unknown:  # whatever it committed, Redis follows the row first
+                self.admitter.followups.settle(order_id, now_ms)
+            return self.records.transition_or_current(order_id, now_ms, attempt)
+        current, won = pending.outcome
+        if current is None:
+            raise OrderNotFound(order_id)
+        return to_order(current, now_ms), won
+
+    def _run_batch(self, batch: list[Pending]) -> None:
+        try:
+            outcomes = self.records.transition_all([(p.order_id, p.attempt) for p in batch])
+        except Exception:
+            log.warning("a combined transition failed; its members go on one by one", exc_info=True)
+            return
+        except BaseException:  # the leader was cut off: the commit may or may not be done
+            for pending in batch[1:]:
+                pending.unknown = True
+            raise
+        for pending, outcome in zip(batch, outcomes, strict=True):
+            pending.outcome = outcome
 
     @staticmethod
     def after_commit(order: Order, host: Connection | None, step: Callable[[Order], None]) -> None:

@@ -15,7 +15,7 @@ and cache keys) cost about as much client CPU as running them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
@@ -205,6 +205,23 @@ class OrderRecords:
         if current is None:
             raise OrderNotFound(order_id)
         return to_order(current, now_ms), row is not None
+
+    def transition_all(
+        self, attempts: Sequence[tuple[str, Callable[[Connection], Row[Any] | None]]]
+    ) -> list[tuple[Row[Any] | None, bool]]:
+        """:meth:`transition_or_current` of several orders (order id, attempt), one after
+        the other in one write transaction and one commit: for each, the row after its
+        attempt (None: no such order) and whether it won. Two attempts at one order see
+        each other, as two transactions one after the other would. Anything that fails
+        rolls the whole transaction back."""
+        outcomes: list[tuple[Row[Any] | None, bool]] = []
+        with self.tx.write() as conn:
+            for order_id, attempt in attempts:
+                row = attempt(conn)
+                current = row or conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
+                outcomes.append((current, row is not None))
+            conn.commit()
+        return outcomes
 
     def pay(
         self,

@@ -299,6 +299,7 @@ def test_500_tasks_on_one_loop_keep_the_limit_while_others_pay_cancel_and_sweep(
         **redis_options,
         redis_socket_timeout_s=LOOP_REDIS_TIMEOUT_S,
         combine_creates=creates == "combined",
+        combine_transitions=creates == "combined",  # SQLite: the payments and cancels too
     )
     reader = OrderService(engine, redis_client, settings, clock=clock)
     monitor = Monitor(engine, redis_client, reader.index.key(USER), USER, clock=clock)

@@ -1,11 +1,12 @@
-"""A checkout process SIGKILLed in the middle of combined creates (``ORDERS_COMBINE_CREATES``).
+"""A checkout process SIGKILLed in the middle of combined creates (``ORDERS_COMBINE_CREATES``)
+and, on SQLite, combined payments (``ORDERS_COMBINE_TRANSITIONS``).
 
 A worker (``tests/support/workers/pg.py``, mode ``load``) runs 16 creator threads for a few
-users at a limit of 2, a payer and a sweeper, its creates combined in batches; it writes
-each acknowledged create and payment to a file, fsynced before the next call. It is killed
-with SIGKILL at a random moment, several times over, each time a new process on the same
-stores. A kill lands with batches in flight: admissions sent, a shared transaction open or
-committing, callers not yet told.
+users at a limit of 2, four payers and a sweeper, its creates (and on SQLite its payments)
+combined in batches; it writes each acknowledged create and payment to a file, fsynced
+before the next call. It is killed with SIGKILL at a random moment, several times over,
+each time a new process on the same stores. A kill lands with batches in flight:
+admissions sent, a shared transaction open or committing, callers not yet told.
 
 Afterwards:
 
@@ -43,6 +44,7 @@ from tests.support.workers.pg import MODULE as PG_WORKER
 LIMIT = 2
 USERS = 40
 THREADS = 16
+PAYERS = 4
 #: Long enough that nothing expires during the test, nor before the reconcile's clock (the
 #: admission window, 87 s with the defaults, after the last kill).
 TTL_S = (300.0, 600.0)
@@ -89,6 +91,7 @@ def test_combined_creates_killed_mid_batch_lose_no_acknowledged_order_and_reconc
     rng = random.Random(seed)
     print(f"\ncombined crash seed {seed} (replay with ORDERS_TEST_CRASH_SEED={seed})")
     combined_seen: list[int] = []
+    transitions_seen: list[int] = []
     kill_times: list[float] = []
     for kill in range(kills(full_size)):
         spec = {
@@ -98,6 +101,7 @@ def test_combined_creates_killed_mid_batch_lose_no_acknowledged_order_and_reconc
             "ttl_s": list(TTL_S),
             "threads": THREADS,
             "pay_share": 0.3,
+            "payers": PAYERS,
             "acks_path": str(tmp_path / f"k{kill}.acks"),
         }
         with started(
@@ -106,7 +110,7 @@ def test_combined_creates_killed_mid_batch_lose_no_acknowledged_order_and_reconc
             redis_options=redis_options,
             log_dir=tmp_path,
             module=PG_WORKER,
-            extra_env={"ORDERS_COMBINE_CREATES": "true"},
+            extra_env={"ORDERS_COMBINE_CREATES": "true", "ORDERS_COMBINE_TRANSITIONS": "true"},
         ) as (worker,):
             worker.go()
             delay_s = rng.uniform(0.5, 1.5)
@@ -115,11 +119,16 @@ def test_combined_creates_killed_mid_batch_lose_no_acknowledged_order_and_reconc
             returncode = worker.sigkill()
         assert returncode == -9, f"seed {seed}: the worker ended by itself ({returncode})"
         lines = read_acks(tmp_path / f"k{kill}.acks")
-        combined_seen.append(max((a["creates"] for a in lines if a["op"] == "combined"), default=0))
+        combined_seen.append(max((a["creates"] for a in lines if "creates" in a), default=0))
+        transitions_seen.append(
+            max((a["transitions"] for a in lines if "transitions" in a), default=0)
+        )
     acks = [read_acks(tmp_path / f"k{kill}.acks") for kill in range(kills(full_size))]
 
-    # The processes did combine their creates (else this test proves nothing about them).
+    # The processes did combine their creates (else this test proves nothing about them),
+    # and on SQLite their payments.
     assert all(n > 0 for n in combined_seen), combined_seen
+    assert (sum(transitions_seen) > 0) == (engine.dialect.name == "sqlite"), transitions_seen
 
     # --- nothing acknowledged is lost; every order has exactly its events ---
     acked = assert_acknowledged_in_sql(engine, acks)
@@ -164,5 +173,6 @@ def test_combined_creates_killed_mid_batch_lose_no_acknowledged_order_and_reconc
         f"CRASH-REPORT combined-creates-killed [{engine.dialect.name}] seed={seed} "
         f"kills={kills(full_size)} after_s={kill_times} acknowledged={json.dumps(dict(acked))} "
         f"rows={len(rows)} combined_per_process={combined_seen} "
+        f"payments_combined_per_process={transitions_seen} "
         f"members_without_row_at_the_end={len(orphans)}{shared}"
     )

@@ -122,11 +122,13 @@ def assert_async_rows_beside_the_same_floors(report: Any) -> None:
 
 def assert_callers_at_1_8_64_beside_their_floors(report: Any, postgres: bool) -> None:
     fig = report["figures"]["callers"]
+    sqlite = not postgres
     assert fig["thread_counts"] == fig["task_counts"] == [1, 8, 64]
     for n in (1, 8, 64):
         threaded, tasks = fig[f"threads_{n}"], fig[f"tasks_{n}"]
         floors = ["create", "floor", "mark_paid", "raw", "refusal", "evalsha"]
-        more = ["naive"] if n == 1 else ["create_combined"]
+        # On SQLite the payments combined too (Settings.combine_transitions).
+        more = ["naive"] if n == 1 else ["create_combined"] + ["mark_paid_combined"] * sqlite
         assert list(threaded["variants"]) == floors + more
         assert list(tasks["variants"]) == ["create_async", "mark_paid_async", "refusal_async"]
         assert tasks["floors_threads"] == n
@@ -159,6 +161,13 @@ def assert_callers_at_1_8_64_beside_their_floors(report: Any, postgres: bool) ->
     combiner = fig["combiner"]
     assert combiner["batches"] > 0, combiner
     assert 2 * combiner["batches"] <= combiner["combined"] <= 64 * combiner["batches"]
+    if sqlite:  # and so did its payments, in shared transactions
+        assert fig["threads_64"]["mark_paid_combined_vs_mark_paid"]["min"] > 0
+        shared = fig["transition_combiner"]
+        assert shared["batches"] > 0, shared
+        assert 2 * shared["batches"] <= shared["combined"] <= 64 * shared["batches"]
+    else:
+        assert "transition_combiner" not in fig
 
 
 #: The figures of the quick run below; ``aio`` has a smaller run of its own (CI time).

@@ -700,6 +700,7 @@ MALFORMED: list[tuple[str, str]] = [
     ("ORDERS_STRICT_EXPIRY", "maybe"),
     ("ORDERS_CREATE_WITHOUT_REDIS", "2"),
     ("ORDERS_COMBINE_CREATES", "sometimes"),
+    ("ORDERS_COMBINE_TRANSITIONS", "often"),
     ("ORDERS_SWEEP_BATCH_SIZE", "0"),
     ("ORDERS_ON_CLOSED", "shop stock release"),
     ("ORDERS_ON_PAYMENT_REFUSED", "shop refunds issue"),

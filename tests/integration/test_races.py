@@ -278,12 +278,18 @@ def test_sql_guard_refuses_everyone_when_redis_lost_its_members_and_leaves_no_ph
 # --- payment against the sweep ------------------------------------------------------------
 
 
+# "combined": the payments of one service share transactions (Settings.combine_transitions,
+# SQLite only), racing the sweepers as the single ones do.
+@pytest.mark.parametrize("transitions", ["single", "combined"])
 def test_concurrent_pay_and_sweep_give_each_expired_order_exactly_one_fate(
-    service: OrderService,
     make_service: Callable[..., OrderService],
     engine: Engine,
     clock: ManualClock,
+    transitions: str,
 ) -> None:
+    if transitions == "combined" and engine.dialect.name != "sqlite":
+        pytest.skip("transitions are combined on SQLite only")
+    service = make_service(combine_transitions=transitions == "combined")
     users, per_user, ttl_s, sweepers = 10, 5, 30, 3
     orders = [
         service.create_unpaid_order(f"payer-{u}", limit=per_user, ttl_s=ttl_s)
@@ -323,6 +329,12 @@ def test_concurrent_pay_and_sweep_give_each_expired_order_exactly_one_fate(
     targets = [pay(o.id, service if n % 2 else make_service()) for n, o in enumerate(orders)]
     targets += [sweep(make_service()) for _ in range(sweepers)]
     run_threads(targets)
+    if transitions == "combined":  # every payment of ``service`` went through its queue
+        queue = service.transitions.queue
+        assert queue is not None
+        stats = queue.stats
+        assert stats.alone + stats.waited_alone + stats.combined == len(orders) // 2, stats
+        print(f"\n[combined transitions] {stats}")
 
     rows = sql_orders(engine)
     events = sql_events(engine)
@@ -353,10 +365,13 @@ def test_concurrent_pay_and_sweep_give_each_expired_order_exactly_one_fate(
         assert service.list_unpaid(f"payer-{u}") == []
 
 
+@pytest.mark.parametrize("transitions", ["single", "combined"])
 def test_strict_expiry_late_payments_racing_the_sweep_close_each_order_exactly_once(
-    make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
+    make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock, transitions: str
 ) -> None:
-    strict = make_service(strict_expiry=True)
+    if transitions == "combined" and engine.dialect.name != "sqlite":
+        pytest.skip("transitions are combined on SQLite only")
+    strict = make_service(strict_expiry=True, combine_transitions=transitions == "combined")
     users, per_user, ttl_s, sweepers = 5, 6, 30, 2
     orders = [
         strict.create_unpaid_order(f"late-{u}", limit=per_user, ttl_s=ttl_s)
@@ -389,6 +404,10 @@ def test_strict_expiry_late_payments_racing_the_sweep_close_each_order_exactly_o
             sweep_results.append(result.closed)
 
     run_threads([pay(o.id) for o in orders] + [sweep] * sweepers)
+    queue = strict.transitions.queue
+    if queue is not None:  # every payment went through the queue of combined transitions
+        assert queue.stats.alone + queue.stats.waited_alone + queue.stats.combined == len(orders)
+        print(f"\n[combined transitions] {queue.stats}")
 
     rows = sql_orders(engine)
     events = sql_events(engine)

@@ -15,7 +15,8 @@ fsynced before the next call, so the file is what a caller was told, in order:
 * ``{"op": "close", "closed": [[user_id, expires_at_ms, closed_at_ms], ...]}``: the orders
   each batch of an acknowledged sweep closed (read from the batch close's own return);
 * ``{"op": "combined", "creates": n}``: with ``ORDERS_COMBINE_CREATES``, how many creates
-  ran in batches so far.
+  ran in batches so far; ``{"op": "combined", "transitions": n}``, the same for the
+  payments with ``ORDERS_COMBINE_TRANSITIONS`` (``payers`` threads pay, 1 by default).
 
 Every call is timed. The counts report, per operation, the calls, the failures by
 exception type (``StoreUnavailable`` is the expected one), the longest call, and the
@@ -141,9 +142,11 @@ def load(service: OrderService, cfg: dict[str, Any], stop: threading.Event) -> T
 
     def payer() -> None:
         while not stop.wait(0.005):
-            with lock:
-                batch, to_pay[:] = list(to_pay), []
-            for oid in batch:
+            while not stop.is_set():
+                with lock:
+                    if not to_pay:
+                        break
+                    oid = to_pay.pop(0)
                 ref = f"{name}-pay-{oid}"
                 ok, _ = pays.call(service.mark_paid, oid, payment_ref=ref, expected=(OrderClosed,))
                 if ok:
@@ -162,7 +165,8 @@ def load(service: OrderService, cfg: dict[str, Any], stop: threading.Event) -> T
     service.sweep.closer.close_due = recording  # type: ignore[method-assign]
 
     combiner = service.replacer.combiner
-    seen_combined = [0]
+    queue = service.transitions.queue
+    seen_combined = [0, 0]
 
     def sweeper() -> None:
         while not stop.wait(0.02):
@@ -170,6 +174,9 @@ def load(service: OrderService, cfg: dict[str, Any], stop: threading.Event) -> T
                 # How many creates ran in batches so far (ORDERS_COMBINE_CREATES).
                 seen_combined[0] = combiner.stats.combined
                 acks.write({"op": "combined", "creates": seen_combined[0]})
+            if queue is not None and queue.stats.combined != seen_combined[1]:
+                seen_combined[1] = queue.stats.combined  # ORDERS_COMBINE_TRANSITIONS
+                acks.write({"op": "combined", "transitions": seen_combined[1]})
             batches.clear()
             ok, swept = sweeps.call(service.sweep_expired)
             if ok:  # batches closed in SQL whose Redis cleanup failed
@@ -180,7 +187,8 @@ def load(service: OrderService, cfg: dict[str, Any], stop: threading.Event) -> T
 
     try:
         creators = [lambda n=n: creator(n) for n in range(cfg["threads"])]
-        run_threads([*creators, payer, sweeper], tally)
+        payers = [payer] * cfg.get("payers", 1)
+        run_threads([*creators, *payers, sweeper], tally)
     finally:
         acks_file.close()
     return tally

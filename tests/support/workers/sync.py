@@ -345,6 +345,7 @@ def main(argv: list[str]) -> int:
         sql_pool_size=config.get("pool_size", 5),
         sql_max_overflow=config.get("max_overflow", 10),
         combine_creates=config.get("combine_creates", False),
+        combine_transitions=config.get("combine_transitions", False),
     )
     service = build_service(settings)
     pool = service.engine.pool
@@ -377,6 +378,8 @@ def main(argv: list[str]) -> int:
         tally.data["pool_capacity"] = pool_capacity
         combiner = service.replacer.combiner
         tally.data["combined"] = 0 if combiner is None else combiner.stats.combined
+        queue = service.transitions.queue
+        tally.data["combined_transitions"] = 0 if queue is None else queue.stats.combined
         print(json.dumps(tally.data), flush=True)
         return 0
     finally:
