@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     JOB_FAILURES: Counter
     PARKED_EVENTS: Gauge
     PAUSE_STARTED_TIMESTAMP: Gauge
+    COMBINED_BATCH_SIZE: Histogram
 
 #: Every metric this module defines, by the name it is read as (``metrics.CREATES``).
 METRIC_NAMES = frozenset(
@@ -74,6 +75,7 @@ METRIC_NAMES = frozenset(
         "JOB_FAILURES",
         "PARKED_EVENTS",
         "PAUSE_STARTED_TIMESTAMP",
+        "COMBINED_BATCH_SIZE",
     }
 )
 
@@ -173,6 +175,13 @@ def _define() -> dict[str, Any]:
             "orders_pause_started_timestamp_seconds",
             "Unix time the open incident pause began (0: none), after the last tick",
             multiprocess_mode="livemostrecent",
+        ),
+        "COMBINED_BATCH_SIZE": Histogram(
+            "orders_combined_batch_size",
+            "calls per run of a combining queue (ORDERS_COMBINE_*): 1 for a call that ran "
+            "alone, at once or after a wait",
+            ["kind"],  # create, transition
+            buckets=(1, 2, 4, 8, 16, 32, 64),
         ),
     }
 

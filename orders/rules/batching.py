@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from orders import metrics
+
 M = TypeVar("M")
 
 
@@ -57,9 +59,11 @@ class BatchQueue(Generic[M]):
     """Who runs alone, who waits, and who leads (module docstring). ``seat_of(member)``:
     the member's :class:`Seat`."""
 
-    def __init__(self, seat_of: Callable[[M], Seat[M]], max_batch: int) -> None:
+    def __init__(self, seat_of: Callable[[M], Seat[M]], max_batch: int, kind: str) -> None:
         self.seat_of = seat_of
         self.max_batch = max_batch
+        #: What the queue combines, as the batch-size metric labels it: create, transition.
+        self.kind = kind
         self.stats = CombinerStats()
         self._lock = threading.Lock()
         self._busy = False
@@ -78,6 +82,7 @@ class BatchQueue(Generic[M]):
             if not self._busy:
                 self._busy = True
                 self.stats.alone += 1
+                metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(1)
                 return True
             self._queue.append(member)
             return False
@@ -104,6 +109,7 @@ class BatchQueue(Generic[M]):
         let its followers go on and hand the next batch over, whatever ``run`` raised."""
         try:
             self.stats.count(len(batch))
+            metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(len(batch))
             if len(batch) > 1:
                 run(batch)
         finally:

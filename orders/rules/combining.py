@@ -109,7 +109,7 @@ class CreateCombiner:
     def __init__(self, admitter: Admitter, batch: SlotBatch, *, max_batch: int = MAX_BATCH) -> None:
         self.admitter = admitter
         self.slot_batch = batch
-        self.queue: BatchQueue[Member] = BatchQueue(lambda member: member.seat, max_batch)
+        self.queue: BatchQueue[Member] = BatchQueue(lambda member: member.seat, max_batch, "create")
         self.stats: CombinerStats = self.queue.stats
 
     @property

@@ -68,7 +68,7 @@ class Transitioner:
         self.records = records
         self.admitter = admitter
         self.queue: BatchQueue[Pending] | None = (
-            BatchQueue(lambda pending: pending.seat, MAX_BATCH) if combine else None
+            BatchQueue(lambda pending: pending.seat, MAX_BATCH, "transition") if combine else None
         )
 
     def run(

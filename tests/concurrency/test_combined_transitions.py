@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import redis
+from prometheus_client import REGISTRY
 from sqlalchemy import Connection, Engine, Row
 
 from orders.config import Settings
@@ -106,6 +107,14 @@ def gated_batch(service: OrderService, calls: list[Callable[[], object]]) -> lis
     return racing
 
 
+def batch_sizes() -> tuple[float, float]:
+    """The transition queue's batch-size histogram: (runs observed, calls in them)."""
+    labels = {"kind": "transition"}
+    count = REGISTRY.get_sample_value("orders_combined_batch_size_count", labels)
+    total = REGISTRY.get_sample_value("orders_combined_batch_size_sum", labels)
+    return (count or 0.0, total or 0.0)
+
+
 def refs_paid(engine: Engine, user: str) -> dict[str, str | None]:
     return {oid: row.payment_ref for oid, row in orders_of(engine, user).items()}
 
@@ -131,8 +140,11 @@ def test_payments_cancels_and_extensions_in_one_batch_each_get_their_own_result(
         lambda: service.extend_order(extended.id, 600),
     ]
     stats = service.transitions.queue.stats  # type: ignore[union-attr]
+    runs, calls_in_runs = batch_sizes()
     outcomes = gated_batch(service, calls)
     assert (stats.batches, stats.largest) == (1, len(calls)), stats
+    # What an operator sees: the gate's payment alone (1), then the batch.
+    assert batch_sizes() == (runs + 2, calls_in_runs + 1 + len(calls))
     records = service.records
     assert isinstance(records, GatedRecords)
     assert records.alone == [records.gate], "a transition of the batch ran alone"
