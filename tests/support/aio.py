@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
+import importlib
 import os
 import sys
 import threading
@@ -30,6 +31,7 @@ from orders.aio.default import async_redis
 from orders.bootstrap import build_async_engine
 from orders.config import Settings
 from orders.service import OrderService
+from orders.sql import migrate
 from tests.support.watchdog import (
     SLOW_CALLBACK_S,
     WATCHDOG,
@@ -38,6 +40,39 @@ from tests.support.watchdog import (
     SlowCallbacks,
     held_s,
 )
+
+#: The drivers' modules a first engine or client imports on first use, some with C parts
+#: whose initialisation holds the GIL for tens of milliseconds (CI saw a checked loop wait
+#: 27 ms for the GIL while a service thread built its first PostgreSQL engine). Imported
+#: here, before any check, as an application has them imported before it serves.
+DRIVER_MODULES = (
+    "psycopg",
+    "psycopg.pq",
+    "sqlalchemy.dialects.postgresql.psycopg",
+    "sqlalchemy.dialects.sqlite.pysqlite",
+    "sqlalchemy.dialects.sqlite.aiosqlite",
+    "aiosqlite",
+    "redis.asyncio",
+    "redis.asyncio.cluster",
+)
+
+
+def warm_up() -> list[str]:
+    """Import :data:`DRIVER_MODULES` (those installed) and read the migration scripts'
+    revisions once (a service's schema check parses them, once per process): an
+    application's start-up, done before any check. The modules imported."""
+    imported = []
+    for name in DRIVER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue
+        imported.append(name)
+    migrate.script_heads()
+    return imported
+
+
+warm_up()
 
 __all__ = [
     "LOOP_ENV",
