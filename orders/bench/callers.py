@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-from orders.bench import variants
+from orders.bench import floors, variants
 from orders.bench.measure import Run, Variant, describe, ratios, spread
 from orders.bench.verdicts import check
 from orders.bench.workload import Workload
@@ -46,16 +46,16 @@ UseCaseMaker = Callable[[Workload, int, int | None], Variant]
 
 #: Each use case: its variant, its floor's name, and its floor on N threads.
 USE_CASES: dict[str, tuple[UseCaseMaker, str, Callable[[Workload, int], Variant]]] = {
-    "create": (lambda w, t, tasks: variants.create(w, t, tasks=tasks), "floor", variants.floor),
+    "create": (lambda w, t, tasks: variants.create(w, t, tasks=tasks), "floor", floors.floor),
     "mark_paid": (
         lambda w, t, tasks: variants.transition(w, EventKind.PAID, t, tasks=tasks),
         "raw",
-        lambda w, t: variants.raw_transition(w, EventKind.PAID, t),
+        lambda w, t: floors.raw_transition(w, EventKind.PAID, t),
     ),
     "refusal": (
         lambda w, t, tasks: variants.refusal(w, threads=t, tasks=tasks),
         "evalsha",
-        variants.evalsha_refused,
+        floors.evalsha_refused,
     ),
 }
 
@@ -78,7 +78,7 @@ def _chosen(w: Workload) -> dict[str, Variant]:
             chosen[f"{use}@{n}"] = make(w, n, None)
             chosen[f"{floor_name}@{n}"] = make_floor(w, n)
             chosen[f"{use}_async@{n}tasks"] = make(w, 1, n)
-    chosen["naive@1"] = variants.naive(w)
+    chosen["naive@1"] = floors.naive(w)
     for n in COMBINED:
         chosen[f"create_combined@{n}"] = variants.create(w, n, combined=True)
         if combines_transitions(w):

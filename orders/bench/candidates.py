@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from orders.bench import variants
+from orders.bench import floors, variants
 from orders.bench.measure import Variant, counted, describe, ratios, spread
 from orders.bench.workload import Workload
 
@@ -173,7 +173,7 @@ def _variants(w: Workload) -> dict[str, Variant]:
     for n in TO_THREAD_TASKS:
         made[on_tasks("create_to_thread", n)] = variants.to_thread_create(w, n)
     for n in ASYNC_TASKS:
-        made[on_tasks("native_floor", n)] = variants.native_floor(w, n)
+        made[on_tasks("native_floor", n)] = floors.native_floor(w, n)
     made[on_threads("refusal_sync", 1)] = variants.refusal(w)
     made[on_tasks("refusal_async", 1)] = variants.refusal(w, tasks=1)
     return made

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from orders.bench import variants
+from orders.bench import floors, variants
 from orders.bench.concurrency import floors_threads, task_counts, thread_counts
 from orders.bench.measure import Run, Variant, counted, describe, ratios, spread
 from orders.bench.workload import Workload
@@ -19,9 +19,9 @@ from orders.domain import EventKind
 #: The variants of the create figure, at each thread count.
 CREATE_VARIANTS: dict[str, Callable[[Workload, int], Variant]] = {
     "create": variants.create,
-    "floor": variants.floor,
-    "floor_core": variants.floor_core,
-    "naive": variants.naive,
+    "floor": floors.floor,
+    "floor_core": floors.floor_core,
+    "naive": floors.naive,
 }
 
 
@@ -98,7 +98,7 @@ def refusal(w: Workload) -> dict[str, Any]:
         "refusal_given_id": counted(
             w.engine, variants.refusal(w, given_id=True), statements["refusal_given_id"]
         ),
-        "evalsha": variants.evalsha_refused(w),
+        "evalsha": floors.evalsha_refused(w),
     }
     chosen |= {
         f"refusal_async@{n}tasks": counted(
@@ -129,7 +129,7 @@ def refusal(w: Workload) -> dict[str, Any]:
 
 def _transition(w: Workload, kind: EventKind, name: str) -> dict[str, Any]:
     runs = w.measure(
-        name, {name: variants.transition(w, kind), "raw": variants.raw_transition(w, kind)}
+        name, {name: variants.transition(w, kind), "raw": floors.raw_transition(w, kind)}
     )
     return {
         "ops_per_rep": w.sizes.ops,
@@ -145,7 +145,7 @@ def mark_paid(w: Workload) -> dict[str, Any]:
         "mark_paid",
         {
             "mark_paid": variants.transition(w, EventKind.PAID),
-            "raw": variants.raw_transition(w, EventKind.PAID),
+            "raw": floors.raw_transition(w, EventKind.PAID),
             "stating_amount": variants.paid_stating_amount(w),
             "refused": variants.refused_payment(w),
         },

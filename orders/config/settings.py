@@ -85,9 +85,8 @@ class Settings:
     #: Concurrent creates of one process share one Redis round trip per node and one SQL
     #: commit (:mod:`orders.rules.combining`); a create alone never waits.
     combine_creates: bool = False
-    #: SQLite: concurrent payments, cancels and extensions of one process share one write
-    #: transaction and one commit (:mod:`orders.rules.transition`); one alone never waits.
-    #: No effect on PostgreSQL, where each is one autocommit statement already.
+    #: The same for payments, cancels and extensions, on SQLite only: one transaction
+    #: and commit for those in flight together (:mod:`orders.rules.transition`).
     combine_transitions: bool = False
     sweep_batch_size: int = 500
     #: Dotted paths (module:function or module.function), comma-separated, of handlers the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -104,6 +105,19 @@ def test_metrics_load_prometheus_client_on_first_use() -> None:
 
 def test_the_scripts_head_read_without_alembic_is_alembics() -> None:
     assert migrate.script_heads() == {migrate.head_revision()}
+
+
+def test_the_scripts_are_parsed_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each service build checks the schema; parsing every script each time held the GIL
+    for milliseconds that an event loop beside the build waited out."""
+    heads = migrate.script_heads()
+
+    def parse_again(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the scripts were parsed again")
+
+    monkeypatch.setattr(migrate, "ast", SimpleNamespace(parse=parse_again))
+    assert migrate.script_heads() == heads
+    assert migrate.script_revisions() >= heads
 
 
 def test_is_current_follows_the_recorded_revision(engine: Engine) -> None:
