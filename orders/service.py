@@ -61,7 +61,7 @@ from orders.rules.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileRepo
 from orders.rules.replacing import Replacer
 from orders.rules.retention import Pruner
 from orders.rules.sweep import PreCloseCheck, Sweep
-from orders.rules.transition import Transitioner
+from orders.rules.transition import Transitioner, combines_on
 from orders.rules.user_limits import UserLimits
 from orders.sql.host import host_connection
 from orders.sql.pauses import Pauses
@@ -120,7 +120,7 @@ class OrderService:
             rate=s.create_rate_limit,
         )
         # The parts read the time through now_ms, so a clock swapped later reaches them too.
-        combine = s.combine_transitions and engine.dialect.name == "sqlite"
+        combine = s.combine_transitions and combines_on(engine.dialect.name)
         self.transitions = Transitioner(self.records, self.admitter, combine=combine)
         self.payments = Payments(self.transitions, s)
         self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)

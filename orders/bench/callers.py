@@ -34,6 +34,7 @@ from orders.bench.measure import Run, Variant, describe, ratios, spread
 from orders.bench.verdicts import check
 from orders.bench.workload import Workload
 from orders.domain import EventKind
+from orders.rules.transition import combines_on
 
 #: The concurrent callers of every use case: threads, and tasks on one event loop.
 CALLERS = (1, 8, 64)
@@ -166,7 +167,7 @@ def callers(w: Workload) -> dict[str, Any]:
 def progress_units(reps: int, engine: str) -> int:
     """Timed runs of the figure (a unit of the progress bar each), warm-up included; on
     SQLite the combined payments too."""
-    combined = len(COMBINED) * (2 if engine == "sqlite" else 1)
+    combined = len(COMBINED) * (2 if combines_on(engine) else 1)
     return (len(CALLERS) * len(USE_CASES) * 3 + 1 + combined) * (1 + reps)
 
 

@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 #: The most transitions one shared transaction takes.
 MAX_BATCH = 64
 
+
+def combines_on(dialect: str) -> bool:
+    """Whether transitions are combined on this SQL engine (module docstring): SQLite."""
+    return dialect == "sqlite"
+
+
 #: One transition's SQL: the compare-and-sets to try in the transaction; the row after
 #: the one that won, or None.
 Attempt = Callable[[Connection], Row[Any] | None]
