@@ -208,7 +208,15 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "            if pending.unknown:",
         "            if False:",
         "followers of a cut-off leader make Redis follow their rows",
-        "tests/concurrency/test_combined_transitions.py::test_followers_of_a_leader_cut_off_after_the_commit_leave_no_member_behind",
+        "tests/concurrency/test_combined_transitions.py::test_followers_of_a_commit_not_known_leave_no_member_behind",
+    ),
+    mutation(
+        "combined-transition-commit-not-read",
+        "orders/sql/records.py",
+        "        return not driver.in_transaction",
+        "        return False",
+        "a batch committed before its leader was cut off hands out its outcomes (none runs twice)",
+        "tests/concurrency/test_combined_transitions.py::test_a_leader_cut_off_in_its_commit_leaves_each_transition_made_once",
     ),
     mutation(
         "pay-cas-dropped",

@@ -12,7 +12,9 @@ its commit, so one fsync, in the queue of :mod:`orders.rules.batching` (a transi
 never waits). Each attempt still runs its own compare-and-set in that transaction, one
 after the other, so the rules are the single path's; then each caller, in its own thread,
 makes Redis follow its own order. A batch whose transaction fails leaves each of its
-transitions to run alone. Not combined: a transition in the host's transaction. On
+transitions to run alone; one whose leader is cut off after the commit still hands each
+member its outcome, so none runs twice (an extension run again would move the expiry
+twice). Not combined: a transition in the host's transaction. On
 PostgreSQL each transition is already one statement in autocommit, and the server shares
 the WAL flushes of concurrent commits (``commit_delay``); a shared transaction there would
 run its statements one after another and hold every order's row lock until its commit.
@@ -34,7 +36,7 @@ from orders.errors import OrderNotFound
 from orders.rules.admission import Admitter, interrupted
 from orders.rules.batching import BatchQueue, Seat
 from orders.sql.host import follow
-from orders.sql.records import OrderRecords, to_order
+from orders.sql.records import BatchCommit, OrderRecords, to_order
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ class Pending:
     seat: Seat[Pending] = field(default_factory=Seat)
     #: The row after its attempt (None: no such order) and whether it won, once decided.
     outcome: tuple[Row[Any] | None, bool] | None = None
-    #: Its batch's leader was cut off: its attempt may or may not have committed.
+    #: Its batch's leader was cut off too close to the commit to tell whether it was
+    #: made (not expected: see ``OrderRecords.transition_all``).
     unknown: bool = False
 
 
@@ -125,17 +128,29 @@ class Transitioner:
         return to_order(current, now_ms), won
 
     def _run_batch(self, batch: list[Pending]) -> None:
+        done = BatchCommit()
         try:
-            outcomes = self.records.transition_all([(p.order_id, p.attempt) for p in batch])
-        except Exception:
-            log.warning("a combined transition failed; its members go on one by one", exc_info=True)
+            self.records.transition_all([(p.order_id, p.attempt) for p in batch], done)
+        except BaseException as stop:
+            self._hand_out(batch, done)
+            if not isinstance(stop, Exception):  # the leader was cut off
+                raise
+            if not done.committed:
+                log.warning("a combined transition failed; its members go alone", exc_info=True)
             return
-        except BaseException:  # the leader was cut off: the commit may or may not be done
+        self._hand_out(batch, done)
+
+    @staticmethod
+    def _hand_out(batch: list[Pending], done: BatchCommit) -> None:
+        """Committed: each member's outcome stands (whatever the leader met after the
+        commit). Not committed: nothing was done, each runs alone. Not known: each runs
+        alone after making Redis follow its row."""
+        if done.committed:
+            for pending, outcome in zip(batch, done.outcomes, strict=True):
+                pending.outcome = outcome
+        elif done.committed is None:
             for pending in batch[1:]:
                 pending.unknown = True
-            raise
-        for pending, outcome in zip(batch, outcomes, strict=True):
-            pending.outcome = outcome
 
     @staticmethod
     def after_commit(order: Order, host: Connection | None, step: Callable[[Order], None]) -> None:

@@ -15,7 +15,9 @@ and cache keys) cost about as much client CPU as running them.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
@@ -53,11 +55,36 @@ from orders.sql.transitions import (
 )
 from orders.validation import amount_to_text
 
-__all__ = ["EXPIRED_REASON", "InsertConflict", "LimitReachedInSql", "OrderRecords", "to_order"]
+__all__ = [
+    "EXPIRED_REASON",
+    "BatchCommit",
+    "InsertConflict",
+    "LimitReachedInSql",
+    "OrderRecords",
+    "to_order",
+]
 
 ORDER = orders_table.c
 #: Creates that find their slot taken by a racing create try again, a few times at most.
 SLOT_RACE_RETRIES = 3
+
+
+@dataclass(slots=True)
+class BatchCommit:
+    """What :meth:`OrderRecords.transition_all` did: the outcome of each attempt, and
+    whether their transaction committed (None: cut off too close to the commit to tell)."""
+
+    outcomes: list[tuple[Row[Any] | None, bool]] = field(default_factory=list)
+    committed: bool | None = False
+
+
+def _driver_committed(driver: object) -> bool | None:
+    """Whether the driver's connection has left its transaction (SQLite's sqlite3: its
+    ``in_transaction``); None for a driver this cannot tell."""
+    if isinstance(driver, sqlite3.Connection):
+        return not driver.in_transaction
+    return None
+
 
 _SELECT_ORDER = select(*orders_table.c).where(ORDER.id == bindparam("oid"))
 _SELECT_ORDER_FOR_UPDATE = _SELECT_ORDER.with_for_update()
@@ -207,21 +234,32 @@ class OrderRecords:
         return to_order(current, now_ms), row is not None
 
     def transition_all(
-        self, attempts: Sequence[tuple[str, Callable[[Connection], Row[Any] | None]]]
-    ) -> list[tuple[Row[Any] | None, bool]]:
+        self,
+        attempts: Sequence[tuple[str, Callable[[Connection], Row[Any] | None]]],
+        into: BatchCommit,
+    ) -> None:
         """:meth:`transition_or_current` of several orders (order id, attempt), one after
-        the other in one write transaction and one commit: for each, the row after its
-        attempt (None: no such order) and whether it won. Two attempts at one order see
-        each other, as two transactions one after the other would. Anything that fails
-        rolls the whole transaction back."""
-        outcomes: list[tuple[Row[Any] | None, bool]] = []
+        the other in one write transaction and one commit, into ``into``: for each, the row
+        after its attempt (None: no such order) and whether it won. Two attempts at one
+        order see each other, as two transactions one after the other would. Anything that
+        fails rolls the whole transaction back.
+
+        ``into.committed`` says whether the commit happened, even when this raises: an
+        interrupt that lands just after the driver's commit (a KeyboardInterrupt raised
+        when the C call returns) leaves it True, and the outcomes stand."""
         with self.tx.write() as conn:
             for order_id, attempt in attempts:
                 row = attempt(conn)
                 current = row or conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
-                outcomes.append((current, row is not None))
-            conn.commit()
-        return outcomes
+                into.outcomes.append((current, row is not None))
+            driver = conn.connection.dbapi_connection
+            into.committed = None  # from here until the driver answers: not known
+            try:
+                conn.commit()
+            finally:
+                # Read from the driver, not from SQLAlchemy's state, which an interrupt
+                # between the two may have left behind.
+                into.committed = _driver_committed(driver)
 
     def pay(
         self,

@@ -11,8 +11,9 @@ it, so the others run as one batch (the queue's counters say so), and then:
 * SQL holds one event per transition that won, and Redis no member of an order that is
   no longer unpaid (and the moved score of the one extended);
 * a batch whose transaction fails leaves each call to run alone, with the same results;
-* a leader cut off after the shared commit leaves its followers to make Redis follow their
-  rows before they run alone: no member is left for a paid order;
+* a leader cut off just after the shared commit still hands each follower its outcome
+  (none runs twice: an extension would move twice); cut off before it, each runs alone;
+  should the commit not be known, each makes Redis follow its row before it runs alone;
 * on PostgreSQL the setting changes nothing: each transition stays one autocommit statement.
 """
 
@@ -32,7 +33,7 @@ from orders.config import Settings
 from orders.domain import Order, OrderStatus
 from orders.errors import OrderAlreadyPaid, OrderClosed, StoreUnavailable
 from orders.service import OrderService
-from orders.sql.records import OrderRecords
+from orders.sql.records import BatchCommit, OrderRecords
 from tests.support.clocks import ManualClock
 from tests.support.stores import events_of, orders_of
 from tests.support.threads import outcomes_of_race
@@ -215,22 +216,132 @@ def test_a_batch_whose_transaction_fails_leaves_each_transition_to_run_alone(
         assert service.index.members(order.user_id) == {}
 
 
+def cut_off_in_commit(
+    service: OrderService, monkeypatch: pytest.MonkeyPatch, *, committed: bool
+) -> None:
+    """The batch's leader gets a KeyboardInterrupt in its commit: just after the driver's
+    commit returns (``committed``), or just before it is called."""
+    commit_all = service.records.transition_all
+    commit = Connection.commit
+
+    def interrupted_commit(conn: Connection) -> None:
+        if committed:
+            commit(conn)
+        raise KeyboardInterrupt
+
+    def batch(*args: Any) -> None:
+        with monkeypatch.context() as patched:  # the leader's commit only
+            patched.setattr(Connection, "commit", interrupted_commit)
+            commit_all(*args)
+
+    monkeypatch.setattr(service.records, "transition_all", batch)
+
+
+def payments_and_extensions(
+    service: OrderService,
+) -> tuple[list[Order], list[Order], list[Callable[[], object]]]:
+    """Four orders to pay and two to extend by 600 s (two, so that one at least follows
+    whichever call leads); each call returns what it raised (a KeyboardInterrupt: in
+    whichever thread led the batch) instead of raising it."""
+    payers = [service.create_unpaid_order(f"payer-{n}", ttl_s=60) for n in range(4)]
+    extended = [service.create_unpaid_order(f"extender-{n}", ttl_s=60) for n in range(2)]
+
+    def caught(call: Callable[[], Order]) -> object:
+        try:
+            return call()
+        except KeyboardInterrupt as stop:
+            return stop
+
+    calls: list[Callable[[], object]] = [
+        *[
+            lambda o=o: caught(lambda: service.mark_paid(o.id, payment_ref=f"psp-{o.id}"))
+            for o in payers
+        ],
+        *[lambda o=o: caught(lambda: service.extend_order(o.id, 600)) for o in extended],
+    ]
+    return payers, extended, calls
+
+
+def assert_each_applied_once(
+    service: OrderService,
+    engine: Engine,
+    orders: tuple[list[Order], list[Order]],
+    outcomes: list[object],
+    *,
+    leader_committed: bool,
+) -> None:
+    """Exactly one call was cut off (the leader); every other got its own result. In
+    both stores each transition is there once (the leader's only if its batch committed),
+    and Redis holds no member of a paid order."""
+    payers, extended = orders
+    cut = [n for n, outcome in enumerate(outcomes) if isinstance(outcome, KeyboardInterrupt)]
+    assert len(cut) == 1, outcomes
+    for n, order in enumerate(payers):
+        made = n not in cut or leader_committed
+        expected_ref = {order.id: f"psp-{order.id}" if made else None}
+        assert refs_paid(engine, order.user_id) == expected_ref
+        kinds = ["created", "paid"] if made else ["created"]
+        assert events_of(engine, order.user_id) == {order.id: kinds}
+        members = service.index.members(order.user_id)
+        assert (members == {}) is made, members
+        if n not in cut:
+            paid = outcomes[n]
+            assert isinstance(paid, Order), paid
+            assert paid.status is OrderStatus.PAID
+    for n, order in enumerate(extended, start=len(payers)):
+        made = n not in cut or leader_committed
+        expiry = order.expires_at_ms + (600_000 if made else 0)
+        assert orders_of(engine, order.user_id)[order.id].expires_at_ms == expiry, "moved twice"
+        kinds = ["created", "extended"] if made else ["created"]
+        assert events_of(engine, order.user_id) == {order.id: kinds}
+        assert service.index.members(order.user_id) == {order.id: expiry}
+        if n not in cut:
+            longer = outcomes[n]
+            assert isinstance(longer, Order), longer
+            assert longer.expires_at_ms == expiry
+
+
 @pytest.mark.timeout(120)
-def test_followers_of_a_leader_cut_off_after_the_commit_leave_no_member_behind(
+@pytest.mark.parametrize("committed", [True, False], ids=["after-commit", "before-commit"])
+def test_a_leader_cut_off_in_its_commit_leaves_each_transition_made_once(
+    combined: OrderService, engine: Engine, monkeypatch: pytest.MonkeyPatch, committed: bool
+) -> None:
+    """The interrupt lands when the driver's commit returns, before anyone learnt the
+    outcomes: they stand, so no follower runs its transition again (an extension run
+    twice would move the expiry twice). Or just before the commit: nothing was made, and
+    each follower runs alone."""
+    service = combined
+    payers, extended, calls = payments_and_extensions(service)
+    cut_off_in_commit(service, monkeypatch, committed=committed)
+    outcomes = gated_batch(service, calls)
+    assert service.transitions.queue.stats.batches == 1  # type: ignore[union-attr]
+    records = service.records
+    assert isinstance(records, GatedRecords)
+    if committed:
+        assert records.alone == [records.gate], "a follower ran its transition again"
+    else:  # the gate's and the five followers'
+        assert len(records.alone) == len(calls), records.alone
+    orders = (payers, extended)
+    assert_each_applied_once(service, engine, orders, outcomes, leader_committed=committed)
+
+
+@pytest.mark.timeout(120)
+def test_followers_of_a_commit_not_known_leave_no_member_behind(
     combined: OrderService, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The leader's thread is interrupted after the shared commit, before anyone learnt
-    the outcome: each follower makes Redis follow its row, then runs alone (its payment is
-    found already made under its own reference: the same order back)."""
+    """Should the driver not tell whether the batch committed, each follower makes Redis
+    follow its row, then runs alone (its payment is found already made under its own
+    reference: the same order back)."""
     service = combined
     orders = [service.create_unpaid_order(f"payer-{n}", ttl_s=60) for n in range(5)]
     commit_all = service.records.transition_all
 
-    def committed_then_cut_off(*args: Any) -> None:
-        commit_all(*args)
+    def not_known(attempts: Any, into: BatchCommit) -> None:
+        commit_all(attempts, into)
+        into.committed = None
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(service.records, "transition_all", committed_then_cut_off)
+    monkeypatch.setattr(service.records, "transition_all", not_known)
 
     def pay(order: Order) -> object:
         try:
@@ -240,7 +351,6 @@ def test_followers_of_a_leader_cut_off_after_the_commit_leave_no_member_behind(
 
     outcomes = gated_batch(service, [lambda o=o: pay(o) for o in orders])
     assert service.transitions.queue.stats.batches == 1  # type: ignore[union-attr]
-    # Whichever call led was cut off; every other got its payment back, running alone.
     assert sum(isinstance(o, KeyboardInterrupt) for o in outcomes) == 1, outcomes
     records = service.records
     assert isinstance(records, GatedRecords)
