@@ -141,6 +141,22 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "an order stops being open at its expiry instant (an extension at expires_at refused)",
         "tests/integration/test_events.py::test_extend_at_exactly_expires_at_is_refused_and_one_ms_before_is_not",
     ),
+    mutation(
+        "combined-create-row-not-converted",
+        "orders/sql/slot_batch.py",
+        "                    row[name] = process(row[name])",
+        "                    pass",
+        "a combined create on SQLite returns its order as SQLAlchemy would read it (metadata JSON)",
+        "tests/concurrency/test_combined_creates.py::test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order",
+    ),
+    mutation(
+        "combined-create-event-time-lost",
+        "orders/sql/slot_batch.py",
+        '                        "at_ms": request.values["created_at_ms"],',
+        '                        "at_ms": 0,',
+        "each created event of a combined batch carries its own create's time",
+        "tests/concurrency/test_combined_creates.py::test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order",
+    ),
     # --- admission: compensation, retries, conflicts, outage policy ---------------------------
     mutation(
         "compensation-keeps-the-member",

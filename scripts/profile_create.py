@@ -2,11 +2,16 @@
 
 Starts a redis-server on a unix socket and the chosen database (SQLite: a fresh file; or a
 throwaway PostgreSQL with fsync on, tests/support/postgres.py), migrates it, then creates ``--ops``
-orders for new users on one thread, printing the rate. Run it under a profiler for the
-flame graphs of docs/bench.md (the servers run in their own processes, so the graph is the client):
+orders for new users on one thread (``--threads N``: on N threads, each its share of the
+users; ``--combine``: with ``combine_creates`` and ``combine_transitions``), printing the
+rate. Run it under a profiler for the flame graphs of docs/bench.md (the servers run in
+their own processes, so the graph is the client):
 
     .venv/bin/py-spy record --format flamegraph -o docs/profiles/create-postgresql.svg -- \\
         .venv/bin/python scripts/profile_create.py --engine postgresql --ops 5000
+
+With threads, ``py-spy record --gil`` samples only the thread that holds the GIL: the
+samples over the wall time say how much of it one core's worth of Python was busy.
 
 Every server started here is stopped by its PID at the end.
 """
@@ -17,6 +22,7 @@ import argparse
 import cProfile
 import pstats
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +40,25 @@ from orders.sql import migrate  # noqa: E402
 from scripts.bench_durable import durable_stores  # noqa: E402
 
 
+def machine_busy() -> tuple[float, float]:
+    """The machine's CPU time so far, all cores (/proc/stat): (busy, total) in ticks."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def on_threads(share: Callable[[int], None], threads: int) -> None:
+    """``share(n)`` for n in 0 .. threads - 1, each on a thread of its own (one: here)."""
+    if threads == 1:
+        share(0)
+        return
+    workers = [threading.Thread(target=share, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+
 def run(
     service: OrderService,
     users: list[str],
@@ -41,6 +66,7 @@ def run(
     top: int | None,
     sort: str = "tottime",
     callers: str | None = None,
+    threads: int = 1,
 ) -> None:
     """Once per user: create, be refused at the limit, pay or cancel (the last three on an
     order created beforehand, untimed); print the rate. ``callers``: also print who called
@@ -57,16 +83,24 @@ def run(
         "cancel": lambda i, _user: service.cancel_order(opened[i]),
     }
     call = calls[mode]
+
+    def share(first: int) -> None:
+        for i in range(first, len(users), threads):
+            try:
+                call(i, users[i])
+            except UnpaidOrderLimitReached:
+                if mode != "refuse":
+                    raise
+
     profiler = cProfile.Profile() if top else None
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
+    busy_started, total_started = machine_busy()
     if profiler is not None:
         profiler.enable()
-    for i, user in enumerate(users):
-        try:
-            call(i, user)
-        except UnpaidOrderLimitReached:
-            if mode != "refuse":
-                raise
+    on_threads(share, threads)
+    cpu = time.process_time() - cpu_started
+    busy, total = machine_busy()
+    machine = (busy - busy_started) / (total - total_started)
     if profiler is not None:
         profiler.disable()
     elapsed = time.perf_counter() - started
@@ -75,7 +109,12 @@ def run(
         stats.print_stats(top)
         if callers:
             stats.print_callers(callers)
-    print(f"{len(users) / elapsed:,.0f} ops/s", file=sys.stderr)
+    print(
+        f"{len(users) / elapsed:,.0f} ops/s on {threads} threads;"
+        f" {cpu / len(users) * 1e6:,.0f} us of this process's CPU per call,"
+        f" {cpu / elapsed:.2f} of a core; the machine's cores {machine:.0%} busy",
+        file=sys.stderr,
+    )
 
 
 def main() -> None:
@@ -93,16 +132,36 @@ def main() -> None:
     parser.add_argument(
         "--callers", metavar="PATTERN", help="with --cprofile: who called the functions matched"
     )
+    parser.add_argument("--threads", type=int, default=1, help="callers at once")
+    parser.add_argument(
+        "--combine", action="store_true", help="combine_creates and combine_transitions on"
+    )
     options = parser.parse_args()
     with durable_stores([options.engine]) as stores:
         url, sock = stores(options.engine)
-        settings = Settings(database_url=url, redis_url=f"unix://{sock}")
+        combine = options.combine
+        settings = Settings(
+            database_url=url,
+            redis_url=f"unix://{sock}",
+            combine_creates=combine,
+            combine_transitions=combine,
+            sql_pool_size=10,  # as orders bench's callers figure
+            sql_max_overflow=10,
+        )
         engine = build_engine(settings)
         migrate.upgrade(engine)
         service = OrderService(engine, redis.Redis(unix_socket_path=str(sock)), settings)
         users = [f"user-{i:07d}" for i in range(options.ops)]
         mode = "refuse" if options.refuse else options.mode
-        run(service, users, mode, options.cprofile, options.sort, options.callers)
+        run(
+            service,
+            users,
+            mode,
+            options.cprofile,
+            options.sort,
+            options.callers,
+            threads=options.threads,
+        )
         service.close()
 
 

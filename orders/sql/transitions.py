@@ -121,10 +121,16 @@ def insert_events(
         {"order_id": oid, "user_id": uid, "kind": kind.value, "at_ms": at_ms, "data": data} | cause
         for oid, uid, data in events
     ]
+    insert_event_rows(conn, rows)
+
+
+def insert_event_rows(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Write events given whole (every column of :data:`EVENT_COLUMNS` and ``data``), in
+    the caller's transaction."""
     if len(rows) == 1:
         conn.execute(_INSERT_EVENT, rows[0])  # one row: no executemany machinery
     elif rows:
-        conn.execute(_INSERT_EVENT, rows)
+        conn.execute(_INSERT_EVENT, list(rows))
 
 
 @dataclass(frozen=True)

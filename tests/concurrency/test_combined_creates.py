@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from orders.config import Settings
 from orders.domain import Order
@@ -30,6 +30,7 @@ from orders.errors import CreateRateLimited, UnpaidOrderLimitReached
 from orders.rules.batching import CombinerStats
 from orders.rules.combining import CreateCombiner
 from orders.service import OrderService
+from orders.sql.models import events_table
 from orders.sql.slot_batch import SlotBatch
 from tests.support.clocks import ManualClock
 from tests.support.doubles import gated_race, pausing_after_admit
@@ -82,7 +83,12 @@ def test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order(
         def create(n: int, round_: int = round_) -> Order:
             # Each caller's own amount and time to pay: another's order would show.
             return service.create_unpaid_order(
-                f"u{round_}-{n}", ttl_s=60 + n, amount=Decimal(n + 1), currency="EUR"
+                f"u{round_}-{n}",
+                ttl_s=60 + n,
+                amount=Decimal(n + 1),
+                currency="EUR",
+                metadata={"cart": n, "gift": n % 2 == 0},
+                actor=f"checkout-{n}",
             )
 
         outcomes = outcomes_of_race([lambda n=n: create(n) for n in range(THREADS)])
@@ -90,6 +96,7 @@ def test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order(
             assert isinstance(order, Order), order
             assert order.user_id == f"u{round_}-{n}"
             assert order.amount == Decimal(n + 1)
+            assert order.metadata == {"cart": n, "gift": n % 2 == 0}
             assert order.expires_at_ms - order.created_at_ms == (60 + n) * 1000
             returned[order.id] = order
         if stats.largest > 1:
@@ -104,13 +111,23 @@ def test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order(
         assert rows[order.id].expires_at_ms == order.expires_at_ms
         assert_one_created_event_each(engine, order.user_id, {order.id})
         assert service.index.members(order.user_id) == {order.id: order.expires_at_ms}
+        assert service.get_order(order.id).metadata == order.metadata
+    # Each created event names its own caller and time (the batch writes them together).
+    with engine.connect() as conn:
+        created = conn.execute(
+            select(events_table.c.order_id, events_table.c.actor, events_table.c.at_ms)
+        ).all()
+    by_order = {row.order_id: (row.actor, row.at_ms) for row in created}
+    for order in returned.values():
+        n = int(order.user_id.rsplit("-", 1)[1])
+        assert by_order[order.id] == (f"checkout-{n}", order.created_at_ms)
     print(f"\n[combined, {engine.dialect.name}] {len(returned)} creates: {stats}")
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("limit", [1, 3])
 # PostgreSQL's statements sent at once (psycopg's pipeline), or one by one (other drivers).
-@pytest.mark.parametrize("sending", ["pipelined", "one_by_one"])
+@pytest.mark.parametrize("sending", ["direct", "through_sqlalchemy"])
 def test_one_user_at_the_limit_keeps_it_in_batches_and_after_a_flush(
     engine: Engine,
     redis_client: redis.Redis,
@@ -127,7 +144,7 @@ def test_one_user_at_the_limit_keeps_it_in_batches_and_after_a_flush(
     combined = combined_service(engine, redis_client, database_url, redis_options, clock)
     service = pausing_after_admit(combined, lambda _user, _order: None)
     combiner = combiner_of(service)
-    combiner.slot_batch = SlotBatch(service.records.tx, pipelined=sending == "pipelined")
+    combiner.slot_batch = SlotBatch(service.records.tx, direct=sending == "direct")
     stats = combiner.stats
     user = "limited"
     service.create_unpaid_order("warm-up", ttl_s=60)
