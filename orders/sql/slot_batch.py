@@ -177,11 +177,14 @@ class SlotBatch:
         batches = [self._bound(request) for request in ordered]
         inserted: dict[str, Mapping[str, Any]] = {}
         driver: Any = conn.connection.driver_connection
+        names: list[str] = []
         with driver.cursor() as cursor:
             cursor.executemany(self._sql, batches, returning=True)
             while True:
-                names = [column.name for column in cursor.description or ()]
                 for values in cursor.fetchall():
+                    # Every result has the statement's columns: named once (psycopg builds
+                    # the description's Column objects anew on each read).
+                    names = names or [column.name for column in cursor.description or ()]
                     row = dict(zip(names, values, strict=True))
                     inserted[row["id"]] = row
                 if not cursor.nextset():
