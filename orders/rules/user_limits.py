@@ -43,8 +43,10 @@ class UserLimits:
 
     def clear(self, user_id: str | int, actor: str | Actor | None) -> UserLimit:
         uid = check_user_id(user_id, self.settings.max_user_id_length)
-        Actor.of(actor)  # checked like every use case's, though a removed row keeps none
-        delete_limit(self.tx, uid)
+        cause = Actor.of(actor)
+        if delete_limit(self.tx, uid):
+            # The removed row took its "set by" with it: the log keeps who cleared it.
+            log.info("user limit cleared by %s", cause, extra={"user_id": uid})
         self.copy(uid, None)
         return UserLimit(uid, self.settings.unpaid_limit, False)
 

@@ -3,6 +3,7 @@ alike, with Redis intact or flushed; rebuilt by reconcile; one hash slot per use
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -102,13 +103,18 @@ def test_limit_zero_refuses_in_sql_too_when_redis_lost_its_key(
 
 
 def test_clear_returns_the_user_to_the_settings_limit_in_both_stores(
-    service: OrderService, engine: Engine
+    service: OrderService, engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
     service.set_user_limit("u1", 1)
     create_n(service, "u1", 1)
     assert refusal(service, "u1").limit == 1
 
-    cleared = service.clear_user_limit("u1", actor="ops")
+    with caplog.at_level(logging.INFO, logger="orders.service"):
+        cleared = service.clear_user_limit("u1", actor="ops")
+    # Who cleared it outlives the row it removed, in the log.
+    [record] = [r for r in caplog.records if r.getMessage().startswith("user limit cleared")]
+    assert record.getMessage() == "user limit cleared by application:ops"
+    assert record.user_id == "u1"  # type: ignore[attr-defined]
 
     assert (cleared.limit, cleared.own, cleared.updated_at_ms) == (3, False, None)
     assert service.user_limit("u1") == cleared
