@@ -148,8 +148,8 @@ class Transitioner:
         if done.committed:
             for pending, outcome in zip(batch, done.outcomes, strict=True):
                 pending.outcome = outcome
-        elif done.committed is None:
-            for pending in batch[1:]:
+        elif done.committed is None:  # the leader too, when it goes on (an Exception)
+            for pending in batch:
                 pending.unknown = True
 
     @staticmethod

@@ -36,7 +36,7 @@ from orders.domain import Actor, EventKind
 from orders.sql.models import orders_table
 from orders.sql.slots import CREATE_COLUMNS, insert_or_skip
 from orders.sql.transactions import Transactions
-from orders.sql.transitions import insert_event_rows, record_events
+from orders.sql.transitions import event_row, insert_event_rows, record_events
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,15 +154,16 @@ class SlotBatch:
                 for name, process in self._results.items():
                     row[name] = process(row[name])
                 inserted[row["id"]] = row
+                at_ms = request.values["created_at_ms"]
                 events.append(
-                    {
-                        "order_id": row["id"],
-                        "user_id": row["user_id"],
-                        "kind": EventKind.CREATED.value,
-                        "at_ms": request.values["created_at_ms"],
-                        "data": request.event_data,
-                    }
-                    | request.actor.columns()
+                    event_row(
+                        row["id"],
+                        row["user_id"],
+                        EventKind.CREATED,
+                        at_ms,
+                        request.event_data,
+                        request.actor,
+                    )
                 )
         finally:
             cursor.close()

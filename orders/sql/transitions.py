@@ -116,12 +116,22 @@ def insert_events(
     actor: Actor,
 ) -> None:
     """Write one event per (order id, user id, data), in the caller's transaction."""
-    cause = actor.columns()
-    rows = [
-        {"order_id": oid, "user_id": uid, "kind": kind.value, "at_ms": at_ms, "data": data} | cause
-        for oid, uid, data in events
-    ]
+    rows = [event_row(oid, uid, kind, at_ms, data, actor) for oid, uid, data in events]
     insert_event_rows(conn, rows)
+
+
+def event_row(
+    order_id: str, user_id: str, kind: EventKind, at_ms: int, data: Any, actor: Actor
+) -> dict[str, Any]:
+    """One ``order_events`` row as :func:`insert_event_rows` takes it."""
+    return {
+        "order_id": order_id,
+        "user_id": user_id,
+        "kind": kind.value,
+        "at_ms": at_ms,
+        "data": data,
+        **actor.columns(),
+    }
 
 
 def insert_event_rows(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -158,14 +168,7 @@ class CompareAndSet:
             return conn.execute(self.in_one_statement, statement_params).one_or_none()
         row = conn.execute(self.change, params).one_or_none()
         if row is not None:
-            event = {
-                "order_id": row.id,
-                "user_id": row.user_id,
-                "kind": self.kind.value,
-                "at_ms": params["now_ms"],
-                "data": data,
-                **actor.columns(),
-            }
+            event = event_row(row.id, row.user_id, self.kind, params["now_ms"], data, actor)
             conn.execute(_INSERT_EVENT, event)
         return row
 
