@@ -1,12 +1,14 @@
 """The mutation drill's list, second half: the breaks of the processes' rules (the sweep,
 reconcile, the lease, validation, event consumers, the scheduler's logs, stats, the embedded
-server). The stores' half, and what a mutation is, are in drill_mutations.py; the breaks
-first caught by the tests written for them, in drill_mutations_guarded.py.
+server). The stores' half, and what a mutation is, are in drill_mutations.py; the combined
+paths' in drill_mutations_combined.py; the breaks first caught by the tests written for
+them, in drill_mutations_guarded.py.
 """
 
 from __future__ import annotations
 
 from drill_mutations import STORE_MUTATIONS, Mutation, mutation
+from drill_mutations_combined import COMBINED_MUTATIONS
 from drill_mutations_guarded import GUARDED_MUTATIONS
 
 PROCESS_MUTATIONS: tuple[Mutation, ...] = (
@@ -183,4 +185,4 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
 )
 
 #: Every mutation the drill runs, in order.
-MUTATIONS = STORE_MUTATIONS + PROCESS_MUTATIONS + GUARDED_MUTATIONS
+MUTATIONS = STORE_MUTATIONS + COMBINED_MUTATIONS + PROCESS_MUTATIONS + GUARDED_MUTATIONS

@@ -1,0 +1,53 @@
+"""The mutation drill's list: the breaks of the combined paths (``ORDERS_COMBINE_CREATES``,
+``ORDERS_COMBINE_TRANSITIONS``), where concurrent calls share one transaction. What a
+mutation is: drill_mutations.py.
+"""
+
+from __future__ import annotations
+
+from drill_mutations import Mutation, mutation
+
+COMBINED_MUTATIONS: tuple[Mutation, ...] = (
+    # --- combined creates: the batch's inserts on the driver ---------------------------------
+    mutation(
+        "combined-create-row-not-converted",
+        "orders/sql/slot_batch.py",
+        "                    row[name] = process(row[name])",
+        "                    pass",
+        "a combined create on SQLite returns its order as SQLAlchemy would read it (metadata JSON)",
+        "tests/concurrency/test_combined_creates.py::test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order",
+    ),
+    mutation(
+        "combined-create-event-time-lost",
+        "orders/sql/slot_batch.py",
+        '                at_ms = request.values["created_at_ms"]',
+        "                at_ms = 0",
+        "each created event of a combined batch carries its own create's time",
+        "tests/concurrency/test_combined_creates.py::test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order",
+    ),
+    # --- combined transitions: one transaction, each caller its own outcome -------------------
+    mutation(
+        "combined-transitions-decide-nothing",
+        "orders/rules/transition.py",
+        "            pending.outcome = outcome",
+        "            pending.outcome = None",
+        "a combined transition's caller gets the outcome of the shared transaction",
+        "tests/concurrency/test_combined_transitions.py::test_payments_cancels_and_extensions_in_one_batch_each_get_their_own_result",
+    ),
+    mutation(
+        "combined-transition-unknown-not-settled",
+        "orders/rules/transition.py",
+        "            if pending.unknown:",
+        "            if False:",
+        "followers of a cut-off leader make Redis follow their rows",
+        "tests/concurrency/test_combined_transitions.py::test_followers_of_a_commit_not_known_leave_no_member_behind",
+    ),
+    mutation(
+        "combined-transition-commit-not-read",
+        "orders/sql/records.py",
+        "        return not driver.in_transaction",
+        "        return False",
+        "a batch committed before its leader was cut off hands out its outcomes (none runs twice)",
+        "tests/concurrency/test_combined_transitions.py::test_a_leader_cut_off_in_its_commit_leaves_each_transition_made_once",
+    ),
+)
