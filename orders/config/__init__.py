@@ -1,7 +1,8 @@
 """The service's configuration: :class:`Settings`, its single values and its URLs.
 
 - :mod:`orders.config.settings`: :class:`Settings`, one frozen value read from ``ORDERS_*``
-  environment variables or built in code, and how its fields fit together;
+  environment variables or built in code;
+- :mod:`orders.config.checks`: how its fields fit together (the checks across fields);
 - :mod:`orders.config.values`: one setting's text read as its type, and the values with a
   syntax of their own (a create rate, event kinds, handler paths);
 - :mod:`orders.config.urls`: store and webhook URLs and secrets, checked before anything

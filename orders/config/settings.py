@@ -15,26 +15,29 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from orders.config.checks import (
+    check_lock_timeouts,
+    check_remind_before,
+    check_rules_of_the_hold,
+    check_webhook,
+)
 from orders.config.urls import (
     Secret,
     SecretUrl,
     check_database_url,
     check_redis_url,
     check_secret,
-    check_webhook_secret,
-    check_webhook_url,
 )
 from orders.config.values import (
     CreateRate,
     check_handler_paths,
     parse_create_rate,
     parse_env_value,
-    parse_event_kinds,
     secret_url,
 )
 from orders.errors import InvalidInput
-from orders.policies import ExpiryPolicy, ExpiryTerms, checked_policies
-from orders.validation import ON_LIMIT_REFUSE, check_count, check_on_limit, check_seconds
+from orders.policies import ExpiryPolicy, ExpiryTerms
+from orders.validation import ON_LIMIT_REFUSE, check_count, check_seconds
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
 #: How far apart the hosts' clocks may be when one host judges another's timestamps (a
@@ -194,7 +197,7 @@ class Settings:
             check_seconds(name, getattr(self, name))
         if self.ttl_s > self.max_ttl_s:
             raise InvalidInput("ttl_s", "is above max_ttl_s")
-        _check_remind_before(self)
+        check_remind_before(self.remind_before_s, self.ttl_s)
         check_count("max_user_id_length", self.max_user_id_length, 1, 512)
         check_count("max_order_id_length", self.max_order_id_length, 1, 128)
         check_count("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
@@ -214,13 +217,22 @@ class Settings:
             check_seconds(name, getattr(self, name), allow_zero=True)
         if self.late_payment_window_s > self.max_lifetime_s:
             raise InvalidInput("late_payment_window_s", "is above max_lifetime_s")
-        _check_lock_timeouts(self)
+        check_lock_timeouts(
+            self.sql_idle_in_transaction_timeout_s, self.sql_lock_timeout_s, self.lease_ttl_s
+        )
         check_handler_paths("on_closed", self.on_closed)
         check_handler_paths("on_payment_refused", self.on_payment_refused)
-        _check_rules_of_the_hold(self)
+        policies = check_rules_of_the_hold(
+            self.create_rate, self.on_limit, self.policies, self.retention_days
+        )
+        object.__setattr__(self, "policies", policies)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
             raise InvalidInput("key_prefix", "must be non-empty, without spaces, {} or globs")
-        _check_webhook(self)
+        webhook = check_webhook(
+            self.webhook_url, self.webhook_secret, self.webhook_kinds, self.webhook_timeout_s
+        )
+        object.__setattr__(self, "webhook_url", webhook[0])
+        object.__setattr__(self, "webhook_secret", webhook[1])
         key = self.erasure_key
         object.__setattr__(
             self,
@@ -347,55 +359,3 @@ class Settings:
     def describe(self) -> dict[str, str]:
         """The settings as text, URLs with their passwords hidden (safe to log)."""
         return {f.name: str(getattr(self, f.name)) for f in fields(self)}
-
-
-def _check_rules_of_the_hold(settings: Settings) -> None:
-    """The create rate, the action at the limit, the policies and the retention."""
-    if settings.create_rate is not None:
-        parse_create_rate(settings.create_rate)
-    check_on_limit(settings.on_limit)
-    object.__setattr__(settings, "policies", checked_policies(settings.policies))
-    if settings.retention_days is not None:
-        check_seconds("retention_days", settings.retention_days)
-
-
-def _check_remind_before(settings: Settings) -> None:
-    """None (off), or seconds below the time to pay: a reminder before the order exists
-    would never be written."""
-    before_s = settings.remind_before_s
-    if before_s is None:
-        return
-    check_seconds("remind_before_s", before_s)
-    if before_s >= settings.ttl_s:
-        raise InvalidInput("remind_before_s", "must be below ttl_s (the time to pay)")
-
-
-def _check_webhook(settings: Settings) -> None:
-    """The webhook's URL and secret come together (an unsigned webhook, or a secret that
-    signs nothing, is a mistake); its kinds name event kinds. The fields are stored as
-    :class:`SecretUrl` and :class:`Secret`, which never print the secret."""
-    url, secret = settings.webhook_url, settings.webhook_secret
-    url = None if url is None or url == "" else check_webhook_url(_revealed(url))
-    secret = None if secret is None or secret == "" else check_webhook_secret(secret)
-    if (url is None) != (secret is None):
-        missing = "webhook_secret" if secret is None else "webhook_url"
-        raise InvalidInput(missing, "is needed: webhook_url and webhook_secret go together")
-    object.__setattr__(settings, "webhook_url", url)
-    object.__setattr__(settings, "webhook_secret", secret)
-    parse_event_kinds("webhook_kinds", settings.webhook_kinds)
-    check_seconds("webhook_timeout_s", settings.webhook_timeout_s)
-
-
-def _revealed(value: object) -> str:
-    return value.reveal() if isinstance(value, Secret) else value  # type: ignore[return-value]
-
-
-def _check_lock_timeouts(settings: Settings) -> None:
-    """The two PostgreSQL lock bounds: seconds or None; the idle timeout below the lease."""
-    for name in ("sql_idle_in_transaction_timeout_s", "sql_lock_timeout_s"):
-        if getattr(settings, name) is not None:
-            check_seconds(name, getattr(settings, name), allow_zero=True)
-    idle_s = settings.sql_idle_in_transaction_timeout_s
-    if idle_s is not None and idle_s >= settings.lease_ttl_s:
-        # A frozen sweeper must lose its locks before a standby takes its place.
-        raise InvalidInput("sql_idle_in_transaction_timeout_s", "must be below lease_ttl_s")
