@@ -215,7 +215,7 @@ class Order:
 def is_open(status: str, expires_at_ms: int, now_ms: int) -> bool:
     """The one rule of what counts against a user's limit: unpaid, with its expiry ahead.
 
-    SQL says the same in :func:`orders.sql.models.open_at`, Redis in ``admit.lua``.
+    SQL says the same in :func:`orders.sql.predicates.open_at`, Redis in ``admit.lua``.
     """
     return status == OrderStatus.UNPAID and expires_at_ms > now_ms
 

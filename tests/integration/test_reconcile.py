@@ -67,6 +67,25 @@ def test_after_a_flush_reconcile_restores_every_open_order_with_its_exact_score(
     assert service.index.epoch.get() == str(clock())
 
 
+def test_at_an_orders_expiry_instant_sql_no_longer_counts_it_nor_restores_its_member(
+    service: OrderService, redis_client: redis.Redis, clock: ManualClock
+) -> None:
+    # open_at's strict bound, read by SQL alone: the user's open orders and the rebuild
+    # after a flush. An order stops being open at its expiry instant, 1 ms before it is not.
+    due_now = service.create_unpaid_order("u1", ttl_s=10)
+    clock.advance(ms=1)
+    one_ms_left = service.create_unpaid_order("u1", ttl_s=10)
+    clock.set(due_now.expires_at_ms)
+    redis_client.flushdb()
+
+    open_ids = [order.id for order in service.list_unpaid("u1")]
+    report = service.reconcile()
+
+    assert open_ids == [one_ms_left.id]
+    assert index_state(service, ["u1"]) == {"u1": {one_ms_left.id: due_now.expires_at_ms + 1}}
+    assert report.added == 1
+
+
 def test_reconcile_removes_members_of_paid_cancelled_closed_and_expired_orders(
     service: OrderService, redis_client: redis.Redis, clock: ManualClock
 ) -> None:
