@@ -361,7 +361,7 @@ class OrderService:
         cannot be extended (:class:`OrderClosed` / :class:`OrderAlreadyPaid`), nor can one
         whose time is already up (:class:`OrderExpired`: its slot may have been reused).
         The expiry never moves past ``created_at`` plus the maximum lifetime of the order's
-        policy (``max_lifetime_s`` without one), nor does an order whose policy does not
+        policy (the default policy's without one), nor does an order whose policy does not
         expire (both :class:`InvalidInput`).
         """
         with tracing.span("orders.extend_order", order_id=str(order_id)) as traced:
