@@ -111,7 +111,9 @@ class OrderService:
         self.settings = s = settings or Settings()
         self.engine = engine
         self.clock: Clock = clock or system_clock
-        self.index = index or UnpaidIndex(redis_client, key_prefix=s.key_prefix)
+        self.index = index or UnpaidIndex(
+            redis_client, key_prefix=s.key_prefix, window_ms=s.admission_window_ms
+        )
         self.records = records or OrderRecords(engine)
         self.admitter = Admitter(
             self.index,
