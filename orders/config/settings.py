@@ -177,8 +177,13 @@ class Settings:
             "reconcile_interval_s",
             "pre_close_timeout_s",
             "max_extension_s",
+            "sql_pool_timeout_s",
+            "sql_statement_timeout_s",
+            "sql_busy_timeout_s",
+            "sql_connect_timeout_s",
         ):
-            check_seconds(name, getattr(self, name))
+            # A SQL wait of 0 is allowed: no limit (the statement, the connect) or no wait.
+            check_seconds(name, getattr(self, name), allow_zero=name.startswith("sql_"))
         check_count("max_user_id_length", self.max_user_id_length, 1, 512)
         check_count("max_order_id_length", self.max_order_id_length, 1, 128)
         check_count("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
@@ -188,13 +193,6 @@ class Settings:
         check_count("sql_max_overflow", self.sql_max_overflow, 0, 1000)
         check_count("aio_threads", self.aio_threads, 1, 256)
         check_count("aio_queue", self.aio_queue, 0, 1_000_000)
-        for name in (
-            "sql_pool_timeout_s",
-            "sql_statement_timeout_s",
-            "sql_busy_timeout_s",
-            "sql_connect_timeout_s",
-        ):
-            check_seconds(name, getattr(self, name), allow_zero=True)
         check_lock_timeouts(
             self.sql_idle_in_transaction_timeout_s, self.sql_lock_timeout_s, self.lease_ttl_s
         )
