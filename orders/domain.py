@@ -176,7 +176,7 @@ class Order:
     #: written), and when it wrote it (None: not reminded).
     remind_at_ms: int | None = None
     reminded_at_ms: int | None = None
-    #: The expiry policy it was created under (None: the settings' own fields).
+    #: The expiry policy it was created under (None: ``Settings.default_policy``).
     policy: str | None = None
 
     @property
@@ -247,7 +247,7 @@ class SweepResult:
     #: closed_at - expires_at of the longest-overdue order closed, in ms (None if none).
     max_lag_ms: int | None
     redis_errors: int = 0
-    #: Reminders written (``expiring`` events; ``Settings.remind_before_s``).
+    #: Reminders written (``expiring`` events; a policy's ``remind_before_s``).
     reminded: int = 0
 
 

@@ -146,7 +146,7 @@ class Operations:
         wanted, size = self._bulk_input(
             user_id, created_before, expiring_before, metadata, batch_size
         )
-        extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
+        extra_ms = check_ttl_ms(extra_s, self.settings.default_policy.longest_ttl_s)
         return self.bulk.extend(
             wanted,
             extra_ms,

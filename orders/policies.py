@@ -1,18 +1,18 @@
-"""Named expiry policies: how long an order may stay unpaid, and what follows from it.
+"""Expiry policies: how long an order may stay unpaid, and what follows from it.
 
-A policy is chosen per create (``create_unpaid_order(..., policy="bank_transfer")``) and
-remembered by the order (its ``policy`` column), so everything later decided about the
-order reads the same policy: its reminder (placed at create), the cap on its extensions
-(``extend_order`` and the pre-close check) and the window in which a late payment is still
-accepted. An order created without a policy follows the settings' own fields
-(``ttl_s``, ``remind_before_s``, ``late_payment_window_s``, ``max_lifetime_s``).
+:class:`~orders.config.Settings` holds one default policy (read from ``ORDERS_TTL_S``,
+``ORDERS_MAX_TTL_S``, ``ORDERS_REMIND_BEFORE_S``, ``ORDERS_LATE_PAYMENT_WINDOW_S`` and
+``ORDERS_MAX_LIFETIME_S``) and the named ones a create may pick
+(``create_unpaid_order(..., policy="bank_transfer")``). An order remembers its policy's name
+(its ``policy`` column; None: the default), so everything later decided about it reads the
+same policy: its reminder (placed at create), the cap on its extensions (``extend_order``
+and the pre-close check) and the window in which a late payment is still accepted.
 
 A policy that does not expire gives its orders the latest instant a ``datetime`` holds
 (:data:`NEVER_EXPIRES_MS`, 9999-12-31T23:59:59.999Z), which is still an exact Redis score:
 the order holds its user's slot until it is paid or cancelled, and the sweep never sees it.
 
-No I/O here: :class:`~orders.config.Settings` holds the policies, and
-:class:`ExpiryTerms` is what a use case works with.
+No I/O here.
 """
 
 from __future__ import annotations
@@ -38,67 +38,49 @@ _ONE_MS = timedelta(milliseconds=1)
 
 @dataclass(frozen=True, slots=True)
 class ExpiryPolicy:
-    """One named way for an order to expire. Fields in seconds, as in the settings.
+    """One way for an order to expire, in seconds: the settings' default or a named one.
 
-    ``ttl_s``: the time to pay (a create's ``ttl_s`` may ask for up to
-    ``max_lifetime_s``); ``remind_before_s``: the sweep's ``expiring`` event this long
-    ahead of the expiry (None: none); ``late_payment_window_s``: a payment this long after
-    the expiry of an order closed by it still turns it paid (0: refused);
+    ``ttl_s``: the time to pay; ``max_ttl_s``: the longest ``ttl_s`` a create may ask for
+    (None: ``max_lifetime_s``); ``remind_before_s``: the sweep's ``expiring`` event this
+    long ahead of the expiry (None: none); ``late_payment_window_s``: a payment this long
+    after the expiry of an order closed by it still turns it paid (0: refused);
     ``max_lifetime_s``: no extension, and no ``expires_at``, moves the expiry past
     ``created_at`` plus this; ``expires``: False for orders that wait until they are paid
     or cancelled (the other fields then do not apply).
     """
 
     ttl_s: float = 1800.0
+    max_ttl_s: float | None = None
     remind_before_s: float | None = None
     late_payment_window_s: float = 0.0
     max_lifetime_s: float = 7 * 24 * 3600.0
     expires: bool = True
 
-    def check(self, name: str) -> None:
-        """:class:`InvalidInput` naming ``policies.<name>.<field>`` for what is wrong."""
-        where = f"policies.{name}"
+    @property
+    def longest_ttl_s(self) -> float:
+        """The longest ``ttl_s`` a create may ask for: ``max_ttl_s``, else the lifetime."""
+        return self.max_lifetime_s if self.max_ttl_s is None else self.max_ttl_s
+
+    def check(self, where: str = "") -> None:
+        """:class:`InvalidInput` naming ``<where><field>`` for what is wrong (``where``:
+        ``"policies.<name>."`` for a named policy, empty for the default one)."""
         if not isinstance(self.expires, bool):
-            raise InvalidInput(f"{where}.expires", "must be true or false")
-        for field_name in ("ttl_s", "max_lifetime_s"):
-            _check_seconds(f"{where}.{field_name}", getattr(self, field_name))
-        _check_seconds(f"{where}.late_payment_window_s", self.late_payment_window_s, zero=True)
-        if self.max_lifetime_s < self.ttl_s:
-            raise InvalidInput(f"{where}.max_lifetime_s", "is shorter than its ttl_s")
-        if self.remind_before_s is not None:
-            _check_seconds(f"{where}.remind_before_s", self.remind_before_s)
-            if self.remind_before_s >= self.ttl_s:
-                raise InvalidInput(f"{where}.remind_before_s", "must be below its ttl_s")
-
-
-@dataclass(frozen=True, slots=True)
-class ExpiryTerms:
-    """What one order's expiry follows, in milliseconds: a policy's, or the settings'.
-
-    ``max_ttl_ms`` bounds a create's own ``ttl_s``. ``policy`` is the name the order
-    records (None: the settings' defaults).
-    """
-
-    policy: str | None
-    ttl_ms: int
-    max_ttl_ms: int
-    remind_before_ms: int | None
-    late_payment_window_ms: int
-    max_lifetime_ms: int
-    expires: bool = True
-
-    @classmethod
-    def of_policy(cls, name: str, policy: ExpiryPolicy) -> ExpiryTerms:
-        before_s = policy.remind_before_s
-        return cls(
-            policy=name,
-            ttl_ms=_ms(policy.ttl_s),
-            max_ttl_ms=_ms(policy.max_lifetime_s),
-            remind_before_ms=None if before_s is None else _ms(before_s),
-            late_payment_window_ms=_ms(policy.late_payment_window_s),
-            max_lifetime_ms=_ms(policy.max_lifetime_s),
-            expires=policy.expires,
-        )
+            raise InvalidInput(f"{where}expires", "must be true or false")
+        for name, value in (("ttl_s", self.ttl_s), ("max_lifetime_s", self.max_lifetime_s)):
+            _check_seconds(f"{where}{name}", value)
+        for name, optional in (
+            ("max_ttl_s", self.max_ttl_s),
+            ("remind_before_s", self.remind_before_s),
+        ):
+            if optional is not None:
+                _check_seconds(f"{where}{name}", optional)
+        _check_seconds(f"{where}late_payment_window_s", self.late_payment_window_s, zero=True)
+        if self.ttl_s > self.longest_ttl_s:
+            raise InvalidInput(f"{where}ttl_s", "is above max_ttl_s (max_lifetime_s without it)")
+        if self.remind_before_s is not None and self.remind_before_s >= self.ttl_s:
+            raise InvalidInput(f"{where}remind_before_s", "must be below ttl_s (the time to pay)")
+        if self.late_payment_window_s > self.max_lifetime_s:
+            raise InvalidInput(f"{where}late_payment_window_s", "is above max_lifetime_s")
 
     def expiry_ms(self, created_at_ms: int, ttl_ms: int, deadline_ms: int | None) -> int:
         """The expiry of an order created at ``created_at_ms``: ``NEVER_EXPIRES_MS`` under
@@ -110,14 +92,14 @@ class ExpiryTerms:
             return created_at_ms + ttl_ms
         if deadline_ms <= created_at_ms:
             raise InvalidInput("expires_at", "is not in the future")
-        return min(deadline_ms, created_at_ms + self.max_lifetime_ms)
+        return min(deadline_ms, created_at_ms + round(self.max_lifetime_s * 1000))
 
     def remind_at_ms(self, created_at_ms: int, expires_at_ms: int) -> int | None:
-        """When the sweep reminds of the order: ``remind_before_ms`` ahead of its expiry, if
+        """When the sweep reminds of the order: ``remind_before_s`` ahead of its expiry, if
         that is after its creation (an order created inside that window gets none)."""
-        if self.remind_before_ms is None or not self.expires:
+        if self.remind_before_s is None or not self.expires:
             return None
-        remind_at_ms = expires_at_ms - self.remind_before_ms
+        remind_at_ms = expires_at_ms - round(self.remind_before_s * 1000)
         return remind_at_ms if remind_at_ms > created_at_ms else None
 
 
@@ -153,7 +135,7 @@ def checked_policies(value: object) -> dict[str, ExpiryPolicy]:
         except InvalidInput:
             raise InvalidInput("policies", f"has a bad policy name {str(name)[:70]!r}") from None
         policy = given if isinstance(given, ExpiryPolicy) else _policy_from_mapping(name, given)
-        policy.check(name)
+        policy.check(f"policies.{name}.")
         policies[name] = policy
     return policies
 
@@ -183,7 +165,3 @@ def _check_seconds(name: str, value: object, *, zero: bool = False) -> None:
     """Seconds as the settings take them, and few enough to stay exact in milliseconds."""
     if check_seconds(name, value, allow_zero=zero) > MAX_TIMESTAMP_MS / 1000:
         raise InvalidInput(name, "is too large")
-
-
-def _ms(seconds: float) -> int:
-    return round(seconds * 1000)

@@ -15,7 +15,7 @@ from typing import Any
 from orders.config import Settings
 from orders.domain import Actor, OrderStatus, Payment
 from orders.errors import InvalidInput
-from orders.policies import ExpiryTerms, check_deadline, check_policy_name
+from orders.policies import ExpiryPolicy, check_deadline, check_policy_name
 from orders.validation import (
     TEXT_MAX_LENGTH,
     amount_to_text,
@@ -61,8 +61,9 @@ class CreateRequest:
     actor: Actor
     #: What to do at the limit (``Settings.on_limit`` unless the call says).
     on_limit: str
-    #: The expiry policy's terms (the settings' own without ``policy=``).
-    terms: ExpiryTerms
+    #: The expiry policy's name (None: the settings' default one) and the policy.
+    policy: str | None
+    terms: ExpiryPolicy
     metadata: dict[str, Any] = field(default_factory=dict)
     #: ``expires_at`` in ms (None: ``ttl_ms`` after the creation).
     deadline_ms: int | None = None
@@ -86,21 +87,23 @@ class CreateRequest:
     ) -> CreateRequest:
         s = settings
         amt, cur = checked_money(amount, currency)
-        terms = s.expiry_terms(None if policy is None else check_policy_name(policy))
+        name = None if policy is None else check_policy_name(policy)
+        terms = s.policy(name)
         if expires_at is not None and ttl_s is not None:
             raise InvalidInput("expires_at", "and ttl_s exclude each other: give one")
         if not terms.expires and (expires_at is not None or ttl_s is not None):
-            raise InvalidInput("policy", f"{terms.policy} does not expire: no ttl_s or expires_at")
+            raise InvalidInput("policy", f"{name} does not expire: no ttl_s or expires_at")
         return cls(
             user_id=check_user_id(user_id, s.max_user_id_length),
             order_id=None if order_id is None else check_order_id(order_id, s.max_order_id_length),
-            ttl_ms=terms.ttl_ms if ttl_s is None else check_ttl_ms(ttl_s, terms.max_ttl_ms),
+            ttl_ms=check_ttl_ms(terms.ttl_s if ttl_s is None else ttl_s, terms.longest_ttl_s),
             limit=s.unpaid_limit if limit is None else check_limit(limit),
             amount=amt,
             currency=cur,
             metadata=check_metadata(metadata, s.max_metadata_bytes),
             actor=Actor.of(actor),
             on_limit=s.on_limit if on_limit is None else check_on_limit(on_limit),
+            policy=name,
             terms=terms,
             deadline_ms=None if expires_at is None else check_deadline(expires_at),
         )
@@ -122,5 +125,5 @@ class CreateRequest:
             "updated_at_ms": now_ms,
             "metadata": self.metadata or None,
             "remind_at_ms": terms.remind_at_ms(now_ms, expires_at_ms),
-            "policy": terms.policy,
+            "policy": self.policy,
         }

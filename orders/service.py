@@ -111,7 +111,9 @@ class OrderService:
         self.settings = s = settings or Settings()
         self.engine = engine
         self.clock: Clock = clock or system_clock
-        self.index = index or UnpaidIndex(redis_client, key_prefix=s.key_prefix)
+        self.index = index or UnpaidIndex(
+            redis_client, key_prefix=s.key_prefix, window_ms=s.admission_window_ms
+        )
         self.records = records or OrderRecords(engine)
         self.admitter = Admitter(
             self.index,
@@ -361,7 +363,7 @@ class OrderService:
         cannot be extended (:class:`OrderClosed` / :class:`OrderAlreadyPaid`), nor can one
         whose time is already up (:class:`OrderExpired`: its slot may have been reused).
         The expiry never moves past ``created_at`` plus the maximum lifetime of the order's
-        policy (``max_lifetime_s`` without one), nor does an order whose policy does not
+        policy (the default policy's without one), nor does an order whose policy does not
         expire (both :class:`InvalidInput`).
         """
         with tracing.span("orders.extend_order", order_id=str(order_id)) as traced:

@@ -71,7 +71,7 @@ def check_optional_text(name: str, value: object, max_length: int) -> str | None
     return _check_text(name, value, max_length, key_safe=False)
 
 
-def check_ttl_ms(ttl_s: object, max_ttl_ms: int) -> int:
+def check_ttl_ms(ttl_s: object, max_ttl_s: float) -> int:
     """A TTL given in seconds, as whole milliseconds (at least 1 ms, at most the maximum)."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float | Decimal):
         raise InvalidInput("ttl_s", "must be a number of seconds")
@@ -81,10 +81,8 @@ def check_ttl_ms(ttl_s: object, max_ttl_ms: int) -> int:
         raise InvalidInput("ttl_s", "must be finite")
     if ttl_s <= 0:
         raise InvalidInput("ttl_s", "must be positive")
-    if ttl_s > max_ttl_ms / 1000:
-        raise InvalidInput(
-            "ttl_s", f"must be at most {max_ttl_ms // 1000} s (is it in milliseconds?)"
-        )
+    if ttl_s > max_ttl_s:
+        raise InvalidInput("ttl_s", f"must be at most {int(max_ttl_s)} s (is it in milliseconds?)")
     ttl_ms = round(ttl_s * 1000)
     if ttl_ms < 1:
         raise InvalidInput("ttl_s", "must be at least 0.001 s")

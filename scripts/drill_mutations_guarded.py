@@ -60,8 +60,8 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "pre-close-extension-uncapped",
         "orders/rules/sweep.py",
-        "extra_ms = min(check_ttl_ms(answer, self.settings.max_ttl_ms), max_extension_ms)",
-        "extra_ms = check_ttl_ms(answer, self.settings.max_ttl_ms)",
+        "extra_ms = min(check_ttl_ms(answer, max_ttl_s), max_extension_ms)",
+        "extra_ms = check_ttl_ms(answer, max_ttl_s)",
         "a pre-close extension is at most max_extension_s",
         f"{INTEGRATION}::test_a_pre_close_extension_is_cut_to_max_extension_s",
     ),

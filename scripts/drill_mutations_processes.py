@@ -92,7 +92,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "ttl-maximum-unchecked",
         "orders/validation.py",
-        "    if ttl_s > max_ttl_ms / 1000:",
+        "    if ttl_s > max_ttl_s:",
         "    if False:",
         "a TTL above the maximum (milliseconds by mistake) is refused",
         "tests/unit/test_domain.py::test_a_ttl_given_in_milliseconds_by_mistake_is_caught_by_the_maximum",

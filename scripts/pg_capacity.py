@@ -46,7 +46,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from bench_durable import durable_stores  # noqa: E402
 
-from orders import OrderService, Settings  # noqa: E402
+from orders import ExpiryPolicy, OrderService, Settings  # noqa: E402
 from orders.bootstrap import build_engine  # noqa: E402
 from orders.sql.migrate import upgrade  # noqa: E402
 
@@ -129,7 +129,12 @@ class Meter:
 
 def use_cases(engine: Engine, client: redis.Redis, meter: Meter, n: int) -> list[dict[str, Any]]:
     clock = Clock()
-    service = OrderService(engine, client, Settings(unpaid_limit=3, ttl_s=TTL_S), clock=clock)
+    service = OrderService(
+        engine,
+        client,
+        Settings(unpaid_limit=3, default_policy=ExpiryPolicy(ttl_s=TTL_S)),
+        clock=clock,
+    )
     users = [f"cap-{i:020d}" for i in range(n)]
     ids: list[str] = []
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from bench_durable import durable_stores  # noqa: E402
 
-from orders import OrderService, Settings  # noqa: E402
+from orders import ExpiryPolicy, OrderService, Settings  # noqa: E402
 from orders.bootstrap import build_engine  # noqa: E402
 from orders.errors import OrdersError  # noqa: E402
 from orders.sql.migrate import upgrade  # noqa: E402
@@ -177,7 +177,7 @@ def main() -> None:
     options = parser.parse_args()
     with durable_stores(["postgresql"]) as stores:
         url, sock = stores("postgresql")
-        settings = Settings(unpaid_limit=3, ttl_s=1)
+        settings = Settings(unpaid_limit=3, default_policy=ExpiryPolicy(ttl_s=1))
         engine = build_engine(settings, url)
         upgrade(engine)
         load_s = bulk_load(engine, options.orders)

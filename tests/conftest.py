@@ -497,7 +497,10 @@ def make_service(
 
     def make(**overrides: Any) -> OrderService:
         nonlocal loop
-        settings = Settings(database_url=database_url, **{**redis_options, **overrides})
+        # from_env({}): overrides may name the default policy's fields (ttl_s=45).
+        settings = Settings.from_env(
+            {}, database_url=database_url, **{**redis_options, **overrides}
+        )
         sync = OrderService(engine, redis_client, settings, clock=clock)
         if api == "sync":
             return sync

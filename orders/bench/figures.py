@@ -198,7 +198,7 @@ def close_lag(w: Workload) -> dict[str, Any] | None:
 
 def redis_memory(w: Workload) -> dict[str, Any]:
     sz, index, clock = w.sizes, w.service.index, w.service.clock
-    ttl = w.service.settings.ttl_ms
+    ttl = w.ttl_ms
     per_order: dict[int, list[float]] = {1: [], 3: []}
     in_flight: dict[int, list[float]] = {1: [], 3: []}
     key_bytes = 0

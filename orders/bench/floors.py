@@ -22,7 +22,7 @@ _INSERT_EVENT = insert(events_table)
 
 def _admission_args(w: Workload) -> Callable[[str, int], list[str | int]]:
     """The admission script's ARGV for a new order of a new user at ``now``."""
-    ttl, limit = w.service.settings.ttl_ms, w.service.settings.unpaid_limit
+    ttl, limit = w.ttl_ms, w.service.settings.unpaid_limit
     window_ms = w.service.index.window_ms
 
     def args(order_id: str, now: int) -> list[str | int]:
@@ -56,7 +56,7 @@ def _admitted(
     after_run: Callable[[], None] = lambda: None,
 ) -> Variant:
     """A raw EVALSHA that admits, then ``write(order_id, user_id, now_ms, expires_at_ms)``."""
-    admit, clock, ttl = _admit(w), w.service.clock, w.service.settings.ttl_ms
+    admit, clock, ttl = _admit(w), w.service.clock, w.ttl_ms
 
     def variant(n: int) -> Run:
         users, ids = w.users(kind, n), w.order_ids(n)
@@ -109,7 +109,7 @@ def _insert_one(w: Workload) -> Callable[[dict[str, Any]], None]:
 def naive(w: Workload, threads: int = 1) -> Variant:
     """The original article's create: ZCARD, then ZADD from the client, then INSERT."""
     client, insert_one, clock = w.client, _insert_one(w), w.service.clock
-    ttl, limit = w.service.settings.ttl_ms, w.service.settings.unpaid_limit
+    ttl, limit = w.ttl_ms, w.service.settings.unpaid_limit
 
     def variant(n: int) -> Run:
         users, ids = w.users("n", n), w.order_ids(n)
@@ -133,7 +133,7 @@ def native_floor(w: Workload, tasks: int) -> Variant:
     args, clock, ttl, sha = (
         _admission_args(w),
         w.service.clock,
-        w.service.settings.ttl_ms,
+        w.ttl_ms,
         w.admit_sha,
     )
 
@@ -159,7 +159,7 @@ def evalsha_refused(w: Workload, threads: int = 1) -> Variant:
     """One EVALSHA of the admission script that refuses (the same full users), on
     ``threads`` threads."""
     client, sha, clock = w.client, w.admit_sha, w.service.clock
-    ttl, window_ms = w.service.settings.ttl_ms, w.service.index.window_ms
+    ttl, window_ms = w.ttl_ms, w.service.index.window_ms
     keys = [w.admit_keys(u) for u in w.full_users()]
 
     def variant(n: int) -> Run:

@@ -199,7 +199,7 @@ def refused_payment(w: Workload) -> Variant:
 
 def sql_guard(w: Workload, *, refuse: bool) -> Variant:
     """The SQL guard alone: ``records.insert_guarded`` (count + insert under the user's lock)."""
-    service, clock, ttl = w.service, w.service.clock, w.service.settings.ttl_ms
+    service, clock, ttl = w.service, w.service.clock, w.ttl_ms
 
     def variant(n: int) -> Run:
         users = w.full_users() if refuse else w.users("g", n)

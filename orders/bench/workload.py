@@ -68,6 +68,8 @@ class Workload:
         self._bulk_prefix = "B" + self.tag[6:14]
         self._new_id = OrderIdGenerator(service.clock)
         self.admit_sha: str = self.client.script_load(load_script("admit"))
+        #: The time to pay of the orders the floors write themselves (the default policy's).
+        self.ttl_ms = round(service.settings.default_policy.ttl_s * 1000)
         self._full_users: list[str] | None = None
         #: The async variants' event loop and service (built when the first is made).
         self.loop = BenchLoop(service.settings, service.clock)
@@ -169,7 +171,7 @@ class Workload:
         their ids and users; with ``members``, each also gets its Redis member, as a create
         would have added."""
         now = self.service.clock()
-        expires = now + self.service.settings.ttl_ms
+        expires = now + self.ttl_ms
         ids = self.order_ids(n)
         users = self.users(kind, n)
         self.insert_rows([self.row(o, u, now, expires) for o, u in zip(ids, users, strict=True)])

@@ -20,27 +20,22 @@ from orders.validation import check_on_limit, check_seconds
 def check_rules_of_the_hold(
     create_rate: str | None,
     on_limit: str,
+    default_policy: object,
     policies: Mapping[str, ExpiryPolicy],
     retention_days: float | None,
 ) -> Mapping[str, ExpiryPolicy]:
-    """The create rate, the action at the limit and the retention; the policies checked."""
+    """The create rate, the action at the limit and the retention; the policies checked
+    (the default one names its fields as they are, ``ttl_s``: ``ORDERS_TTL_S``)."""
     if create_rate is not None:
         parse_create_rate(create_rate)
     check_on_limit(on_limit)
+    if not isinstance(default_policy, ExpiryPolicy):
+        raise InvalidInput("default_policy", "must be an ExpiryPolicy")
+    default_policy.check()
     checked = checked_policies(policies)
     if retention_days is not None:
         check_seconds("retention_days", retention_days)
     return checked
-
-
-def check_remind_before(before_s: float | None, ttl_s: float) -> None:
-    """None (off), or seconds below the time to pay: a reminder before the order exists
-    would never be written."""
-    if before_s is None:
-        return
-    check_seconds("remind_before_s", before_s)
-    if before_s >= ttl_s:
-        raise InvalidInput("remind_before_s", "must be below ttl_s (the time to pay)")
 
 
 def check_webhook(

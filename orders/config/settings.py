@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from orders.config.checks import (
-    check_lock_timeouts,
-    check_remind_before,
-    check_rules_of_the_hold,
-    check_webhook,
-)
+from orders.config.checks import check_lock_timeouts, check_rules_of_the_hold, check_webhook
 from orders.config.urls import (
     Secret,
     SecretUrl,
@@ -36,7 +31,7 @@ from orders.config.values import (
     secret_url,
 )
 from orders.errors import InvalidInput
-from orders.policies import ExpiryPolicy, ExpiryTerms
+from orders.policies import ExpiryPolicy
 from orders.validation import ON_LIMIT_REFUSE, check_count, check_seconds
 
 DEFAULT_KEY_PREFIX = "UnpaidOrder-"
@@ -46,11 +41,16 @@ CLOCK_SKEW_MARGIN_S = 5.0
 #: The SQL wait a create is assumed to need at most when neither the statement timeout nor
 #: the busy timeout bounds it (both set to 0).
 UNBOUNDED_SQL_WAIT_S = 60.0
+#: The default policy without ``ORDERS_TTL_S`` and the like: :class:`ExpiryPolicy`'s own
+#: defaults, but the longest ``ttl_s`` a create may ask for stays 7 days whatever
+#: ``ORDERS_MAX_LIFETIME_S`` says.
+DEFAULT_POLICY = ExpiryPolicy(max_ttl_s=7 * 24 * 3600.0)
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """How the service behaves. Every field has an ``ORDERS_<FIELD>`` environment variable.
+    """How the service behaves. Every field has an ``ORDERS_<FIELD>`` environment variable,
+    but ``default_policy``, whose fields have theirs (``ORDERS_TTL_S``, ...; not ``expires``).
 
     ``database_url`` None means the embedded SQLite file under ``home``; ``redis_url`` None
     means the embedded Redis server for ``home``. Both may be given as plain strings: they
@@ -63,25 +63,16 @@ class Settings:
     redis_cluster: bool = False
     home: Path = Path(".orders")
     unpaid_limit: int = 3
-    ttl_s: float = 1800.0
-    max_ttl_s: float = 7 * 24 * 3600.0
-    #: The sweep writes an ``expiring`` event this long before an unpaid order's expiry,
-    #: once per order (None: no reminders). Below ``ttl_s``; an order created with a shorter
-    #: time to pay than this gets none.
-    remind_before_s: float | None = None
+    #: How an order created without ``policy=`` expires: its time to pay, the longest one a
+    #: create may ask for, its reminder (the sweep's ``expiring`` event, once per order),
+    #: late-payment window and maximum lifetime (:class:`~orders.policies.ExpiryPolicy`).
+    default_policy: ExpiryPolicy = DEFAULT_POLICY
     key_prefix: str = DEFAULT_KEY_PREFIX
-    #: Deprecated, unused: users' keys no longer expire (reconcile removes strays). Still
-    #: accepted and checked, so deployments and code that set it keep working.
-    key_margin_s: float = 60.0
     max_user_id_length: int = 128
     max_order_id_length: int = 64
     max_metadata_bytes: int = 16_384
     #: Refuse (and close) a payment that arrives after ``expires_at`` but before the sweep.
     strict_expiry: bool = False
-    #: Accept a payment this long after the expiry of an order the sweep (or strict
-    #: expiry) closed: the order turns paid, unless the late-payment check refuses. 0: a
-    #: payment for a closed order is always refused (and its refund recorded).
-    late_payment_window_s: float = 0.0
     #: When Redis is unreachable, admit orders through the SQL limit guard alone (still
     #: exact, just slower) instead of refusing them with StoreUnavailable.
     create_without_redis: bool = False
@@ -100,8 +91,6 @@ class Settings:
     #: An event consumer tries a failing event this many times in all, then parks it
     #: (kept, not retried again until ``orders events requeue``).
     event_max_attempts: int = 10
-    #: extend_order and the pre-close check never move an expiry past created_at + this.
-    max_lifetime_s: float = 7 * 24 * 3600.0
     #: The pre-close check (a hook asked before an expired order is closed) gets this long
     #: for each sweep batch, and may add at most max_extension_s, once per order.
     pre_close_timeout_s: float = 1.0
@@ -144,9 +133,8 @@ class Settings:
     #: At the limit, a create is refused ("refuse") or cancels the user's oldest unpaid
     #: order to take its place ("replace_oldest"); a create's ``on_limit`` overrides it.
     on_limit: str = ON_LIMIT_REFUSE
-    #: Named expiry policies a create may pick (``policy=``): each its own time to pay,
-    #: reminder, late-payment window and maximum lifetime, or none of them for orders that
-    #: do not expire (:mod:`orders.policies`). From the environment: a JSON object,
+    #: Named expiry policies a create may pick (``policy=``), beside ``default_policy``;
+    #: one may be for orders that do not expire. From the environment: a JSON object,
     #: ``{"bank_transfer": {"ttl_s": 259200, "remind_before_s": 86400}}``.
     policies: Mapping[str, ExpiryPolicy] = field(default_factory=dict)
     #: The active scheduler prunes paid, cancelled and closed orders (and their events)
@@ -183,21 +171,19 @@ class Settings:
             )
         check_count("unpaid_limit", self.unpaid_limit, 1, 1000)
         for name in (
-            "ttl_s",
-            "max_ttl_s",
-            "key_margin_s",
             "redis_socket_timeout_s",
             "sweep_interval_s",
             "lease_ttl_s",
             "reconcile_interval_s",
-            "max_lifetime_s",
             "pre_close_timeout_s",
             "max_extension_s",
+            "sql_pool_timeout_s",
+            "sql_statement_timeout_s",
+            "sql_busy_timeout_s",
+            "sql_connect_timeout_s",
         ):
-            check_seconds(name, getattr(self, name))
-        if self.ttl_s > self.max_ttl_s:
-            raise InvalidInput("ttl_s", "is above max_ttl_s")
-        check_remind_before(self.remind_before_s, self.ttl_s)
+            # A SQL wait of 0 is allowed: no limit (the statement, the connect) or no wait.
+            check_seconds(name, getattr(self, name), allow_zero=name.startswith("sql_"))
         check_count("max_user_id_length", self.max_user_id_length, 1, 512)
         check_count("max_order_id_length", self.max_order_id_length, 1, 128)
         check_count("max_metadata_bytes", self.max_metadata_bytes, 0, 1 << 20)
@@ -207,23 +193,13 @@ class Settings:
         check_count("sql_max_overflow", self.sql_max_overflow, 0, 1000)
         check_count("aio_threads", self.aio_threads, 1, 256)
         check_count("aio_queue", self.aio_queue, 0, 1_000_000)
-        for name in (
-            "sql_pool_timeout_s",
-            "sql_statement_timeout_s",
-            "sql_busy_timeout_s",
-            "sql_connect_timeout_s",
-            "late_payment_window_s",
-        ):
-            check_seconds(name, getattr(self, name), allow_zero=True)
-        if self.late_payment_window_s > self.max_lifetime_s:
-            raise InvalidInput("late_payment_window_s", "is above max_lifetime_s")
         check_lock_timeouts(
             self.sql_idle_in_transaction_timeout_s, self.sql_lock_timeout_s, self.lease_ttl_s
         )
         check_handler_paths("on_closed", self.on_closed)
         check_handler_paths("on_payment_refused", self.on_payment_refused)
         policies = check_rules_of_the_hold(
-            self.create_rate, self.on_limit, self.policies, self.retention_days
+            self.create_rate, self.on_limit, self.default_policy, self.policies, self.retention_days
         )
         object.__setattr__(self, "policies", policies)
         if not self.key_prefix or any(c in self.key_prefix for c in "{}*?[] \r\n\0"):
@@ -240,35 +216,19 @@ class Settings:
             None if key is None or key == "" else check_secret("erasure_key", key),
         )
 
-    def expiry_terms(self, policy: str | None) -> ExpiryTerms:
-        """The terms a create under ``policy`` gets (None: the settings' own fields);
-        :class:`InvalidInput` for a name the settings do not hold."""
-        if policy is None:
-            return self.default_terms
-        found = self.policies.get(policy)
+    def policy(self, name: str | None) -> ExpiryPolicy:
+        """The policy a create names (None: the default one); :class:`InvalidInput` for a
+        name the settings do not hold."""
+        found = self.default_policy if name is None else self.policies.get(name)
         if found is None:
             known = ", ".join(sorted(self.policies)) or "none configured"
             raise InvalidInput("policy", f"is not a configured policy (known: {known[:200]})")
-        return ExpiryTerms.of_policy(policy, found)
+        return found
 
-    def order_terms(self, policy: str | None) -> ExpiryTerms:
-        """The terms an existing order follows: its policy's, or the settings' own when it
-        has none or its policy is no longer configured."""
-        if policy is None or policy not in self.policies:
-            return self.default_terms
-        return ExpiryTerms.of_policy(policy, self.policies[policy])
-
-    @property
-    def default_terms(self) -> ExpiryTerms:
-        """The terms of an order created without a policy."""
-        return ExpiryTerms(
-            policy=None,
-            ttl_ms=self.ttl_ms,
-            max_ttl_ms=self.max_ttl_ms,
-            remind_before_ms=self.remind_before_ms,
-            late_payment_window_ms=self.late_payment_window_ms,
-            max_lifetime_ms=self.max_lifetime_ms,
-        )
+    def order_policy(self, name: str | None) -> ExpiryPolicy:
+        """The policy an existing order follows: the one it names, or the default one when
+        it names none or one no longer configured."""
+        return self.policies.get(name, self.default_policy) if name else self.default_policy
 
     @property
     def create_rate_limit(self) -> CreateRate | None:
@@ -276,45 +236,12 @@ class Settings:
         return None if self.create_rate is None else parse_create_rate(self.create_rate)
 
     @property
-    def ttl_ms(self) -> int:
-        return round(self.ttl_s * 1000)
-
-    @property
-    def max_ttl_ms(self) -> int:
-        return round(self.max_ttl_s * 1000)
-
-    @property
-    def remind_before_ms(self) -> int | None:
-        """``remind_before_s`` in ms (None: reminders are off)."""
-        before_s = self.remind_before_s
-        return None if before_s is None else round(before_s * 1000)
-
-    @property
     def reminds(self) -> bool:
-        """Whether the sweep writes reminders: ``remind_before_s`` or a policy sets one."""
-        return self.remind_before_s is not None or any(
-            policy.remind_before_s is not None for policy in self.policies.values()
+        """Whether the sweep writes reminders: the default policy or a named one sets one."""
+        return any(
+            policy.remind_before_s is not None
+            for policy in (self.default_policy, *self.policies.values())
         )
-
-    @property
-    def late_payment_window_ms(self) -> int:
-        return round(self.late_payment_window_s * 1000)
-
-    @property
-    def max_lifetime_ms(self) -> int:
-        return round(self.max_lifetime_s * 1000)
-
-    @property
-    def sql_idle_in_transaction_timeout_ms(self) -> int:
-        """The PostgreSQL setting in ms (0: none); see ``sql_idle_in_transaction_timeout_s``."""
-        idle_s = self.sql_idle_in_transaction_timeout_s
-        return round((self.lease_ttl_s / 2 if idle_s is None else idle_s) * 1000)
-
-    @property
-    def sql_lock_timeout_ms(self) -> int:
-        """The PostgreSQL setting in ms (0: none); see ``sql_lock_timeout_s``."""
-        lock_s = self.sql_lock_timeout_s
-        return round((self.lease_ttl_s if lock_s is None else lock_s) * 1000)
 
     @property
     def admission_window_ms(self) -> int:
@@ -338,22 +265,20 @@ class Settings:
         )
         return round((redis_s + sql_s + CLOCK_SKEW_MARGIN_S) * 1000)
 
-    @property
-    def key_margin_ms(self) -> int:
-        """Deprecated, unused (see ``key_margin_s``)."""
-        return round(self.key_margin_s * 1000)
-
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Read ``ORDERS_<FIELD>`` variables; keyword ``overrides`` win over them."""
+        """Read ``ORDERS_<FIELD>`` variables, those of the default policy's fields too
+        (``ORDERS_TTL_S``, ...); keyword ``overrides`` (``ttl_s=60`` too) win over them."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in fields(cls):
+        for f in (*fields(cls), *fields(ExpiryPolicy)):
             raw = env.get(f"ORDERS_{f.name.upper()}")
-            if raw is None or raw == "":
-                continue
-            values[f.name] = parse_env_value(f.name, f.type, raw)
+            if raw and f.name not in ("default_policy", "expires"):
+                values[f.name] = parse_env_value(f.name, f.type, raw)
         values.update(overrides)
+        own = {f.name: values.pop(f.name) for f in fields(ExpiryPolicy) if f.name in values}
+        if own:
+            values["default_policy"] = replace(values.get("default_policy", DEFAULT_POLICY), **own)
         return cls(**values)
 
     def describe(self) -> dict[str, str]:

@@ -3,7 +3,7 @@
 A compare-and-set against the sweep (:data:`orders.sql.transitions.EXTEND_OPEN`): an order
 closed, paid or cancelled first cannot be extended, nor can one whose time is already up
 (its slot may have been reused). The cap is the order's own: ``created_at`` plus the
-maximum lifetime of the policy it was created under (the settings' ``max_lifetime_s``
+maximum lifetime of the policy it was created under (the default policy's
 without one); an order whose policy does not expire has nothing to extend. The policy is
 read in the same transaction, before the compare-and-set: it never changes on an order, so
 the read cannot race. Redis follows the commit (the member's new score).
@@ -40,7 +40,7 @@ class Extender:
     def extend(self, order_id: object, extra_s: object, actor: Actor, now_ms: int) -> Order:
         """The order with its new expiry, or the typed refusal (module docstring)."""
         oid = check_order_id(order_id, self.settings.max_order_id_length)
-        extra_ms = check_ttl_ms(extra_s, self.settings.max_ttl_ms)
+        extra_ms = check_ttl_ms(extra_s, self.settings.default_policy.longest_ttl_s)
 
         attempt = extend_attempt(self.records, self.settings, oid, now_ms, extra_ms, actor)
         order, won = self.transitions.run(

@@ -5,8 +5,8 @@ the expiry is ahead; an expired order is closed instead). When it loses, the ord
 stands decides (:func:`decide`):
 
 * paid with the same reference (or the payment gives none): a retry, the order is returned;
-* closed by expiry within the late window of its policy (``late_payment_window_s``
-  without one) of its expiry: a *late payment*. The
+* closed by expiry within the late window of its policy (the default policy's without
+  one) of its expiry: a *late payment*. The
   host's late-payment check is asked (the stock may be gone), under the rules of
   :mod:`orders.hooks`: a check that refuses, raises or runs out of time refuses the
   payment. Accepted, a second compare-and-set turns the order closed -> paid, its event
@@ -147,9 +147,12 @@ class Payments:
             order,
             payment,
             now_ms,
-            window_ms=self.settings.order_terms(order.policy).late_payment_window_ms,
+            window_ms=self._late_window_ms(order),
             strict=self.settings.strict_expiry,
         )
+
+    def _late_window_ms(self, order: Order) -> int:
+        return round(self.settings.order_policy(order.policy).late_payment_window_s * 1000)
 
     def _late_check_accepts(self, order: Order, payment: Payment) -> bool:
         check = self.late_check
@@ -175,7 +178,7 @@ class Payments:
         else changed the order first. A closed order has no member in the index: nothing
         to do in Redis."""
         order_id = closed.id
-        window_ms = self.settings.order_terms(closed.policy).late_payment_window_ms
+        window_ms = self._late_window_ms(closed)
 
         def attempt(conn: Connection) -> Row[Any] | None:
             return self.records.pay_late(

@@ -1,5 +1,5 @@
 """Closing expired orders: the sweep, and the pre-close check it asks first; then the
-reminders due (``Settings.remind_before_s``), each an ``expiring`` event written once.
+reminders due (a policy's ``remind_before_s``), each an ``expiring`` event written once.
 
 A sweep closes due orders in batches ordered by expiry. Each batch is one SQL transaction
 that closes its orders with a compare-and-set and records a ``closed`` event per order;
@@ -136,6 +136,7 @@ class Sweep:
         # once, and then every order it was asked about simply closes.
         answers = self.hooks.ask(check, due, self.settings.pre_close_timeout_s)
         max_extension_ms = round(self.settings.max_extension_s * 1000)
+        max_ttl_s = self.settings.default_policy.longest_ttl_s
         for answered in answers:
             order, answer = answered.question, answered.value
             if answered.failed:
@@ -144,7 +145,7 @@ class Sweep:
             if answer is None:
                 continue
             try:
-                extra_ms = min(check_ttl_ms(answer, self.settings.max_ttl_ms), max_extension_ms)
+                extra_ms = min(check_ttl_ms(answer, max_ttl_s), max_extension_ms)
             except InvalidInput:
                 _log_order(order, "pre-close check gave an invalid extension; closing")
                 continue
@@ -153,7 +154,7 @@ class Sweep:
     def _reopen(self, order: Order, extra_ms: int) -> None:
         now_ms = self.clock()
         expires_at_ms = now_ms + extra_ms
-        max_lifetime_ms = self.settings.order_terms(order.policy).max_lifetime_ms
+        max_lifetime_ms = round(self.settings.order_policy(order.policy).max_lifetime_s * 1000)
         if expires_at_ms - order.created_at_ms > max_lifetime_ms:
             return
         reopened = self.admitter.reopen(

@@ -176,9 +176,10 @@ def extend_attempt(
     def attempt(conn: Connection) -> Row[Any] | None:
         # The order's policy never changes: reading it first cannot race.
         found = records.current(conn, order_id, now_ms)
-        terms = settings.order_terms(None if found is None else found.policy)
-        if not terms.expires:
+        policy = settings.order_policy(None if found is None else found.policy)
+        if not policy.expires:
             return None
-        return records.extend_open(conn, order_id, now_ms, extra_ms, terms.max_lifetime_ms, actor)
+        max_lifetime_ms = round(policy.max_lifetime_s * 1000)
+        return records.extend_open(conn, order_id, now_ms, extra_ms, max_lifetime_ms, actor)
 
     return attempt

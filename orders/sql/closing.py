@@ -1,5 +1,5 @@
 """The sweep's SQL: claim a batch of due orders, close them and record their events; and
-the same for the reminders due (``Settings.remind_before_s``).
+the same for the reminders due (the ``remind_before_s`` of each order's policy).
 
 One committed transaction per batch: on PostgreSQL a single statement in autocommit, so
 no transaction of the sweep outlives the statement; on SQLite (two statements) one

@@ -87,13 +87,20 @@ def _session_options(settings: Settings) -> str:
     Besides the statement timeout, two bound what a frozen process costs the others: a
     session idle inside a transaction is ended (its locks go), and a statement waiting on a
     row lock gives up, as ``StoreUnavailable``, instead of waiting out the statement timeout.
+    Unset, they follow the lease: a frozen holder's locks go (half of it) before a waiting
+    statement gives up (all of it), and both before a standby takes over.
     """
-    timeouts_ms = {
-        "statement_timeout": round(settings.sql_statement_timeout_s * 1000),
-        "lock_timeout": settings.sql_lock_timeout_ms,
-        "idle_in_transaction_session_timeout": settings.sql_idle_in_transaction_timeout_ms,
+    idle_s, lock_s, lease_s = (
+        settings.sql_idle_in_transaction_timeout_s,
+        settings.sql_lock_timeout_s,
+        settings.lease_ttl_s,
+    )
+    timeouts_s = {
+        "statement_timeout": settings.sql_statement_timeout_s,
+        "lock_timeout": lease_s if lock_s is None else lock_s,
+        "idle_in_transaction_session_timeout": lease_s / 2 if idle_s is None else idle_s,
     }
-    return " ".join(f"-c {name}={ms}" for name, ms in timeouts_ms.items())
+    return " ".join(f"-c {name}={round(s * 1000)}" for name, s in timeouts_s.items())
 
 
 def _created(target: URL, create: Callable[[], EngineT]) -> EngineT:

@@ -187,7 +187,7 @@ PAY_STRICT = CompareAndSet(
     EventKind.PAID, _update([UNPAID_PREDICATE, or_(open_at(_NOW), PAUSED)], _PAID)
 )
 #: Closed by expiry, at most ``:window_ms`` after the expiry -> paid (a late payment the
-#: host accepted; ``Settings.late_payment_window_s``).
+#: host accepted; its policy's ``late_payment_window_s``).
 PAY_LATE = CompareAndSet(
     EventKind.PAID,
     _update(

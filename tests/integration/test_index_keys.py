@@ -14,7 +14,6 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from orders.config import Settings
 from orders.index.keys import admits_key
 from orders.index.nodes import is_cluster
 from orders.index.unpaid import AdmitRequest, UnpaidIndex
@@ -102,17 +101,6 @@ def test_the_sweep_deletes_the_keys_it_empties(
     assert redis_client.exists(KEY) == 0
     assert service.index.members("u2") == {kept.id: kept.expires_at_ms}
     assert redis_client.pttl("UnpaidOrder-u2") == -1
-
-
-def test_the_deprecated_key_margin_is_still_accepted_and_sets_no_expiry(
-    make_service: Callable[..., OrderService], redis_client: redis.Redis
-) -> None:
-    assert Settings.from_env({"ORDERS_KEY_MARGIN_S": "120"}).key_margin_s == 120
-    service = make_service(key_margin_s=120)
-
-    service.create_unpaid_order("u1")
-
-    assert redis_client.pttl(KEY) == -1
 
 
 @pytest.mark.parametrize("user_key", ["UnpaidOrder-u1", "{shop}UnpaidOrder-u1"])

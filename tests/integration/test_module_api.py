@@ -224,7 +224,7 @@ def test_module_functions_run_on_the_default_service_configured_from_the_environ
 
     service = orders.default_service()
     assert service.settings.unpaid_limit == 2
-    assert service.settings.ttl_s == 60
+    assert service.settings.default_policy.ttl_s == 60
     with pytest.raises(orders.UnpaidOrderLimitReached) as refused:
         orders.create_unpaid_order(user)
     assert refused.value.limit == 2
@@ -285,7 +285,8 @@ def test_configure_binds_the_module_functions_to_a_given_service(
         order = orders.create_unpaid_order("bound", limit=5)
         assert orders.default_service() is service
         assert service.index.members("bound") == {order.id: order.expires_at_ms}
-        assert order.expires_at_ms - order.created_at_ms == service.settings.ttl_ms
+        ttl_ms = order.expires_at_ms - order.created_at_ms
+        assert ttl_ms == service.settings.default_policy.ttl_s * 1000  # not ORDERS_TTL_S's
     finally:
         orders.configure(None)
 
@@ -307,8 +308,7 @@ def test_settings_from_env_parses_numbers_and_booleans() -> None:
     )
 
     assert settings.unpaid_limit == 7
-    assert settings.ttl_s == 12.5
-    assert settings.ttl_ms == 12_500
+    assert settings.default_policy.ttl_s == 12.5
     assert settings.strict_expiry is True
     assert settings.sweep_batch_size == 250
     assert settings.key_prefix == "Unpaid:"

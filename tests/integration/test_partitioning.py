@@ -26,6 +26,7 @@ from sqlalchemy import Engine, make_url, text
 from orders.bootstrap import build_engine
 from orders.config import Settings
 from orders.errors import OrderConflict, StoreUnavailable, UnpaidOrderLimitReached
+from orders.policies import ExpiryPolicy
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
@@ -57,7 +58,7 @@ def partitioned(postgres: PostgresTarget | str) -> Iterator[Engine]:
 
 @pytest.fixture
 def service(partitioned: Engine, redis_client: redis.Redis, clock: ManualClock) -> OrderService:
-    settings = Settings(unpaid_limit=3, ttl_s=60)
+    settings = Settings(unpaid_limit=3, default_policy=ExpiryPolicy(ttl_s=60))
     return OrderService(partitioned, redis_client, settings, clock=clock)
 
 
@@ -187,7 +188,11 @@ def test_erasure_is_refused_by_the_foreign_keys_on_user_id_with_the_user_kept(
     """Not supported here (docs/operations.md, Erasure): the events' and refusals' keys
     name the user id, and oes_order_ids keeps it. Step 2 has run (unpaid orders cancelled);
     step 3 is rolled back whole."""
-    settings = Settings(unpaid_limit=3, ttl_s=60, erasure_key="erasure-key-of-the-tests")
+    settings = Settings(
+        unpaid_limit=3,
+        default_policy=ExpiryPolicy(ttl_s=60),
+        erasure_key="erasure-key-of-the-tests",
+    )
     shop = OrderService(partitioned, redis_client, settings, clock=clock)
     paid, unpaid = shop.create_unpaid_order("alice"), shop.create_unpaid_order("alice")
     shop.mark_paid(paid.id, payment_ref="ref-1")

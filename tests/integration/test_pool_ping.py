@@ -1,4 +1,5 @@
-"""Pooled connections a server dropped: pinged at checkout when idle, not on every use.
+"""Pooled connections a server dropped: pinged at checkout when idle, not on every use; and
+the timeouts every session of the engine carries.
 
 PostgreSQL only (a SQLite file has no server to drop a connection). The server end of the
 one pooled connection is terminated behind the pool's back, as an idle timeout or a proxy
@@ -97,3 +98,31 @@ def test_a_busy_connection_is_not_pinged_so_a_dropped_one_fails_once(
 
     assert service.get_order(order.id).user_id == "u2"
     assert service.index.members("u2") == {order.id: order.expires_at_ms}
+
+
+def test_each_session_carries_lock_bounds_that_follow_the_lease_unless_given(
+    database_url: str,
+) -> None:
+    # A frozen holder's locks go (idle timeout, half the lease) before a waiting statement
+    # gives up (lock timeout, the lease), and both before a standby takes over.
+    read = text(
+        "SELECT name, setting FROM pg_settings WHERE name IN"
+        " ('statement_timeout', 'lock_timeout', 'idle_in_transaction_session_timeout')"
+    )
+    cases: list[tuple[dict[str, float], tuple[int, int]]] = [
+        ({}, (5000, 2500)),
+        ({"lease_ttl_s": 30}, (30_000, 15_000)),
+        ({"sql_lock_timeout_s": 1.5, "sql_idle_in_transaction_timeout_s": 0}, (1500, 0)),
+    ]
+    for given, (lock_ms, idle_ms) in cases:
+        engine = bootstrap.build_engine(Settings(database_url=database_url, **given))
+        try:
+            with engine.connect() as conn:
+                found = {name: int(setting) for name, setting in conn.execute(read)}
+        finally:
+            engine.dispose()
+        assert found == {
+            "statement_timeout": 30_000,
+            "lock_timeout": lock_ms,
+            "idle_in_transaction_session_timeout": idle_ms,
+        }, given

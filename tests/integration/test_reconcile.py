@@ -10,14 +10,14 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
 from sqlalchemy import Engine, insert
 
-from orders import UnpaidOrderLimitReached
+from orders import Settings, UnpaidOrderLimitReached
 from orders.index.unpaid import AdmitRequest
 from orders.rules import reconcile as reconciler
 from orders.scheduler.jobs import build_scheduler
@@ -31,6 +31,7 @@ from tests.support.plans import explain, explain_sql
 from tests.support.processes import child_env, run_orders, stop_process
 from tests.support.stores import flush_db, sql_rows
 
+HOUR_MS = 3_600_000
 #: The contract holds on one Redis server and on a Redis Cluster alike.
 pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
 
@@ -128,6 +129,23 @@ def test_a_member_without_a_sql_row_is_kept_until_its_own_expiry(
     second = service.reconcile()
     assert service.index.members("u1") == {}
     assert second.removed_expired == 1
+
+
+def test_a_member_without_a_sql_row_is_kept_for_the_window_of_the_services_own_timeouts(
+    make_service: Callable[..., OrderService], clock: ManualClock
+) -> None:
+    # Slower SQL: a create may stay longer between its Redis and its SQL step.
+    service = make_service(sql_statement_timeout_s=300)
+    window_ms = service.settings.admission_window_ms
+    assert window_ms > Settings().admission_window_ms
+    service.index.admit(
+        AdmitRequest("u1", "in-flight", expires_at_ms=clock() + HOUR_MS, now_ms=clock(), limit=3)
+    )
+
+    clock.advance(ms=window_ms - 1)
+    assert service.reconcile().kept_in_flight == 1
+    clock.advance(ms=1)
+    assert service.reconcile().removed_abandoned == 1
 
 
 def test_a_wrong_score_is_corrected_and_a_member_in_the_wrong_users_set_removed(

@@ -1,6 +1,7 @@
-"""Expiry policies as settings: built in code or read from ``ORDERS_POLICIES``, every bad
-one refused with :class:`InvalidInput` naming the policy and its field; the terms a create
-and an existing order follow; absolute deadlines as milliseconds."""
+"""Expiry policies as settings: built in code or read from ``ORDERS_POLICIES`` (the default
+one from ``ORDERS_TTL_S`` and the like), every bad one refused with :class:`InvalidInput`
+naming the policy and its field; the policy a create and an existing order follow; absolute
+deadlines as milliseconds."""
 
 from __future__ import annotations
 
@@ -33,17 +34,33 @@ def test_policies_from_the_environment_equal_the_same_policies_in_code() -> None
     assert not Settings().reminds
 
 
-def test_the_terms_of_a_policy_in_milliseconds_and_the_settings_own_without_one() -> None:
-    settings = Settings(policies={"bank": ExpiryPolicy(**BANK)}, ttl_s=900)
-    bank = settings.expiry_terms("bank")
-    assert (bank.policy, bank.ttl_ms, bank.remind_before_ms) == ("bank", 259_200_000, 86_400_000)
-    assert (bank.late_payment_window_ms, bank.max_lifetime_ms) == (3_600_000, 604_800_000)
-    plain = settings.expiry_terms(None)
-    assert (plain.policy, plain.ttl_ms, plain.remind_before_ms) == (None, 900_000, None)
+def test_a_create_gets_the_policy_it_names_and_the_default_one_without_a_name() -> None:
+    settings = Settings(policies={"bank": ExpiryPolicy(**BANK)}, default_policy=ExpiryPolicy(900))
+    assert settings.policy("bank") == ExpiryPolicy(**BANK)
+    assert settings.policy(None) == ExpiryPolicy(ttl_s=900)
     with pytest.raises(InvalidInput, match=r"known: bank"):
-        settings.expiry_terms("wire")
-    # An order of a policy no longer configured follows the settings' own fields.
-    assert settings.order_terms("wire") == plain
+        settings.policy("wire")
+    # An order of a policy no longer configured follows the default one.
+    assert settings.order_policy("wire") == settings.order_policy(None) == ExpiryPolicy(900)
+    assert settings.order_policy("bank") == ExpiryPolicy(**BANK)
+
+
+def test_the_default_policy_reads_its_fields_from_the_environment_and_keywords() -> None:
+    read = Settings.from_env(
+        {"ORDERS_TTL_S": "900", "ORDERS_REMIND_BEFORE_S": "60", "ORDERS_MAX_LIFETIME_S": "3600"},
+        late_payment_window_s=30,
+    )
+    assert read.default_policy == ExpiryPolicy(
+        ttl_s=900,
+        max_ttl_s=7 * 24 * 3600,  # not following the lifetime: as ORDERS_MAX_TTL_S was
+        remind_before_s=60,
+        late_payment_window_s=30,
+        max_lifetime_s=3600,
+    )
+    assert Settings().default_policy.longest_ttl_s == 7 * 24 * 3600
+    assert ExpiryPolicy(ttl_s=60, max_lifetime_s=120).longest_ttl_s == 120
+    # A default policy with its own reminder turns the sweep's reminders on.
+    assert read.reminds
 
 
 @pytest.mark.parametrize(
@@ -57,7 +74,13 @@ def test_the_terms_of_a_policy_in_milliseconds_and_the_settings_own_without_one(
         ({"bank": {"ttl_s": 1e300}}, "policies.bank.ttl_s"),
         ({"bank": {"ttl_s": 600, "remind_before_s": 600}}, "policies.bank.remind_before_s"),
         ({"bank": {"ttl_s": 600, "remind_before_s": 0}}, "policies.bank.remind_before_s"),
-        ({"bank": {"ttl_s": 600, "max_lifetime_s": 599}}, "policies.bank.max_lifetime_s"),
+        ({"bank": {"ttl_s": 600, "max_lifetime_s": 599}}, "policies.bank.ttl_s"),
+        ({"bank": {"ttl_s": 600, "max_ttl_s": 599}}, "policies.bank.ttl_s"),
+        ({"bank": {"max_ttl_s": 0}}, "policies.bank.max_ttl_s"),
+        (
+            {"bank": {"late_payment_window_s": 3601, "max_lifetime_s": 3600}},
+            "policies.bank.late_payment_window_s",
+        ),
         ({"bank": {"late_payment_window_s": -1}}, "policies.bank.late_payment_window_s"),
         ({"bank": {"expires": "no"}}, "policies.bank.expires"),
         ({"bank": {"ttl": 600}}, "policies.bank"),

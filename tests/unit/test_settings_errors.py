@@ -85,19 +85,9 @@ def test_a_cluster_needs_a_url_naming_a_node_over_tcp(redis_url: str | None) -> 
     Settings(redis_url="redis://:hunter2@cache:7000", redis_cluster=True)  # well formed
 
 
-def test_the_postgresql_lock_bounds_follow_the_lease_unless_given() -> None:
-    # A frozen holder's locks go (idle timeout) before a waiting payment gives up (lock
-    # timeout), and both before a standby takes over from a frozen sweeper.
-    assert (Settings().sql_idle_in_transaction_timeout_ms, Settings().sql_lock_timeout_ms) == (
-        2500,
-        5000,
-    )
-    longer = Settings(lease_ttl_s=30)
-    assert (longer.sql_idle_in_transaction_timeout_ms, longer.sql_lock_timeout_ms) == (15000, 30000)
-    given = Settings.from_env(
-        {"ORDERS_SQL_IDLE_IN_TRANSACTION_TIMEOUT_S": "0", "ORDERS_SQL_LOCK_TIMEOUT_S": "1.5"}
-    )
-    assert (given.sql_idle_in_transaction_timeout_ms, given.sql_lock_timeout_ms) == (0, 1500)
+def test_the_postgresql_idle_timeout_must_stay_below_the_lease() -> None:
+    # A frozen sweeper must lose its locks before a standby takes its place (the bounds a
+    # session gets: tests/integration/test_pool_ping.py).
     with pytest.raises(InvalidInput, match="below lease_ttl_s"):
         Settings(lease_ttl_s=2, sql_idle_in_transaction_timeout_s=2)
 
@@ -118,14 +108,14 @@ def test_a_reminder_offset_not_positive_finite_and_below_the_time_to_pay_is_refu
     overrides: dict[str, object], words: str
 ) -> None:
     with pytest.raises(InvalidInput, match=words) as caught:
-        Settings(**overrides)  # type: ignore[arg-type]
+        Settings.from_env({}, **overrides)
     assert caught.value.field == "remind_before_s"
 
 
 def test_the_reminder_offset_is_off_by_default_and_read_from_the_environment() -> None:
-    assert (Settings().remind_before_s, Settings().remind_before_ms) == (None, None)
+    assert Settings().default_policy.remind_before_s is None
     given = Settings.from_env({"ORDERS_REMIND_BEFORE_S": "299.5"})
-    assert (given.remind_before_s, given.remind_before_ms) == (299.5, 299_500)
+    assert given.default_policy.remind_before_s == 299.5
     with pytest.raises(InvalidInput, match="below ttl_s"):
         Settings.from_env({"ORDERS_REMIND_BEFORE_S": "1800"})
     with pytest.raises(InvalidInput) as caught:
