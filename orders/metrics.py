@@ -1,21 +1,21 @@
 """Prometheus metrics of the expiry pipeline (prometheus-client, default registry).
 
 They live in the process's default registry, so a host application that already serves
-``/metrics`` exposes them with its own; ``orders scheduler --metrics-port`` serves them on
-its own. This module imports nothing else from the package but ``orders.errors``, so any
-module may count.
+``/metrics`` exposes them with its own; the operator pages (``orders.dashboard``) serve
+:func:`exposition` at theirs. This module imports nothing else from the package but
+``orders.errors``, so any module may count.
 
 prometheus-client is imported, and the metrics registered, when one of them is first used
 (``metrics.CREATES``...) or by :func:`register`: a command that counts nothing, such as
 ``orders show``, does not pay for it. A host application that wants the metrics listed
-before the service first counts calls :func:`register` at start; :func:`serve` does.
+before the service first counts calls :func:`register` at start.
 
 Several worker processes (gunicorn, ``uvicorn --workers``) each count in their own memory,
 so a scrape would see whichever worker answered. With ``PROMETHEUS_MULTIPROC_DIR`` set
 before the workers start, prometheus-client writes each process's values to files in that
-folder instead, and :func:`registry` (what :func:`serve` and :func:`exposition` show) reads
-them all: counters and histograms summed, each gauge combined as its ``multiprocess_mode``
-says. :func:`mark_process_dead` drops a dead worker's ``live*`` gauges.
+folder instead, and :func:`registry` (what :func:`exposition` shows) reads them all:
+counters and histograms summed, each gauge combined as its ``multiprocess_mode`` says.
+:func:`mark_process_dead` drops a dead worker's ``live*`` gauges.
 """
 
 from __future__ import annotations
@@ -281,11 +281,3 @@ def mark_process_dead(pid: int) -> None:
     folder = multiprocess_dir()
     if folder is not None:
         multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
-
-
-def serve(port: int, addr: str = "127.0.0.1") -> int:
-    """Serve /metrics on ``addr:port`` from a daemon thread; returns the port (0: any free)."""
-    from prometheus_client import start_http_server  # noqa: PLC0415
-
-    server, _thread = start_http_server(port, addr=addr, registry=registry())
-    return int(server.server_port)

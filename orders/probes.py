@@ -1,5 +1,5 @@
 """Whether a service's stores answer, for readiness probes: the scheduler's ``/readyz`` and
-that of the operator pages mounted in a host application (``orders.dashboard.asgi``).
+that of the operator pages without a scheduler (``orders dashboard``, a host application).
 
 A store answers when a ``SELECT 1`` on the engine and a Redis ``PING`` come back within
 :data:`READY_TIMEOUT_S`. The checks run side by side in threads of their own, so a store
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import text
 
-from orders.httpd import Request, Response, json_response
 from orders.service import OrderService
 
 #: How long a readiness probe waits for each store's answer.
@@ -74,15 +74,10 @@ class StoreHealth:
     def __init__(self, service: OrderService) -> None:
         self.service = service
 
-    def route(self, request: Request) -> Response | None:
-        if request.method not in ("GET", "HEAD"):
-            return None
-        if request.path == "/healthz":
-            return json_response(200, {"status": "ok"})
-        if request.path == "/readyz":
-            checks = store_checks(self.service)
-            ok = all_ok(checks)
-            return json_response(
-                200 if ok else 503, {"status": "ok" if ok else "failing", "checks": checks}
-            )
-        return None
+    def healthz(self) -> tuple[int, dict[str, Any]]:
+        return 200, {"status": "ok"}
+
+    def readyz(self) -> tuple[int, dict[str, Any]]:
+        checks = store_checks(self.service)
+        ok = all_ok(checks)
+        return 200 if ok else 503, {"status": "ok" if ok else "failing", "checks": checks}

@@ -41,7 +41,7 @@ from sqlalchemy import Engine, event
 
 from orders.bootstrap import build_engine
 from orders.config import Settings
-from orders.dashboard import start_dashboard
+from orders.dashboard import bind, start_dashboard
 from orders.dashboard.snapshot import compare_user, read_overview
 from orders.embedded.binary import find_redis_server
 from orders.service import OrderService
@@ -181,7 +181,8 @@ def run(args: argparse.Namespace, folder: Path) -> str:
 
             print("measuring", flush=True)
             user_rows = len(compare_user(service, USER)["rows"])
-            served = start_dashboard(service, "127.0.0.1", 0, token=None, refresh_s=0.001)
+            sock = bind("127.0.0.1", 0, field="port", token=None)
+            served = start_dashboard(service, sock, refresh_s=0.001)
             port = served.port
             sql_clock = SqlClock(engine)
             timings = measure(

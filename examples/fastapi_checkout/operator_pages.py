@@ -1,5 +1,5 @@
-"""The orders operator pages (the dashboard, /healthz, /readyz) inside a FastAPI app, under
-/ops/orders: the same pages as ``orders dashboard``, on the host's own port.
+"""The orders operator pages (the dashboard, /healthz, /readyz, /metrics) inside a FastAPI
+app, under /ops/orders: the same pages as ``orders dashboard``, on the host's own port.
 
 Run it (ORDERS_* settings and ORDERS_DASHBOARD_TOKEN from the environment)::
 

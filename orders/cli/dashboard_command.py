@@ -14,12 +14,11 @@ from orders.dashboard import (
     DEFAULT_HOST,
     DEFAULT_PORT,
     TOKEN_ENV,
-    check_bind,
+    bind,
     start_dashboard,
     token_from_env,
 )
 from orders.dashboard.server import DEFAULT_REFRESH_S
-from orders.httpd import check_port
 from orders.validation import check_seconds
 
 
@@ -56,14 +55,17 @@ def dashboard(
 ) -> None:
     """Serve the read-only live dashboard (token: ORDERS_DASHBOARD_TOKEN, never an option)."""
     token = token_from_env()
-    # Refused settings end here, before the stores are connected to.
-    check_bind(host, token)
-    check_port("port", port)
+    # Refused settings and a taken port end here, before the stores are connected to.
     check_seconds("refresh_s", refresh_s)
-    service = cli_state(ctx).service(long_running=True)
-    served = start_dashboard(
-        service, host, port, token=token, refresh_s=refresh_s, secure_cookie=secure_cookie
-    )
+    sock = bind(host, port, field="port", token=token)
+    try:
+        service = cli_state(ctx).service(long_running=True)
+        served = start_dashboard(
+            service, sock, token=token, refresh_s=refresh_s, secure_cookie=secure_cookie
+        )
+    except BaseException:
+        sock.close()
+        raise
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

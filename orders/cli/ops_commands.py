@@ -11,7 +11,6 @@ import click
 
 from orders.cli.app import cli_state, json_option, main, secure_cookie_option
 from orders.cli.render import dataclass_json, print_stats
-from orders.httpd import check_port
 
 
 @main.command()
@@ -79,57 +78,12 @@ def sweep(
     help="Orders closed per transaction. [default: 500]",
 )
 @click.option(
-    "--metrics-port",
-    type=int,
-    envvar="ORDERS_METRICS_PORT",
-    show_envvar=True,
-    help="Serve Prometheus metrics on this port (/metrics). [default: off]",
-)
-@click.option(
-    "--metrics-addr",
-    default="127.0.0.1",
-    show_default=True,
-    envvar="ORDERS_METRICS_ADDR",
-    show_envvar=True,
-    help="Address the metrics server listens on (0.0.0.0 for every interface).",
-)
-@click.option(
-    "--health-port",
-    type=int,
-    envvar="ORDERS_HEALTH_PORT",
-    show_envvar=True,
-    help="Serve /healthz and /readyz on this port (0: any free one, logged). [default: off]",
-)
-@click.option(
-    "--health-addr",
-    default="127.0.0.1",
-    show_default=True,
-    envvar="ORDERS_HEALTH_ADDR",
-    show_envvar=True,
-    help="Address the health server listens on (0.0.0.0 for a probe from outside).",
-)
-@click.option(
-    "--dashboard-port",
-    type=int,
-    envvar="ORDERS_DASHBOARD_PORT",
-    show_envvar=True,
-    help="Also serve the live dashboard on this port (see orders dashboard). [default: off]",
-)
-@click.option(
-    "--dashboard-host",
-    default="127.0.0.1",
-    show_default=True,
-    envvar="ORDERS_DASHBOARD_HOST",
-    show_envvar=True,
-    help="Address the dashboard listens on; anything but loopback needs ORDERS_DASHBOARD_TOKEN.",
-)
-@click.option(
     "--ops-port",
     type=int,
     envvar="ORDERS_OPS_PORT",
     show_envvar=True,
-    help="Serve /metrics, /healthz, /readyz and the dashboard together on this one port "
-    "(beside any of their own ports). [default: off]",
+    help="Serve /metrics, /healthz, /readyz and the dashboard on this port (0: any free "
+    "one, logged). [default: off]",
 )
 @click.option(
     "--ops-addr",
@@ -137,8 +91,8 @@ def sweep(
     show_default=True,
     envvar="ORDERS_OPS_ADDR",
     show_envvar=True,
-    help="Address the one server listens on; anything but loopback needs "
-    "ORDERS_DASHBOARD_TOKEN (the dashboard is on it).",
+    help="Address the pages listen on; anything but loopback needs ORDERS_DASHBOARD_TOKEN "
+    "(the dashboard is among them).",
 )
 @secure_cookie_option
 @click.pass_context
@@ -147,69 +101,32 @@ def scheduler(
     interval_s: float | None,
     lease_ttl_s: float | None,
     batch_size: int | None,
-    metrics_port: int | None,
-    metrics_addr: str,
-    health_port: int | None,
-    health_addr: str,
-    dashboard_port: int | None,
-    dashboard_host: str,
     ops_port: int | None,
     ops_addr: str,
     secure_cookie: bool,
 ) -> None:
     """Run the sweeper until SIGTERM/SIGINT (several may run; one is active)."""
-    from orders.scheduler.health import HealthServer, SchedulerHealth  # noqa: PLC0415
+    from orders.scheduler.health import SchedulerHealth  # noqa: PLC0415
     from orders.scheduler.process import run_scheduler  # noqa: PLC0415
 
-    dashboard_token = None
-    if dashboard_port is not None or ops_port is not None:
-        from orders.dashboard import check_bind, token_from_env  # noqa: PLC0415
-
-        dashboard_token = token_from_env()
-        if dashboard_port is not None:
-            check_bind(dashboard_host, dashboard_token)
-            check_port("dashboard_port", dashboard_port)
-    health: SchedulerHealth | None = None
-    if health_port is not None:
-        # Bound first: a bad or taken port stops the command before anything else starts.
-        # Its answers hold no secret, so any address given explicitly is allowed.
-        health = HealthServer(health_addr, health_port)
-        logging.getLogger("orders.health").info("health on %s/healthz", health.url)
-    ops = None
+    health = SchedulerHealth()
+    served = None
+    token = None
     if ops_port is not None:
-        from orders.cli.ops_server import OpsServer  # noqa: PLC0415
+        from orders.dashboard import Dashboard, OperatorApp, bind, serve, token_from_env  # noqa: PLC0415
 
-        ops = OpsServer(
-            ops_addr, ops_port, token=dashboard_token, health=health, secure_cookie=secure_cookie
-        )
-        health = ops.health  # one report, on either port
+        token = token_from_env()
+        # Served before the stores are reached: a bad or taken port ends the command at once.
+        # The probes answer "starting" until the scheduler runs; the dashboard's paths are
+        # 404 until its service is built.
+        served = serve(OperatorApp(health), bind(ops_addr, ops_port, field="ops_port", token=token))
         logging.getLogger("orders.health").info(
-            "metrics, health and dashboard on %s/ (/metrics, /healthz, /readyz)", ops.url
+            "metrics, health and dashboard on %s/ (/metrics, /healthz, /readyz)", served.url
         )
-    if metrics_port is not None:
-        from orders.metrics import serve  # noqa: PLC0415
-
-        port = serve(metrics_port, metrics_addr)
-        logging.getLogger("orders.metrics").info(
-            "metrics on http://%s:%d/metrics", metrics_addr, port
-        )
-
-    dashboard = None
     try:
         service = cli_state(ctx).service(long_running=True)
-        if ops is not None:
-            ops.add_dashboard(service)
-        if dashboard_port is not None:
-            from orders.dashboard import start_dashboard  # noqa: PLC0415
-
-            dashboard = start_dashboard(
-                service,
-                dashboard_host,
-                dashboard_port,
-                token=dashboard_token,
-                secure_cookie=secure_cookie,
-            )
-            logging.getLogger("orders.dashboard").info("dashboard on %s/", dashboard.url)
+        if served is not None:
+            served.app.dashboard = Dashboard(service, token=token, secure_cookie=secure_cookie)
         run_scheduler(
             service,
             interval_s=interval_s,
@@ -218,9 +135,8 @@ def scheduler(
             health=health,
         )
     finally:
-        for opened in (dashboard, ops, health):
-            if opened is not None:
-                opened.close()
+        if served is not None:
+            served.close()
 
 
 @main.command()

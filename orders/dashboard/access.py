@@ -15,15 +15,27 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from http.cookies import CookieError, SimpleCookie
 
 from orders.errors import InvalidInput
-from orders.httpd import is_loopback
 
 TOKEN_ENV = "ORDERS_DASHBOARD_TOKEN"  # noqa: S105 - the variable's name, not a secret
 #: A token shorter than this is refused: it guards order data on the network.
 TOKEN_MIN_LENGTH = 16
 COOKIE_NAME = "orders_dashboard"
+#: Host names taken as loopback without asking a resolver.
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only listens on this machine."""
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything, so it is not taken as loopback
 
 
 def check_token(token: str | None) -> None:

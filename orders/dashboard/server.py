@@ -11,9 +11,9 @@ dashboard is mounted (``/`` on its own port, ``/ops/orders/`` inside a host app)
 * ``/login`` the token form (only with a token set); it sets the session cookie.
 
 The page and the form name these by relative URLs, and the redirects and the cookie's path
-carry the mount point, so the same files work at any prefix. :meth:`Dashboard.route`
-answers a :class:`~orders.httpd.Request` whichever server carried it: the threaded one
-here (:meth:`Dashboard.serve`) or an ASGI host (:mod:`orders.dashboard.asgi`).
+carry the mount point, so the same files work at any prefix. :meth:`Dashboard.route` is a
+plain function from a :class:`Request` to a :class:`Response` (it blocks: it reads the
+stores); :mod:`orders.dashboard.asgi` carries it, beside the probes and the metrics.
 
 The overview is read at most once per ``refresh_s`` however many browsers are watching:
 the streams share one cached reading, so ten open tabs cost the stores what one does.
@@ -24,24 +24,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Any
 from urllib.parse import parse_qs
 
-from orders.dashboard.access import Access, check_bind
+from orders.dashboard.access import Access
 from orders.dashboard.snapshot import compare_user, read_overview
 from orders.errors import InvalidInput, StoreUnavailable
-from orders.httpd import (
-    EventStream,
-    OpenCount,
-    Request,
-    Response,
-    Served,
-    first_of,
-    json_response,
-    serve,
-)
 from orders.service import OrderService
 from orders.validation import check_seconds
 
@@ -58,6 +50,78 @@ PAGE_POLICY = (
 LOGIN_POLICY = PAGE_POLICY.replace("style-src 'self'", "style-src 'unsafe-inline'")
 DEFAULT_REFRESH_S = 2.0
 HTML = "text/html; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request, as the routes see it."""
+
+    method: str
+    #: Below the mount point: ``/api/overview``; ``""`` when the mount point itself was asked.
+    path: str
+    query: str = ""
+    #: By lower-case name.
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    #: Where the app is mounted (``/ops/orders``); ``""`` when it has the server to itself.
+    root: str = ""
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+    def param(self, name: str) -> str:
+        """The first value of query parameter ``name`` ("" when absent)."""
+        return parse_qs(self.query).get(name, [""])[0]
+
+
+class OpenCount:
+    """How many of something are open now (event streams), thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            self._value += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._value -= 1
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A server-sent event stream: ``next_event()`` now and every ``interval_s`` after, until
+    ``closing`` is set or the client goes away. ``next_event`` blocks (it reads the stores)."""
+
+    next_event: Callable[[], bytes]
+    interval_s: float
+    closing: threading.Event
+    #: The streams open now, of the dashboard that made this one.
+    open: OpenCount
+
+
+@dataclass(frozen=True)
+class Response:
+    """What a route answers: a body, or an event stream (then ``body`` is unused)."""
+
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    stream: EventStream | None = None
+
+
+def json_response(status: int, body: Any, headers: Mapping[str, str] | None = None) -> Response:
+    """``body`` as JSON."""
+    return Response(status, json.dumps(body).encode(), "application/json", headers or {})
 
 
 def _asset(name: str) -> bytes:
@@ -110,15 +174,8 @@ class Dashboard:
         self.overview = Overview(lambda: read_overview(service), refresh_s / 2)
         #: Set on close: every open event stream ends at its next wake-up.
         self.closing = threading.Event()
-        #: The event streams open now, whichever server carries them.
+        #: The event streams open now.
         self.streams = OpenCount()
-
-    def serve(self, host: str, port: int) -> Served:
-        """Listen on ``host:port`` (refused off loopback without a token) from a thread."""
-        check_bind(host, self.access.token)
-        app = first_of(self.route)
-        name = "orders-dashboard"
-        return serve(app, host, port, name=name, field="port", on_close=self.closing.set)
 
     def route(self, request: Request) -> Response | None:
         """The dashboard's answer to ``request``; None for a path that is not its own."""

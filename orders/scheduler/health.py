@@ -1,8 +1,8 @@
 """The scheduler's health endpoints: ``/healthz`` (alive) and ``/readyz`` (its stores answer).
 
-``orders scheduler --health-port`` serves them for probes (a Kubernetes liveness and
-readiness probe, a load balancer, a person with curl). The two answer different questions,
-so a store outage never gets a healthy process restarted:
+``orders scheduler --ops-port`` serves them for probes (a Kubernetes liveness and readiness
+probe, a load balancer, a person with curl), beside the metrics and the dashboard. The two
+answer different questions, so a store outage never gets a healthy process restarted:
 
 * ``/healthz`` is 200 while the scheduler runs and its sweep job shows signs of life: a tick
   or a sweep's batch started within ``max(3 * cadence_s, lease_ttl_s)``. Ticks come at
@@ -14,10 +14,7 @@ so a store outage never gets a healthy process restarted:
 
 Both answer JSON with the scheduler's role (active: it holds the lease; standby), its owner
 token, its last successful sweep and its lease expiry, and the checks made. They answer 503
-``starting`` until :meth:`SchedulerHealth.attach` hands them the sweeper and its
-scheduler. :class:`HealthServer` serves them on a port of their own, bound before the
-scheduler starts (a taken port is an error at once); ``orders scheduler --ops-port`` puts
-:meth:`SchedulerHealth.route` beside the metrics and the dashboard instead.
+``starting`` until :meth:`SchedulerHealth.attach` hands them the sweeper and its scheduler.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from orders.httpd import Request, Response, Served, first_of, json_response, serve
 from orders.probes import all_ok, store_checks
 from orders.scheduler.sweeper import Sweeper
 
@@ -44,19 +40,6 @@ class SchedulerHealth:
         """Report on ``sweeper`` and its APScheduler ``scheduler`` from now on."""
         self._scheduler = scheduler
         self._sweeper = sweeper
-
-    def close(self) -> None:
-        """Nothing to stop: the server that carries the routes is closed by its owner."""
-
-    def route(self, request: Request) -> Response | None:
-        """``/healthz`` and ``/readyz`` (GET or HEAD); None for anything else."""
-        if request.method not in ("GET", "HEAD"):
-            return None
-        if request.path == "/healthz":
-            return json_response(*self.healthz())
-        if request.path == "/readyz":
-            return json_response(*self.readyz())
-        return None
 
     def healthz(self) -> tuple[int, dict[str, Any]]:
         sweeper = self._sweeper
@@ -79,26 +62,6 @@ class SchedulerHealth:
             return 503, {"status": "failing", "checks": {"scheduler": "starting"}}
         checks = store_checks(sweeper.service)
         return _answer(sweeper, checks, ok=all_ok(checks))
-
-
-class HealthServer(SchedulerHealth):
-    """The probes on a port of their own, bound at once."""
-
-    def __init__(self, host: str, port: int) -> None:
-        super().__init__()
-        app = first_of(self.route)
-        self.served: Served = serve(app, host, port, name="orders-health", field="health_port")
-        self._closed = False
-
-    @property
-    def url(self) -> str:
-        return self.served.url
-
-    def close(self) -> None:
-        """Stop serving (idempotent)."""
-        if not self._closed:
-            self._closed = True
-            self.served.close()
 
 
 def _answer(sweeper: Sweeper, checks: dict[str, Any], *, ok: bool) -> tuple[int, dict[str, Any]]:

@@ -38,9 +38,8 @@ def run_scheduler(
     The sweeper's ``summary`` line comes at most every ``summary_period_s``, and once more
     on the way out.
 
-    ``health`` (a :class:`~orders.scheduler.health.SchedulerHealth`, a bound
-    ``HealthServer`` among them) reports on this scheduler while it runs and is closed on
-    the way out.
+    ``health`` (a :class:`~orders.scheduler.health.SchedulerHealth`) reports on this
+    scheduler while it runs.
     """
     sweeper = Sweeper(
         service,
@@ -69,8 +68,6 @@ def run_scheduler(
         scheduler.start()
     finally:
         sweeper.close()
-        if health is not None:
-            health.close()
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         log_event(logging.INFO, "scheduler_stopped", owner=sweeper.owner)

@@ -111,10 +111,10 @@ def test_readyz_reports_sql_down_once_the_file_is_gone(
     service = make_service()
     sweeper = Sweeper(service, owner="A", reconcile_at_start=False)
     try:
-        with health_of(sweeper) as health:
-            assert health.readyz()[0] == 200
-            database_path(database_url).unlink()
-            status, body = health.readyz()
+        health = health_of(sweeper)
+        assert health.readyz()[0] == 200
+        database_path(database_url).unlink()
+        status, body = health.readyz()
     finally:
         sweeper.close()
     assert (status, body["checks"]) == (503, {"sql": "down: StoreUnavailable", "redis": "ok"})

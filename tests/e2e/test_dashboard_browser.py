@@ -39,10 +39,9 @@ from playwright.sync_api import (
     sync_playwright,
 )
 
-from orders.dashboard import start_dashboard
+from orders.dashboard import Served, bind, start_dashboard
 from orders.errors import OrderClosed
 from orders.events.consumer import EventConsumer
-from orders.httpd import Served
 from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.index.lease import SweeperLease
 from orders.index.nodes import RedisClient
@@ -92,7 +91,8 @@ def browser(playwright: Playwright) -> Iterator[Browser]:
 
 @pytest.fixture
 def dashboard(service: OrderService) -> Iterator[Served]:
-    served = start_dashboard(service, "127.0.0.1", 0, token=TOKEN, refresh_s=0.2)
+    sock = bind("127.0.0.1", 0, field="port", token=TOKEN)
+    served = start_dashboard(service, sock, token=TOKEN, refresh_s=0.2)
     try:
         yield served
     finally:

@@ -131,39 +131,3 @@ def test_it_serves_until_sigterm_and_never_prints_its_token(
     assert proc.returncode == 0, stderr
     assert f"dashboard on http://127.0.0.1:{port}/" in stderr
     assert TOKEN not in stdout + stderr
-
-
-def test_the_scheduler_refuses_an_open_dashboard_before_it_starts() -> None:
-    args = ["scheduler", "--dashboard-port", "0", "--dashboard-host", "0.0.0.0"]
-    done = CliRunner().invoke(main, args, env=UNREACHABLE, catch_exceptions=False)
-    assert done.exit_code == 2, done.output
-    assert done.stderr.count("\n") == 1, done.stderr
-    assert "set ORDERS_DASHBOARD_TOKEN" in done.stderr
-
-
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_a_scheduler_serves_the_dashboard_showing_itself_active(
-    database_url: str, redis_url: str
-) -> None:
-    port = free_port()
-    command = ["scheduler", "--interval", "0.2", "--dashboard-port", str(port)]
-    with orders_process(database_url, redis_url, *command) as proc:
-        deadline = time.monotonic() + 20
-        url = f"http://127.0.0.1:{port}/api/overview"
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the scheduler's dashboard never showed it"
-            if listening(port):
-                scheduling = fetch(url, TOKEN)[1]["scheduling"]
-                beats = scheduling["schedulers"]
-                if scheduling["lease_owner"] and beats and beats[0]["last_sweep_ms"]:
-                    break
-            time.sleep(0.05)
-        assert [beat["owner"] for beat in beats] == [scheduling["lease_owner"]]
-        assert beats[0]["active"] is True
-        assert fetch(url, None)[0] == 401
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=15)
-    assert proc.returncode == 0, stderr
-    assert f"dashboard on http://127.0.0.1:{port}/" in stderr
-    assert not listening(port)

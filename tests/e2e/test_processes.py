@@ -59,7 +59,7 @@ def test_scheduler_command_closes_orders_at_their_expiry_and_stops_on_sigterm(
             "scheduler",
             "--interval",
             "0.5",
-            "--metrics-port",
+            "--ops-port",
             str(port),
         ],
         env=child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url),

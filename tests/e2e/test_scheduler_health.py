@@ -1,5 +1,7 @@
-"""`orders scheduler --health-port` as the real process a probe talks to: healthy and ready,
-then its Redis stops: not ready (naming Redis), still healthy (restarting it would not help)."""
+"""`orders scheduler --ops-port` as the real process a probe, Prometheus and an operator talk
+to, on one port: healthy and ready, its metrics, its dashboard (showing it active, behind the
+token, with a Secure login cookie); then its Redis stops: not ready (naming Redis), still
+healthy (restarting it would not help); at SIGTERM it stops and frees the port."""
 
 from __future__ import annotations
 
@@ -23,13 +25,23 @@ import pytest
 from tests.support.processes import REPO, child_env, free_port, run_orders, stop_process
 from tests.support.redis_server import RedisServer
 
+TOKEN = "a-scheduler-dashboard-token"
 
-def get(url: str) -> tuple[int, dict[str, Any]]:
+
+def request(
+    url: str, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, method=method, headers=headers or {})
     try:
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            return answer.status, json.loads(answer.read())
+        with urllib.request.urlopen(req, timeout=10) as answer:
+            return answer.status, answer.read()
     except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+        return error.code, error.read()
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    status, body = request(url, headers=headers)
+    return status, json.loads(body)
 
 
 def wait_for(
@@ -45,28 +57,14 @@ def wait_for(
         time.sleep(0.05)
 
 
-def stopped(proc: subprocess.Popen[str]) -> str:
-    """SIGTERM, then its stderr once it exited 0."""
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=15)
-    assert proc.returncode == 0, stderr
-    return stderr
-
-
-def kill_if_running(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        stop_process(proc, signum=signal.SIGKILL)
-        proc.communicate()
-
-
 def answered_after_a_sweep(
-    url: str, status: int
+    url: str, status: int, headers: dict[str, str] | None = None
 ) -> Callable[[], tuple[int, dict[str, Any]] | None]:
     """A probe of ``url``: its answer once it is ``status`` and names a sweep, else None."""
 
     def probe() -> tuple[int, dict[str, Any]] | None:
         try:
-            found = get(url)
+            found = get(url, headers)
         except OSError:
             return None  # not listening yet
         return found if found[0] == status and found[1].get("last_successful_sweep") else None
@@ -74,20 +72,33 @@ def answered_after_a_sweep(
     return probe
 
 
+def login_cookie(port: int) -> str:
+    """The Set-Cookie of a login with the token on the pages at ``port``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    conn.request("POST", "/login", body=f"token={TOKEN}", headers=form)
+    reply = conn.getresponse()
+    reply.read()
+    conn.close()
+    return reply.getheader("Set-Cookie") or ""
+
+
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_health_and_readiness_of_a_real_scheduler_and_its_redis_going_down(
+def test_one_port_serves_probes_metrics_and_dashboard_of_a_real_scheduler_as_its_redis_goes(
     database_url: str, redis_binary: Path | None
 ) -> None:
     folder = Path(tempfile.mkdtemp(prefix="ohr", dir="/tmp"))
     server = RedisServer(folder, binary=redis_binary).start()
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orders", "scheduler", "--interval", "0.2"],
+        [sys.executable, "-m", "orders", "-v", "scheduler", "--interval", "0.2"],
         env=child_env(
             ORDERS_HOME=str(folder / "home"),
             ORDERS_DATABASE_URL=database_url,
             ORDERS_REDIS_URL=server.url,
-            ORDERS_HEALTH_PORT=str(port),
+            ORDERS_OPS_PORT=str(port),
+            ORDERS_DASHBOARD_TOKEN=TOKEN,
+            ORDERS_DASHBOARD_SECURE_COOKIE="1",  # browsers reach it over HTTPS
         ),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -95,6 +106,7 @@ def test_health_and_readiness_of_a_real_scheduler_and_its_redis_going_down(
         text=True,
     )
     base = f"http://127.0.0.1:{port}"
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
 
     def answered(path: str, status: int) -> Callable[[], tuple[int, dict[str, Any]] | None]:
         return answered_after_a_sweep(base + path, status)
@@ -108,6 +120,26 @@ def test_health_and_readiness_of_a_real_scheduler_and_its_redis_going_down(
         assert healthy["lease_expires_ms"] > healthy["last_successful_sweep_ms"]
         status, ready = get(base + "/readyz")
         assert (status, ready["checks"]) == (200, {"sql": "ok", "redis": "ok"})
+        assert request(base + "/readyz", "HEAD") == (200, b"")
+        status, metrics = request(base + "/metrics")  # no token: no order data there
+        assert status == 200
+        assert b"\norders_scheduler_active 1.0\n" in metrics
+
+        # The dashboard behind the token shows this scheduler active, by its beat.
+        def beat() -> tuple[int, dict[str, Any]] | None:
+            scheduling = get(base + "/api/overview", bearer)[1]["scheduling"]
+            beats = scheduling["schedulers"]
+            return (200, scheduling) if beats and beats[0]["last_sweep_ms"] else None
+
+        _, scheduling = wait_for("the dashboard to show a beat", beat, proc)
+        assert scheduling["lease_owner"] == healthy["owner"]
+        assert [(b["owner"], b["active"]) for b in scheduling["schedulers"]] == [
+            (healthy["owner"], True)
+        ]
+        assert get(base + "/api/overview")[0] == 401
+        status, page = request(base + "/", headers=bearer)
+        assert (status, b'src="static/dashboard.js"' in page) == (200, True)
+        assert login_cookie(port).endswith("; HttpOnly; SameSite=Strict; Secure")
 
         server.stop()  # the test's own Redis, by its PID
         _, not_ready = wait_for("/readyz 503", answered("/readyz", 503), proc)
@@ -118,14 +150,20 @@ def test_health_and_readiness_of_a_real_scheduler_and_its_redis_going_down(
         status, still = get(base + "/healthz")
         assert (status, still["status"], still["checks"]["scheduler"]) == (200, "ok", "running")
 
-        assert f"health on {base}/healthz" in stopped(proc)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=15)
+        assert proc.returncode == 0, stderr
+        assert f"metrics, health and dashboard on {base}/" in stderr
+        assert TOKEN not in stderr
     finally:
-        kill_if_running(proc)
+        if proc.poll() is None:
+            stop_process(proc, signum=signal.SIGKILL)
+            proc.communicate()
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_a_bad_or_taken_health_port_is_one_line_and_exit_2_before_anything_starts(
+def test_a_bad_taken_or_open_ops_port_is_one_line_and_exit_2_before_anything_starts(
     tmp_path: Path,
 ) -> None:
     home = tmp_path / "home"
@@ -133,87 +171,17 @@ def test_a_bad_or_taken_health_port_is_one_line_and_exit_2_before_anything_start
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for args, problem in [
-            (["--health-port", "70000"], "must be a TCP port"),
-            (["--health-port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+        with_token = {"ORDERS_DASHBOARD_TOKEN": TOKEN}
+        for args, env, problem in [
+            (["--ops-port", "70000"], {}, "invalid ops_port: must be between 0 and 65535"),
+            ([f"--ops-port={port}"], {}, f"invalid ops_port: cannot listen on 127.0.0.1:{port}"),
+            # An address of no interface here (TEST-NET-1).
+            (["--ops-port=0", "--ops-addr=192.0.2.1"], with_token, "invalid ops_port: cannot"),
+            # Off loopback the dashboard on the port needs its token.
+            (["--ops-port=0", "--ops-addr=0.0.0.0"], {}, "invalid host: 0.0.0.0 is not loop"),
         ]:
-            done = run_orders("scheduler", *args, env=child_env(ORDERS_HOME=str(home)))
+            done = run_orders("scheduler", *args, env=child_env(ORDERS_HOME=str(home), **env))
             assert done.returncode == 2, done.stderr
             (line,) = done.stderr.splitlines()
-            assert line.startswith(f"error: invalid health_port: {problem}")
+            assert line.startswith(f"error: {problem}"), line
             assert not home.exists()  # no store was opened, no embedded Redis started
-
-
-def secure_login_cookie(port: int, token: str | None) -> str:
-    """The Set-Cookie of a login on the dashboard at ``port`` ("" when none is set)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    form = {"Content-Type": "application/x-www-form-urlencoded"}
-    conn.request("POST", "/login", body=f"token={token or ''}", headers=form)
-    reply = conn.getresponse()
-    reply.read()
-    conn.close()
-    return reply.getheader("Set-Cookie") or ""
-
-
-@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
-def test_one_port_serves_metrics_health_and_the_dashboard(
-    database_url: str, redis_url: str, redis_client: Any, tmp_path: Path
-) -> None:
-    port = free_port()
-    env = child_env(
-        ORDERS_HOME=str(tmp_path / "home"),
-        ORDERS_DATABASE_URL=database_url,
-        ORDERS_REDIS_URL=redis_url,
-        ORDERS_OPS_PORT=str(port),
-    )
-    token = "t" * 32
-    proc = subprocess.Popen(  # the dashboard's login cookie marked Secure (behind TLS)
-        [sys.executable, "-m", "orders", "scheduler", "--interval", "0.2"],
-        env={**env, "ORDERS_DASHBOARD_TOKEN": token, "ORDERS_DASHBOARD_SECURE_COOKIE": "1"},
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_for(
-            "/healthz 200 after a sweep",
-            answered_after_a_sweep(f"http://127.0.0.1:{port}/healthz", 200),
-            proc,
-        )
-        assert secure_login_cookie(port, token).endswith("; HttpOnly; SameSite=Strict; Secure")
-        stopped(proc)
-    finally:
-        kill_if_running(proc)
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orders", "scheduler", "--interval", "0.2"],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        swept = answered_after_a_sweep(base + "/healthz", 200)
-        _, healthy = wait_for("/healthz 200 after a sweep", swept, proc)
-        assert healthy["role"] == "active"
-        status, ready = get(base + "/readyz")
-        assert (status, ready["checks"]) == (200, {"sql": "ok", "redis": "ok"})
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as answer:
-            metrics = answer.read().decode()
-        assert "\norders_scheduler_active 1.0\n" in metrics
-        status, overview = get(base + "/api/overview")  # loopback: no token needed
-        assert status == 200
-        assert overview["sql"]["stats"]["by_status"]["unpaid"] == 0
-        with urllib.request.urlopen(base + "/", timeout=10) as answer:
-            assert b'src="static/dashboard.js"' in answer.read()
-
-        assert f"metrics, health and dashboard on {base}/" in stopped(proc)
-    finally:
-        kill_if_running(proc)
-    # Off loopback the one port needs the dashboard's token, as the dashboard's own does.
-    refused = run_orders("scheduler", "--ops-port", "0", "--ops-addr", "0.0.0.0", env=env)
-    assert refused.returncode == 2, refused.stderr
-    assert "ORDERS_DASHBOARD_TOKEN" in refused.stderr

@@ -20,7 +20,7 @@ from orders.sql import migrate
 from tests.support.processes import child_env, run_orders, run_python
 
 #: Libraries that cost tens to hundreds of milliseconds to import.
-HEAVY = ("sqlalchemy", "redis", "apscheduler", "rich", "prometheus_client", "alembic")
+HEAVY = ("sqlalchemy", "redis", "apscheduler", "rich", "prometheus_client", "alembic", "uvicorn")
 
 # Runs ``orders ARGS`` in this interpreter, then prints one JSON line: the exit status and
 # the heavy packages (and their submodules) that were imported.

@@ -741,9 +741,6 @@ NO_VARIABLE = {"default_policy", "expires"}
 #: Read by the command line only (options of ``main`` or of one command), not Settings.
 CLI_MALFORMED: list[tuple[str, str, tuple[str, ...]]] = [
     ("ORDERS_LOG_FORMAT", "xml", tuple(ALL_COMMANDS)),
-    ("ORDERS_METRICS_PORT", "http", ("scheduler",)),
-    ("ORDERS_HEALTH_PORT", "http", ("scheduler",)),
-    ("ORDERS_DASHBOARD_PORT", "http", ("scheduler",)),  # the dashboard row passes --port
     ("ORDERS_OPS_PORT", "http", ("scheduler",)),
 ]
 #: Commands that read no setting but ORDERS_HOME (and main's log format): ``demo`` always

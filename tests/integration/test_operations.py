@@ -4,32 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import re
-import urllib.request
 
 from orders import OrderClosed, UnpaidOrderLimitReached
-from orders.metrics import serve
+from orders.metrics import exposition
 from orders.service import OrderService
 from orders.sql.stats import CloseLag, LagBucket, collect_stats
 from tests.support.clocks import ManualClock
 
 
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+def scrape() -> dict[str, float]:
     values: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in exposition()[0].decode().splitlines():
         match = re.match(r"^(orders_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
         if match:
             values[match.group(1)] = float(match.group(2))
     return values
 
 
-def test_metrics_are_served_and_move_as_orders_are_created_paid_and_closed(
+def test_metrics_move_as_orders_are_created_paid_and_closed(
     make_service: type, clock: ManualClock
 ) -> None:
     service: OrderService = make_service(unpaid_limit=2)
-    port = serve(0)
-    before = scrape(port)
+    before = scrape()
 
     paid = service.create_unpaid_order("u1", ttl_s=10)
     service.create_unpaid_order("u1", ttl_s=10)
@@ -45,7 +41,7 @@ def test_metrics_are_served_and_move_as_orders_are_created_paid_and_closed(
     with contextlib.suppress(OrderClosed):
         service.mark_paid(late.id)
 
-    after = scrape(port)
+    after = scrape()
 
     def moved(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)

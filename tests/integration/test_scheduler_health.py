@@ -1,6 +1,6 @@
 """What a scheduler tells the outside, on the test's stores with the manual clock: its
-gauges, its heartbeat, its job failures and its health endpoints (served in-process here;
-tests/e2e/test_scheduler_health.py runs the real ``orders scheduler --health-port``).
+gauges, its heartbeat, its job failures and its health probes' answers (asked in-process
+here; tests/e2e/test_scheduler_health.py asks the real ``orders scheduler --ops-port``).
 
 The gauges live in the process's default registry, shared by every sweeper of the test, so
 each assertion reads the value right after the tick that set it."""
@@ -11,8 +11,6 @@ import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +24,7 @@ from orders.events.admin import discard_parked, list_parked
 from orders.events.consumer import OrderEvent
 from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.scheduler.event_jobs import consumer_name
-from orders.scheduler.health import HealthServer
+from orders.scheduler.health import SchedulerHealth
 from orders.scheduler.jobs import EVENTS_JOB_ID, JOB_ID, build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
@@ -230,17 +228,7 @@ def test_a_job_that_raises_is_counted_once_per_failed_run(
     assert sample("orders_job_failures_total", scheduler_job=JOB_ID) == before + 1
 
 
-# --- the health endpoints, in-process ----------------------------------------------------------
-
-
-def get(url: str, method: str = "GET") -> tuple[int, dict[str, Any] | None]:
-    request = urllib.request.Request(url, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            status, data = answer.status, answer.read()
-    except urllib.error.HTTPError as error:
-        status, data = error.code, error.read()
-    return status, json.loads(data) if data else None
+# --- the health probes ---------------------------------------------------------------------
 
 
 def test_a_standby_is_healthy_and_ready_and_says_it_is_a_standby(
@@ -250,16 +238,13 @@ def test_a_standby_is_healthy_and_ready_and_says_it_is_a_standby(
     sweeper = Sweeper(service, owner="B", reconcile_at_start=False)
     assert sweeper.lease.acquire("A", 60_000)  # another process is active
     scheduler = build_scheduler(sweeper, blocking=False)
-    health = HealthServer("127.0.0.1", 0)
+    health = SchedulerHealth()
     try:
-        assert get(f"{health.url}/healthz") == (
-            503,
-            {"status": "failing", "checks": {"scheduler": "starting"}},
-        )
+        starting = (503, {"status": "failing", "checks": {"scheduler": "starting"}})
+        assert health.healthz() == health.readyz() == starting
         health.attach(sweeper, scheduler)
         scheduler.start()
-        status, body = get(f"{health.url}/healthz")
-        assert body is not None
+        status, body = health.healthz()
         assert status == 200, body
         assert {k: v for k, v in body.items() if k != "checks"} == {
             "status": "ok",
@@ -272,19 +257,16 @@ def test_a_standby_is_healthy_and_ready_and_says_it_is_a_standby(
         }
         assert body["checks"]["scheduler"] == "running"
         assert body["checks"]["sweep_job"] == "ok"
-        status, body = get(f"{health.url}/readyz")
-        assert (status, body and body["checks"]) == (200, {"sql": "ok", "redis": "ok"})
-        assert get(f"{health.url}/readyz", "HEAD") == (200, None)
-        assert get(f"{health.url}/metrics")[0] == 404
+        status, body = health.readyz()
+        assert (status, body["checks"]) == (200, {"sql": "ok", "redis": "ok"})
 
         scheduler.shutdown(wait=True)
-        status, body = get(f"{health.url}/healthz")
-        assert (status, body and body["checks"]["scheduler"]) == (503, "stopping")
+        status, body = health.healthz()
+        assert (status, body["checks"]["scheduler"]) == (503, "stopping")
     finally:
         if scheduler.running:
             scheduler.shutdown(wait=True)
         sweeper.close()
-        health.close()
 
 
 def test_the_active_one_shows_its_last_sweep_and_lease_in_iso_and_in_ms(
@@ -293,16 +275,11 @@ def test_the_active_one_shows_its_last_sweep_and_lease_in_iso_and_in_ms(
     clock.set(1_800_000_000_123)
     sweeper = Sweeper(make_service(), owner="A", lease_ttl_s=5, reconcile_at_start=False)
     sweeper.tick()
-    health = HealthServer("127.0.0.1", 0)
-    scheduler = build_scheduler(sweeper, blocking=False)
-    health.attach(sweeper, scheduler)
     try:
-        status, body = get(f"{health.url}/readyz")
+        status, body = health_of(sweeper).readyz()
     finally:
-        health.close()
         sweeper.close()
     assert status == 200
-    assert body is not None
     assert (body["role"], body["owner"]) == ("active", "A")
     assert body["last_successful_sweep_ms"] == 1_800_000_000_123
     assert body["last_successful_sweep"] == "2027-01-15T08:00:00.123+00:00"
@@ -317,9 +294,7 @@ def test_readyz_names_the_store_that_does_not_answer(
     settings = Settings(redis_url=MISSING_SOCKET_URL)
     no_redis = OrderService(service.engine, build_redis(settings), settings, clock=clock)
     sweeper = Sweeper(no_redis, owner="A")
-    with health_of(sweeper) as health:
-        status, body = get(f"{health.url}/readyz")
-    assert body is not None
+    status, body = health_of(sweeper).readyz()
     assert (status, body["status"]) == (503, "failing")
     assert body["checks"] == {"sql": "ok", "redis": "down: ConnectionError"}
     assert "unix://" not in json.dumps(body)
@@ -339,15 +314,15 @@ def test_healthz_fails_while_the_sweep_job_is_wedged_and_recovers(
 
     sweeper.tick = tick  # type: ignore[method-assign]
     scheduler = build_scheduler(sweeper, blocking=False)
-    health = HealthServer("127.0.0.1", 0)
+    health = SchedulerHealth()
     health.attach(sweeper, scheduler)
     scheduler.start()
 
     def status_until(wanted: int) -> dict[str, Any]:
         deadline = time.monotonic() + 10
         while True:
-            status, body = get(f"{health.url}/healthz")
-            if status == wanted and body is not None:
+            status, body = health.healthz()
+            if status == wanted:
                 return body
             assert time.monotonic() < deadline, f"/healthz never answered {wanted}: {body}"
             time.sleep(0.01)
@@ -367,7 +342,6 @@ def test_healthz_fails_while_the_sweep_job_is_wedged_and_recovers(
         release.set()
         scheduler.shutdown(wait=True)
         sweeper.close()
-        health.close()
 
 
 def test_a_sweep_cut_short_is_not_a_successful_sweep(

@@ -11,13 +11,19 @@ from orders.errors import InvalidInput
 TOKEN = "0123456789abcdef-token"
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "[::1]", "localhost", "LOCALHOST"]
+)
 def test_loopback_needs_no_token(host: str) -> None:
     check_bind(host, None)
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "dashboard.internal"])
+@pytest.mark.parametrize(
+    "host",
+    ["0.0.0.0", "::", "10.0.0.5", "192.168.1.2", "dashboard.internal", "localhost.example.com", ""],
+)
 def test_anything_else_needs_one(host: str) -> None:
+    # A name other than localhost may resolve to anything: never taken as loopback.
     with pytest.raises(InvalidInput, match="ORDERS_DASHBOARD_TOKEN"):
         check_bind(host, None)
     check_bind(host, TOKEN)
