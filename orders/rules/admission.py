@@ -203,32 +203,31 @@ class Admitter:
 
     def _insert(self, new: NewOrder, ours: bool, host: Connection | None) -> tuple[Order, bool]:
         """The SQL step of :meth:`create`; ``ours``: this call added the Redis member."""
-        uid, oid, now_ms = new.user_id, new.id, new.created_at_ms
         try:
             return self.records.insert_guarded(new, host), True
         except LimitReachedInSql as refused:
             if ours:
-                self._compensate(uid, oid, now_ms, host)
-            self._restore(uid, refused, now_ms, new.limit, host)
-            wait_s = retry_after_s(refused.earliest_ms, now_ms)
+                self._compensate(new, host)
+            self._restore(new, refused, host)
+            wait_s = retry_after_s(refused.earliest_ms, new.created_at_ms)
             raise UnpaidOrderLimitReached(
-                uid, refused.limit, refused.open_count, wait_s, source="sql"
+                new.user_id, refused.limit, refused.open_count, wait_s, source="sql"
             ) from None
         except InsertConflict:
             # The id exists in SQL: a concurrent twin of this create won the insert, an
             # earlier create with this id has since been paid or closed, or another user
             # owns the id.
             earlier = (
-                self._compensate(uid, oid, now_ms, host)
+                self._compensate(new, host)
                 if ours
-                else self.records.find(oid, now_ms, host)
+                else self.records.find(new.id, new.created_at_ms, host)
             )
             if earlier is None:
                 raise StoreUnavailable("sql", "insert refused by a constraint") from None
             return new.retry_of(earlier), False
         except OrdersError:
             if ours:
-                self._compensate(uid, oid, now_ms, host)
+                self._compensate(new, host)
             raise
 
     def reopen(
@@ -262,31 +261,23 @@ class Admitter:
             self.followups.release_after_commit(order.user_id, order.id)
         return row is not None
 
-    def _compensate(
-        self, user_id: str, order_id: str, now_ms: int, host: Connection | None
-    ) -> Order | None:
+    def _compensate(self, new: NewOrder, host: Connection | None) -> Order | None:
         """Undo our admission after the insert failed, unless the member indexes a real order.
 
         A concurrent twin of this create (same id, same user) may have committed the row
         (or, with ``host``, an earlier create in the host's transaction written it); its
         member must stay. Returns the row found, if any.
         """
+        user_id, order_id = new.user_id, new.id
         try:
-            existing = self.records.find(order_id, now_ms, host)
+            existing = self.records.find(order_id, new.created_at_ms, host)
         except OrdersError:
             existing = None
         if not (existing is not None and existing.user_id == user_id and existing.is_open):
             self.followups.release_after_commit(user_id, order_id, forget_admission=True)
         return existing
 
-    def _restore(
-        self,
-        user_id: str,
-        refused: LimitReachedInSql,
-        now_ms: int,
-        limit: int,
-        host: Connection | None,
-    ) -> None:
+    def _restore(self, new: NewOrder, refused: LimitReachedInSql, host: Connection | None) -> None:
         """Write SQL's view of the user back into the index (Redis had lost it): its own
         limit first, then its live orders.
 
@@ -297,6 +288,7 @@ class Admitter:
         its member unless still open (one that leaves later removes its own, after its
         commit).
         """
+        user_id, now_ms, limit = new.user_id, new.created_at_ms, new.limit
         try:
             self.index.limits.write({user_id: refused.own_limit})
             for order_id, expires_at_ms in sorted(refused.holders.items(), key=lambda h: h[1]):
