@@ -220,13 +220,38 @@ def is_open(status: str, expires_at_ms: int, now_ms: int) -> bool:
     return status == OrderStatus.UNPAID and expires_at_ms > now_ms
 
 
-def same_order(order: Order, user_id: str, amount: Decimal | None, currency: str | None) -> Order:
-    """``order`` if a create with these arguments is a retry of it; else OrderConflict."""
-    if order.user_id != user_id:
-        raise OrderConflict(order.id, "this order id belongs to another user")
-    if order.amount != amount or order.currency != currency:
-        raise OrderConflict(order.id, "this order id exists with another amount or currency")
-    return order
+@dataclass(frozen=True, slots=True)
+class NewOrder:
+    """A create on its way down, from the service to the admission, the combiner and the
+    SQL slot guard: the order to write and what its admission needs. A create's new field
+    is one line here (the SQL row is built from it in :func:`orders.sql.slots.order_row`)."""
+
+    id: str
+    user_id: str
+    #: When the create started: the order's creation, and the time its admission reads.
+    created_at_ms: int
+    expires_at_ms: int
+    #: The limit it is admitted under (the user's own, where set, replaces it).
+    limit: int
+    #: Who creates it (its ``created`` event says so).
+    actor: Actor
+    #: The caller chose the id: a refusal may be a retry of an order no longer open.
+    caller_id: bool = False
+    amount: Decimal | None = None
+    currency: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    remind_at_ms: int | None = None
+    policy: str | None = None
+    #: The caller's trace context, for its ``created`` event (``tracing.event_context``).
+    trace: dict[str, str] | None = None
+
+    def retry_of(self, order: Order) -> Order:
+        """``order`` if this create is a retry of it; else OrderConflict."""
+        if order.user_id != self.user_id:
+            raise OrderConflict(order.id, "this order id belongs to another user")
+        if order.amount != self.amount or order.currency != self.currency:
+            raise OrderConflict(order.id, "this order id exists with another amount or currency")
+        return order
 
 
 def refusal(order: Order) -> OrdersError:

@@ -2,7 +2,8 @@
 
 Each check of a single value lives in :mod:`orders.validation`; this module puts them
 together per use case, with the limits :class:`~orders.config.Settings` sets, and turns
-the result into what the use case works with: a create's row, a payment.
+the result into what the use case works with: a create's :class:`~orders.domain.NewOrder`, a
+payment.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from decimal import Decimal
 from typing import Any
 
 from orders.config import Settings
-from orders.domain import Actor, OrderStatus, Payment
+from orders.domain import Actor, NewOrder, Payment
 from orders.errors import InvalidInput
 from orders.policies import ExpiryPolicy, check_deadline, check_policy_name
 from orders.validation import (
     TEXT_MAX_LENGTH,
-    amount_to_text,
     check_amount,
     check_currency,
     check_currency_needs_amount,
@@ -108,22 +108,25 @@ class CreateRequest:
             deadline_ms=None if expires_at is None else check_deadline(expires_at),
         )
 
-    def row(self, order_id: str, now_ms: int) -> dict[str, Any]:
-        """The order's columns, created at ``now_ms`` (InvalidInput if its expiry would
-        not be exact as a Redis score, or its ``expires_at`` is not ahead of ``now_ms``)."""
+    def new_order(self, order_id: str, now_ms: int, trace: dict[str, str] | None) -> NewOrder:
+        """The create, started at ``now_ms`` (InvalidInput if its expiry would not be exact
+        as a Redis score, or its ``expires_at`` is not ahead of ``now_ms``); ``trace``: the
+        caller's trace context."""
         terms = self.terms
         expiry_ms = terms.expiry_ms(now_ms, self.ttl_ms, self.deadline_ms)
         expires_at_ms = check_expiry_ms(now_ms, expiry_ms - now_ms)
-        return {
-            "id": order_id,
-            "user_id": self.user_id,
-            "status": OrderStatus.UNPAID.value,
-            "amount": amount_to_text(self.amount),
-            "currency": self.currency,
-            "created_at_ms": now_ms,
-            "expires_at_ms": expires_at_ms,
-            "updated_at_ms": now_ms,
-            "metadata": self.metadata or None,
-            "remind_at_ms": terms.remind_at_ms(now_ms, expires_at_ms),
-            "policy": self.policy,
-        }
+        return NewOrder(
+            order_id,
+            self.user_id,
+            now_ms,
+            expires_at_ms,
+            self.limit,
+            self.actor,
+            caller_id=self.order_id is not None,
+            amount=self.amount,
+            currency=self.currency,
+            metadata=self.metadata,
+            remind_at_ms=terms.remind_at_ms(now_ms, expires_at_ms),
+            policy=self.policy,
+            trace=trace,
+        )

@@ -30,6 +30,7 @@ from orders.domain import (
     Actor,
     ActorKind,
     Clock,
+    NewOrder,
     Order,
     OrderIdGenerator,
     OrderStatus,
@@ -71,6 +72,7 @@ from orders.sql.retention import Retention
 from orders.sql.slot_batch import SlotBatch
 from orders.sql.user_limits import UserLimit
 from orders.validation import (
+    ON_LIMIT_REPLACE_OLDEST,
     TEXT_MAX_LENGTH,
     check_optional_text,
     check_order_id,
@@ -126,9 +128,12 @@ class OrderService:
         self.transitions = Transitioner(self.records, self.admitter, combine=combine)
         self.payments = Payments(self.transitions, s)
         self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)
+        #: Makes room at the limit for a create under ``on_limit="replace_oldest"``.
         self.replacer = Replacer(self.records, self.transitions, self.sweep)
-        if s.combine_creates:
-            self.replacer.combiner = CreateCombiner(self.admitter, SlotBatch(self.records.tx))
+        #: Combines concurrent creates (``Settings.combine_creates``), or None.
+        self.combiner = (
+            CreateCombiner(self.admitter, SlotBatch(self.records.tx)) if s.combine_creates else None
+        )
         self.reconciler = Reconciler(
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
@@ -220,8 +225,10 @@ class OrderService:
             )
             traced.set(user_id=asked.user_id)
             now_ms = self.clock()
+            oid = asked.order_id or self.new_order_id(now_ms)
+            new = asked.new_order(oid, now_ms, tracing.event_context())
             try:
-                order, created = self.replacer.admit(asked, self.new_order_id, now_ms, host)
+                order, created = self._create(new, asked.on_limit, host)
             except UnpaidOrderLimitReached as refused:
                 metrics.CREATES.labels(f"refused_{refused.source}").inc()
                 raise
@@ -234,6 +241,20 @@ class OrderService:
             metrics.CREATES.labels("admitted" if created else "retry").inc()
             traced.set(order_id=order.id, outcome="admitted" if created else "retry")
             return order
+
+    def _create(self, new: NewOrder, on_limit: str, host: Connection | None) -> tuple[Order, bool]:
+        """A create's admission, combined with concurrent ones where that is on. Under
+        ``replace_oldest`` alone, and at the limit one order replaced, then one admission
+        more, whose refusal is the create's (:mod:`orders.rules.replacing`)."""
+        if on_limit != ON_LIMIT_REPLACE_OLDEST:
+            return (self.combiner or self.admitter).create(new, host)
+        try:
+            return self.admitter.create(new, host)
+        except UnpaidOrderLimitReached as refused:
+            if host is not None:  # the cancel's release would wait for the host's commit
+                raise
+            self.replacer.make_room(refused, new)
+        return self.admitter.create(new)
 
     # --- per-user limits ---------------------------------------------------------------
 

@@ -89,7 +89,7 @@ def bench(engine_name: str, url: str, sock: Path, options: argparse.Namespace) -
         creates = max(5, options.total // threads)
         figures: dict[str, list[float]] = {"off": [], "on": []}
         latencies: dict[str, list[float]] = {"off": [], "on": []}
-        combiner = services["on"].replacer.combiner
+        combiner = services["on"].combiner
         assert combiner is not None
         before = (combiner.stats.combined, combiner.stats.batches)
         for r in range(options.rounds):

@@ -173,7 +173,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "idempotent-retry-refused-at-the-limit",
         "orders/rules/admission.py",
-        "earlier = self.records.find(oid, now_ms, host) if caller_id else None",
+        "earlier = self.records.find(new.id, now_ms, host) if new.caller_id else None",
         "earlier = None",
         "a retry of a known order id returns it, even at the limit",
         "tests/integration/test_create.py::test_retry_of_an_order_already_paid_returns_it_even_at_the_limit",
@@ -182,16 +182,16 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "retry-ignores-the-redis-expiry",
         "orders/rules/admission.py",
-        'values = {**values, "expires_at_ms": admitted.score_ms}',
-        "values = {**values}",
+        "new = replace(new, expires_at_ms=admitted.score_ms)",
+        "new = replace(new)",
         "a retry after a crash finishes the order with the expiry Redis holds",
         "tests/integration/test_create.py::test_a_retry_after_a_crash_between_redis_and_sql_finishes_the_order_with_the_redis_expiry",
     ),
     mutation(
         "conflict-not-raised-for-another-user",
         "orders/domain.py",
-        "    if order.user_id != user_id:",
-        "    if False:",
+        "        if order.user_id != self.user_id:",
+        "        if False:",
         "an order id of another user is an OrderConflict",
         "tests/integration/test_create.py::test_the_same_order_id_for_another_user_is_a_conflict_and_leaves_no_member",
     ),
@@ -269,9 +269,8 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "created-event-dropped-postgresql",
         "orders/sql/slots.py",
-        "            self._insert = with_events("
-        'self._insert, "created", EventKind.CREATED, created_at, data)',
-        "            pass",
+        '    return with_events(returned, "created", EventKind.CREATED, created_at, data)',
+        "    return returned",
         "a create writes its created event (outbox), also in PostgreSQL's one statement",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
     ),
@@ -288,7 +287,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "orders/sql/slots.py",
         "                record_events(\n"
         "                    conn, created, EventKind.CREATED, "
-        'values["created_at_ms"], data, actor\n'
+        "new.created_at_ms, new.trace, new.actor\n"
         "                )",
         "                pass",
         "a create writes its created event (outbox)",

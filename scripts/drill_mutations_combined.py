@@ -20,7 +20,7 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "combined-create-event-time-lost",
         "orders/sql/slot_batch.py",
-        '                at_ms = request.values["created_at_ms"]',
+        "                at_ms = new.created_at_ms",
         "                at_ms = 0",
         "each created event of a combined batch carries its own create's time",
         "tests/concurrency/test_combined_creates.py::test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order",

@@ -135,7 +135,7 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "retry-with-another-amount-accepted",
         "orders/domain.py",
-        "if order.amount != amount or order.currency != currency:",
+        "if order.amount != self.amount or order.currency != self.currency:",
         "if False:",
         "the same order id with another amount or currency is an OrderConflict",
         "tests/integration/test_create.py::test_the_same_order_id_with_another_amount_or_currency_is_a_conflict",

@@ -155,7 +155,7 @@ def callers(w: Workload) -> dict[str, Any]:
         "tasks_vs_floor": spread(ratios(runs[f"create_async@{most}tasks"], against)),
         "combined_vs_floor": spread(ratios(runs[f"create_combined@{most}"], against)),
     }
-    combiner = w.combined.replacer.combiner
+    combiner = w.combined.combiner
     if combiner is not None:  # what the combining service did, over all its runs
         out["combiner"] = asdict(combiner.stats)
     queue = w.combined.transitions.queue

@@ -15,7 +15,7 @@ from typing import Any
 from orders.aio import AsyncOrderService
 from orders.bench.measure import Run, Variant, run_ops
 from orders.bench.workload import Workload
-from orders.domain import APPLICATION, EventKind
+from orders.domain import APPLICATION, EventKind, NewOrder
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from orders.service import OrderService
 from orders.sql.records import LimitReachedInSql
@@ -208,9 +208,9 @@ def sql_guard(w: Workload, *, refuse: bool) -> Variant:
 
         def op(i: int) -> None:
             now = clock()
-            values = w.row(ids[i], users[i % len(users)], now, now + ttl)
+            new = NewOrder(ids[i], users[i % len(users)], now, now + ttl, limit, APPLICATION)
             try:
-                service.records.insert_guarded(values, limit, now, APPLICATION)
+                service.records.insert_guarded(new)
             except LimitReachedInSql:
                 if refuse:
                     return

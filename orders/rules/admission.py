@@ -30,14 +30,12 @@ undo it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from decimal import Decimal
-from typing import Any
+from dataclasses import replace
 
 from sqlalchemy import Connection
 
 from orders.config.values import CreateRate
-from orders.domain import PRE_CLOSE_CHECK, Actor, Order, same_order
+from orders.domain import PRE_CLOSE_CHECK, NewOrder, Order
 from orders.errors import (
     CreateRateLimited,
     OrdersError,
@@ -140,91 +138,55 @@ class Admitter:
             raise StoreUnavailable("redis", "admit refused: a later attempt was abandoned")
         return admitted
 
-    def create(
-        self,
-        values: Mapping[str, Any],
-        *,
-        amount: Decimal | None,
-        limit: int,
-        now_ms: int,
-        caller_id: bool,
-        actor: Actor,
-        host: Connection | None = None,
-    ) -> tuple[Order, bool]:
-        """Admit and insert the order ``values`` describe; also says whether this call did.
-        ``actor``: who creates it (its ``created`` event says so).
+    def request(self, new: NewOrder) -> AdmitRequest:
+        """The Redis step a create asks: counted against the create rate."""
+        return AdmitRequest(
+            new.user_id,
+            new.id,
+            expires_at_ms=new.expires_at_ms,
+            now_ms=new.created_at_ms,
+            limit=new.limit,
+            rate=self.rate,
+        )
 
-        ``caller_id``: the caller chose the id, so a refusal may be a retry of an order that
-        is no longer open (one read by primary key tells). ``host``: insert in the host's
-        transaction; the member this call added leaves again if that transaction (or the
-        savepoint the insert ran in) rolls back, and stays when it commits.
+    def create(self, new: NewOrder, host: Connection | None = None) -> tuple[Order, bool]:
+        """Admit and insert the order; also says whether this call did.
+
+        ``host``: insert in the host's transaction; the member this call added leaves
+        again if that transaction (or the savepoint the insert ran in) rolls back, and
+        stays when it commits.
         """
-        admitted = self._reserve_or_abandon(
-            AdmitRequest(
-                values["user_id"],
-                values["id"],
-                expires_at_ms=values["expires_at_ms"],
-                now_ms=now_ms,
-                limit=limit,
-                rate=self.rate,
-            )
-        )
-        return self.complete(
-            values,
-            admitted,
-            amount=amount,
-            limit=limit,
-            now_ms=now_ms,
-            caller_id=caller_id,
-            actor=actor,
-            host=host,
-        )
+        return self.complete(new, self._reserve_or_abandon(self.request(new)), host)
 
     def complete(
-        self,
-        values: Mapping[str, Any],
-        admitted: AdmitResult,
-        *,
-        amount: Decimal | None,
-        limit: int,
-        now_ms: int,
-        caller_id: bool,
-        actor: Actor,
-        host: Connection | None = None,
+        self, new: NewOrder, admitted: AdmitResult, host: Connection | None = None
     ) -> tuple[Order, bool]:
         """:meth:`create` from Redis's answer on: the refusal, or the SQL step (also where a
         combined create whose order the shared transaction did not insert goes on)."""
-        uid, oid, currency = values["user_id"], values["id"], values["currency"]
+        now_ms = new.created_at_ms
         if admitted.outcome in (Admission.REFUSED, Admission.RATE_LIMITED):
-            earlier = self.records.find(oid, now_ms, host) if caller_id else None
+            # The caller's own id: the refusal may be a retry of an order no longer open.
+            earlier = self.records.find(new.id, now_ms, host) if new.caller_id else None
             if earlier is not None:
-                return same_order(earlier, uid, amount, currency), False
-            raise self._refusal(uid, admitted, limit, now_ms)
+                return new.retry_of(earlier), False
+            raise self._refusal(new.user_id, admitted, new.limit, now_ms)
         if admitted.outcome is Admission.EXISTS:
             # A retry (or a concurrent twin) of a create whose Redis step already ran:
             # finish it with the expiry that Redis holds.
-            values = {**values, "expires_at_ms": admitted.score_ms}
+            new = replace(new, expires_at_ms=admitted.score_ms)
         ours = admitted.outcome is Admission.ADMITTED
         try:
-            order, created = self._insert(
-                values,
-                ours=ours,
-                amount=amount,
-                limit=limit,
-                now_ms=now_ms,
-                actor=actor,
-                host=host,
-            )
+            order, created = self._insert(new, ours, host)
         except BaseException as stop:
             if interrupted(stop):  # anywhere past the script: SQL may or may not have it
-                self.followups.settle(oid, now_ms, user_id=uid)
+                self.followups.settle(new.id, now_ms, user_id=new.user_id)
             raise
         if host is not None and ours and created:
             # The compensation, should the host's transaction not keep the row.
             follow(
                 host,
                 on_rollback=lambda: self.followups.release_after_commit(
-                    uid, oid, forget_admission=True
+                    new.user_id, new.id, forget_admission=True
                 ),
             )
         return order, created
@@ -239,44 +201,33 @@ class Admitter:
         wait_s = retry_after_s(refused.score_ms + window_ms, now_ms)
         return CreateRateLimited(user_id, count, window_ms / 1000, wait_s)
 
-    def _insert(
-        self,
-        values: Mapping[str, Any],
-        *,
-        ours: bool,
-        amount: Decimal | None,
-        limit: int,
-        now_ms: int,
-        actor: Actor,
-        host: Connection | None,
-    ) -> tuple[Order, bool]:
+    def _insert(self, new: NewOrder, ours: bool, host: Connection | None) -> tuple[Order, bool]:
         """The SQL step of :meth:`create`; ``ours``: this call added the Redis member."""
-        uid, oid, currency = values["user_id"], values["id"], values["currency"]
         try:
-            return self.records.insert_guarded(values, limit, now_ms, actor, host), True
+            return self.records.insert_guarded(new, host), True
         except LimitReachedInSql as refused:
             if ours:
-                self._compensate(uid, oid, now_ms, host)
-            self._restore(uid, refused, now_ms, limit, host)
-            wait_s = retry_after_s(refused.earliest_ms, now_ms)
+                self._compensate(new, host)
+            self._restore(new, refused, host)
+            wait_s = retry_after_s(refused.earliest_ms, new.created_at_ms)
             raise UnpaidOrderLimitReached(
-                uid, refused.limit, refused.open_count, wait_s, source="sql"
+                new.user_id, refused.limit, refused.open_count, wait_s, source="sql"
             ) from None
         except InsertConflict:
             # The id exists in SQL: a concurrent twin of this create won the insert, an
             # earlier create with this id has since been paid or closed, or another user
             # owns the id.
             earlier = (
-                self._compensate(uid, oid, now_ms, host)
+                self._compensate(new, host)
                 if ours
-                else self.records.find(oid, now_ms, host)
+                else self.records.find(new.id, new.created_at_ms, host)
             )
             if earlier is None:
                 raise StoreUnavailable("sql", "insert refused by a constraint") from None
-            return same_order(earlier, uid, amount, currency), False
+            return new.retry_of(earlier), False
         except OrdersError:
             if ours:
-                self._compensate(uid, oid, now_ms, host)
+                self._compensate(new, host)
             raise
 
     def reopen(
@@ -310,31 +261,23 @@ class Admitter:
             self.followups.release_after_commit(order.user_id, order.id)
         return row is not None
 
-    def _compensate(
-        self, user_id: str, order_id: str, now_ms: int, host: Connection | None
-    ) -> Order | None:
+    def _compensate(self, new: NewOrder, host: Connection | None) -> Order | None:
         """Undo our admission after the insert failed, unless the member indexes a real order.
 
         A concurrent twin of this create (same id, same user) may have committed the row
         (or, with ``host``, an earlier create in the host's transaction written it); its
         member must stay. Returns the row found, if any.
         """
+        user_id, order_id = new.user_id, new.id
         try:
-            existing = self.records.find(order_id, now_ms, host)
+            existing = self.records.find(order_id, new.created_at_ms, host)
         except OrdersError:
             existing = None
         if not (existing is not None and existing.user_id == user_id and existing.is_open):
             self.followups.release_after_commit(user_id, order_id, forget_admission=True)
         return existing
 
-    def _restore(
-        self,
-        user_id: str,
-        refused: LimitReachedInSql,
-        now_ms: int,
-        limit: int,
-        host: Connection | None,
-    ) -> None:
+    def _restore(self, new: NewOrder, refused: LimitReachedInSql, host: Connection | None) -> None:
         """Write SQL's view of the user back into the index (Redis had lost it): its own
         limit first, then its live orders.
 
@@ -345,6 +288,7 @@ class Admitter:
         its member unless still open (one that leaves later removes its own, after its
         commit).
         """
+        user_id, now_ms, limit = new.user_id, new.created_at_ms, new.limit
         try:
             self.index.limits.write({user_id: refused.own_limit})
             for order_id, expires_at_ms in sorted(refused.holders.items(), key=lambda h: h[1]):

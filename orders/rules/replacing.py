@@ -22,100 +22,50 @@ A create in the host's transaction (``connection=``) is refused at the limit as 
 ``"refuse"``: the cancel's Redis release would wait for the host's commit, so the second
 admission could not find the room.
 
-Every create is admitted through :meth:`Replacer.admit`, whatever its ``on_limit``.
+This is a step of a create (:meth:`~orders.service.OrderService.create_unpaid_order`),
+taken only under ``replace_oldest`` and only once the create is refused at the limit.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-
-from sqlalchemy import Connection
 
 from orders import metrics
-from orders.domain import REPLACED_REASON, Actor, Order
+from orders.domain import REPLACED_REASON, NewOrder, Order
 from orders.errors import UnpaidOrderLimitReached
-from orders.requests import CreateRequest
-from orders.rules.combining import CreateCombiner
 from orders.rules.sweep import Sweep
 from orders.rules.transition import Transitioner
 from orders.sql.records import OrderRecords
-from orders.validation import ON_LIMIT_REPLACE_OLDEST
 
 log = logging.getLogger(__name__)
 
 
 class Replacer:
-    """Admits a create, and at the limit cancels the user's oldest unpaid order to make room
-    for it (module docstring)."""
+    """At the limit, cancels the user's oldest unpaid order to make room for a create
+    (module docstring)."""
 
     def __init__(self, records: OrderRecords, transitions: Transitioner, sweep: Sweep) -> None:
         self.records = records
         self.transitions = transitions
         self.sweep = sweep
-        #: Combines concurrent creates (``Settings.combine_creates``), or None.
-        self.combiner: CreateCombiner | None = None
-
-    def admit(
-        self,
-        asked: CreateRequest,
-        make_id: Callable[[int], str],
-        now_ms: int,
-        host: Connection | None,
-    ) -> tuple[Order, bool]:
-        """The admission of a create, and at the limit its ``on_limit``: one order replaced
-        at most, then one more admission, whose refusal is the create's. ``make_id(now_ms)``
-        makes the order's id when the caller gave none."""
-        values = asked.row(asked.order_id or make_id(now_ms), now_ms)
-        admitter = self.transitions.admitter  # the one the transitions release through
-
-        # Combined with concurrent creates, unless a refusal makes room (with a cancel of
-        # its own); the combiner leaves a create in the host's transaction alone.
-        combiner = self.combiner
-        creator = admitter if asked.on_limit == ON_LIMIT_REPLACE_OLDEST else combiner or admitter
-
-        def admit() -> tuple[Order, bool]:
-            return creator.create(
-                values,
-                amount=asked.amount,
-                limit=asked.limit,
-                now_ms=now_ms,
-                caller_id=asked.order_id is not None,
-                actor=asked.actor,
-                host=host,
-            )
-
-        try:
-            return admit()
-        except UnpaidOrderLimitReached as refused:
-            if asked.on_limit != ON_LIMIT_REPLACE_OLDEST or host is not None:
-                raise
-            self.make_room(refused, new_order_id=values["id"], now_ms=now_ms, actor=asked.actor)
-        return admit()
 
     def oldest(self, user_id: str, now_ms: int) -> Order | None:
         """The user's oldest open unpaid order, or None."""
         held = self.records.list_open(user_id, now_ms)
         return min(held, key=lambda o: (o.created_at_ms, o.id), default=None)
 
-    def make_room(
-        self,
-        refused: UnpaidOrderLimitReached,
-        *,
-        new_order_id: str,
-        now_ms: int,
-        actor: Actor,
-    ) -> Order:
-        """Cancel the oldest open order of ``refused.user_id`` for ``new_order_id``; returns
-        it cancelled. Raises ``refused`` when no order may be cancelled."""
-        victim = self.oldest(refused.user_id, now_ms)
+    def make_room(self, refused: UnpaidOrderLimitReached, new: NewOrder) -> Order:
+        """Cancel the oldest open order of ``new``'s user for it; returns it cancelled.
+        Raises ``refused`` when no order may be cancelled."""
+        now_ms = new.created_at_ms
+        victim = self.oldest(new.user_id, now_ms)
         if victim is None or self.payment_in_flight(victim):
             raise refused
         cancelled, won = self.transitions.run(
             victim.id,
             now_ms,
             lambda conn: self.records.cancel(
-                conn, victim.id, now_ms, REPLACED_REASON, actor, replaced_by=new_order_id
+                conn, victim.id, now_ms, REPLACED_REASON, new.actor, replaced_by=new.id
             ),
         )
         if not won:  # paid or cancelled first

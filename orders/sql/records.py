@@ -30,7 +30,7 @@ from sqlalchemy import (
     select,
 )
 
-from orders.domain import Actor, Order, OrderStatus, Payment
+from orders.domain import Actor, NewOrder, Order, OrderStatus, Payment
 from orders.errors import OrderNotFound
 from orders.sql.models import orders_table
 from orders.sql.predicates import (
@@ -357,26 +357,19 @@ class OrderRecords:
 
     # --- the SQL limit guard (orders.sql.slots) --------------------------------------------
 
-    def insert_guarded(
-        self,
-        values: Mapping[str, Any],
-        limit: int,
-        now_ms: int,
-        actor: Actor,
-        host: Connection | None = None,
-    ) -> Order:
+    def insert_guarded(self, new: NewOrder, host: Connection | None = None) -> Order:
         """Insert the order and its ``created`` event into a free slot of its user (with
         ``host``: in the host's transaction).
 
-        Raises LimitReachedInSql when live orders hold all ``limit`` slots, or
+        Raises LimitReachedInSql when live orders hold all ``new.limit`` slots, or
         InsertConflict when a constraint refuses the row (the caller finds out whether the
         id exists).
         """
         live: dict[str, int] = {}
         # Each retry follows a slot freed or taken by someone else meanwhile: a few suffice.
-        for _attempt in range(limit + SLOT_RACE_RETRIES):
-            row = self.slots.insert(values, limit, actor, host)
+        for _attempt in range(new.limit + SLOT_RACE_RETRIES):
+            row = self.slots.insert(new, host)
             if row is not None:
-                return to_order(row, now_ms)
-            live = self.slots.make_room(values, limit, now_ms, actor, host)
-        raise LimitReachedInSql(live, limit, None)
+                return to_order(row, new.created_at_ms)
+            live = self.slots.make_room(new, host)
+        raise LimitReachedInSql(live, new.limit, None)

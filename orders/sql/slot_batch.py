@@ -27,27 +27,15 @@ transaction, so a second order of one user sees the first's slot taken.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection
 
-from orders.domain import Actor, EventKind
+from orders.domain import EventKind, NewOrder
 from orders.sql.models import orders_table
-from orders.sql.slots import CREATE_COLUMNS, insert_or_skip
+from orders.sql.slots import insert_in_free_slot, insert_params
 from orders.sql.transactions import Transactions
 from orders.sql.transitions import event_row, insert_event_rows, record_events
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRequest:
-    """One admitted create for the shared transaction."""
-
-    values: Mapping[str, Any]
-    limit: int
-    actor: Actor
-    #: The caller's trace context, for its event (:func:`orders.tracing.event_context`).
-    event_data: dict[str, str] | None
 
 
 class SlotBatch:
@@ -58,7 +46,7 @@ class SlotBatch:
         psycopg or sqlite3 (False: one by one through SQLAlchemy, as with any other
         driver)."""
         self.tx = tx
-        self._insert = insert_or_skip(tx.dialect)
+        self._insert = insert_in_free_slot(tx.dialect, any_conflict=True)
         self._event_in_statement = tx.dialect == "postgresql"
         driver = tx.engine.driver
         self._pipelined = direct and self._event_in_statement and driver == "psycopg"
@@ -83,12 +71,12 @@ class SlotBatch:
                 if (process := column.type.dialect_impl(dialect).result_processor(dialect, None))
             }
 
-    def insert_all(self, requests: Sequence[SlotRequest]) -> dict[str, Mapping[str, Any]]:
+    def insert_all(self, creates: Sequence[NewOrder]) -> dict[str, Mapping[str, Any]]:
         """Insert each order with its event where a slot is free, and commit once; the rows
         inserted, by order id (an order missing was not inserted). Raises when the
         transaction failed (then it may or may not have committed: a commit cut off is not
         known to have failed)."""
-        ordered = sorted(requests, key=lambda r: (r.values["user_id"], r.values["id"]))
+        ordered = sorted(creates, key=lambda new: (new.user_id, new.id))
         with self.tx.write() as conn:
             if self._pipelined:
                 inserted = self._pipeline(conn, ordered)
@@ -96,45 +84,32 @@ class SlotBatch:
                 inserted = self._on_cursor(conn, ordered)
             else:
                 inserted = {}
-                for request in ordered:
-                    row = self._one(conn, request)
+                for new in ordered:
+                    row = self._one(conn, new)
                     if row is not None:
                         inserted[row["id"]] = row
             conn.commit()
         return inserted
 
-    def _params(self, request: SlotRequest) -> dict[str, Any]:
-        params = {name: request.values[name] for name in CREATE_COLUMNS}
-        params["slot_limit"] = request.limit
-        params["event_data"] = request.event_data
-        params.update(request.actor.columns())
-        return params
-
-    def _one(self, conn: Connection, request: SlotRequest) -> Mapping[str, Any] | None:
+    def _one(self, conn: Connection, new: NewOrder) -> Mapping[str, Any] | None:
         """One insert in the caller's transaction, then (SQLite) its event."""
-        row = conn.execute(self._insert, self._params(request)).mappings().one_or_none()
+        row = conn.execute(self._insert, insert_params(new)).mappings().one_or_none()
         if row is None or self._event_in_statement:
             return None if row is None else dict(row)
-        record_events(
-            conn,
-            [(row["id"], row["user_id"])],
-            EventKind.CREATED,
-            request.values["created_at_ms"],
-            request.event_data,
-            request.actor,
-        )
+        created = [(row["id"], row["user_id"])]
+        record_events(conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor)
         return dict(row)
 
-    def _bound(self, request: SlotRequest) -> dict[str, Any]:
-        """The request's parameters as the driver takes them (SQLAlchemy's bind processing)."""
-        raw = self._compiled.construct_params(self._params(request))
+    def _bound(self, new: NewOrder) -> dict[str, Any]:
+        """The create's parameters as the driver takes them (SQLAlchemy's bind processing)."""
+        raw = self._compiled.construct_params(insert_params(new))
         return {
             key: value if (process := self._processors.get(key)) is None else process(value)
             for key, value in raw.items()
         }
 
     def _on_cursor(
-        self, conn: Connection, ordered: Sequence[SlotRequest]
+        self, conn: Connection, ordered: Sequence[NewOrder]
     ) -> dict[str, Mapping[str, Any]]:
         """SQLite: each insert on the driver's cursor in the transaction ``conn`` began,
         then the inserted orders' events in one ``executemany`` (module docstring)."""
@@ -143,8 +118,8 @@ class SlotBatch:
         events: list[dict[str, Any]] = []
         cursor: Any = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
         try:
-            for request in ordered:
-                bound = self._bound(request)
+            for new in ordered:
+                bound = self._bound(new)
                 cursor.execute(self._sql, [bound[name] for name in self._positions])
                 values = cursor.fetchone()
                 if values is None:  # no free slot, or the id is taken: left out
@@ -154,16 +129,10 @@ class SlotBatch:
                 for name, process in self._results.items():
                     row[name] = process(row[name])
                 inserted[row["id"]] = row
-                at_ms = request.values["created_at_ms"]
+                at_ms = new.created_at_ms
+                kind = EventKind.CREATED
                 events.append(
-                    event_row(
-                        row["id"],
-                        row["user_id"],
-                        EventKind.CREATED,
-                        at_ms,
-                        request.event_data,
-                        request.actor,
-                    )
+                    event_row(row["id"], row["user_id"], kind, at_ms, new.trace, new.actor)
                 )
         finally:
             cursor.close()
@@ -171,11 +140,11 @@ class SlotBatch:
         return inserted
 
     def _pipeline(
-        self, conn: Connection, ordered: Sequence[SlotRequest]
+        self, conn: Connection, ordered: Sequence[NewOrder]
     ) -> dict[str, Mapping[str, Any]]:
         """PostgreSQL: every statement in one pipelined round trip (module docstring)."""
         conn.begin()  # ours: the commit below ends it
-        batches = [self._bound(request) for request in ordered]
+        batches = [self._bound(new) for new in ordered]
         inserted: dict[str, Mapping[str, Any]] = {}
         driver: Any = conn.connection.driver_connection
         names: list[str] = []

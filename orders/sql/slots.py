@@ -50,32 +50,49 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
-from orders import tracing
-from orders.domain import Actor, EventKind, OrderStatus
+from orders.domain import APPLICATION, EventKind, NewOrder, OrderStatus
 from orders.sql.models import events_table, orders_table, user_limits_table
 from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.transactions import Transactions
 from orders.sql.transitions import CLOSE_EXPIRED, record_events, with_events
+from orders.validation import amount_to_text
 
 ORDER = orders_table.c
 
 #: Event data of a close that a create made to take the slot of an expired order.
 SLOT_REUSE = {"trigger": "slot_reuse"}
 
+
+def order_row(new: NewOrder) -> dict[str, Any]:
+    """The orders row a create writes, but its slot: the one place it is built."""
+    return {
+        "id": new.id,
+        "user_id": new.user_id,
+        "status": OrderStatus.UNPAID.value,
+        "amount": amount_to_text(new.amount),
+        "currency": new.currency,
+        "created_at_ms": new.created_at_ms,
+        "expires_at_ms": new.expires_at_ms,
+        "updated_at_ms": new.created_at_ms,
+        "metadata": new.metadata or None,
+        "remind_at_ms": new.remind_at_ms,
+        "policy": new.policy,
+    }
+
+
 #: The columns a create writes, each from a bind parameter of its own name.
-CREATE_COLUMNS = (
-    "id",
-    "user_id",
-    "status",
-    "amount",
-    "currency",
-    "created_at_ms",
-    "expires_at_ms",
-    "updated_at_ms",
-    "metadata",
-    "remind_at_ms",
-    "policy",
-)
+CREATE_COLUMNS = tuple(order_row(NewOrder("", "", 0, 0, 0, APPLICATION)))
+
+
+def insert_params(new: NewOrder) -> dict[str, Any]:
+    """The free-slot insert's parameters: the row, the limit, and its event's data and actor
+    (which only PostgreSQL's one statement reads)."""
+    return {
+        **order_row(new),
+        "slot_limit": new.limit,
+        "event_data": new.trace,
+        **new.actor.columns(),
+    }
 
 
 class InsertConflict(Exception):
@@ -149,24 +166,33 @@ def _free_slot() -> Any:
     )
 
 
-def _insert_in_free_slot(dialect: str, *, any_conflict: bool = False) -> Any:
-    """INSERT INTO oes_orders ... SELECT the values, the free slot: no row when none is free.
-    ``any_conflict``: no row either when any unique constraint refuses it (the id too)."""
+def insert_in_free_slot(dialect: str, *, any_conflict: bool = False) -> Any:
+    """INSERT INTO oes_orders ... SELECT the values, the free slot: no row when none is free;
+    on PostgreSQL with its ``created`` event in the statement (bind parameters
+    ``event_data``, ``actor_kind``, ``actor``). ``any_conflict``: no row either when any
+    unique constraint refuses it (the id too), instead of raising: the insert of combined
+    creates (:mod:`orders.sql.slot_batch`), so that one order never aborts the transaction
+    many share."""
     free = _free_slot()
     values = [bindparam(name, type_=ORDER[name].type) for name in CREATE_COLUMNS]
     source = select(*values, free.c.n)
     columns = [*CREATE_COLUMNS, "slot"]
-    if dialect == "postgresql":
-        statement = postgresql.insert(orders_table).from_select(columns, source)
+    if dialect != "postgresql":
+        plain = insert(orders_table).from_select(columns, source)
         if any_conflict:
-            return statement.on_conflict_do_nothing().returning(*orders_table.c)
-        return statement.on_conflict_do_nothing(
-            index_elements=[ORDER.user_id, ORDER.slot], index_where=UNPAID_PREDICATE
-        ).returning(*orders_table.c)
-    plain = insert(orders_table).from_select(columns, source)
+            plain = plain.prefix_with("OR IGNORE")
+        return plain.returning(*orders_table.c)
+    statement = postgresql.insert(orders_table).from_select(columns, source)
     if any_conflict:
-        plain = plain.prefix_with("OR IGNORE")
-    return plain.returning(*orders_table.c)
+        statement = statement.on_conflict_do_nothing()
+    else:
+        statement = statement.on_conflict_do_nothing(
+            index_elements=[ORDER.user_id, ORDER.slot], index_where=UNPAID_PREDICATE
+        )
+    created_at = bindparam("created_at_ms", type_=BigInteger)
+    data = bindparam("event_data", type_=events_table.c.data.type)
+    returned = statement.returning(*orders_table.c)
+    return with_events(returned, "created", EventKind.CREATED, created_at, data)
 
 
 _HOLDERS = select(ORDER.id, ORDER.expires_at_ms, ORDER.slot).where(
@@ -181,57 +207,34 @@ class SlotGuard:
 
     def __init__(self, tx: Transactions) -> None:
         self.tx = tx
-        dialect = tx.dialect
-        self._insert = _insert_in_free_slot(dialect)
-        self._in_one_statement = dialect == "postgresql"
-        if self._in_one_statement:
-            created_at = bindparam("created_at_ms", type_=BigInteger)
-            data = bindparam("event_data", type_=events_table.c.data.type)
-            self._insert = with_events(self._insert, "created", EventKind.CREATED, created_at, data)
+        self._insert = insert_in_free_slot(tx.dialect)
+        self._in_one_statement = tx.dialect == "postgresql"
 
-    def insert(
-        self,
-        values: Mapping[str, Any],
-        limit: int,
-        actor: Actor,
-        host: Connection | None = None,
-    ) -> Row[Any] | None:
+    def insert(self, new: NewOrder, host: Connection | None = None) -> Row[Any] | None:
         """Insert the order and its event into the lowest free slot; None if none is free
         (or, on PostgreSQL, a concurrent create took it first). Raises InsertConflict.
         ``host``: in the host's transaction (``Transactions.in_host``)."""
-        params = {name: values[name] for name in CREATE_COLUMNS}
-        params["slot_limit"] = limit
-        # The caller's trace context, for a consumer's span to link to (orders.tracing).
-        data = tracing.event_context()
+        params = insert_params(new)
         if self._in_one_statement:
-            params["event_data"] = data
-            params.update(actor.columns())
             with self.tx.statements(host) as conn:
                 try:
                     return conn.execute(self._insert, params).one_or_none()
                 except IntegrityError as exc:
-                    raise InsertConflict(values["id"]) from exc
+                    raise InsertConflict(new.id) from exc
         with self.tx.write(host) as conn:
             try:
                 row = conn.execute(self._insert, params).one_or_none()
             except IntegrityError as exc:
-                raise InsertConflict(values["id"]) from exc
+                raise InsertConflict(new.id) from exc
             if row is not None:
                 created = [(row.id, row.user_id)]
                 record_events(
-                    conn, created, EventKind.CREATED, values["created_at_ms"], data, actor
+                    conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor
                 )
                 self.tx.commit(conn, host)
             return row
 
-    def make_room(
-        self,
-        values: Mapping[str, Any],
-        limit: int,
-        now_ms: int,
-        actor: Actor,
-        host: Connection | None = None,
-    ) -> dict[str, int]:
+    def make_room(self, new: NewOrder, host: Connection | None = None) -> dict[str, int]:
         """No slot was free: close the holders whose time is up, so that a retry may find one.
 
         Returns the live holders (id -> expiry) when a retry is worth it: a holder was due
@@ -241,10 +244,10 @@ class SlotGuard:
         LimitReachedInSql when live orders hold every slot (or one above the user's own,
         lowered limit: see the module docstring).
         """
-        user = {"user_id": values["user_id"]}
+        user, now_ms, actor = {"user_id": new.user_id}, new.created_at_ms, new.actor
         with self.tx.write(host) as conn:
-            if conn.execute(_ID_TAKEN, {"oid": values["id"]}).first() is not None:
-                raise InsertConflict(values["id"])
+            if conn.execute(_ID_TAKEN, {"oid": new.id}).first() is not None:
+                raise InsertConflict(new.id)
             own_limit: int | None = conn.scalar(_OWN_LIMIT, user)
             holders = conn.execute(_HOLDERS, user).all()
             due = [h.id for h in holders if h.expires_at_ms <= now_ms]
@@ -252,7 +255,7 @@ class SlotGuard:
                 CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE, actor)
             self.tx.commit(conn, host)
         live = {h.id: h.expires_at_ms for h in holders if h.expires_at_ms > now_ms}
-        bound = limit if own_limit is None else own_limit
+        bound = new.limit if own_limit is None else own_limit
         held = [h.slot for h in holders if h.id in live]
         # Slots are distinct: fewer live holders at or below the bound than the bound
         # leaves one free, unless a holder sits above it.
@@ -260,16 +263,3 @@ class SlotGuard:
         if due or free:
             return live
         raise LimitReachedInSql(live, bound, own_limit)
-
-
-def insert_or_skip(dialect: str) -> Any:
-    """The free-slot insert of combined creates (:mod:`orders.sql.slot_batch`): one that
-    inserts nothing on any conflict, instead of raising, so that one order can never abort
-    the transaction many share. On PostgreSQL with its ``created`` event in the statement
-    (bind parameters ``event_data``, ``actor_kind``, ``actor``)."""
-    statement = _insert_in_free_slot(dialect, any_conflict=True)
-    if dialect != "postgresql":
-        return statement
-    created_at = bindparam("created_at_ms", type_=BigInteger)
-    data = bindparam("event_data", type_=events_table.c.data.type)
-    return with_events(statement, "created", EventKind.CREATED, created_at, data)

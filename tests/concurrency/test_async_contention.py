@@ -345,7 +345,7 @@ def test_500_tasks_on_one_loop_keep_the_limit_while_others_pay_cancel_and_sweep(
             await asyncio.to_thread(monitor.stop)
             await asyncio.to_thread(before_reconcile)
             checked["reconcile"] = await service.reconcile()
-            combiner = (await service.core()).replacer.combiner
+            combiner = (await service.core()).combiner
             checked["combined"] = 0 if combiner is None else combiner.stats.combined
             return run_s
         finally:

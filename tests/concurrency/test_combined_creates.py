@@ -51,7 +51,7 @@ def combined_service(
 
 
 def combiner_of(service: OrderService) -> CreateCombiner:
-    combiner = service.replacer.combiner
+    combiner = service.combiner
     assert combiner is not None, "combine_creates=True built no combiner"
     return combiner
 
@@ -229,7 +229,7 @@ def test_a_create_alone_runs_at_once_and_some_creates_are_never_combined(
     assert set(orders_of(engine, "hosted"))
     assert set(orders_of(engine, "replacing"))
     off = OrderService(engine, redis_client, Settings(database_url=database_url, **redis_options))
-    assert off.replacer.combiner is None  # the default: off
+    assert off.combiner is None  # the default: off
 
 
 @pytest.mark.timeout(120)

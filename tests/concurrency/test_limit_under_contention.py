@@ -31,10 +31,11 @@ import redis
 from sqlalchemy import Engine, func, select
 
 from orders.config import Settings
-from orders.domain import APPLICATION
+from orders.domain import APPLICATION, NewOrder
 from orders.service import OrderService
 from orders.sql.models import orders_table
 from orders.sql.records import LimitReachedInSql
+from orders.sql.slots import order_row
 from tests.support.clocks import now_ms
 from tests.support.monitor import LimitMonitor
 from tests.support.processes import started
@@ -286,7 +287,7 @@ GUARD_ROUNDS = 20
 
 
 def race_the_guard(
-    service: OrderService, guard: Callable[[dict[str, Any], int], object], user: str, limit: int
+    service: OrderService, guard: Callable[[NewOrder], object], user: str, limit: int
 ) -> tuple[int, int]:
     """GUARD_THREADS threads call the SQL guard at once for ``user``; (inserted, refused)."""
     barrier = threading.Barrier(GUARD_THREADS, timeout=30)
@@ -297,24 +298,11 @@ def race_the_guard(
     def run() -> None:
         try:
             now = service.clock()
-            ttl_ms = 60_000
-            # Exactly the row create_unpaid_order builds (no amount, currency or metadata).
-            values = {
-                "id": service.new_order_id(),
-                "user_id": user,
-                "status": UNPAID,
-                "amount": None,
-                "currency": None,
-                "created_at_ms": now,
-                "expires_at_ms": now + ttl_ms,
-                "updated_at_ms": now,
-                "metadata": None,
-                "remind_at_ms": None,
-                "policy": None,
-            }
+            # A create as create_unpaid_order makes it (no amount, currency or metadata).
+            new = NewOrder(service.new_order_id(), user, now, now + 60_000, limit, APPLICATION)
             barrier.wait()
             try:
-                guard(values, limit)
+                guard(new)
             except LimitReachedInSql:
                 outcome = "refused"
             else:
@@ -336,20 +324,20 @@ def race_the_guard(
     return outcomes.count("inserted"), outcomes.count("refused")
 
 
-def count_then_insert(engine: Engine, values: dict[str, Any], limit: int) -> None:
+def count_then_insert(engine: Engine, new: NewOrder) -> None:
     """The naive SQL guard the slot index replaced: count, then insert, no lock between."""
     with engine.connect() as conn:
         open_count = conn.execute(
             select(func.count()).where(
-                OC.user_id == values["user_id"],
+                OC.user_id == new.user_id,
                 OC.status == UNPAID,
-                OC.expires_at_ms > values["created_at_ms"],
+                OC.expires_at_ms > new.created_at_ms,
             )
         ).scalar_one()
-    if open_count >= limit:
-        raise LimitReachedInSql({}, limit, None)
+    if open_count >= new.limit:
+        raise LimitReachedInSql({}, new.limit, None)
     with engine.begin() as conn:
-        conn.execute(orders_table.insert(), values)
+        conn.execute(orders_table.insert(), order_row(new))
 
 
 @pytest.mark.timeout(300)
@@ -365,10 +353,8 @@ def test_sql_guard_holds_where_a_count_then_insert_does_not(
         conn.close()
 
     guards = {
-        "naive": lambda values, limit: count_then_insert(engine, values, limit),
-        "slots": lambda values, limit: service.records.insert_guarded(
-            values, limit, values["created_at_ms"], APPLICATION
-        ),
+        "naive": lambda new: count_then_insert(engine, new),
+        "slots": service.records.insert_guarded,
     }
     results: dict[str, list[tuple[int, int]]] = {}
     for name, guard in guards.items():

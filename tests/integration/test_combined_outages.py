@@ -61,7 +61,7 @@ def combining_on(
 
 
 def batch_of_creates(service: OrderService, before_open: object) -> list[object]:
-    stats = service.replacer.combiner.stats  # type: ignore[union-attr]
+    stats = service.combiner.stats  # type: ignore[union-attr]
     batches = stats.batches
     calls = [lambda user=user: service.create_unpaid_order(user, ttl_s=60) for user in USERS]
     outcomes = gated_race(service, calls, before_open)  # type: ignore[arg-type]

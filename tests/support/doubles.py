@@ -52,7 +52,7 @@ def gated_race(
     combiner (``Settings.combine_creates``) until every call waits: they run as one batch,
     once ``before_open`` has run. ``service``: from :func:`pausing_after_admit`. What each
     call returned or raised (an OrdersError), in order."""
-    combiner = service.replacer.combiner
+    combiner = service.combiner
     assert combiner is not None, "not a combining service"
     opened = threading.Event()
     held = threading.Event()

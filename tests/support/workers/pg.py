@@ -164,7 +164,7 @@ def load(service: OrderService, cfg: dict[str, Any], stop: threading.Event) -> T
 
     service.sweep.closer.close_due = recording  # type: ignore[method-assign]
 
-    combiner = service.replacer.combiner
+    combiner = service.combiner
     queue = service.transitions.queue
     seen_combined = [0, 0]
 

@@ -376,7 +376,7 @@ def main(argv: list[str]) -> int:
         tally.data.setdefault("elapsed_s", round(time.monotonic() - started, 3))
         tally.data["pid"] = os.getpid()
         tally.data["pool_capacity"] = pool_capacity
-        combiner = service.replacer.combiner
+        combiner = service.combiner
         tally.data["combined"] = 0 if combiner is None else combiner.stats.combined
         queue = service.transitions.queue
         tally.data["combined_transitions"] = 0 if queue is None else queue.stats.combined
