@@ -1,9 +1,8 @@
 """The figures: each runs its variants side by side and returns its part of the report.
 
 The throughput figures (create, refusal, mark_paid, cancel, sql_admission) are in
-:mod:`orders.bench.throughput`, the three use cases at 1, 8 and 64 callers (callers) in
-:mod:`orders.bench.callers`, the ways of running the asyncio API (aio) in
-:mod:`orders.bench.candidates`; the sweep, close-lag and Redis memory figures here.
+:mod:`benchmarks.throughput`, the three use cases at 1, 8 and 64 callers (callers) in
+:mod:`benchmarks.callers`; the sweep, close-lag and Redis memory figures here.
 """
 
 from __future__ import annotations
@@ -16,9 +15,8 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from orders.bench.callers import callers
-from orders.bench.candidates import aio
-from orders.bench.measure import (
+from benchmarks.callers import callers
+from benchmarks.measure import (
     Run,
     Variant,
     chunks,
@@ -27,8 +25,8 @@ from orders.bench.measure import (
     quiet,
     spread,
 )
-from orders.bench.throughput import cancel, create, mark_paid, refusal, sql_admission
-from orders.bench.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
+from benchmarks.throughput import cancel, create, mark_paid, refusal, sql_admission
+from benchmarks.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
 from orders.domain import OrderStatus
 from orders.index.unpaid import AdmitRequest
 from orders.scheduler.jobs import build_scheduler
@@ -254,7 +252,6 @@ FIGURES = (
     "close_lag",
     "redis_memory",
     "sql_admission",
-    "aio",
 )
 
 #: Each figure's function, in the order of FIGURES. None: the figure was skipped (see notes).
@@ -268,5 +265,4 @@ MAKERS: dict[str, Callable[[Workload], dict[str, Any] | None]] = {
     "close_lag": close_lag,
     "redis_memory": redis_memory,
     "sql_admission": sql_admission,
-    "aio": aio,
 }

@@ -1,4 +1,9 @@
-"""``orders bench``: the click command, its options, and the refusal of a busy database."""
+"""``python -m benchmarks``: the lab's command, its options, and the refusal of a busy database.
+
+It runs on the stores the ``ORDERS_*`` variables name (ORDERS_DATABASE_URL, ORDERS_REDIS_URL,
+else the embedded ones under ORDERS_HOME), and ends an error as ``orders`` does: one line
+and its exit code.
+"""
 
 from __future__ import annotations
 
@@ -19,14 +24,30 @@ from rich.progress import (
 )
 from sqlalchemy import select
 
-from orders.bench.compare import compare_lines, load_report
-from orders.bench.figures import FIGURES
-from orders.bench.measure import Sizes
-from orders.bench.plot import require_matplotlib, write_plots
-from orders.bench.report import progress_units, run_bench
-from orders.bench.tables import results_table, targets_table
+from benchmarks.compare import compare_lines, load_report
+from benchmarks.figures import FIGURES
+from benchmarks.measure import Sizes
+from benchmarks.plot import require_matplotlib, write_plots
+from benchmarks.report import progress_units, run_bench
+from benchmarks.tables import results_table, targets_table
+from orders.cli.app import error_line, exit_code, usage_error_line
+from orders.config import Settings
 from orders.errors import OrdersError
 from orders.sql.models import orders_table, sql_errors
+
+
+class _LabCommand(click.Command):
+    """The command, with ``orders``'s one-line errors and exit codes."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OrdersError as error:
+            click.echo(error_line(error), err=True)
+            ctx.exit(exit_code(error))
+        except click.UsageError as error:
+            click.echo(usage_error_line(error), err=True)
+            ctx.exit(2)
 
 
 def _database_holds_orders(service_settings: Any) -> bool:
@@ -64,7 +85,7 @@ def _parse_batches(text: str) -> tuple[int, ...]:
     return sizes
 
 
-@click.command("bench")
+@click.command("bench", cls=_LabCommand)
 @click.option("--quick", is_flag=True, help="Small sizes: a smoke test in well under a minute.")
 @click.option(
     "--yes",
@@ -120,7 +141,9 @@ def _parse_batches(text: str) -> tuple[int, ...]:
     help="Users of the Redis memory figure. [default: 10000; quick 1000]",
 )
 @click.option("--only", help=f"Comma-separated figures to run, of: {', '.join(FIGURES)}.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (docs/bench.md).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the report as JSON (benchmarks/README.md)."
+)
 @click.option(
     "--report",
     "saved",
@@ -135,7 +158,7 @@ def _parse_batches(text: str) -> tuple[int, ...]:
 @click.option(
     "--plot",
     metavar="DIR",
-    help="Then draw the figures into DIR (needs the extra: pip install 'orders[plot]').",
+    help="Then draw the figures into DIR (needs matplotlib, in the dev extra).",
 )
 @click.option("--plot-format", type=click.Choice(["png", "svg"]), default="png", show_default=True)
 @click.pass_context
@@ -160,7 +183,7 @@ def bench(
     plot: str | None,
     plot_format: str,
 ) -> None:
-    """Measure the service on the configured stores against raw floors and the naive way.
+    """The lab: the service on the configured stores against raw floors and the naive way.
 
     The bench adds users bench-<random>-..., their orders and Redis keys, and removes them
     all at the end. It refuses a database that already holds orders unless --yes. With
@@ -204,25 +227,26 @@ def _sizes(params: dict[str, Any]) -> Sizes:
 
 
 def _run(ctx: click.Context, sizes: Sizes, figures: list[str], yes: bool) -> dict[str, Any]:
-    from orders.cli.app import cli_state  # noqa: PLC0415
+    from orders.bootstrap import build_service  # noqa: PLC0415
 
-    state = cli_state(ctx)
-    if state.settings.redis_cluster:
+    settings = Settings.from_env()
+    if settings.redis_cluster:
         # Its floors and memory figures are one server's (one raw EVALSHA, INFO memory).
         click.echo(
-            "error: orders bench measures one Redis server: run it with a single node's "
+            "error: the bench measures one Redis server: run it with a single node's "
             "URL and without ORDERS_REDIS_CLUSTER",
             err=True,
         )
         ctx.exit(2)
-    if not yes and _database_holds_orders(state.settings):
+    if not yes and _database_holds_orders(settings):
         click.echo(
             "error: the database already holds orders; the bench adds and removes only its "
             "own, pass --yes to run it there anyway",
             err=True,
         )
         ctx.exit(2)
-    service = state.service()
+    service = build_service(settings, startup_warnings=False)
+    ctx.call_on_close(service.close)
     progress = Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
