@@ -30,7 +30,7 @@ from benchmarks.measure import Sizes
 from benchmarks.plot import require_matplotlib, write_plots
 from benchmarks.report import progress_units, run_bench
 from benchmarks.tables import results_table, targets_table
-from orders.cli.app import error_line, exit_code, usage_error_line
+from orders.cli.app import in_one_line
 from orders.config import Settings
 from orders.errors import OrdersError
 from orders.sql.models import orders_table, sql_errors
@@ -40,14 +40,7 @@ class _LabCommand(click.Command):
     """The command, with ``orders``'s one-line errors and exit codes."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except OrdersError as error:
-            click.echo(error_line(error), err=True)
-            ctx.exit(exit_code(error))
-        except click.UsageError as error:
-            click.echo(usage_error_line(error), err=True)
-            ctx.exit(2)
+        return in_one_line(ctx, super().invoke)
 
 
 def _database_holds_orders(service_settings: Any) -> bool:

@@ -1,11 +1,11 @@
-"""Timing and summarising: runs, percentiles, spreads, ratios, and the sizes of a run."""
+"""Timing and summarising: runs, ratios, and the sizes of a run (percentiles and spreads are
+``orders bench``'s own, :mod:`orders.bench.measure`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import math
 import statistics
 import threading
 import time
@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Engine, event
+
+from orders.bench.measure import percentile, spread
 
 ns = time.perf_counter_ns
 
@@ -149,26 +151,6 @@ def python_loop_ms(rounds: int = 5, n: int = 1_000_000) -> float:
             total += i
         times.append((ns() - started) / 1e6)
     return float(statistics.median(times))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(0, math.ceil(q / 100 * len(ordered)) - 1)
-    return float(ordered[rank])
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    """Median, min and max: how a figure is reported."""
-    if not values:
-        return {"median": 0.0, "min": 0.0, "max": 0.0}
-    return {
-        "median": float(statistics.median(values)),
-        "min": float(min(values)),
-        "max": float(max(values)),
-    }
 
 
 def describe(runs: Sequence[Run]) -> dict[str, Any]:

@@ -83,7 +83,8 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     """Median, min and max: how every figure is given."""
     if not values:
         return {"median": 0.0, "min": 0.0, "max": 0.0}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    low, high = float(min(values)), float(max(values))
+    return {"median": float(statistics.median(values)), "min": low, "max": high}
 
 
 def compared(runs: Mapping[str, list[Run]]) -> dict[str, Any]:
