@@ -1,78 +1,68 @@
-"""``orders bench``: what the service costs, measured on your own stores against its floors.
+"""``orders bench``: what the service costs on your own stores, beside the naive way and a
+raw floor, on public names only (``orders.OrderService``, ``orders.Settings``, redis-py,
+SQLAlchemy and the DBAPI driver under the engine), so each figure can be checked by hand.
 
-Every comparison runs side by side in one process: the variants of a figure take turns
-(A B C A B C ...) for several repetitions, so a machine that slows down or speeds up during
-the run affects each of them alike. Each figure reports the median over the repetitions and
-the min-max, and every ratio is computed per repetition (A_r / B_r) before its median is
-taken, so a ratio holds on a noisy machine even when the absolute figures wander.
+- ``create``: ``create_unpaid_order`` of a new user, beside the naive create (ZCARD, then
+  ZADD from the client, then INSERT + COMMIT on the raw driver) and the raw floor (one
+  EVALSHA of a one-key check-and-add script, then INSERT of the order and its event +
+  COMMIT on the raw driver);
+- ``refusal``: a create refused at the limit beside one ZCARD and one EVALSHA that refuses,
+  with the SQL statements the refusals sent (none);
+- ``mark_paid``: beside the raw ``UPDATE ... WHERE status = 'unpaid'``, the event's INSERT
+  and COMMIT;
+- ``sweep``: closes per second of ``sweep_expired`` on due orders;
+- ``close_lag``: ``closed_at - expires_at`` of orders expiring at a steady rate, closed by a
+  real ``orders scheduler`` process started on the same stores.
 
-The figures, each with what it is compared with:
-
-1. ``create``: ``create_unpaid_order`` end to end (every op a new user, so every op is
-   admitted) on 1 thread, on N and, on PostgreSQL, on 8 (commits can share an fsync),
-   against the raw floor measured in the same run (``floor``: one EVALSHA of the admission
-   script, then the raw DBAPI driver inserting the order row and its ``created`` event in
-   one committed transaction, see :mod:`orders.bench.driver`), the same work through
-   SQLAlchemy Core (``floor_core``), and the naive approach (ZCARD, then ZADD from the
-   client, then a Core INSERT of the order row). Beside them, ``create_async``: the same
-   create through :class:`~orders.aio.AsyncOrderService` as 1 task (awaited in turn) and
-   as ``--tasks`` N tasks gathered on one event loop, against the same floors of the same
-   run (at the most threads not above N, see :mod:`orders.bench.concurrency`).
-2. ``refusal``: a create refused at the limit, and the SQL statements it issued (should be
-   none), with and without a caller-supplied ``order_id`` (which may cost one read by
-   primary key), against one raw EVALSHA that refuses; and ``refusal_async`` at 1 and N
-   tasks, against the same EVALSHA.
-3. ``mark_paid`` and ``cancel``: each end to end against the raw driver's ``UPDATE ...
-   WHERE status = 'unpaid'`` plus its event row, in one committed transaction.
-4. ``callers``: create, mark_paid and refusal at 1, 8 and 64 concurrent callers, as
-   threads and as tasks of the asyncio API, each beside its floor on as many threads, with
-   p50 and p99 latency per caller (:mod:`orders.bench.callers`).
-5. ``sweep``: closes per second of ``sweep_expired`` per batch size, on a table of many
-   unpaid orders of which a fixed number are due, then on a table ten times larger with the
-   same number due (the cost should stay flat), then on the first size again: a table cannot
-   grow and shrink between two sweeps, so the sizes take turns as phases (1x 10x 1x).
-6. ``close_lag``: ``closed_at - expires_at`` with a real
-   :class:`~orders.scheduler.sweeper.Sweeper` in an APScheduler background scheduler while
-   orders expire at a steady rate (every order's lag is kept, with when it fell due, for the
-   plot).
-7. ``redis_memory``: Redis ``used_memory`` per open order, with 1 and 3 orders per user.
-8. ``sql_admission``: the SQL guard alone (``records.insert_guarded``, no Redis) as a peer
-   of the Redis path, for refusals and for admissions.
-9. ``aio``: the designs the asyncio API can run on, side by side: the sync create on 1 and
-   8 threads, ``AsyncOrderService`` as 1, 16 and 64 tasks, ``asyncio.to_thread`` over the
-   sync service as 16 and 64 tasks, and a native floor on ``redis.asyncio`` and an
-   ``AsyncEngine`` (an upper bound for a native design, see :mod:`orders.bench.native`),
-   with a refusal on each API and every variant's SQL statements
-   (:mod:`orders.bench.candidates`).
-
-Besides wall-clock figures, each variant reports the client's CPU time per operation: on a
-busy machine the wall clock of every variant suffers, the CPU time hardly.
-
-What the bench writes is its own: users ``bench-<random>-...``, orders whose ids it made,
-Redis keys under ``<key prefix>bench-<random>-``. The sweep figure runs the service with a
-clock stopped in 2001 (``SWEEP_NOW_MS``) and the close-lag figure with one running at real
-speed from that date, so the only orders due in their eyes are the bench's own, inserted
-with expiries in 2001; a database holding someone else's unpaid order due by then makes the
-bench skip those two figures rather than close it. (The close-lag scheduler also takes its
-lease under the bench's prefix and skips its startup reconcile, which would otherwise index
-every unpaid order of the database under that prefix.) Everything is deleted at the end
-(``order_events`` rows go by the cascade), also when the bench fails or is interrupted. The
-only other trace is planner statistics: the sweep figure runs ``ANALYZE`` (PostgreSQL:
-``VACUUM (ANALYZE)``) on ``orders`` after each bulk load.
-
-The report's JSON shape is documented in docs/bench.md. The package, one job a module:
-``measure`` (runs on threads or tasks, percentiles, sizes), ``concurrency`` (thread and
-task counts, the report's parts by count), ``loop`` (the async variants' event loop and
-stores), ``workload`` (the bench's namespace, rows, cleanup and machine block),
-``driver`` (the raw DBAPI floors), ``native`` (the async floor's stores), ``variants``,
-``throughput``, ``callers``, ``candidates`` and ``figures`` (what is timed), ``verdicts``
-(a target's pass or miss), ``report`` (the report
-and its targets), ``tables`` (printing it), ``compare`` (saved reports, side by side),
-``plot`` (matplotlib, optional). The click command is the CLI's
-(:mod:`orders.cli.bench_command`, loaded lazily, see ``orders.cli.app.LAZY_COMMANDS``); it
-is the only importer of this package, which uses public names only.
+The variants of a figure take turns (A B C A B C ...) for several repetitions, so a machine
+that slows down affects each alike; each ratio is taken per repetition before its median.
+Everything the bench writes is its own (:mod:`orders.bench.stores`) and is deleted at the
+end, also when it fails. The sweep runs at a "now" of 2001 and the scheduler on real time,
+so either is skipped (with a note) when another user's unpaid order would fall due. The
+benchmark lab, with many more figures, is the repository's ``benchmarks/`` folder.
 """
 
-from orders.bench.figures import FIGURES
+from __future__ import annotations
 
-__all__ = ["FIGURES"]
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import redis
+from sqlalchemy import Engine
+
+from orders import Settings
+from orders.bench.figures import FIGURES
+from orders.bench.stores import QUICK, Bench, Sizes
+
+
+def run_bench(
+    engine: Engine,
+    client: redis.Redis,
+    settings: Settings,
+    *,
+    quick: bool = False,
+    status: Callable[[str], None] = lambda _text: None,
+) -> dict[str, Any]:
+    """Every figure on these stores, then cleanup; the report (JSON-able)."""
+    started = time.monotonic()
+    bench = Bench(engine, client, settings, QUICK if quick else Sizes())
+    report: dict[str, Any] = {"engine": engine.dialect.name, "sizes": asdict(bench.sizes)}
+    figures = report["figures"] = {}
+    try:
+        for name, figure in FIGURES.items():
+            status(f"{name} ...")
+            result = figure(bench)
+            if result is not None:
+                figures[name] = result
+            bench.cleanup()
+    finally:
+        bench.cleanup()
+    report["notes"] = bench.notes
+    report["left_behind"] = bench.left_behind()
+    report["elapsed_s"] = round(time.monotonic() - started, 1)
+    return report
+
+
+__all__ = ["run_bench"]

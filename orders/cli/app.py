@@ -70,6 +70,7 @@ LAZY_COMMANDS = {
 }
 
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
 
 
 def exit_code(error: OrdersError) -> int:
@@ -145,14 +146,20 @@ class OrdersGroup(click.Group):
             ctx.exit(2)
 
     def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except OrdersError as error:
-            click.echo(error_line(error), err=True)
-            ctx.exit(exit_code(error))
-        except click.UsageError as error:
-            click.echo(usage_error_line(error), err=True)
-            ctx.exit(2)
+        return in_one_line(ctx, super().invoke)
+
+
+def in_one_line(ctx: click.Context, invoke: Callable[[click.Context], R]) -> R:
+    """``invoke(ctx)``, an ``OrdersError`` or a usage error below it ending as one line on
+    stderr and its exit code (the benchmark lab's command ends its errors so too)."""
+    try:
+        return invoke(ctx)
+    except OrdersError as error:
+        click.echo(error_line(error), err=True)
+        ctx.exit(exit_code(error))
+    except click.UsageError as error:
+        click.echo(usage_error_line(error), err=True)
+        ctx.exit(2)
 
 
 def usage_error_line(error: click.UsageError) -> str:

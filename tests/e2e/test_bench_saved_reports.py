@@ -1,4 +1,5 @@
-"""``orders bench`` on saved reports (--report, --compare, --plot): no run, no stores."""
+"""The lab (``python -m benchmarks``) on saved reports (--report, --compare, --plot): no run,
+no stores."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from orders.bench.compare import compare_lines
-from orders.cli import main
+from benchmarks.cli import bench as lab
+from benchmarks.compare import compare_lines
 from tests.support.bench_reports import NEW, OLD, save
 
 
 def bench(*args: str) -> Result:
-    return CliRunner().invoke(main, ["bench", *args], catch_exceptions=False)
+    return CliRunner().invoke(lab, list(args), catch_exceptions=False)
 
 
 def test_compare_of_two_saved_reports_runs_nothing_and_prints_the_changes(
@@ -75,7 +76,7 @@ def test_with_json_the_saved_report_alone_goes_to_stdout_and_the_comparison_to_s
     [
         (None, "error: --compare: cannot read that file"),
         (b"\x89PNG not json", "error: --compare: not a JSON file"),
-        (b"[1, 2]", "error: --compare: not an orders bench --json report of schema_version 1"),
+        (b"[1, 2]", "error: --compare: not a benchmarks --json report of schema_version 1"),
         (json.dumps({**OLD, "schema_version": 2}).encode(), "schema_version 1"),
         (json.dumps({**OLD, "targets": [{"id": "x"}]}).encode(), "malformed figures"),
     ],
@@ -120,5 +121,5 @@ def test_without_matplotlib_plot_says_how_to_install_it_in_one_line(
 
     assert result.exit_code == 2
     assert result.stdout == ""
-    assert result.stderr == "error: --plot needs matplotlib: pip install 'orders[plot]'\n"
+    assert result.stderr == "error: --plot needs matplotlib: pip install matplotlib\n"
     assert not (tmp_path / "out").exists()

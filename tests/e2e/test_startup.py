@@ -3,7 +3,7 @@
 
 Each command runs in a fresh interpreter (this test process has imported everything already)
 that runs it as ``orders`` would, then reports which heavy packages ``sys.modules`` holds.
-How long start-up takes is measured for docs/bench.md, never asserted here.
+How long start-up takes is measured for benchmarks/README.md, never asserted here.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Saved ``orders bench --json`` reports written by hand in the documented shape
-(docs/bench.md), their targets computed by the bench's own ``targets``, so every figure a
-test expects from them is exact."""
+"""Saved lab reports (``python -m benchmarks --json``) written by hand in the documented
+shape (benchmarks/README.md), their targets computed by the lab's own ``targets``, so every
+figure a test expects from them is exact."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from orders.bench.report import targets
+from benchmarks.report import targets
 
 
 def spread(median: float, low: float | None = None, high: float | None = None) -> dict[str, float]:

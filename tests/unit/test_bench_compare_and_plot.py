@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orders.bench.compare import compare_lines
-from orders.bench.plot import write_plots
+from benchmarks.compare import compare_lines
+from benchmarks.plot import write_plots
 from tests.support.bench_reports import NEW, OLD
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from orders.bench.measure import Run, run_tasks
+from benchmarks.measure import Run, run_tasks
 
 
 class Probe:

@@ -1,10 +1,10 @@
-"""The bench's check that a figure leaves no thread running (orders.bench.threads)."""
+"""The bench's check that a figure leaves no thread running (benchmarks.threads)."""
 
 from __future__ import annotations
 
 import threading
 
-from orders.bench import threads
+from benchmarks import threads
 
 
 def test_a_thread_started_since_the_snapshot_and_still_running_is_named() -> None:

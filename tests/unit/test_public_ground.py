@@ -176,7 +176,9 @@ def source_violations(sources: dict[str, str]) -> list[str]:
 
 
 def package_sources() -> dict[str, str]:
-    return {str(path.relative_to(REPO)): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    """The package's modules, and the benchmark lab's beside it (it holds to the same rule)."""
+    paths = sorted([*PACKAGE.rglob("*.py"), *(REPO / "benchmarks").glob("*.py")])
+    return {str(path.relative_to(REPO)): path.read_text() for path in paths}
 
 
 # --- d: classes at runtime --------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """PostgreSQL figures for the capacity model: WAL and CPU per use case, bytes per order.
 
-Starts the durable stores ``scripts/bench_durable.py`` starts (a throwaway PostgreSQL with
+Starts the durable stores ``benchmarks/bench_durable.py`` starts (a throwaway PostgreSQL with
 fsync, synchronous commits and full-page writes on, a redis-server on a unix socket),
 migrates the schema with ``orders.sql.migrate`` and then:
 
@@ -17,11 +17,11 @@ migrates the schema with ``orders.sql.migrate`` and then:
 
 With ``--partitions N`` the schema is docs/partitioning.sql with N hash partitions instead
 of the migrations (and step 2 is skipped: ``--orders`` is for the plain schema), to see what
-partitioning costs each use case. ``--sweep`` then also runs ``orders bench --only sweep``
+partitioning costs each use case. ``--sweep`` then also runs the lab's ``--only sweep``
 on that schema (its closes/s per batch size, best batch and 10x table).
 
-    .venv/bin/python scripts/pg_capacity.py --ops 5000 --orders 1000000
-    .venv/bin/python scripts/pg_capacity.py --ops 5000 --partitions 64
+    .venv/bin/python benchmarks/pg_capacity.py --ops 5000 --orders 1000000
+    .venv/bin/python benchmarks/pg_capacity.py --ops 5000 --partitions 64
 """
 
 from __future__ import annotations
@@ -40,18 +40,16 @@ import psycopg
 import redis
 from sqlalchemy import Engine, make_url, text
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS.parent))
-sys.path.insert(0, str(SCRIPTS))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from bench_durable import durable_stores  # noqa: E402
-
+from benchmarks.bench_durable import durable_stores  # noqa: E402
 from orders import ExpiryPolicy, OrderService, Settings  # noqa: E402
 from orders.bootstrap import build_engine  # noqa: E402
 from orders.sql.migrate import upgrade  # noqa: E402
 
 TTL_S = 900
-PARTITIONED_DDL = SCRIPTS.parent / "docs" / "partitioning.sql"
+PARTITIONED_DDL = REPO / "docs" / "partitioning.sql"
 TICK_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -246,7 +244,7 @@ def partitioned_schema(url: str, partitions: int) -> None:
 
 
 def bench_sweep(url: str, sock: Path) -> dict[str, Any]:
-    """``orders bench --only sweep --json`` on these stores: the sweep's figure."""
+    """``python -m benchmarks --only sweep --json`` on these stores: the sweep's figure."""
     env = {
         **os.environ,
         "ORDERS_DATABASE_URL": url,
@@ -255,11 +253,10 @@ def bench_sweep(url: str, sock: Path) -> dict[str, Any]:
         # tables are partitioned (a trigger and a cascade per row).
         "ORDERS_SQL_STATEMENT_TIMEOUT_S": "600",
     }
-    orders = str(Path(sys.executable).with_name("orders"))
-    argv = [orders, "bench", "--only", "sweep", "--json", "--yes", "--reps", "3"]
-    done = subprocess.run(argv, env=env, check=False, capture_output=True, text=True)
+    argv = [sys.executable, "-m", "benchmarks", "--only", "sweep", "--json", "--yes", "--reps", "3"]
+    done = subprocess.run(argv, env=env, check=False, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
-        raise RuntimeError(f"orders bench failed: {done.stderr.strip()[-600:]}")
+        raise RuntimeError(f"the lab failed: {done.stderr.strip()[-600:]}")
     report = json.loads(done.stdout)
     sweep: dict[str, Any] = report["figures"]["sweep"]
     figures = ("best_batch", "best_closes_s", "best_closes_s_10x", "cost_10x")
@@ -271,7 +268,7 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=5000, help="creates through the service")
     parser.add_argument("--orders", type=int, default=1_000_000, help="bulk-loaded orders")
     parser.add_argument("--partitions", type=int, default=0, help="docs/partitioning.sql")
-    parser.add_argument("--sweep", action="store_true", help="also orders bench --only sweep")
+    parser.add_argument("--sweep", action="store_true", help="also the lab's --only sweep")
     options = parser.parse_args()
     with durable_stores(["postgresql"]) as stores:
         url, sock = stores("postgresql")

@@ -1,6 +1,6 @@
 """The throughput figures: a use case's operations timed side by side with its floors.
 
-``create`` and ``refusal`` also run on the asyncio API (:mod:`orders.bench.concurrency`).
+``create`` and ``refusal`` also run on the asyncio API (:mod:`benchmarks.concurrency`).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from orders.bench import floors, variants
-from orders.bench.concurrency import floors_threads, task_counts, thread_counts
-from orders.bench.measure import Run, Variant, counted, describe, ratios, spread
-from orders.bench.workload import Workload
+from benchmarks import floors, variants
+from benchmarks.concurrency import floors_threads, task_counts, thread_counts
+from benchmarks.measure import Run, Variant, counted, describe, ratios, spread
+from benchmarks.workload import Workload
 from orders.domain import EventKind
 
 #: The variants of the create figure, at each thread count.

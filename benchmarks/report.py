@@ -8,17 +8,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from orders.bench import callers, candidates, threads
-from orders.bench.concurrency import task_counts, thread_counts
-from orders.bench.figures import MAKERS
-from orders.bench.measure import Sizes, python_loop_ms
-from orders.bench.verdicts import check
-from orders.bench.workload import Workload
+from benchmarks import callers, threads
+from benchmarks.concurrency import task_counts, thread_counts
+from benchmarks.figures import MAKERS
+from benchmarks.measure import Sizes, python_loop_ms
+from benchmarks.verdicts import check
+from benchmarks.workload import Workload
 from orders.errors import OrdersError
 from orders.index.lease import SweeperLease
 from orders.service import OrderService
 
-#: The shape of ``orders bench --json`` (docs/bench.md); raised when a key changes meaning.
+#: The shape of ``python -m benchmarks --json`` (README.md); raised when a key changes meaning.
 SCHEMA_VERSION = 1
 
 #: Issue 12's targets: the bound each figure is held to.
@@ -54,7 +54,6 @@ def progress_units(sizes: Sizes, figure: str, engine: str) -> float:
         "close_lag": 10,
         "redis_memory": 2 * sizes.memory_reps,
         "sql_admission": 4 * per_measure,
-        "aio": len(candidates.NAMES) * per_measure,
     }[figure]
 
 
@@ -131,14 +130,12 @@ def _pool_notes(service: OrderService, sizes: Sizes, figures: Sequence[str]) -> 
         return []
     creates = "create" in figures
     most_threads = max(
-        8 if service.engine.dialect.name == "postgresql" or "aio" in figures else 1,
+        8 if service.engine.dialect.name == "postgresql" else 1,
         sizes.threads if creates else 1,
     )
-    most_tasks = max(
-        sizes.tasks if creates else 0, max(candidates.ASYNC_TASKS) if "aio" in figures else 0
-    )
+    most_tasks = sizes.tasks if creates else 0
     notes = []
-    if (creates or "aio" in figures) and pool_size < most_threads:
+    if creates and pool_size < most_threads:
         notes.append(
             f"the SQL pool holds {pool_size} connections for up to {most_threads} threads: "
             "the others open a new connection per operation (ORDERS_SQL_POOL_SIZE)"
@@ -227,48 +224,6 @@ def _refusal_targets(part: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _aio_targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
-    """The bounds of :data:`orders.bench.candidates.TARGETS` on this engine, the p99 of
-    the async create at 64 tasks beside the creates', and the async refusal's statements."""
-    p99 = fig["variants"][candidates.P99_OF]["p99_ms"]
-    out = []
-    for target in candidates.TARGETS:
-        bound = target.bound(engine)
-        if bound is None:
-            continue
-        note = (
-            ""
-            if target.mine.startswith("refusal")
-            else f"async create p99 at 64 tasks {p99:.1f} ms"
-        )
-        out.append(
-            check(
-                target.id,
-                candidates.target_name(target),
-                fig["ratios"][target.ratio]["median"],
-                ">=",
-                bound,
-                "x",
-                note,
-            )
-        )
-    counts = fig["sql_statements"]
-    refused = counts[candidates.on_tasks("refusal_async", 1)]
-    seen = counts[candidates.on_tasks("create_async", 1)]
-    statements = check(
-        "aio_refusal_sql_statements",
-        "aio: async refusal's SQL statements",
-        refused,
-        "==",
-        0,
-        "statements",
-        f"in {fig['ops_per_variant']:,} refusals; the async creates sent {seen:,} in as many",
-    )
-    if not seen:  # the counter saw no engine of the async service: its 0 proves nothing
-        statements["verdict"] = "miss"
-    return [*out, statements]
-
-
 def _transition_targets(fig: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [
         check(
@@ -332,8 +287,6 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "B",
                 )
             )
-    if "aio" in fig:
-        out += _aio_targets(fig["aio"], engine)
     if "close_lag" in fig:
         part = fig["close_lag"]
         missing = part["orders"] - part["closed"]

@@ -1,6 +1,6 @@
-"""The benchmark table of docs/bench.md, from two saved ``orders bench --json`` reports.
+"""The benchmark table of benchmarks/README.md, from two saved lab reports (``--json``).
 
-    .venv/bin/python scripts/bench_table.py /tmp/bench/sqlite.json /tmp/bench/postgresql.json
+    .venv/bin/python benchmarks/bench_table.py /tmp/bench/sqlite.json /tmp/bench/postgresql.json
 
 Prints one Markdown row per target (the measured value of each engine, its bound, and
 pass or miss), then the headline rates, then (reports with the ``callers`` figure) the

@@ -4,11 +4,11 @@ Starts a redis-server on a unix socket and the chosen database (SQLite: a fresh 
 throwaway PostgreSQL with fsync on, tests/support/postgres.py), migrates it, then creates ``--ops``
 orders for new users on one thread (``--threads N``: on N threads, each its share of the
 users; ``--combine``: with ``combine_creates`` and ``combine_transitions``), printing the
-rate. Run it under a profiler for the flame graphs of docs/bench.md (the servers run in
+rate. Run it under a profiler for the flame graphs of benchmarks/README.md (the servers run in
 their own processes, so the graph is the client):
 
     .venv/bin/py-spy record --format flamegraph -o docs/profiles/create-postgresql.svg -- \\
-        .venv/bin/python scripts/profile_create.py --engine postgresql --ops 5000
+        .venv/bin/python benchmarks/profile_create.py --engine postgresql --ops 5000
 
 With threads, ``py-spy record --gil`` samples only the thread that holds the GIL: the
 samples over the wall time say how much of it one core's worth of Python was busy.
@@ -32,12 +32,12 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
+from benchmarks.bench_durable import durable_stores  # noqa: E402
 from orders.bootstrap import build_engine  # noqa: E402
 from orders.config import Settings  # noqa: E402
 from orders.errors import UnpaidOrderLimitReached  # noqa: E402
 from orders.service import OrderService  # noqa: E402
 from orders.sql import migrate  # noqa: E402
-from scripts.bench_durable import durable_stores  # noqa: E402
 
 
 def machine_busy() -> tuple[float, float]:
@@ -145,7 +145,7 @@ def main() -> None:
             redis_url=f"unix://{sock}",
             combine_creates=combine,
             combine_transitions=combine,
-            sql_pool_size=10,  # as orders bench's callers figure
+            sql_pool_size=10,  # as the lab's callers figure
             sql_max_overflow=10,
         )
         engine = build_engine(settings)

@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
-from orders.bench.concurrency import parts
-from orders.bench.report import SCHEMA_VERSION
-from orders.bench.tables import format_value
+from benchmarks.concurrency import parts
+from benchmarks.report import SCHEMA_VERSION
+from benchmarks.tables import format_value
 
 #: The top-level keys every report has.
 _KEYS = ("engine", "machine", "sizes", "figures", "notes", "left_behind", "targets")
@@ -26,7 +26,7 @@ Headline = dict[str, tuple[float, str]]
 
 
 def load_report(path: str, option: str) -> dict[str, Any]:
-    """The report saved at ``path`` by ``orders bench --json``, else a one-line usage error
+    """The report saved at ``path`` by ``python -m benchmarks --json``, else a one-line usage error
     naming ``option`` (never the path: it is the caller's to know)."""
     try:
         data = Path(path).read_bytes()
@@ -42,7 +42,7 @@ def load_report(path: str, option: str) -> dict[str, Any]:
         or any(key not in report for key in _KEYS)
     ):
         raise click.UsageError(
-            f"{option}: not an orders bench --json report of schema_version {SCHEMA_VERSION}"
+            f"{option}: not a benchmarks --json report of schema_version {SCHEMA_VERSION}"
         )
     try:
         headline(report)

@@ -8,7 +8,7 @@ from typing import Any
 def check(
     key: str, name: str, measured: float, op: str, required: float, unit: str, note: str = ""
 ) -> dict[str, Any]:
-    """One target of the report (its ``targets`` list, docs/bench.md)."""
+    """One target of the report (its ``targets`` list, benchmarks/README.md)."""
     ok = {">=": measured >= required, "<=": measured <= required, "==": measured == required}
     return {
         "id": key,

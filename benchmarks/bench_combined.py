@@ -10,7 +10,7 @@ together. Printed per engine, thread count and mode: the median round's ops/s (a
 spread), p50 and p99 of every call's latency, and for the combined mode how many creates
 ran in batches and the mean batch size. The load average is printed before and after.
 
-    ORDERS_REDIS_SERVER=/usr/bin/redis-server .venv/bin/python scripts/bench_combined.py
+    ORDERS_REDIS_SERVER=/usr/bin/redis-server .venv/bin/python benchmarks/bench_combined.py
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_durable import durable_stores  # noqa: E402
-
+from benchmarks.bench_durable import durable_stores  # noqa: E402
 from orders.bootstrap import build_engine, build_redis  # noqa: E402
 from orders.config import Settings  # noqa: E402
 from orders.service import OrderService  # noqa: E402

@@ -1,6 +1,6 @@
 """The floors the figures hold the service against: what the same durable work costs
-without it (a raw EVALSHA, the raw driver's statements, Core's, the native asyncio
-drivers'), and the original article's naive create (ZCARD, ZADD, INSERT)."""
+without it (a raw EVALSHA, the raw driver's statements, Core's), and the original
+article's naive create (ZCARD, ZADD, INSERT)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 from sqlalchemy import insert
 
-from orders.bench.driver import RawDriver, writer_queue
-from orders.bench.measure import Run, Variant, run_ops
-from orders.bench.workload import Workload
+from benchmarks.driver import RawDriver, writer_queue
+from benchmarks.measure import Run, Variant, run_ops
+from benchmarks.workload import Workload
 from orders.domain import EventKind
 from orders.index.unpaid import admit_args
 from orders.sql.models import events_table, orders_table
@@ -123,34 +123,6 @@ def naive(w: Workload, threads: int = 1) -> Variant:
             insert_one(w.row(ids[i], users[i], now, now + ttl))
 
         return run_ops(op, n, threads)
-
-    return variant
-
-
-def native_floor(w: Workload, tasks: int) -> Variant:
-    """The native floor (:mod:`orders.bench.native`) as ``tasks`` tasks on the bench's loop:
-    one EVALSHA that admits, then the order row and its event in one transaction."""
-    args, clock, ttl, sha = (
-        _admission_args(w),
-        w.service.clock,
-        w.ttl_ms,
-        w.admit_sha,
-    )
-
-    def variant(n: int) -> Run:
-        stores = w.loop.native
-        users, ids = w.users("v", n), w.order_ids(n)
-        keys = [w.admit_keys(u) for u in users]
-
-        async def op(i: int) -> None:
-            now = clock()
-            _check_admitted(await stores.evalsha(sha, keys[i], args(ids[i], now)))
-            await stores.insert(
-                w.minimal_row(ids[i], users[i], now, now + ttl),
-                w.created_event(ids[i], users[i], now),
-            )
-
-        return w.loop.time(op, n, tasks)
 
     return variant
 

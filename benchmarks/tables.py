@@ -7,9 +7,8 @@ from typing import Any
 
 from rich.table import Table
 
-from orders.bench import candidates
-from orders.bench.concurrency import part_label
-from orders.bench.figures import FIGURES
+from benchmarks.concurrency import part_label
+from benchmarks.figures import FIGURES
 
 
 def _rate(s: Mapping[str, float]) -> tuple[str, str]:
@@ -166,27 +165,6 @@ def _sql_admission(rows: _Rows, part: Mapping[str, Any]) -> None:
     rows.ratio("sql admission", "admission: create / sql", part["admission_create_vs_sql"])
 
 
-def _aio(rows: _Rows, part: Mapping[str, Any]) -> None:
-    """Each variant with its SQL statements per op, then each ratio, with its target's
-    verdict on this engine when it has one."""
-    ops, statements = part["ops_per_variant"], part["sql_statements"]
-
-    def label(name: str) -> str:
-        return f"{candidates.label(name)} [{statements[name] / max(1, ops):.1f} SQL/op]"
-
-    rows.variants("aio", part, label)
-    rows.table.add_section()
-    for a, b in candidates.PAIRS:
-        s = part["ratios"][candidates.ratio_key(a, b)]
-        shown = f"{a} / {b}"
-        found = candidates.target_of(a, b, rows.engine)
-        if found is not None:
-            verdict = candidates.met(s["median"], found[1])
-            shown += f" (target >= {found[1]:.2f}: {verdict})"
-        rows.ratio("aio, ratio", shown, s)
-    rows.table.add_section()
-
-
 _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
     "create": _create,
     "refusal": _refusal,
@@ -197,7 +175,6 @@ _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
     "close_lag": _close_lag,
     "redis_memory": _redis_memory,
     "sql_admission": _sql_admission,
-    "aio": _aio,
 }
 
 
@@ -221,7 +198,7 @@ def results_table(report: Mapping[str, Any]) -> Table:
         "p99 ms",
         "client CPU us/op",
         title=(
-            f"orders bench on {m['sql_engine']} {m['sql_version']} ({durable}: {settings}) "
+            f"benchmarks on {m['sql_engine']} {m['sql_version']} ({durable}: {settings}) "
             f"+ redis {m['redis']} "
             f"({m['nproc']} cpus, load {m['load_average']:.1f}, python {m['python']}"
             f"{_loop(m)}), "

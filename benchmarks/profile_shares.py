@@ -1,4 +1,4 @@
-"""Where a call's time goes, from a py-spy ``--format raw`` profile of scripts/profile_create.py.
+"""Where a call's time goes, from a py-spy ``--format raw`` profile of benchmarks/profile_create.py.
 
 Reads the collapsed stacks (one line per stack: frames joined by ``;``, then a sample count),
 keeps the samples taken inside the timed loop (a frame of ``profile_create.py``'s call
@@ -8,8 +8,8 @@ SQL driver (sqlite3, psycopg) and the socket or commit it waits on. Prints one M
 of percentages, so the flame graphs of docs/profiles/ come with their sums:
 
     .venv/bin/py-spy record --idle --format raw -o /tmp/pay.txt -- \\
-        .venv/bin/python scripts/profile_create.py --engine sqlite --mode pay --ops 4000
-    .venv/bin/python scripts/profile_shares.py /tmp/pay.txt
+        .venv/bin/python benchmarks/profile_create.py --engine sqlite --mode pay --ops 4000
+    .venv/bin/python benchmarks/profile_shares.py /tmp/pay.txt
 
 With ``--idle`` the samples count wall time (waits included), as the bench's ops/s do.
 """

@@ -4,7 +4,7 @@ A thread that an earlier figure left behind (the async service's call pool, the 
 loop's executor, a scheduler's workers) competes for the GIL and the cores with the
 figures after it, and its figures would no longer be measured alone: so after each figure
 the bench closes what it started and waits for those threads to end, and the report names
-any that did not (``threads_left``, docs/bench.md).
+any that did not (``threads_left``, benchmarks/README.md).
 """
 
 from __future__ import annotations

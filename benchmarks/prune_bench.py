@@ -1,6 +1,6 @@
 """The prune beside live traffic: create rate and close lag before and while 10^6 rows go.
 
-Starts the durable stores of ``scripts/bench_durable.py`` (PostgreSQL with fsync, synchronous
+Starts the durable stores of ``benchmarks/bench_durable.py`` (PostgreSQL with fsync, synchronous
 commits and full-page writes on; redis-server on a unix socket), migrates, bulk-loads
 ``--orders`` terminal orders (paid, closed, cancelled) last changed half a year ago, with
 their events, and then runs a steady load as deployed: ``--rate`` creates per second through
@@ -11,7 +11,7 @@ phase it prints the creates per second achieved, their latency (p50, p99) and th
 of the orders that came due in it (p50, p99, max: closed_at - expires_at), and for the
 prune its orders and events per second. A measurement, not a test.
 
-    .venv/bin/python scripts/prune_bench.py --orders 1000000
+    .venv/bin/python benchmarks/prune_bench.py --orders 1000000
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ from typing import Any
 import redis
 from sqlalchemy import Engine, text
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS.parent))
-sys.path.insert(0, str(SCRIPTS))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from bench_durable import durable_stores  # noqa: E402
-
+from benchmarks.bench_durable import durable_stores  # noqa: E402
 from orders import ExpiryPolicy, OrderService, Settings  # noqa: E402
 from orders.bootstrap import build_engine  # noqa: E402
 from orders.errors import OrdersError  # noqa: E402

@@ -1,6 +1,6 @@
-"""``orders bench --plot DIR``: the figures a reader would rather look at than read.
+"""``python -m benchmarks --plot DIR``: the figures a reader would rather look at than read.
 
-matplotlib is an optional extra (``pip install 'orders[plot]'``), imported only here and
+matplotlib (in the ``dev`` extra, not a dependency of ``orders``) is imported only here and
 only when plotting; the figures are drawn with its object API (no pyplot, no GUI backend).
 Files written, each where the report has the figure:
 
@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orders.bench.concurrency import part_label, parts
-from orders.bench.report import SWEEP_TARGET_CLOSES_S, TARGETS
+from benchmarks.concurrency import part_label, parts
+from benchmarks.report import SWEEP_TARGET_CLOSES_S, TARGETS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 FORMATS = ("png", "svg")
-INSTALL_HINT = "--plot needs matplotlib: pip install 'orders[plot]'"
+INSTALL_HINT = "--plot needs matplotlib: pip install matplotlib"
 
 
 def require_matplotlib() -> None:

@@ -1,13 +1,12 @@
-"""The bench's one event loop, and the async stores on it.
+"""The bench's one event loop, and the async service on it.
 
 The async variants run on a single ``asyncio.Runner`` held for the whole bench: the
-:class:`~orders.aio.AsyncOrderService`, the native floor's stores
-(:class:`~orders.bench.native.NativeStores`), their pooled connections and their Redis
-sockets belong to that loop, as in an application, and each timed run is one
-``runner.run`` of :func:`~orders.bench.measure.run_tasks` (so starting the loop is not in
+:class:`~orders.aio.AsyncOrderService`, its pooled connections and its Redis sockets
+belong to that loop, as in an application, and each timed run is one
+``runner.run`` of :func:`~benchmarks.measure.run_tasks` (so starting the loop is not in
 any operation's time). The loop runs only while an async variant runs; between them, the
 threaded variants have the machine to themselves. The bench closes it after each figure
-(:func:`~orders.bench.report.run_bench`), so no figure inherits the service's threads.
+(:func:`~benchmarks.report.run_bench`), so no figure inherits the service's threads.
 """
 
 from __future__ import annotations
@@ -15,22 +14,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from benchmarks.measure import Run, run_tasks
 from orders.aio import AsyncOrderService, build_async_service
-from orders.bench.measure import Run, run_tasks
-from orders.bench.native import NativeStores
 from orders.config import Settings
 from orders.domain import Clock
 
 
 class BenchLoop:
-    """An event loop, the async service and the native floor's stores, built on first use."""
+    """An event loop and the async service, built on first use."""
 
     def __init__(self, settings: Settings, clock: Clock) -> None:
         self._settings = settings
         self._clock = clock
         self._runner: asyncio.Runner | None = None
         self._service: AsyncOrderService | None = None
-        self._native: NativeStores | None = None
 
     @property
     def runner(self) -> asyncio.Runner:
@@ -47,36 +44,21 @@ class BenchLoop:
             )
         return self._service
 
-    @property
-    def native(self) -> NativeStores:
-        """The native floor's ``redis.asyncio`` client and ``AsyncEngine`` (same settings)."""
-        if self._native is None:
-            self._native = NativeStores(self._settings)
-        return self._native
-
     def run(
         self, op: Callable[[AsyncOrderService, int], Awaitable[object]], n: int, tasks: int
     ) -> Run:
         """``await op(service, i)`` for i in 0..n-1 as ``tasks`` tasks on this loop, timed."""
         service = self.service
-        return self.time(lambda i: op(service, i), n, tasks)
-
-    def time(self, op: Callable[[int], Awaitable[object]], n: int, tasks: int) -> Run:
-        """``await op(i)`` for i in 0..n-1 as ``tasks`` tasks on this loop, timed."""
-        return self.runner.run(run_tasks(op, n, tasks))
+        return self.runner.run(run_tasks(lambda i: op(service, i), n, tasks))
 
     def close(self) -> None:
-        """Close the service and the native stores (their connections), then the loop."""
-        runner, service, native = self._runner, self._service, self._native
-        self._runner = self._service = self._native = None
+        """Close the service (its connections), then the loop."""
+        runner, service = self._runner, self._service
+        self._runner = self._service = None
         if runner is None:
             return
         try:
             if service is not None:
                 runner.run(service.aclose())
         finally:
-            try:
-                if native is not None:
-                    runner.run(native.aclose())
-            finally:
-                runner.close()
+            runner.close()

@@ -2,19 +2,18 @@
 
 A use case's variant (create, refusal) runs on either API: the synchronous service on
 threads, or the :class:`~orders.aio.AsyncOrderService` as tasks on the bench's one event
-loop (:mod:`orders.bench.loop`). The call is written once, against the method both share.
+loop (:mod:`benchmarks.loop`). The call is written once, against the method both share.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from benchmarks.measure import Run, Variant, run_ops
+from benchmarks.workload import Workload
 from orders.aio import AsyncOrderService
-from orders.bench.measure import Run, Variant, run_ops
-from orders.bench.workload import Workload
 from orders.domain import APPLICATION, EventKind, NewOrder
 from orders.errors import OrderClosed, UnpaidOrderLimitReached
 from orders.service import OrderService
@@ -92,20 +91,6 @@ def create(
             threads=threads,
             tasks=tasks,
             service=w.combined if combined else None,
-        )
-
-    return variant
-
-
-def to_thread_create(w: Workload, tasks: int) -> Variant:
-    """``create_unpaid_order`` of the synchronous service through ``asyncio.to_thread``, as
-    ``tasks`` tasks on the bench's loop (the loop's default executor runs them)."""
-    service = w.service
-
-    def variant(n: int) -> Run:
-        users = w.users("t", n)
-        return w.loop.time(
-            lambda i: asyncio.to_thread(service.create_unpaid_order, users[i]), n, tasks
         )
 
     return variant

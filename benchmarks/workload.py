@@ -15,8 +15,8 @@ import redis
 import sqlalchemy
 from sqlalchemy import delete, func, insert, select, update
 
-from orders.bench.loop import BenchLoop
-from orders.bench.measure import (
+from benchmarks.loop import BenchLoop
+from benchmarks.measure import (
     Run,
     Sizes,
     Variant,
