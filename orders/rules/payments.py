@@ -178,8 +178,8 @@ class Payments:
         window_ms = self.settings.order_terms(closed.policy).late_payment_window_ms
 
         def attempt(conn: Connection) -> Row[Any] | None:
-            return self.records.pay_late(
-                conn, order_id, now_ms, payment, actor, window_ms=window_ms
+            return self.records.pay(
+                conn, order_id, now_ms, payment, actor, late_window_ms=window_ms
             )
 
         order, won = self.transitioner.run(
