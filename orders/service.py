@@ -131,10 +131,10 @@ class OrderService:
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
-        self.extender = Extender(self.records, self.transitions, self.admitter, s)
+        self.extender = Extender(self.transitions, s)
         self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
         self.pausing = Pausing(Pauses(self.records.tx), self.index.rescore_present, self.now_ms)
-        bulk = BulkActions(self.records, self.transitions, self.admitter, s, self.now_ms)
+        bulk = BulkActions(self.transitions, s, self.now_ms)
         self.eraser = Eraser(self.records, bulk, self.index, s, self.now_ms)
         #: The operator's actions over many orders: the pause, retention, bulk actions.
         self.operations = Operations(self.pausing, self.pruner, bulk, s)
