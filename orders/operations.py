@@ -75,13 +75,7 @@ class Operations:
         """Delete paid, cancelled and closed orders whose last transition is older than
         ``older_than_s``, with their events, but none still needed (see
         :mod:`orders.rules.retention`); ``dry_run``: count them only."""
-        return self.pruner.prune(
-            older_than_s,
-            dry_run=dry_run,
-            batch_size=batch_size,
-            max_batches=max_batches,
-            on_batch=on_batch,
-        )
+        return self.pruner.prune(older_than_s, dry_run, batch_size, max_batches, on_batch)
 
     def set_archive_hook(self, hook: ArchiveHook | None) -> None:
         """Hand each batch of pruned orders (with their events) to ``hook`` before it is

@@ -453,13 +453,8 @@ class OrderService:
         :class:`~orders.domain.Actor`, as the CLI's operator).
         """
         with tracing.span("orders.sweep_expired") as traced:
-            result = self.sweep.sweep_expired(
-                now_ms=now_ms,
-                batch_size=batch_size,
-                max_batches=max_batches,
-                should_stop=should_stop,
-                actor=Actor.of(actor, ActorKind.SWEEPER),
-            )
+            who = Actor.of(actor, ActorKind.SWEEPER)
+            result = self.sweep.sweep_expired(now_ms, batch_size, max_batches, should_stop, who)
             traced.set(closed=result.closed, batches=result.batches, outcome="swept")
             return result
 
@@ -499,6 +494,4 @@ class OrderService:
         on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
         """Make the Redis index equal to SQL (see :mod:`orders.rules.reconcile`)."""
-        return self.reconciler.reconcile(
-            user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
-        )
+        return self.reconciler.reconcile(user_id, dry_run, chunk_size, on_progress)
