@@ -94,12 +94,7 @@ class Payments:
         self.hooks.close()
 
     def pay(
-        self,
-        order_id: str,
-        payment: Payment,
-        actor: Actor,
-        now_ms: int,
-        host: Connection | None,
+        self, order_id: str, payment: Payment, actor: Actor, now_ms: int, host: Connection | None
     ) -> Order:
         """Mark the order paid, or raise the refusal once it is recorded (module docstring)."""
         strict = self.settings.strict_expiry
