@@ -8,6 +8,7 @@ manual clock. Every test checks the final state of both stores, SQL and Redis.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import pytest
 import redis
 from sqlalchemy import Engine, select
 
-from orders.domain import OrderStatus
+from orders.domain import OrderStatus, SweepResult
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, UnpaidOrderLimitReached
 from orders.index.unpaid import AdmitRequest
 from orders.service import OrderService
@@ -278,6 +279,42 @@ def test_sql_guard_refuses_everyone_when_redis_lost_its_members_and_leaves_no_ph
 # --- payment against the sweep ------------------------------------------------------------
 
 
+def pay_and_sweep_at_once(
+    payments: list[tuple[OrderService, str, str]], sweeps: list[Callable[[], SweepResult]]
+) -> tuple[dict[str, object], list[int]]:
+    """Each payment (service, order id, reference) and each sweep in a thread of its own, all
+    released at once: what each payment gave (the order, or its OrderClosed), and how many
+    orders each sweep closed."""
+    barrier = threading.Barrier(len(payments) + len(sweeps), timeout=30)
+    pay_results: dict[str, object] = {}
+    sweep_results: list[int] = []
+    lock = threading.Lock()
+
+    def pay(own: OrderService, order_id: str, ref: str) -> Callable[[], None]:
+        def run() -> None:
+            barrier.wait()
+            try:
+                outcome: object = own.mark_paid(order_id, payment_ref=ref)
+            except OrderClosed as exc:
+                outcome = exc
+            with lock:
+                pay_results[order_id] = outcome
+
+        return run
+
+    def sweep(closes: Callable[[], SweepResult]) -> Callable[[], None]:
+        def run() -> None:
+            barrier.wait()
+            closed = closes().closed
+            with lock:
+                sweep_results.append(closed)
+
+        return run
+
+    run_threads([pay(*payment) for payment in payments] + [sweep(s) for s in sweeps])
+    return pay_results, sweep_results
+
+
 # "combined": the payments of one service share transactions (Settings.combine_transitions,
 # SQLite only), racing the sweepers as the single ones do.
 @pytest.mark.parametrize("transitions", ["single", "combined"])
@@ -300,35 +337,13 @@ def test_concurrent_pay_and_sweep_give_each_expired_order_exactly_one_fate(
     assert all(len(service.index.members(f"payer-{u}")) == per_user for u in range(users))
     clock.advance(s=ttl_s, ms=1)
 
-    barrier = threading.Barrier(len(orders) + sweepers, timeout=30)
-    pay_results: dict[str, object] = {}
-    sweep_results: list[int] = []
-    lock = threading.Lock()
-
-    def pay(order_id: str, own: OrderService) -> Callable[[], None]:
-        def run() -> None:
-            barrier.wait()
-            try:
-                outcome: object = own.mark_paid(order_id, payment_ref=f"psp-{order_id}")
-            except OrderClosed as exc:
-                outcome = exc
-            with lock:
-                pay_results[order_id] = outcome
-
-        return run
-
-    def sweep(own: OrderService) -> Callable[[], None]:
-        def run() -> None:
-            barrier.wait()
-            result = own.sweep_expired(batch_size=4)
-            with lock:
-                sweep_results.append(result.closed)
-
-        return run
-
-    targets = [pay(o.id, service if n % 2 else make_service()) for n, o in enumerate(orders)]
-    targets += [sweep(make_service()) for _ in range(sweepers)]
-    run_threads(targets)
+    payments = [
+        (service if n % 2 else make_service(), o.id, f"psp-{o.id}") for n, o in enumerate(orders)
+    ]
+    sweeps = [
+        functools.partial(make_service().sweep_expired, batch_size=4) for _ in range(sweepers)
+    ]
+    pay_results, sweep_results = pay_and_sweep_at_once(payments, sweeps)
     if transitions == "combined":  # every payment of ``service`` went through its queue
         queue = service.transitions.queue
         assert queue is not None
@@ -380,30 +395,11 @@ def test_strict_expiry_late_payments_racing_the_sweep_close_each_order_exactly_o
     ]
     clock.advance(s=ttl_s)  # now == expires_at: expired (an order counts while expires > now)
 
-    barrier = threading.Barrier(len(orders) + sweepers, timeout=30)
-    pay_results: dict[str, object] = {}
-    sweep_results: list[int] = []
-    lock = threading.Lock()
-
-    def pay(order_id: str) -> Callable[[], None]:
-        def run() -> None:
-            barrier.wait()
-            try:
-                outcome: object = strict.mark_paid(order_id, payment_ref=f"late-{order_id}")
-            except OrderClosed as exc:
-                outcome = exc
-            with lock:
-                pay_results[order_id] = outcome
-
-        return run
-
-    def sweep() -> None:
-        barrier.wait()
-        result = make_service(strict_expiry=True).sweep_expired(batch_size=3)
-        with lock:
-            sweep_results.append(result.closed)
-
-    run_threads([pay(o.id) for o in orders] + [sweep] * sweepers)
+    pay_results, sweep_results = pay_and_sweep_at_once(
+        [(strict, o.id, f"late-{o.id}") for o in orders],
+        # Each sweeper builds its service in its thread, after the release.
+        [lambda: make_service(strict_expiry=True).sweep_expired(batch_size=3)] * sweepers,
+    )
     queue = strict.transitions.queue
     if queue is not None:  # every payment went through the queue of combined transitions
         assert queue.stats.alone + queue.stats.waited_alone + queue.stats.combined == len(orders)
