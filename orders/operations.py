@@ -19,13 +19,13 @@ from orders.rules.bulk import (
     DEFAULT_BATCH_SIZE,
     BulkActions,
     BulkReport,
+    BulkRun,
     OnBatch,
     check_batch_size,
     checked_filter,
 )
 from orders.rules.pausing import Pausing
 from orders.rules.retention import ArchiveHook, Pruner, PruneReport
-from orders.sql.matching import OrderFilter
 from orders.sql.pauses import Pause
 from orders.validation import TEXT_MAX_LENGTH, check_count, check_optional_text, check_ttl_ms
 
@@ -75,13 +75,7 @@ class Operations:
         """Delete paid, cancelled and closed orders whose last transition is older than
         ``older_than_s``, with their events, but none still needed (see
         :mod:`orders.rules.retention`); ``dry_run``: count them only."""
-        return self.pruner.prune(
-            older_than_s,
-            dry_run=dry_run,
-            batch_size=batch_size,
-            max_batches=max_batches,
-            on_batch=on_batch,
-        )
+        return self.pruner.prune(older_than_s, dry_run, batch_size, max_batches, on_batch)
 
     def set_archive_hook(self, hook: ArchiveHook | None) -> None:
         """Hand each batch of pruned orders (with their events) to ``hook`` before it is
@@ -113,18 +107,10 @@ class Operations:
         written. ``dry_run``: read the same pages and change nothing. ``on_batch(orders,
         report)`` after each page of at most ``batch_size``. See :mod:`orders.rules.bulk`.
         """
-        wanted, size = self._bulk_input(
-            user_id, created_before, expiring_before, metadata, batch_size
+        run = self._bulk_run(
+            user_id, created_before, expiring_before, metadata, actor, dry_run, batch_size, on_batch
         )
-        why = check_optional_text("reason", reason, TEXT_MAX_LENGTH)
-        return self.bulk.cancel(
-            wanted,
-            reason=why,
-            actor=Actor.of(actor),
-            dry_run=dry_run,
-            batch_size=size,
-            on_batch=on_batch,
-        )
+        return self.bulk.cancel(run, check_optional_text("reason", reason, TEXT_MAX_LENGTH))
 
     def extend_matching(
         self,
@@ -143,28 +129,25 @@ class Operations:
         ``extend_order``'s compare-and-set and within its policy's maximum lifetime (an
         order it would take past it is refused, and counted). The filter and the rest as
         for :meth:`cancel_matching`."""
-        wanted, size = self._bulk_input(
-            user_id, created_before, expiring_before, metadata, batch_size
+        run = self._bulk_run(
+            user_id, created_before, expiring_before, metadata, actor, dry_run, batch_size, on_batch
         )
-        extra_ms = check_ttl_ms(extra_s, self.settings.default_policy.longest_ttl_s)
         return self.bulk.extend(
-            wanted,
-            extra_ms,
-            actor=Actor.of(actor),
-            dry_run=dry_run,
-            batch_size=size,
-            on_batch=on_batch,
+            run, check_ttl_ms(extra_s, self.settings.default_policy.longest_ttl_s)
         )
 
-    def _bulk_input(
+    def _bulk_run(
         self,
         user_id: str | int | None,
         created_before: datetime | None,
         expiring_before: datetime | None,
         metadata: Mapping[str, str] | None,
+        actor: str | Actor | None,
+        dry_run: bool,
         batch_size: int,
-    ) -> tuple[OrderFilter, int]:
-        """A bulk action's filter and batch size, checked."""
+        on_batch: OnBatch | None,
+    ) -> BulkRun:
+        """A bulk action's input, checked."""
         wanted = checked_filter(
             self.settings,
             user_id=user_id,
@@ -172,4 +155,4 @@ class Operations:
             expiring_before=expiring_before,
             metadata=metadata,
         )
-        return wanted, check_batch_size(batch_size)
+        return BulkRun(wanted, Actor.of(actor), dry_run, check_batch_size(batch_size), on_batch)

@@ -138,10 +138,10 @@ class OrderService:
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
-        self.extender = Extender(self.records, self.transitions, self.admitter, s)
+        self.extender = Extender(self.transitions, s)
         self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
         self.pausing = Pausing(Pauses(self.records.tx), self.index.rescore_present, self.now_ms)
-        bulk = BulkActions(self.records, self.transitions, self.admitter, s, self.now_ms)
+        bulk = BulkActions(self.transitions, s, self.now_ms)
         self.eraser = Eraser(self.records, bulk, self.index, s, self.now_ms)
         #: The operator's actions over many orders: the pause, retention, bulk actions.
         self.operations = Operations(self.pausing, self.pruner, bulk, s)
@@ -476,13 +476,8 @@ class OrderService:
         :class:`~orders.domain.Actor`, as the CLI's operator).
         """
         with tracing.span("orders.sweep_expired") as traced:
-            result = self.sweep.sweep_expired(
-                now_ms=now_ms,
-                batch_size=batch_size,
-                max_batches=max_batches,
-                should_stop=should_stop,
-                actor=Actor.of(actor, ActorKind.SWEEPER),
-            )
+            who = Actor.of(actor, ActorKind.SWEEPER)
+            result = self.sweep.sweep_expired(now_ms, batch_size, max_batches, should_stop, who)
             traced.set(closed=result.closed, batches=result.batches, outcome="swept")
             return result
 
@@ -522,6 +517,4 @@ class OrderService:
         on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
         """Make the Redis index equal to SQL (see :mod:`orders.rules.reconcile`)."""
-        return self.reconciler.reconcile(
-            user_id=user_id, dry_run=dry_run, chunk_size=chunk_size, on_progress=on_progress
-        )
+        return self.reconciler.reconcile(user_id, dry_run, chunk_size, on_progress)

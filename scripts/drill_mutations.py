@@ -202,7 +202,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))",
         "PAY = CompareAndSet(EventKind.PAID, _update([], _PAID))",
         "pay is a compare-and-set on status = 'unpaid'",
-        "tests/integration/test_transitions.py::test_paying_a_swept_order_raises_order_closed_with_status_closed",
+        "tests/integration/test_transitions.py::test_paying_a_cancelled_or_swept_order_raises_order_closed_and_records_the_refusal",
         "tests/integration/test_transitions.py::test_cancel_then_pay_leaves_the_cancel_as_the_only_winner",
     ),
     mutation(

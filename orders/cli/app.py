@@ -17,23 +17,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from orders import errors
 from orders.config import Settings
 from orders.domain import ACTOR_MAX_LENGTH, Actor, ActorKind
-from orders.errors import (
-    CreateRateLimited,
-    InvalidInput,
-    OrderAlreadyPaid,
-    OrderClosed,
-    OrderConflict,
-    OrderNotFound,
-    OrdersError,
-    PaymentMismatch,
-    RefundOwed,
-    SchemaConflict,
-    StoreUnavailable,
-    UnknownUser,
-    UnpaidOrderLimitReached,
-)
 
 if TYPE_CHECKING:
     from orders.service import OrderService
@@ -41,19 +27,19 @@ if TYPE_CHECKING:
 #: Exit status by error class. An error takes the code of the nearest class in its MRO,
 #: so a subclass (OrderConflict is an InvalidInput) keeps its own code whatever the order
 #: here. 1 is left for unexpected failures.
-EXIT_CODES: dict[type[OrdersError], int] = {
-    InvalidInput: 2,
-    OrderNotFound: 3,
-    UnpaidOrderLimitReached: 4,
-    OrderClosed: 5,
-    OrderAlreadyPaid: 6,
-    OrderConflict: 7,
-    StoreUnavailable: 8,
-    SchemaConflict: 9,
-    PaymentMismatch: 10,
-    CreateRateLimited: 11,
-    RefundOwed: 12,
-    UnknownUser: 3,  # not found, as an order
+EXIT_CODES: dict[type[errors.OrdersError], int] = {
+    errors.InvalidInput: 2,
+    errors.OrderNotFound: 3,
+    errors.UnpaidOrderLimitReached: 4,
+    errors.OrderClosed: 5,
+    errors.OrderAlreadyPaid: 6,
+    errors.OrderConflict: 7,
+    errors.StoreUnavailable: 8,
+    errors.SchemaConflict: 9,
+    errors.PaymentMismatch: 10,
+    errors.CreateRateLimited: 11,
+    errors.RefundOwed: 12,
+    errors.UnknownUser: 3,  # not found, as an order
 }
 
 #: Commands whose module is imported only when the command runs: name -> ("module:attr",
@@ -73,15 +59,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 R = TypeVar("R")
 
 
-def exit_code(error: OrdersError) -> int:
+def exit_code(error: errors.OrdersError) -> int:
     return next((EXIT_CODES[kind] for kind in type(error).__mro__ if kind in EXIT_CODES), 1)
 
 
-def error_line(error: OrdersError) -> str:
+def error_line(error: errors.OrdersError) -> str:
     """The one line an error prints. A refused payment says that its refund was recorded
     (and where), so whoever ran ``orders pay`` knows the money is not lost track of."""
     line = f"error: {error}"
-    if isinstance(error, OrderClosed | OrderAlreadyPaid | PaymentMismatch) and error.refusal:
+    if (
+        isinstance(error, errors.OrderClosed | errors.OrderAlreadyPaid | errors.PaymentMismatch)
+        and error.refusal
+    ):
         line += f"; refund owed: event {error.refusal[1]}, see orders payments refused"
     return line
 
@@ -154,7 +143,7 @@ def in_one_line(ctx: click.Context, invoke: Callable[[click.Context], R]) -> R:
     stderr and its exit code (the benchmark lab's command ends its errors so too)."""
     try:
         return invoke(ctx)
-    except OrdersError as error:
+    except errors.OrdersError as error:
         click.echo(error_line(error), err=True)
         ctx.exit(exit_code(error))
     except click.UsageError as error:

@@ -28,10 +28,8 @@ from orders.config import Settings
 from orders.domain import Actor, Order, OrderStatus
 from orders.errors import InvalidInput, OrderNotFound
 from orders.policies import check_deadline
-from orders.rules.admission import Admitter
 from orders.rules.transition import Transitioner, extend_attempt
 from orders.sql.matching import Keyset, OrderFilter, keyset_of, matching_page
-from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
 #: Orders read and changed per page unless the caller says otherwise, and the bounds.
@@ -63,6 +61,20 @@ class BulkReport:
 
 #: Called after each page with the page's orders as they were read and the totals so far.
 OnBatch = Callable[[Sequence[Order], BulkReport], None]
+#: One order's transition at ``now_ms``: the order after it, and whether it won.
+Change = Callable[[Order, int], tuple[Order, bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class BulkRun:
+    """What every bulk action is given, checked: the filter, who acts, whether it is a dry
+    run, the page size, and what to call after each page."""
+
+    wanted: OrderFilter
+    actor: Actor
+    dry_run: bool = False
+    batch_size: int = DEFAULT_BATCH_SIZE
+    on_batch: OnBatch | None = None
 
 
 def checked_filter(
@@ -128,103 +140,65 @@ class BulkActions:
     """Cancels or extends the orders a filter matches, one compare-and-set each."""
 
     def __init__(
-        self,
-        records: OrderRecords,
-        transitions: Transitioner,
-        admitter: Admitter,
-        settings: Settings,
-        now_ms: Callable[[], int],
+        self, transitions: Transitioner, settings: Settings, now_ms: Callable[[], int]
     ) -> None:
-        self.records = records
+        self.records = transitions.records
         self.transitions = transitions
-        self.admitter = admitter
         self.settings = settings
         self.now_ms = now_ms
 
-    def cancel(
-        self,
-        wanted: OrderFilter,
-        *,
-        reason: str | None,
-        actor: Actor,
-        dry_run: bool,
-        batch_size: int,
-        on_batch: OnBatch | None = None,
-    ) -> BulkReport:
-        """Cancel every unpaid order ``wanted`` matches (module docstring)."""
+    def cancel(self, run: BulkRun, reason: str | None) -> BulkReport:
+        """Cancel every unpaid order ``run.wanted`` matches (module docstring)."""
 
         def one(order: Order, now_ms: int) -> tuple[Order, bool]:
             return self.transitions.run(
                 order.id,
                 now_ms,
-                lambda conn: self.records.cancel(conn, order.id, now_ms, reason, actor),
+                lambda conn: self.records.cancel(conn, order.id, now_ms, reason, run.actor),
             )
 
-        report = BulkReport("cancel", dry_run)
-        self.walk(wanted, report, batch_size, None if dry_run else one, on_batch)
+        report = self.walk(run, "cancel", one)
         metrics.CANCELS.inc(report.changed)
         return report
 
-    def extend(
-        self,
-        wanted: OrderFilter,
-        extra_ms: int,
-        *,
-        actor: Actor,
-        dry_run: bool,
-        batch_size: int,
-        on_batch: OnBatch | None = None,
-    ) -> BulkReport:
-        """Move the expiry of every open order ``wanted`` matches ``extra_ms`` later,
+    def extend(self, run: BulkRun, extra_ms: int) -> BulkReport:
+        """Move the expiry of every open order ``run.wanted`` matches ``extra_ms`` later,
         each within its policy's maximum lifetime (module docstring)."""
 
         def one(order: Order, now_ms: int) -> tuple[Order, bool]:
-            return self.transitions.run(
-                order.id,
-                now_ms,
-                extend_attempt(self.records, self.settings, order.id, now_ms, extra_ms, actor),
-                redis_after=self.admitter.followups.move_after_commit,
+            attempt = extend_attempt(
+                self.records, self.settings, order.id, now_ms, extra_ms, run.actor
             )
+            moved = self.transitions.admitter.followups.move_after_commit
+            return self.transitions.run(order.id, now_ms, attempt, redis_after=moved)
 
-        report = BulkReport("extend", dry_run)
-        self.walk(wanted, report, batch_size, None if dry_run else one, on_batch)
+        report = self.walk(run, "extend", one)
         if report.changed:
             metrics.EXTENSIONS.labels("bulk").inc(report.changed)
         return report
 
-    def walk(
-        self,
-        wanted: OrderFilter,
-        report: BulkReport,
-        batch_size: int,
-        change: Callable[[Order, int], tuple[Order, bool]] | None,
-        on_batch: OnBatch | None,
-    ) -> None:
-        """Read the pages and run ``change`` on each order (None: a dry run)."""
+    def walk(self, run: BulkRun, action: str, change: Change) -> BulkReport:
+        """Read the pages and run ``change`` on each order (not in a dry run)."""
+        report = BulkReport(action, run.dry_run)
         after: Keyset = None
         while True:
             now_ms = self.now_ms()
-            page = matching_page(self.records.tx, wanted, after, batch_size, now_ms)
+            page = matching_page(self.records.tx, run.wanted, after, run.batch_size, now_ms)
             if not page:
-                return
+                return report
             report.matched += len(page)
             report.batches += 1
-            if change is not None:
+            if not run.dry_run:
                 for order in page:
                     tally(report, order, change, now_ms)
-            if on_batch is not None:
-                on_batch(page, report)
-            if len(page) < batch_size:
-                return
+            if run.on_batch is not None:
+                run.on_batch(page, report)
+            if len(page) < run.batch_size:
+                return report
             after = keyset_of(page[-1])
 
 
-def tally(
-    report: BulkReport,
-    order: Order,
-    change: Callable[[Order, int], tuple[Order, bool]],
-    now_ms: int,
-) -> None:
+def tally(report: BulkReport, order: Order, change: Change, now_ms: int) -> None:
     """Run one order's transition and count what became of it."""
     try:
         after, won = change(order, now_ms)

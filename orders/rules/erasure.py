@@ -46,7 +46,7 @@ from orders.config.urls import Secret
 from orders.domain import ERASED_REASON, Actor
 from orders.errors import InvalidInput, RefundOwed, UnknownUser
 from orders.index.unpaid import UnpaidIndex
-from orders.rules.bulk import DEFAULT_BATCH_SIZE, BulkActions
+from orders.rules.bulk import BulkActions, BulkRun
 from orders.sql.erasure import (
     ErasedRows,
     erase_rows,
@@ -122,13 +122,7 @@ class Eraser:
             return self.result(alias, before, already=True, uid=uid)
         if not held:
             raise UnknownUser(uid)
-        self.bulk.cancel(
-            OrderFilter(user_id=uid),
-            reason=ERASED_REASON,
-            actor=who,
-            dry_run=False,
-            batch_size=DEFAULT_BATCH_SIZE,
-        )
+        self.bulk.cancel(BulkRun(OrderFilter(user_id=uid), who), ERASED_REASON)
         with tx.write() as conn:
             rows = erase_rows(conn, uid, alias, self.now_ms(), who)
             tx.commit(conn, None)

@@ -16,25 +16,16 @@ from orders.config import Settings
 from orders.domain import Actor, Order, OrderStatus, refusal
 from orders.errors import InvalidInput, OrderExpired
 from orders.policies import NEVER_EXPIRES_MS
-from orders.rules.admission import Admitter
 from orders.rules.transition import Transitioner, extend_attempt
-from orders.sql.records import OrderRecords
 from orders.validation import check_order_id, check_ttl_ms
 
 
 class Extender:
-    """Extends orders over the service's records, transitions and admission."""
+    """Extends orders over the transitions of one service (its records and admission)."""
 
-    def __init__(
-        self,
-        records: OrderRecords,
-        transitions: Transitioner,
-        admitter: Admitter,
-        settings: Settings,
-    ) -> None:
-        self.records = records
+    def __init__(self, transitions: Transitioner, settings: Settings) -> None:
+        self.records = transitions.records
         self.transitions = transitions
-        self.admitter = admitter
         self.settings = settings
 
     def extend(self, order_id: object, extra_s: object, actor: Actor, now_ms: int) -> Order:
@@ -44,7 +35,7 @@ class Extender:
 
         attempt = extend_attempt(self.records, self.settings, oid, now_ms, extra_ms, actor)
         order, won = self.transitions.run(
-            oid, now_ms, attempt, redis_after=self.admitter.followups.move_after_commit
+            oid, now_ms, attempt, redis_after=self.transitions.admitter.followups.move_after_commit
         )
         if won:
             metrics.EXTENSIONS.labels("api").inc()

@@ -94,12 +94,7 @@ class Payments:
         self.hooks.close()
 
     def pay(
-        self,
-        order_id: str,
-        payment: Payment,
-        actor: Actor,
-        now_ms: int,
-        host: Connection | None,
+        self, order_id: str, payment: Payment, actor: Actor, now_ms: int, host: Connection | None
     ) -> Order:
         """Mark the order paid, or raise the refusal once it is recorded (module docstring)."""
         strict = self.settings.strict_expiry
@@ -181,8 +176,8 @@ class Payments:
         window_ms = self._late_window_ms(closed)
 
         def attempt(conn: Connection) -> Row[Any] | None:
-            return self.records.pay_late(
-                conn, order_id, now_ms, payment, actor, window_ms=window_ms
+            return self.records.pay(
+                conn, order_id, now_ms, payment, actor, late_window_ms=window_ms
             )
 
         order, won = self.transitioner.run(

@@ -118,11 +118,10 @@ class Reconciler:
 
     def reconcile(
         self,
-        *,
-        user_id: str | None = None,
-        dry_run: bool = False,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        on_progress: Callable[[int], None] | None = None,
+        user_id: str | None,
+        dry_run: bool,
+        chunk_size: int,
+        on_progress: Callable[[int], None] | None,
     ) -> ReconcileReport:
         """Make the Redis index equal to SQL, for one user or for everyone.
 

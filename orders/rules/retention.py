@@ -22,7 +22,6 @@ from orders.validation import check_count
 
 #: Receives one batch's orders (each a dict of its columns, with its ``events``).
 ArchiveHook = Callable[[list[dict[str, Any]]], None]
-DEFAULT_PRUNE_BATCH = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +48,10 @@ class Pruner:
     def prune(
         self,
         older_than_s: float,
-        *,
-        dry_run: bool = False,
-        batch_size: int = DEFAULT_PRUNE_BATCH,
-        max_batches: int | None = None,
-        on_batch: Callable[[int], None] | None = None,
+        dry_run: bool,
+        batch_size: int,
+        max_batches: int | None,
+        on_batch: Callable[[int], None] | None,
     ) -> PruneReport:
         """Delete what may go of the orders whose last transition is ``older_than_s`` ago."""
         if isinstance(older_than_s, bool) or not isinstance(older_than_s, int | float):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from orders import metrics
 from orders.config import Settings
-from orders.domain import SWEEPER, Actor, Clock, Order, SweepResult
+from orders.domain import Actor, Clock, Order, SweepResult
 from orders.errors import InvalidInput, StoreUnavailable
 from orders.hooks import HookRunner
 from orders.rules.admission import Admitter
@@ -49,12 +49,11 @@ class Sweep:
 
     def sweep_expired(
         self,
-        *,
-        now_ms: int | None = None,
-        batch_size: int | None = None,
-        max_batches: int | None = None,
-        should_stop: Callable[[], bool] | None = None,
-        actor: Actor = SWEEPER,
+        now_ms: int | None,
+        batch_size: int | None,
+        max_batches: int | None,
+        should_stop: Callable[[], bool] | None,
+        actor: Actor,
     ) -> SweepResult:
         """Close every unpaid order whose expiry is at or before ``now_ms`` (default: now),
         then (when reminders are on: ``Settings.reminds``) remind of those whose reminder

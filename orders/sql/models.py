@@ -67,6 +67,14 @@ def _in(values: type[OrderStatus] | type[EventKind]) -> str:
     return ", ".join(f"'{v.value}'" for v in values)
 
 
+def partial_index(name: str, *columns: str, where: str, unique: bool = False) -> Index:
+    """An index over the rows ``where`` holds for, on both engines (each reads its own
+    keyword; the other ignores it)."""
+    return Index(
+        name, *columns, unique=unique, postgresql_where=text(where), sqlite_where=text(where)
+    )
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -103,65 +111,37 @@ class OrderRow(Base):
         # Partial indexes over unpaid orders only: they stay small however many paid and
         # closed orders pile up. The sweep finds due orders in expiry order with the first;
         # the limit guard and list_unpaid find one user's orders with the second.
-        Index(
-            "ix_oes_orders_unpaid_expires_at_ms",
-            "expires_at_ms",
-            postgresql_where=text(UNPAID_SQL),
-            sqlite_where=text(UNPAID_SQL),
-        ),
-        Index(
+        partial_index("ix_oes_orders_unpaid_expires_at_ms", "expires_at_ms", where=UNPAID_SQL),
+        partial_index(
             "ix_oes_orders_unpaid_user_id_expires_at_ms",
             "user_id",
             "expires_at_ms",
-            postgresql_where=text(UNPAID_SQL),
-            sqlite_where=text(UNPAID_SQL),
+            where=UNPAID_SQL,
         ),
         # The SQL side of the unpaid limit: an unpaid order holds one of its user's slots
         # 1..limit, and no two unpaid orders of a user hold the same one.
-        Index(
-            "ix_oes_orders_unpaid_user_id_slot",
-            "user_id",
-            "slot",
-            unique=True,
-            postgresql_where=text(UNPAID_SQL),
-            sqlite_where=text(UNPAID_SQL),
+        partial_index(
+            "ix_oes_orders_unpaid_user_id_slot", "user_id", "slot", where=UNPAID_SQL, unique=True
         ),
         # The reminders still due, in the order the sweep writes them.
-        Index(
-            "ix_oes_orders_reminder_due_remind_at_ms",
-            "remind_at_ms",
-            postgresql_where=text(REMINDER_DUE_SQL),
-            sqlite_where=text(REMINDER_DUE_SQL),
+        partial_index(
+            "ix_oes_orders_reminder_due_remind_at_ms", "remind_at_ms", where=REMINDER_DUE_SQL
         ),
         # The reminders written, by when: the stats count those of a time window.
-        Index(
-            "ix_oes_orders_reminded_reminded_at_ms",
-            "reminded_at_ms",
-            postgresql_where=text(REMINDED_SQL),
-            sqlite_where=text(REMINDED_SQL),
+        partial_index(
+            "ix_oes_orders_reminded_reminded_at_ms", "reminded_at_ms", where=REMINDED_SQL
         ),
         # Partial indexes over each terminal status, on the time of its transition: the
         # stats count what happened in a time window (and read the close lags) from these
         # alone. expires_at_ms is a key column of the closed one so that both engines read
         # the lag from the index without visiting the table.
-        Index(
-            "ix_oes_orders_paid_paid_at_ms",
-            "paid_at_ms",
-            postgresql_where=text(PAID_SQL),
-            sqlite_where=text(PAID_SQL),
-        ),
-        Index(
-            "ix_oes_orders_cancelled_closed_at_ms",
-            "closed_at_ms",
-            postgresql_where=text(CANCELLED_SQL),
-            sqlite_where=text(CANCELLED_SQL),
-        ),
-        Index(
+        partial_index("ix_oes_orders_paid_paid_at_ms", "paid_at_ms", where=PAID_SQL),
+        partial_index("ix_oes_orders_cancelled_closed_at_ms", "closed_at_ms", where=CANCELLED_SQL),
+        partial_index(
             "ix_oes_orders_closed_closed_at_ms_expires_at_ms",
             "closed_at_ms",
             "expires_at_ms",
-            postgresql_where=text(CLOSED_SQL),
-            sqlite_where=text(CLOSED_SQL),
+            where=CLOSED_SQL,
         ),
     )
 
@@ -230,11 +210,8 @@ class PaymentRefusalRow(Base):
     __table_args__ = (
         Index("ix_oes_payment_refusals_refused_at_ms", "refused_at_ms"),
         # Partial, over the refunds still owed: the list an operator works through.
-        Index(
-            "ix_oes_payment_refusals_pending_refused_at_ms",
-            "refused_at_ms",
-            postgresql_where=text(PENDING_SQL),
-            sqlite_where=text(PENDING_SQL),
+        partial_index(
+            "ix_oes_payment_refusals_pending_refused_at_ms", "refused_at_ms", where=PENDING_SQL
         ),
     )
 
@@ -312,12 +289,11 @@ class EventRetryRow(Base):
 
     __table_args__ = (
         # Partial, over retrying rows only: parked ones pile up and are never due.
-        Index(
+        partial_index(
             "ix_oes_event_retries_retrying_consumer_next_at_ms",
             "consumer",
             "next_at_ms",
-            postgresql_where=text(RETRYING_SQL),
-            sqlite_where=text(RETRYING_SQL),
+            where=RETRYING_SQL,
         ),
     )
 

@@ -269,25 +269,18 @@ class OrderRecords:
         payment: Payment,
         actor: Actor,
         *,
-        strict: bool,
+        strict: bool = False,
+        late_window_ms: int | None = None,
     ) -> Row[Any] | None:
-        """Unpaid -> paid; under ``strict``, only while the expiry is still ahead."""
-        params = {"oid": order_id, "now_ms": now_ms, "ref": payment.ref}
-        return (PAY_STRICT if strict else PAY).run(conn, params, payment_data(payment), actor)
-
-    def pay_late(
-        self,
-        conn: Connection,
-        order_id: str,
-        now_ms: int,
-        payment: Payment,
-        actor: Actor,
-        *,
-        window_ms: int,
-    ) -> Row[Any] | None:
-        """Closed by expiry at most ``window_ms`` before ``now_ms`` -> paid (late)."""
-        params = {"oid": order_id, "now_ms": now_ms, "ref": payment.ref, "window_ms": window_ms}
-        return PAY_LATE.run(conn, params, {**payment_data(payment), "late": True}, actor)
+        """Unpaid -> paid; under ``strict``, only while the expiry is still ahead. With
+        ``late_window_ms``: closed by expiry at most that long before ``now_ms`` -> paid
+        (late)."""
+        params: dict[str, Any] = {"oid": order_id, "now_ms": now_ms, "ref": payment.ref}
+        data = payment_data(payment)
+        if late_window_ms is None:
+            return (PAY_STRICT if strict else PAY).run(conn, params, data, actor)
+        params["window_ms"] = late_window_ms
+        return PAY_LATE.run(conn, params, {**data, "late": True}, actor)
 
     def cancel(
         self,

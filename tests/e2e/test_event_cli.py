@@ -73,16 +73,27 @@ def test_parked_shows_each_entry_on_one_line_with_the_error_cut(
     assert "RuntimeError: no stock row" in lines[1]
 
 
-def test_requeue_then_the_consumer_runs_it_and_discard_removes_an_entry(
-    run: Any,
-    stock: Poison,
-    engine: Engine,
-    clock: ManualClock,
+#: Each action on a parked event: what it says, and the consumer's (retrying, parked) after.
+DONE = {"requeue": ("requeued", (2, 0)), "discard": ("discarded", (1, 0))}
+
+
+@pytest.mark.parametrize("action", sorted(DONE))
+def test_requeue_and_discard_take_the_entry_off_the_parked_list(
+    run: Any, stock: Poison, action: str
 ) -> None:
-    requeued = run("events", "requeue", "stock", "1")
-    assert requeued.exit_code == 0, requeued.output
-    assert requeued.stdout == "requeued event 1 of stock\n"
+    said, counts = DONE[action]
+    done = run("events", action, "stock", "1")
+    assert done.exit_code == 0, done.output
+    assert done.stdout == f"{said} event 1 of stock\n"
     assert json.loads(run("events", "parked", "--json").stdout) == []
+    [row] = json.loads(run("events", "consumers", "--json").stdout)
+    assert (row["retrying"], row["parked"]) == counts
+
+
+def test_a_requeued_event_is_run_by_the_consumer_and_then_has_nothing_to_discard(
+    run: Any, stock: Poison, engine: Engine, clock: ManualClock
+) -> None:
+    assert run("events", "requeue", "stock", "1").exit_code == 0
 
     stock.order_ids.clear()
     consumer = EventConsumer(engine, "stock", stock, clock=clock, max_attempts=2)
@@ -91,18 +102,6 @@ def test_requeue_then_the_consumer_runs_it_and_discard_removes_an_entry(
 
     stock.order_ids.add("nothing")
     assert run("events", "discard", "stock", "1").exit_code == 2  # nothing parked any more
-
-
-def test_discard_removes_the_parked_entry(
-    run: Any,
-    stock: Poison,
-) -> None:
-    discarded = run("events", "discard", "stock", "1")
-    assert discarded.exit_code == 0, discarded.output
-    assert discarded.stdout == "discarded event 1 of stock\n"
-    assert json.loads(run("events", "parked", "--json").stdout) == []
-    [row] = json.loads(run("events", "consumers", "--json").stdout)
-    assert (row["retrying"], row["parked"]) == (1, 0)
 
 
 #: The event each action on a parked event records.

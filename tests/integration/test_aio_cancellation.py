@@ -111,42 +111,44 @@ def settings(database_url: str, redis_options: dict[str, Any]) -> Settings:
     return Settings(database_url=database_url, unpaid_limit=2, **redis_options)
 
 
-def test_a_create_cancelled_at_any_await_leaves_no_phantom_and_no_half_order(
-    settings: Settings, engine: Engine, redis_client: RedisClient, clock: ManualClock
+async def nothing(_service: AsyncOrderService, _user: str) -> None:
+    return None
+
+
+async def an_order(service: AsyncOrderService, user: str) -> str:
+    return (await service.create_unpaid_order(user)).id
+
+
+async def create(service: AsyncOrderService, user: str, _subject: None) -> None:
+    await service.create_unpaid_order(user, order_id=f"{user}-o")
+
+
+async def pay(service: AsyncOrderService, _user: str, order_id: str) -> None:
+    await service.mark_paid(order_id, payment_ref="psp-1")
+
+
+#: Each call: what it is given, the call, and what SQL must be seen holding after some
+#: cancel (before the call started, and once it had: it then finishes).
+CALLS: dict[str, tuple[Any, Any, tuple[str, str]]] = {
+    "create": (nothing, create, ("none", "unpaid")),
+    "payment": (an_order, pay, ("unpaid", "paid")),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_a_call_cancelled_at_any_await_leaves_no_phantom_and_no_half_write(
+    settings: Settings,
+    engine: Engine,
+    redis_client: RedisClient,
+    clock: ManualClock,
+    call: str,
 ) -> None:
-    async def prepare(_service: AsyncOrderService, _user: str) -> None:
-        return None
-
-    async def create(service: AsyncOrderService, user: str, _subject: None) -> None:
-        await service.create_unpaid_order(user, order_id=f"{user}-o")
-
+    prepare, call_for, states = CALLS[call]
     landed, seen = sweep_cancels(
         lambda: new_async_service(settings, clock=clock),
         lambda user: both_stores(engine, redis_client, user, clock()),
         prepare,
-        create,
+        call_for,
     )
     assert landed >= 4, f"only {landed} cancels landed during the call"
-    # Before the call started, and once it had (it then finishes)
-    assert seen["none"] >= 1, seen
-    assert seen["unpaid"] >= 1, seen
-
-
-def test_a_payment_cancelled_at_any_await_leaves_no_phantom_and_no_half_payment(
-    settings: Settings, engine: Engine, redis_client: RedisClient, clock: ManualClock
-) -> None:
-    async def prepare(service: AsyncOrderService, user: str) -> str:
-        return (await service.create_unpaid_order(user)).id
-
-    async def pay(service: AsyncOrderService, _user: str, order_id: str) -> None:
-        await service.mark_paid(order_id, payment_ref="psp-1")
-
-    landed, seen = sweep_cancels(
-        lambda: new_async_service(settings, clock=clock),
-        lambda user: both_stores(engine, redis_client, user, clock()),
-        prepare,
-        pay,
-    )
-    assert landed >= 4, f"only {landed} cancels landed during the call"
-    assert seen["unpaid"] >= 1, seen
-    assert seen["paid"] >= 1, seen
+    assert all(seen[state] >= 1 for state in states), seen

@@ -9,7 +9,7 @@ from orders.sql import migrate
 from orders.sql.models import retries_table
 from orders.sql.schema_names import unprefixed
 from tests.support.plans import explain
-from tests.support.stores import schema_differences
+from tests.support.stores import upgrade_over, upgrade_to_head
 
 RETRY_COLUMNS = "consumer, event_id, attempts, next_at_ms, last_error"
 
@@ -21,14 +21,8 @@ def retry_indexes(engine: Engine, table: str = retries_table.name) -> set[str]:
 def test_0004_keeps_retries_as_retrying_and_downgrade_keeps_parked_ones(
     empty_engine: Engine,
 ) -> None:
-    migrate.upgrade(empty_engine, "0003")
-    with empty_engine.begin() as conn:
-        conn.execute(
-            text(f"INSERT INTO {retries_table.name} ({RETRY_COLUMNS}) VALUES ('c', 1, 2, 5, 'E')")
-        )
-
-    migrate.upgrade(empty_engine)
-    assert schema_differences(empty_engine) == []
+    retry = f"INSERT INTO {retries_table.name} ({RETRY_COLUMNS}) VALUES ('c', 1, 2, 5, 'E')"
+    upgrade_over(empty_engine, "0003", retry)
     assert retry_indexes(empty_engine) == {"ix_oes_event_retries_retrying_consumer_next_at_ms"}
     with empty_engine.begin() as conn:
         [row] = conn.execute(select(retries_table)).all()
@@ -44,8 +38,7 @@ def test_0004_keeps_retries_as_retrying_and_downgrade_keeps_parked_ones(
             ("c", 1, 2, 5, "E")
         ]
 
-    migrate.upgrade(empty_engine)
-    assert schema_differences(empty_engine) == []
+    upgrade_to_head(empty_engine)
 
 
 def test_due_retries_are_found_through_an_index_over_retrying_rows_only(engine: Engine) -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -92,6 +93,17 @@ def run_child(code: str, cwd: Path, **orders_env: str) -> subprocess.CompletedPr
     return run_python("-c", code, env=child_env(**orders_env), cwd=cwd)
 
 
+def raised_in_child(call: str, cwd: Path, database_url: str) -> dict[str, Any]:
+    """What ``call`` raised as the first call in a fresh interpreter, on ``database_url``
+    and a Redis nobody listens on (CHILD_CALL's report); it must raise."""
+    code = CHILD_CALL.format(call=call)
+    done = run_child(code, cwd, ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=DEAD_REDIS_URL)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    assert result["raised"] is True
+    return result
+
+
 # --- names ------------------------------------------------------------------------------
 
 
@@ -148,16 +160,8 @@ def test_import_connects_to_nothing_and_prints_nothing(tmp_path: Path) -> None:
 
 
 def test_first_call_with_unreachable_stores_raises_store_unavailable(tmp_path: Path) -> None:
-    done = run_child(
-        CHILD_CALL.format(call='orders.get_order("x")'),
-        tmp_path,
-        ORDERS_DATABASE_URL=DEAD_DATABASE_URL,
-        ORDERS_REDIS_URL=DEAD_REDIS_URL,
-    )
+    result = raised_in_child('orders.get_order("x")', tmp_path, DEAD_DATABASE_URL)
 
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["raised"] is True
     assert result["orders_error"] is True, (
         f"a raw {result['type']} escaped instead of an OrdersError: {result['message']}"
     )
@@ -169,16 +173,9 @@ def test_first_call_with_unreachable_stores_raises_store_unavailable(tmp_path: P
 def test_first_create_with_unreachable_redis_raises_store_unavailable_and_writes_nothing(
     tmp_path: Path, database_url: str, engine: Engine
 ) -> None:
-    done = run_child(
-        CHILD_CALL.format(call='orders.create_unpaid_order("u-1", order_id="o-1")'),
-        tmp_path,
-        ORDERS_DATABASE_URL=database_url,
-        ORDERS_REDIS_URL=DEAD_REDIS_URL,
-    )
+    create = 'orders.create_unpaid_order("u-1", order_id="o-1")'
+    result = raised_in_child(create, tmp_path, database_url)
 
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
-    assert result["raised"] is True
     assert result["store_unavailable"] is True, result
     assert result["store"] == "redis"
     assert result["chain"][1].startswith("redis.")  # the cause is kept for debugging

@@ -96,20 +96,6 @@ def test_a_payment_for_a_closed_order_is_refused_with_its_refund_recorded_once(
     assert service.get_order(order.id).status is OrderStatus.CLOSED
 
 
-def test_a_payment_for_a_cancelled_order_records_a_cancelled_refusal(
-    service: OrderService, engine: Engine
-) -> None:
-    order = service.create_unpaid_order("u1")
-    service.cancel_order(order.id)
-
-    with pytest.raises(OrderClosed) as refused:
-        service.mark_paid(order.id, payment_ref="psp-1")
-
-    assert refused.value.status == "cancelled"
-    [row] = refusal_rows(engine)
-    assert (row.reason, row.payment_ref, row.amount) == ("cancelled", "psp-1", None)
-
-
 @pytest.mark.both_apis
 def test_a_second_reference_for_a_paid_order_is_refused_and_a_retry_is_not(
     service: OrderService, engine: Engine

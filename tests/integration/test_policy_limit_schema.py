@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 from orders.events.consumer import read_events
 from orders.sql import migrate
 from orders.sql.models import events_table, orders_table, user_limits_table
-from tests.support.stores import schema_differences
+from tests.support.stores import table_columns, upgrade_over, upgrade_to_head
 
 ORDER = (
     f"INSERT INTO {orders_table.name} (id, user_id, status, created_at_ms, expires_at_ms,"
@@ -23,10 +23,6 @@ EVENT = (
 NEW_COLUMNS = {"policy", "remind_at_ms", "reminded_at_ms"}
 
 
-def columns(engine: Engine, table: str) -> set[str]:
-    return {c["name"] for c in inspect(engine).get_columns(table)}
-
-
 def limit_row(user_id: str, limit: int) -> dict[str, object]:
     return {"user_id": user_id, "unpaid_limit": limit, "updated_at_ms": 2000}
 
@@ -34,13 +30,7 @@ def limit_row(user_id: str, limit: int) -> dict[str, object]:
 def test_0009_keeps_old_orders_on_the_defaults_and_downgrade_drops_only_its_own(
     empty_engine: Engine,
 ) -> None:
-    migrate.upgrade(empty_engine, "0008")
-    with empty_engine.begin() as conn:
-        conn.execute(text(ORDER))
-        conn.execute(text(EVENT))
-
-    migrate.upgrade(empty_engine)
-    assert schema_differences(empty_engine) == []
+    upgrade_over(empty_engine, "0008", ORDER, EVENT)
     with empty_engine.connect() as conn:
         old = conn.execute(
             text(f"SELECT policy, remind_at_ms, reminded_at_ms, slot FROM {orders_table.name}")
@@ -63,14 +53,13 @@ def test_0009_keeps_old_orders_on_the_defaults_and_downgrade_drops_only_its_own(
 
     migrate.downgrade(empty_engine, "0008")
     assert user_limits_table.name not in inspect(empty_engine).get_table_names()
-    assert NEW_COLUMNS.isdisjoint(columns(empty_engine, orders_table.name))
+    assert NEW_COLUMNS.isdisjoint(table_columns(empty_engine, orders_table.name))
     assert [e.kind for e in read_events(empty_engine)] == ["created"]
     with empty_engine.connect() as conn:  # the order and its slot are intact
         rows = conn.execute(text(f"SELECT id, status, slot FROM {orders_table.name}")).all()
     assert [tuple(r) for r in rows] == [("o-1", "unpaid", 1)]
 
-    migrate.upgrade(empty_engine)
-    assert schema_differences(empty_engine) == []
+    upgrade_to_head(empty_engine)
 
 
 @pytest.mark.parametrize("target", ["0005", "0002"])
@@ -88,5 +77,4 @@ def test_a_downgrade_that_drops_an_orders_column_keeps_every_event(
     with empty_engine.connect() as conn:
         events = conn.execute(text(f"SELECT order_id, kind FROM {events_table.name}")).all()
     assert [tuple(e) for e in events] == [("o-1", "created")]
-    migrate.upgrade(empty_engine)
-    assert schema_differences(empty_engine) == []
+    upgrade_to_head(empty_engine)

@@ -8,16 +8,17 @@ manual clock. Every test checks the final state of both stores, SQL and Redis.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
 from sqlalchemy import Engine, select
 
-from orders.domain import OrderStatus
+from orders.domain import OrderStatus, SweepResult
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, UnpaidOrderLimitReached
 from orders.index.unpaid import AdmitRequest
 from orders.service import OrderService
@@ -60,6 +61,28 @@ def run_threads(targets: list[Callable[[], None]]) -> None:
     assert not any(t.is_alive() for t in threads), "a thread did not finish"
     if errors:
         raise errors[0]
+
+
+def at_once(
+    calls: list[Callable[[], object]], caught: type[Exception] | tuple[()] = ()
+) -> list[object]:
+    """Each call in a thread of its own, all released together: what each returned, or the
+    ``caught`` error it raised, in the order of ``calls`` (any other error is raised)."""
+    barrier = threading.Barrier(len(calls), timeout=30)
+    outcomes: list[object] = [None] * len(calls)
+
+    def call_at(n: int, call: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            barrier.wait()
+            try:
+                outcomes[n] = call()
+            except caught as exc:
+                outcomes[n] = exc
+
+        return run
+
+    run_threads([call_at(n, call) for n, call in enumerate(calls)])
+    return outcomes
 
 
 def sql_unpaid_ids(engine: Engine, user_id: str) -> set[str]:
@@ -247,23 +270,9 @@ def test_sql_guard_refuses_everyone_when_redis_lost_its_members_and_leaves_no_ph
     user, limit, threads = "amnesia", 3, 16
     first = [service.create_unpaid_order(user, limit=limit) for _ in range(limit)]
     redis_client.flushdb()  # Redis forgets everything; SQL still holds three unpaid orders
-    barrier = threading.Barrier(threads, timeout=30)
-    outcomes: list[object] = []
-    lock = threading.Lock()
-
-    def creator(own: OrderService) -> Callable[[], None]:
-        def run() -> None:
-            barrier.wait()
-            try:
-                outcome: object = own.create_unpaid_order(user, limit=limit)
-            except UnpaidOrderLimitReached as exc:
-                outcome = exc
-            with lock:
-                outcomes.append(outcome)
-
-        return run
-
-    run_threads([creator(service if n % 2 else make_service()) for n in range(threads)])
+    creators = [service if n % 2 else make_service() for n in range(threads)]
+    creates = [functools.partial(own.create_unpaid_order, user, limit=limit) for own in creators]
+    outcomes = at_once(creates, UnpaidOrderLimitReached)
 
     assert len(outcomes) == threads
     assert all(isinstance(o, UnpaidOrderLimitReached) for o in outcomes), outcomes
@@ -276,6 +285,17 @@ def test_sql_guard_refuses_everyone_when_redis_lost_its_members_and_leaves_no_ph
 
 
 # --- payment against the sweep ------------------------------------------------------------
+
+
+def pay_and_sweep_at_once(
+    payments: list[tuple[OrderService, str, str]], sweeps: list[Callable[[], SweepResult]]
+) -> tuple[dict[str, object], list[int]]:
+    """Each payment (service, order id, reference) and each sweep :func:`at_once`: what each
+    payment gave (the order, or its OrderClosed), and how many orders each sweep closed."""
+    pays = [functools.partial(own.mark_paid, oid, payment_ref=ref) for own, oid, ref in payments]
+    outcomes = at_once([*pays, *sweeps], OrderClosed)
+    paid = {oid: outcome for (_, oid, _), outcome in zip(payments, outcomes, strict=False)}
+    return paid, [cast(SweepResult, swept).closed for swept in outcomes[len(payments) :]]
 
 
 # "combined": the payments of one service share transactions (Settings.combine_transitions,
@@ -300,35 +320,13 @@ def test_concurrent_pay_and_sweep_give_each_expired_order_exactly_one_fate(
     assert all(len(service.index.members(f"payer-{u}")) == per_user for u in range(users))
     clock.advance(s=ttl_s, ms=1)
 
-    barrier = threading.Barrier(len(orders) + sweepers, timeout=30)
-    pay_results: dict[str, object] = {}
-    sweep_results: list[int] = []
-    lock = threading.Lock()
-
-    def pay(order_id: str, own: OrderService) -> Callable[[], None]:
-        def run() -> None:
-            barrier.wait()
-            try:
-                outcome: object = own.mark_paid(order_id, payment_ref=f"psp-{order_id}")
-            except OrderClosed as exc:
-                outcome = exc
-            with lock:
-                pay_results[order_id] = outcome
-
-        return run
-
-    def sweep(own: OrderService) -> Callable[[], None]:
-        def run() -> None:
-            barrier.wait()
-            result = own.sweep_expired(batch_size=4)
-            with lock:
-                sweep_results.append(result.closed)
-
-        return run
-
-    targets = [pay(o.id, service if n % 2 else make_service()) for n, o in enumerate(orders)]
-    targets += [sweep(make_service()) for _ in range(sweepers)]
-    run_threads(targets)
+    payments = [
+        (service if n % 2 else make_service(), o.id, f"psp-{o.id}") for n, o in enumerate(orders)
+    ]
+    sweeps = [
+        functools.partial(make_service().sweep_expired, batch_size=4) for _ in range(sweepers)
+    ]
+    pay_results, sweep_results = pay_and_sweep_at_once(payments, sweeps)
     if transitions == "combined":  # every payment of ``service`` went through its queue
         queue = service.transitions.queue
         assert queue is not None
@@ -380,30 +378,11 @@ def test_strict_expiry_late_payments_racing_the_sweep_close_each_order_exactly_o
     ]
     clock.advance(s=ttl_s)  # now == expires_at: expired (an order counts while expires > now)
 
-    barrier = threading.Barrier(len(orders) + sweepers, timeout=30)
-    pay_results: dict[str, object] = {}
-    sweep_results: list[int] = []
-    lock = threading.Lock()
-
-    def pay(order_id: str) -> Callable[[], None]:
-        def run() -> None:
-            barrier.wait()
-            try:
-                outcome: object = strict.mark_paid(order_id, payment_ref=f"late-{order_id}")
-            except OrderClosed as exc:
-                outcome = exc
-            with lock:
-                pay_results[order_id] = outcome
-
-        return run
-
-    def sweep() -> None:
-        barrier.wait()
-        result = make_service(strict_expiry=True).sweep_expired(batch_size=3)
-        with lock:
-            sweep_results.append(result.closed)
-
-    run_threads([pay(o.id) for o in orders] + [sweep] * sweepers)
+    pay_results, sweep_results = pay_and_sweep_at_once(
+        [(strict, o.id, f"late-{o.id}") for o in orders],
+        # Each sweeper builds its service in its thread, after the release.
+        [lambda: make_service(strict_expiry=True).sweep_expired(batch_size=3)] * sweepers,
+    )
     queue = strict.transitions.queue
     if queue is not None:  # every payment went through the queue of combined transitions
         assert queue.stats.alone + queue.stats.waited_alone + queue.stats.combined == len(orders)
@@ -437,22 +416,9 @@ ROUNDS = 10
 
 
 def create_same_order_at_once(services: list[OrderService], user: str, order_id: str) -> list[Any]:
-    """Every service creates ``order_id`` for ``user`` in its own thread, all released at once."""
-    barrier = threading.Barrier(len(services), timeout=30)
-    results: list[Any] = []
-    lock = threading.Lock()
-
-    def creator(svc: OrderService) -> Callable[[], None]:
-        def run() -> None:
-            barrier.wait()
-            order = svc.create_unpaid_order(user, order_id=order_id, amount="9.90", currency="EUR")
-            with lock:
-                results.append(order)
-
-        return run
-
-    run_threads([creator(svc) for svc in services])
-    return results
+    """Every service creates ``order_id`` for ``user``, all :func:`at_once`."""
+    order = {"order_id": order_id, "amount": "9.90", "currency": "EUR"}
+    return at_once([functools.partial(svc.create_unpaid_order, user, **order) for svc in services])
 
 
 def test_threads_creating_the_same_order_id_at_once_get_one_order_in_both_stores(

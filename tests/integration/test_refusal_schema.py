@@ -9,7 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from orders.events.consumer import read_events
 from orders.sql import migrate
 from orders.sql.models import events_table, orders_table, refusals_table
-from tests.support.stores import schema_differences
+from tests.support.stores import table_columns, upgrade_over, upgrade_to_head
 
 ORDER = (
     f"INSERT INTO {orders_table.name} (id, user_id, status, created_at_ms, expires_at_ms,"
@@ -22,20 +22,10 @@ EVENTS = (
 )
 
 
-def columns(engine: Engine, table: str) -> set[str]:
-    return {c["name"] for c in inspect(engine).get_columns(table)}
-
-
 def test_0008_keeps_old_events_readable_with_no_actor_and_downgrade_drops_only_its_own(
     empty_engine: Engine,
 ) -> None:
-    migrate.upgrade(empty_engine, "0007")
-    with empty_engine.begin() as conn:
-        conn.execute(text(ORDER))
-        conn.execute(text(EVENTS))
-
-    migrate.upgrade(empty_engine)
-    assert schema_differences(empty_engine) == []
+    upgrade_over(empty_engine, "0007", ORDER, EVENTS)
     old = read_events(empty_engine)
     assert [(e.kind, e.actor) for e in old] == [("created", None), ("closed", None)]
     with empty_engine.begin() as conn:  # the new kind is admitted, and ids go on
@@ -64,10 +54,9 @@ def test_0008_keeps_old_events_readable_with_no_actor_and_downgrade_drops_only_i
 
     migrate.downgrade(empty_engine, "0007")
     assert refusals_table.name not in inspect(empty_engine).get_table_names()
-    assert {"actor_kind", "actor"}.isdisjoint(columns(empty_engine, events_table.name))
+    assert {"actor_kind", "actor"}.isdisjoint(table_columns(empty_engine, events_table.name))
     with empty_engine.connect() as conn:
         kinds = conn.execute(text(f"SELECT kind FROM {events_table.name} ORDER BY id")).all()
     assert [k for (k,) in kinds] == ["created", "closed"]
 
-    migrate.upgrade(empty_engine)
-    assert schema_differences(empty_engine) == []
+    upgrade_to_head(empty_engine)

@@ -26,7 +26,7 @@ from orders.sql.stats import collect_stats
 from tests.support.clocks import ManualClock
 from tests.support.plans import explain_sql
 from tests.support.processes import child_env, run_python
-from tests.support.stores import schema_differences
+from tests.support.stores import schema_differences, upgrade_to_head
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TABLES = {orders_table.name, events_table.name}
@@ -157,8 +157,7 @@ def test_downgrade_from_head_to_0004_drops_only_the_stats_indexes(empty_engine: 
     assert not names & {unprefixed(name) for name in TERMINAL_INDEXES}
     assert names >= {unprefixed(name) for name in ORDERS_INDEXES}
 
-    migrate.upgrade(empty_engine)
-    assert schema_differences(empty_engine) == []
+    upgrade_to_head(empty_engine)
 
 
 def test_upgrade_to_0006_numbers_each_users_unpaid_orders_in_expiry_order(
@@ -188,12 +187,11 @@ def test_upgrade_to_0006_numbers_each_users_unpaid_orders_in_expiry_order(
                 )
             )
 
-    migrate.upgrade(empty_engine)
+    upgrade_to_head(empty_engine)
 
     with empty_engine.connect() as conn:
         slots = dict(conn.execute(select(orders_table.c.id, orders_table.c.slot)).all())
     assert slots == {"a-soon": 1, "a-mid": 2, "a-late": 3, "a-paid": None, "b-only": 1}
-    assert schema_differences(empty_engine) == []
     service = OrderService(empty_engine, redis_client, Settings(), clock=lambda: now)
     with pytest.raises(UnpaidOrderLimitReached) as refused:  # Redis knows none of them
         service.create_unpaid_order("a")

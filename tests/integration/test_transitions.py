@@ -26,7 +26,7 @@ from orders.errors import (
     StoreUnavailable,
 )
 from orders.service import OrderService
-from orders.sql.models import events_table, orders_table
+from orders.sql.models import events_table, orders_table, refusals_table
 from tests.support.clocks import ManualClock
 from tests.support.stores import redis_commands
 
@@ -142,38 +142,28 @@ def test_second_payment_with_other_ref_raises_already_paid_with_the_stored_ref(
     assert len(sql_events(engine, order.id, "paid")) == 1
 
 
-def test_paying_a_cancelled_order_raises_order_closed_with_status_cancelled(
-    service: OrderService, engine: Engine
-) -> None:
-    order = service.create_unpaid_order("u1")
-    service.cancel_order(order.id)
-
-    with pytest.raises(OrderClosed) as caught:
-        service.mark_paid(order.id, payment_ref="psp-1")
-
-    assert caught.value.status == "cancelled"
-    row = sql_row(engine, order.id)
-    assert row.status == "cancelled"
-    assert row.paid_at_ms is None
-    assert row.payment_ref is None
-    assert sql_events(engine, order.id, "paid") == []
-
-
-def test_paying_a_swept_order_raises_order_closed_with_status_closed(
-    service: OrderService, engine: Engine, clock: ManualClock
+@pytest.mark.parametrize("closed_by", ["cancelled", "closed"])
+def test_paying_a_cancelled_or_swept_order_raises_order_closed_and_records_the_refusal(
+    service: OrderService, engine: Engine, clock: ManualClock, closed_by: str
 ) -> None:
     order = service.create_unpaid_order("u1", ttl_s=TTL_S)
-    clock.advance(s=TTL_S)
-    assert service.sweep_expired().closed == 1
+    if closed_by == "cancelled":
+        service.cancel_order(order.id)
+    else:
+        clock.advance(s=TTL_S)
+        assert service.sweep_expired().closed == 1
 
     with pytest.raises(OrderClosed) as caught:
         service.mark_paid(order.id, payment_ref="psp-1")
 
-    assert caught.value.status == "closed"
+    assert caught.value.status == closed_by
     row = sql_row(engine, order.id)
-    assert row.status == "closed"
-    assert row.paid_at_ms is None
+    assert (row.status, row.paid_at_ms, row.payment_ref) == (closed_by, None, None)
     assert sql_events(engine, order.id, "paid") == []
+    # A refund owed, under the reason the order's end gives (the status's name).
+    with engine.connect() as conn:
+        [refusal] = conn.execute(select(refusals_table)).all()
+    assert (refusal.reason, refusal.payment_ref, refusal.amount) == (closed_by, "psp-1", None)
 
 
 def test_late_payment_before_sweep_wins_and_the_sweep_leaves_it_paid(

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from alembic.autogenerate import compare_metadata
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, func, insert, inspect, select, text
 
 from orders.domain import Order
 from orders.index.keys import ADMITS_TAG
 from orders.index.nodes import RedisClient, primaries
 from orders.service import OrderService
+from orders.sql import migrate
 from orders.sql.migrate import is_ours, migration_context
 from orders.sql.models import Base, events_table, orders_table
 
@@ -136,6 +137,26 @@ def schema_differences(engine: Engine) -> list[object]:
     with engine.connect() as conn:
         context = migration_context(conn, include_name=is_ours)
         return list(compare_metadata(context, Base.metadata))
+
+
+def upgrade_to_head(engine: Engine) -> None:
+    """Upgrade to the newest revision: the tables must then be the models'."""
+    migrate.upgrade(engine)
+    assert schema_differences(engine) == []
+
+
+def upgrade_over(engine: Engine, revision: str, *inserts: str) -> None:
+    """Upgrade to ``revision``, write rows as its schema holds them (``inserts``, SQL text),
+    then upgrade over them to the newest revision (:func:`upgrade_to_head`)."""
+    migrate.upgrade(engine, revision)
+    with engine.begin() as conn:
+        for statement in inserts:
+            conn.execute(text(statement))
+    upgrade_to_head(engine)
+
+
+def table_columns(engine: Engine, table: str) -> set[str]:
+    return {c["name"] for c in inspect(engine).get_columns(table)}
 
 
 class StatementCounter:
