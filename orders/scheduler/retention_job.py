@@ -39,7 +39,7 @@ def prune_step(sweeper: Sweeper) -> float:
     days = service.settings.retention_days
     if days is None:
         return IDLE_S
-    if not sweeper.holds_lease:
+    if sweeper.stopping or not sweeper.holds_lease:
         return STANDBY_S
     try:
         done = service.operations.prune(days * 86_400, max_batches=BATCHES_PER_RUN)
