@@ -275,7 +275,10 @@ def test_sweep_that_closed_orders_logs_one_json_line_with_its_counts_at_debug(
         "closed": 3,
         "batches": 2,
         "users": 2,
+        "cutoff_ms": clock(),
         "max_lag_ms": 500,
+        "redis_errors": 0,
+        "reminded": 0,
         "owner": "host:123:cafe",
     }
 
