@@ -97,8 +97,8 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
     scheduler_class = BlockingScheduler if blocking else BackgroundScheduler
     # One thread per job (sweep, rebuild, retention, handlers, webhook): none waits for another.
     scheduler = scheduler_class(timezone=UTC, executors={"default": ThreadPoolExecutor(5)})
-    now = datetime.now(UTC)
-    for job_id, name, first_s, run in _jobs(sweeper):
+    now, ours = datetime.now(UTC), _jobs(sweeper)
+    for job_id, name, first_s, run in ours:
         scheduler.add_job(
             run,
             "interval",
@@ -123,6 +123,8 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
                 with contextlib.suppress(SchedulerNotRunningError):
                     scheduler.shutdown(wait=False)
             return
+        if event.job_id not in {job[0] for job in ours}:
+            return  # a job of the host's own keeps its trigger
         delay_s = sweeper.cadence_s if event.exception is not None else event.retval
         at = datetime.now(UTC) + timedelta(seconds=delay_s)
         args = (scheduler, event.job_id, at)

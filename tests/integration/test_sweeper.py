@@ -767,6 +767,7 @@ def test_background_scheduler_wakes_at_each_expiry_and_shuts_down_cleanly(
     assert (job.max_instances, job.coalesce, job.misfire_grace_time) == (1, True, None)
     caplog.set_level(logging.WARNING)
     ids = {o.id for o in create_orders(service, [0.5, 0.6, 0.65], users=["u1", "u2"])}
+    scheduler.add_job(noop, "interval", seconds=0.05, id="the-hosts-own")  # keeps its trigger
     scheduler.start()
     try:
         wait_until(
