@@ -140,8 +140,8 @@ def _reschedule(scheduler: BaseScheduler, job_id: str, at: datetime) -> None:
 
 
 def _jobs(sweeper: Sweeper) -> list[_Job]:
-    """The jobs of ``sweeper``'s service. A job store outage is no failure of a run: the
-    steps catch StoreUnavailable, log it once and retry at their next run."""
+    """The jobs of ``sweeper``'s service. A store outage is not a failed run (not counted):
+    the runs catch StoreUnavailable, log it once and retry at their next run."""
     service = sweeper.service
     jobs: list[_Job] = [
         (JOB_ID, "orders sweep", 0.0, sweeper.tick),
