@@ -139,7 +139,7 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
         "PostgreSQL: readers never pass an event of a transaction still running",
         "tests/integration/test_events.py::test_postgresql_readers_never_pass_an_event_of_a_transaction_still_running[redis7.0-postgresql]",
     ),
-    # --- what the scheduler logs, and its rebuild beside the sweep ---------------------------
+    # --- the scheduler: its logs, its rebuild beside the sweep, its jobs' next runs ----------
     mutation(
         "summary-every-tick",
         "orders/scheduler/log.py",
@@ -163,6 +163,22 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
         "            if True:",
         "the index rebuild waits for a running sweep",
         "tests/integration/test_sweeper.py::test_rebuild_waits_for_a_running_tick_before_it_starts_and_between_its_chunks",
+    ),
+    mutation(
+        "sweep-waits-out-the-cadence",
+        "orders/scheduler/jobs.py",
+        "delay_s = sweeper.cadence_s if event.exception is not None else event.retval",
+        "delay_s = sweeper.cadence_s",
+        "a job runs again when its last run asked (the sweep at the next expiry)",
+        "tests/integration/test_sweeper.py::test_background_scheduler_wakes_at_each_expiry_and_shuts_down_cleanly",
+    ),
+    mutation(
+        "next-run-set-on-apschedulers-threads",
+        "orders/scheduler/jobs.py",
+        'threading.Thread(target=_reschedule, args=args, name="orders-reschedule").start()',
+        "_reschedule(*args)",
+        "a run's next run is set after APScheduler's own update of it, on a thread of its own",
+        "tests/concurrency/test_scheduler_never_skips.py::test_runs_that_end_before_apscheduler_has_finished_submitting_them_keep_their_job_going",
     ),
     # --- bounded stats, the self-healing embedded server ----------------------------------------
     mutation(

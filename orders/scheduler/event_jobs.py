@@ -19,7 +19,7 @@ from orders.errors import InvalidInput, StoreUnavailable
 from orders.events.admin import parked_counts
 from orders.events.consumer import EventConsumer
 from orders.events.stream import OrderEvent
-from orders.scheduler.sweeper import Sweeper, log_event
+from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 
 #: The width of ``event_cursors.name``.
@@ -140,4 +140,4 @@ class EventsJob:
             self.sweeper.add_handler_run(consumer.name, result)
 
     def _log(self, level: int, event: str, consumer: str, **fields: Any) -> None:
-        log_event(level, event, owner=self.sweeper.owner, consumer=consumer, **fields)
+        self.sweeper.log_event(level, event, consumer=consumer, **fields)

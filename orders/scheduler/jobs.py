@@ -1,23 +1,41 @@
-"""The sweeper in APScheduler 3: the jobs, the schedulers that run them, ``build_scheduler``.
+"""The sweeper in APScheduler 3: its jobs and the scheduler that runs them, ``build_scheduler``.
 
-:func:`build_scheduler` wraps a :class:`~orders.scheduler.sweeper.Sweeper` in a job that reschedules
-itself with each tick's answer, so an order closes within milliseconds of its expiry
-instead of up to an interval later. Beside it run the index rebuild (reconcile) and, when
-there are event handlers (``on_closed``, ``on_payment_refused``:
-:func:`closed_order_consumers`), the events job, and with ``webhook_url`` the webhook job
-(:func:`orders.events.webhooks.webhook_consumer`). Only the lease holder does any of that
+:func:`build_scheduler` runs a :class:`~orders.scheduler.sweeper.Sweeper`'s ticks in a job
+whose next run comes when the last tick asked for it, so an order closes within milliseconds
+of its expiry instead of up to an interval later. Beside it run the index rebuild
+(reconcile), the retention job (with ``retention_days``), the events job when there are
+event handlers (``on_closed``, ``on_payment_refused``: :func:`closed_order_consumers`) and
+the webhook job with ``webhook_url`` (:func:`orders.events.webhooks.webhook_consumer`); each
+run of any of them says when its next run is wanted. Only the lease holder does any of that
 work. Logging goes to the sweeper's logger (:data:`orders.scheduler.sweeper.LOGGER_NAME`);
 a job run that ends in an exception is counted in ``orders_job_failures_total``.
+
+How a run sets the next one, with APScheduler's public API (an interval trigger,
+``add_listener``, ``modify_job``), and why no run is skipped and no shutdown deadlocks
+(read in APScheduler 3's ``BaseScheduler._process_jobs``, ``modify_job`` and ``shutdown``):
+
+* As APScheduler submits a run it sets the job's next run from its trigger, an interval of
+  :data:`FALLBACK_S`: the job is not due again while the run is under way.
+* A listener of the run's end sets the next run to what the run returned. APScheduler counts
+  a run as running until its thread has returned and the run's future has called back, and
+  sends the end event from that callback once it no longer counts the run; a job due while
+  still counted would be skipped ("maximum number of running instances reached"), which a
+  next run set by the run itself allows if its thread stalls after setting it.
+* The listener hands ``modify_job`` to a thread of its own, where it waits for the job-store
+  lock. APScheduler holds that lock from submitting a run until it has set the job's next
+  run from the trigger, and ``shutdown(wait=True)`` holds it while joining the workers. A
+  run can end before its submission is done (its callback then runs on the scheduler's
+  thread, inside that section, and a change made there is overwritten), and a worker thread
+  waiting for the lock during a shutdown would never be joined: on its own thread the
+  change comes after both.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from apscheduler.events import (  # type: ignore[import-untyped]
     EVENT_JOB_ERROR,
@@ -34,15 +52,12 @@ from apscheduler.schedulers.base import (  # type: ignore[import-untyped]
     SchedulerNotRunningError,
 )
 from apscheduler.schedulers.blocking import BlockingScheduler  # type: ignore[import-untyped]
-from apscheduler.triggers.base import BaseTrigger  # type: ignore[import-untyped]
 
 from orders import metrics
 from orders.events.webhooks import webhook_consumer
 from orders.scheduler.event_jobs import EVENTS_INTERVAL_S, EventsJob, closed_order_consumers
-from orders.scheduler.retention_job import RETENTION_JOB_ID, STANDBY_S, prune_step
-from orders.scheduler.sweeper import LOGGER_NAME, Sweeper
-
-log = logging.getLogger(LOGGER_NAME)
+from orders.scheduler.retention_job import IDLE_S, RETENTION_JOB_ID, STANDBY_S, prune_step
+from orders.scheduler.sweeper import Sweeper
 
 #: The APScheduler job id of the sweep.
 JOB_ID = "orders-sweep"
@@ -55,235 +70,98 @@ WEBHOOK_BATCH = 10
 #: The job rebuilding the Redis index, and how often it checks whether one is due.
 RECONCILE_JOB_ID = "orders-reconcile"
 RECONCILE_CHECK_S = 1.0
+#: Every job's trigger: the longest wait any run asks for (the retention job's, idle). A
+#: run's end sets the next run, sooner; a run lasting longer is warned about by APScheduler.
+FALLBACK_S = IDLE_S
 
-
-#: How far ahead a submitted run parks its job until the run's end sets the next run.
-PARKED = timedelta(days=365)
-
-
-class _RescheduledByEachRun(BaseTrigger):  # type: ignore[misc]
-    """The trigger of each of our jobs: the first run ``first_s`` after the job is added,
-    then the time each run's end asked for (:meth:`_PausingJob.rescheduled`).
-
-    APScheduler asks a job's trigger for its next run time as it submits a run. Unless that
-    run has ended already, this one answers :data:`PARKED` (a year ahead), so the job is
-    never due again while the run is counted as running, however long the run or its
-    thread takes (an interval trigger answered one interval ahead, and a thread stalled
-    that long before the run paused its job made APScheduler skip it with a warning).
-    """
-
-    def __init__(self, first_s: float) -> None:
-        self.first_s = first_s
-        #: (the scheduled time of the last run that ended, the next run it asked for).
-        self.ended: tuple[datetime, datetime] | None = None
-
-    def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime) -> datetime:
-        if previous_fire_time is None:
-            return now + timedelta(seconds=self.first_s)
-        ended = self.ended
-        if ended is not None and ended[0] == previous_fire_time:
-            # The run ended before APScheduler finished submitting it (its future was done
-            # when the callback was added, so the callback ran here, on the scheduler's
-            # thread): what the run asked for stands.
-            return ended[1]
-        return now + PARKED
-
-    def __str__(self) -> str:
-        return f"first after {self.first_s} s, then as each run says"
-
-
-class _PausingJob:
-    """What APScheduler runs for each of our jobs: ``step``, then, once APScheduler no
-    longer counts the run, the job's next run set to the seconds ``step`` returned.
-
-    APScheduler counts a run from its submission until its thread has returned from the
-    function and run the future's callback; a job due again meanwhile is skipped with a
-    "maximum number of running instances" warning. So the job is never due during that time:
-    the trigger (:class:`_RescheduledByEachRun`) parks it a year ahead at submission, and
-    the next run is set by :meth:`rescheduled`, a listener of the run's end, which
-    APScheduler calls after it stopped counting the run (setting it at the end of the run
-    itself left a window: a thread stalled there for longer than the delay, a GC pause or
-    a stopped process, made the job due while still counted).
-
-    ``lock`` is held for a run and for its rescheduling, which lets shutdown wait for both
-    *before* it takes the scheduler's locks (shutting down holds them while joining the
-    worker threads, and rescheduling needs them: waiting inside would deadlock). Once the
-    sweeper stops, the job is not rescheduled and ``on_stop`` (if any) is called.
-    """
-
-    def __init__(
-        self,
-        job_id: str,
-        sweeper: Sweeper,
-        step: Callable[[], float],
-        *,
-        first_s: float,
-        on_stop: Callable[[], None] | None = None,
-    ) -> None:
-        self.job_id = job_id
-        self.sweeper = sweeper
-        self.step = step
-        self.on_stop = on_stop
-        self.trigger = _RescheduledByEachRun(first_s)
-        self.lock = threading.Lock()
-        self.scheduler: Any = None
-        #: What the last run asked for (the cadence if it raised).
-        self.delay_s = sweeper.cadence_s
-
-    def __call__(self) -> None:
-        with self.lock:
-            self.delay_s = self.sweeper.cadence_s
-            if not self.sweeper.stopping:
-                self.delay_s = self.step()
-
-    def rescheduled(self, event: JobExecutionEvent) -> None:
-        """The listener of a run's end (EVENT_JOB_EXECUTED or EVENT_JOB_ERROR): set the
-        job's next run, or call ``on_stop`` once the sweeper stops."""
-        if event.job_id != self.job_id:
-            return
-        with self.lock:
-            if self.sweeper.stopping:
-                if self.on_stop is not None:
-                    self.on_stop()
-                return
-            at = datetime.now(UTC) + timedelta(seconds=self.delay_s)
-            self.trigger.ended = (event.scheduled_run_time, at)
-            try:
-                self.scheduler.modify_job(self.job_id, next_run_time=at)
-            except JobLookupError:
-                log.debug("the job %s is gone; not rescheduled", self.job_id)
-
-
-def _exit(scheduler: BaseScheduler) -> None:
-    """A blocking scheduler ends once the sweeper stops: start() returns to its caller."""
-    with contextlib.suppress(SchedulerNotRunningError):
-        scheduler.shutdown(wait=False)
-
-
-class _SweepScheduler(BaseScheduler):  # type: ignore[misc]
-    """What the blocking and the background scheduler add alike: ``shutdown`` first asks
-    the sweeper to stop after the batch in hand and, with ``wait``, waits for the jobs."""
-
-    sweeper: Sweeper
-    pausing_jobs: list[_PausingJob]
-
-    def shutdown(self, wait: bool = True) -> None:
-        self.sweeper.request_stop()
-        if wait:
-            for job in self.pausing_jobs:
-                with job.lock:
-                    pass
-        super().shutdown(wait)
-
-
-class _BlockingSweepScheduler(_SweepScheduler, BlockingScheduler):  # type: ignore[misc]
-    pass
-
-
-class _BackgroundSweepScheduler(_SweepScheduler, BackgroundScheduler):  # type: ignore[misc]
-    pass
+#: A job: id, name, seconds until its first run, and the run (it returns the seconds until
+#: the next one).
+_Job = tuple[str, str, float, Callable[[], float]]
 
 
 def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
-    """An APScheduler 3 scheduler (UTC) running ``sweeper`` now and then as it asks.
+    """An APScheduler 3 scheduler (UTC) running ``sweeper``'s jobs as they ask.
 
-    The job: ``max_instances=1``, ``coalesce=True``, ``misfire_grace_time=None`` (a late run
-    is run, never dropped), run at once, and after each tick its next run set to what the
-    tick returned. The index rebuild and the handlers run in jobs of their own, every
-    ``RECONCILE_CHECK_S`` and ``EVENTS_INTERVAL_S`` after the end of the last run. No job
-    is due while a run of it is counted as running (:class:`_PausingJob`), so none is
-    ever skipped with a warning, however long a run or its thread takes.
+    Each job runs one at a time, coalesced, a late run run and never dropped
+    (``misfire_grace_time=None``); the sweep at once, the others a first interval later,
+    and each again when its last run asked. No run is ever skipped with a warning,
+    however long a run or its thread takes up to :data:`FALLBACK_S`.
 
-    ``shutdown(wait=...)`` asks the sweeper to stop after the batch in hand, and with
-    ``wait=True`` waits for it. It does not release the lease: call ``sweeper.close()``.
-    A blocking scheduler also ends by itself once ``sweeper.request_stop()`` is called (say,
-    from a signal handler): its ``start()`` returns within one cadence, or after the batch
-    in hand.
+    Once ``sweeper.request_stop()`` is called (say, from a signal handler) no job is set
+    to run again, and a blocking scheduler shuts itself down at the end of the next run
+    (within one cadence, or after the batch in hand): its ``start()`` returns to its caller.
+    Call ``sweeper.request_stop()`` before ``shutdown(wait=True)`` for a sweep to stop after
+    the batch in hand rather than at its end. Neither releases the lease: call
+    ``sweeper.close()``.
     """
-    scheduler_class = _BlockingSweepScheduler if blocking else _BackgroundSweepScheduler
-    scheduler = scheduler_class(
-        # One thread per job (sweep, rebuild, handlers, webhook): none waits for another.
-        timezone=UTC,
-        executors={"default": ThreadPoolExecutor(max_workers=4)},
-    )
-    scheduler.sweeper = sweeper
-    sweep = _PausingJob(
-        JOB_ID,
-        sweeper,
-        lambda: _tick(sweeper),
-        first_s=sweeper.cadence_s,
-        on_stop=(lambda: _exit(scheduler)) if blocking else None,
-    )
-    rebuild = _PausingJob(
-        RECONCILE_JOB_ID, sweeper, lambda: _reconcile(sweeper), first_s=RECONCILE_CHECK_S
-    )
-    scheduler.pausing_jobs = [sweep, rebuild]
-    _add_job(scheduler, sweep, "orders sweep", next_run_time=datetime.now(UTC))
-    _add_job(scheduler, rebuild, "orders index rebuild")
-    service = sweeper.service
-    if service.settings.retention_days is not None:
-        pruning = _PausingJob(
-            RETENTION_JOB_ID, sweeper, lambda: prune_step(sweeper), first_s=STANDBY_S
+    scheduler_class = BlockingScheduler if blocking else BackgroundScheduler
+    # One thread per job (sweep, rebuild, retention, handlers, webhook): none waits for another.
+    scheduler = scheduler_class(timezone=UTC, executors={"default": ThreadPoolExecutor(5)})
+    now, ours = datetime.now(UTC), _jobs(sweeper)
+    for job_id, name, first_s, run in ours:
+        scheduler.add_job(
+            run,
+            "interval",
+            seconds=FALLBACK_S,
+            id=job_id,
+            name=name,
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=None,
+            next_run_time=now + timedelta(seconds=first_s),
         )
-        scheduler.pausing_jobs.append(pruning)
-        _add_job(scheduler, pruning, "orders retention")
+        metrics.JOB_FAILURES.labels(job_id)  # its series from 0: increase() sees a first failure
+
+    def ended(event: JobExecutionEvent) -> None:
+        """A run ended (EVENT_JOB_EXECUTED or EVENT_JOB_ERROR, APScheduler logged the
+        exception): count a failure, and set the job's next run, or end a blocking scheduler
+        once the sweeper stops."""
+        if event.exception is not None:
+            metrics.JOB_FAILURES.labels(event.job_id).inc()
+        if sweeper.stopping:
+            if blocking:
+                with contextlib.suppress(SchedulerNotRunningError):
+                    scheduler.shutdown(wait=False)
+            return
+        if event.job_id not in {job[0] for job in ours}:
+            return  # a job of the host's own keeps its trigger
+        delay_s = sweeper.cadence_s if event.exception is not None else event.retval
+        at = datetime.now(UTC) + timedelta(seconds=delay_s)
+        args = (scheduler, event.job_id, at)
+        threading.Thread(target=_reschedule, args=args, name="orders-reschedule").start()
+
+    scheduler.add_listener(ended, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
+    return scheduler
+
+
+def _reschedule(scheduler: BaseScheduler, job_id: str, at: datetime) -> None:
+    with contextlib.suppress(JobLookupError):  # a job removed meanwhile stays removed
+        scheduler.modify_job(job_id, next_run_time=at)
+
+
+def _jobs(sweeper: Sweeper) -> list[_Job]:
+    """The jobs of ``sweeper``'s service. A store outage is not a failed run (not counted):
+    the runs catch StoreUnavailable, log it once and retry at their next run."""
+    service = sweeper.service
+    jobs: list[_Job] = [
+        (JOB_ID, "orders sweep", 0.0, sweeper.tick),
+        (RECONCILE_JOB_ID, "orders index rebuild", RECONCILE_CHECK_S, lambda: _reconcile(sweeper)),
+    ]
+    if service.settings.retention_days is not None:
+        prune = (RETENTION_JOB_ID, "orders retention", STANDBY_S, lambda: prune_step(sweeper))
+        jobs.append(prune)
     consumers = closed_order_consumers(service)
     if consumers:
-        handlers = _PausingJob(
-            EVENTS_JOB_ID, sweeper, EventsJob(sweeper, consumers), first_s=EVENTS_INTERVAL_S
-        )
-        scheduler.pausing_jobs.append(handlers)
-        _add_job(scheduler, handlers, "orders event handlers")
+        handlers = EventsJob(sweeper, consumers)
+        jobs.append((EVENTS_JOB_ID, "orders event handlers", EVENTS_INTERVAL_S, handlers))
     webhook = webhook_consumer(service.engine, service.settings, clock=service.clock)
     if webhook is not None:
         # A job of its own: a slow receiver never delays the handlers above.
         posting = EventsJob(sweeper, [webhook], limit=WEBHOOK_BATCH)
-        poster = _PausingJob(WEBHOOK_JOB_ID, sweeper, posting, first_s=EVENTS_INTERVAL_S)
-        scheduler.pausing_jobs.append(poster)
-        _add_job(scheduler, poster, "orders webhook")
-    for job in scheduler.pausing_jobs:
-        job.scheduler = scheduler
-        scheduler.add_listener(job.rescheduled, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
-    scheduler.add_listener(_count_failure, EVENT_JOB_ERROR)
-    for job in scheduler.get_jobs():
-        # Each job's series starts at 0, so increase() sees its first failure too.
-        metrics.JOB_FAILURES.labels(job.id)
-    return scheduler
-
-
-def _count_failure(event: JobExecutionEvent) -> None:
-    """A job run ended in an exception (APScheduler logged it): count it by job id.
-
-    Store outages are not these: the jobs catch StoreUnavailable, log it once and retry at
-    their next run (``orders_store_errors_total`` counts them); what escapes is a bug or
-    an unexpected error, each run of it counted.
-    """
-    metrics.JOB_FAILURES.labels(event.job_id).inc()
-
-
-def _tick(sweeper: Sweeper) -> float:
-    return sweeper.tick()  # looked up at each run: a test may wrap it
+        jobs.append((WEBHOOK_JOB_ID, "orders webhook", EVENTS_INTERVAL_S, posting))
+    return jobs
 
 
 def _reconcile(sweeper: Sweeper) -> float:
     sweeper.reconcile_if_due()
     return RECONCILE_CHECK_S
-
-
-def _add_job(scheduler: BaseScheduler, job: _PausingJob, name: str, **options: Any) -> None:
-    """Every job runs one at a time, coalesced, and late runs are run, never dropped; the
-    first run comes ``first_s`` after now, the others when each run's end sets them.
-
-    ``options`` go to ``add_job`` as they are (``next_run_time``: None would pause the job,
-    so it is passed only when given).
-    """
-    scheduler.add_job(
-        job,
-        job.trigger,
-        id=job.job_id,
-        name=name,
-        max_instances=1,
-        coalesce=True,
-        misfire_grace_time=None,
-        **options,
-    )

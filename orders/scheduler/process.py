@@ -12,7 +12,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from orders.scheduler.jobs import build_scheduler
-from orders.scheduler.sweeper import SUMMARY_PERIOD_S, Sweeper, log_event
+from orders.scheduler.sweeper import SUMMARY_PERIOD_S, Sweeper
 from orders.service import OrderService
 
 if TYPE_CHECKING:
@@ -56,10 +56,9 @@ def run_scheduler(
         sweeper.request_stop()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    log_event(
+    sweeper.log_event(
         logging.INFO,
         "scheduler_started",
-        owner=sweeper.owner,
         interval_s=sweeper.interval_s,
         lease_ttl_s=sweeper.lease_ttl_s,
         batch_size=sweeper.batch_size,
@@ -70,4 +69,4 @@ def run_scheduler(
         sweeper.close()
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        log_event(logging.INFO, "scheduler_stopped", owner=sweeper.owner)
+        sweeper.log_event(logging.INFO, "scheduler_stopped")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from orders.errors import StoreUnavailable
-from orders.scheduler.sweeper import Sweeper, log_event
+from orders.scheduler.sweeper import Sweeper
 
 RETENTION_JOB_ID = "orders-retention"
 BATCHES_PER_RUN = 20
@@ -39,20 +39,15 @@ def prune_step(sweeper: Sweeper) -> float:
     days = service.settings.retention_days
     if days is None:
         return IDLE_S
-    if not sweeper.holds_lease:
+    if sweeper.stopping or not sweeper.holds_lease:
         return STANDBY_S
     try:
         done = service.operations.prune(days * 86_400, max_batches=BATCHES_PER_RUN)
     except StoreUnavailable as exc:
-        log_event(logging.WARNING, "prune_failed", owner=sweeper.owner, detail=str(exc))
+        sweeper.log_event(logging.WARNING, "prune_failed", detail=str(exc))
         return STANDBY_S
     if done.orders:
-        log_event(
-            logging.INFO,
-            "pruned",
-            owner=sweeper.owner,
-            orders=done.orders,
-            events=done.events,
-            more=done.more,
+        sweeper.log_event(
+            logging.INFO, "pruned", orders=done.orders, events=done.events, more=done.more
         )
     return BUSY_S if done.more else idle_s(days)

@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from orders import metrics
@@ -105,7 +106,7 @@ class Sweeper:
         self.lease = SweeperLease(service.index.client, key_prefix=service.index.key_prefix)
         self.lease_ttl_ms = max(1, round(self.lease_ttl_s * 1000))
         #: Its gauges, heartbeat and health facts (:mod:`orders.scheduler.status`).
-        self.status = SweeperStatus(service, self.owner, self.lease_ttl_ms, log=self._log)
+        self.status = SweeperStatus(service, self.owner, self.lease_ttl_ms, log=self.log_event)
         self.cadence_s = min(self.interval_s, self.lease_ttl_s / 2)
         # A long sweep renews between batches, this often, so the lease outlives it.
         self._renew_every_s = self.lease_ttl_s / 3
@@ -118,7 +119,7 @@ class Sweeper:
         )
         backlog_lag_s = check_seconds("backlog_lag_s", backlog_lag_s)
         self._backlog = BacklogWatch(backlog_lag_s, monotonic=monotonic)
-        self._pause = PauseWatch(service.operations.current_pause, self._log)
+        self._pause = PauseWatch(service.operations.current_pause, self.log_event)
         self._holds_lease = False
         self._renewed_at = 0.0
         self._lost_lease = False
@@ -184,7 +185,7 @@ class Sweeper:
             try:
                 released = self.lease.release(self.owner)
             except StoreUnavailable as exc:
-                self._log(
+                self.log_event(
                     logging.WARNING,
                     "lease_release_failed",
                     detail=str(exc),
@@ -194,7 +195,7 @@ class Sweeper:
             self._holds_lease = False
             self.status.stopped()
             if released:
-                self._log(logging.INFO, "lease_released")
+                self.log_event(logging.INFO, "lease_released")
 
     # --- one round -------------------------------------------------------------------
 
@@ -238,13 +239,13 @@ class Sweeper:
             started = time.monotonic()
             report = self.rebuilds.run()
         except RebuildStopped:
-            self._log(logging.DEBUG, "reconcile_stopped", reason=reason)
+            self.log_event(logging.DEBUG, "reconcile_stopped", reason=reason)
             return
         except StoreUnavailable as exc:
             self._store_down(exc.store, exc, "reconcile retried in a second")
             return
         self._store_up("sql")
-        self._log(
+        self.log_event(
             logging.INFO if report.fixes or reason in UNSCHEDULED else logging.DEBUG,
             "reconcile",
             reason=reason,
@@ -277,15 +278,7 @@ class Sweeper:
         whole = not (self._stop_requested or self._lost_lease)
         self.status.swept(earliest_ms, now_ms, whole=whole)
         if result.closed:
-            self._log(
-                logging.DEBUG,
-                "sweep",
-                closed=result.closed,
-                batches=result.batches,
-                users=result.users,
-                max_lag_ms=result.max_lag_ms,
-                duration_ms=duration_ms,
-            )
+            self.log_event(logging.DEBUG, "sweep", **asdict(result), duration_ms=duration_ms)
         self.summary.add_sweep(result)
         due: int | None = None
         with contextlib.suppress(StoreUnavailable):
@@ -302,7 +295,9 @@ class Sweeper:
         edge = self._backlog.after_sweep(result, earliest_ms, now_ms, due)
         if edge is not None:
             event, fields = edge
-            self._log(logging.WARNING if self._backlog.behind else logging.INFO, event, **fields)
+            self.log_event(
+                logging.WARNING if self._backlog.behind else logging.INFO, event, **fields
+            )
 
     def _earliest_reminder_ms(self) -> int | None:
         """None while reminders are off: the sweep writes none, so none is waited for."""
@@ -352,14 +347,7 @@ class Sweeper:
     def add_handler_run(self, consumer: str, result: ConsumeResult) -> None:
         """Count a closed-order handlers' run in the summary (its own line is DEBUG)."""
         if result.handled or result.failed or result.retried_ok:
-            self._log(
-                logging.DEBUG,
-                "handlers",
-                consumer=consumer,
-                handled=result.handled,
-                failed=result.failed,
-                retried_ok=result.retried_ok,
-            )
+            self.log_event(logging.DEBUG, "handlers", consumer=consumer, **asdict(result))
             self.summary.add_handlers(result)
         self.log_summary_if_due()
 
@@ -367,34 +355,30 @@ class Sweeper:
         """Write the summary line if its period has passed and there is something in it."""
         fields = self.summary.take(force=force)
         if fields is not None:
-            self._log(logging.INFO, "summary", **fields)
+            self.log_event(logging.INFO, "summary", **fields)
 
     # --- state changes, each logged once ---------------------------------------------
 
     def _set_holds(self, held: bool, asked_at_ms: int) -> None:
         self.status.lease_seen(held, asked_at_ms)
         if held and not self._holds_lease:
-            self._log(logging.INFO, "lease_acquired", lease_ttl_s=self.lease_ttl_s)
+            self.log_event(logging.INFO, "lease_acquired", lease_ttl_s=self.lease_ttl_s)
         elif self._holds_lease and not held:
-            self._log(logging.INFO, "lease_lost")
+            self.log_event(logging.INFO, "lease_lost")
         self._holds_lease = held
 
     def _store_down(self, store: str, exc: Exception, consequence: str) -> None:
         if store not in self._down:
             self._down.add(store)
-            self._log(
+            self.log_event(
                 logging.WARNING, "store_unavailable", store=store, detail=str(exc), then=consequence
             )
 
     def _store_up(self, store: str) -> None:
         if store in self._down:
             self._down.discard(store)
-            self._log(logging.INFO, "store_back", store=store)
+            self.log_event(logging.INFO, "store_back", store=store)
 
-    def _log(self, level: int, event: str, **fields: Any) -> None:
-        log_event(level, event, owner=self.owner, **fields)
-
-
-def log_event(level: int, event: str, *, owner: str, **fields: Any) -> None:
-    """One log line of ``orders.sweeper``: a JSON object naming the event and the owner."""
-    log.log(level, "%s", json.dumps({"event": event, **fields, "owner": owner}))
+    def log_event(self, level: int, event: str, **fields: Any) -> None:
+        """One line of ``orders.sweeper``: a JSON object naming the event and this owner."""
+        log.log(level, "%s", json.dumps({"event": event, **fields, "owner": self.owner}))

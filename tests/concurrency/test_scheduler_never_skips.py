@@ -1,20 +1,18 @@
-"""APScheduler's "skipped: maximum number of running instances reached" never happens.
+"""The races of a job that sets its own next run in APScheduler 3 (orders/scheduler/jobs.py).
 
-APScheduler counts a job's run from its submission until the run's function has returned
-and its future's callback has run; a job that is due again while counted is skipped with
-that warning. The worker thread of a run can stall anywhere (a GC pause, a process stopped
-with SIGSTOP, a starved thread): here it stalls inside APScheduler's own ``modify_job`` (a
-blocking listener of the job's EVENT_JOB_MODIFIED, dispatched on the thread that modifies
-the job), right after the run set its next run time. Each stall lasts until APScheduler
-has either submitted the job again or skipped it; after many runs, no skip. And a run that
-ends before APScheduler has finished submitting it (common for a short run on a new
-thread) keeps its job going.
+APScheduler counts a run from its submission until the run's thread has returned and the
+future's callback has run; a job due again meanwhile is skipped ("maximum number of running
+instances reached"). As it submits a run it sets the job's next run from the trigger, under
+the job-store lock that ``modify_job`` waits for; ``shutdown(wait=True)`` holds that lock
+while it joins the worker threads. Each test below turns one of these into a failure of a
+next run set at the wrong moment or on the wrong thread.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +27,7 @@ from orders.scheduler import jobs
 from orders.scheduler.jobs import RECONCILE_JOB_ID, build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
+from tests.support.processes import child_env, run_python
 
 #: The rebuild job's check interval in this test (1 s in production): short, so many runs.
 CHECK_S = 0.02
@@ -37,41 +36,35 @@ SKIP_WARNING = "maximum number of running instances"
 
 
 class StallAfterRescheduling:
-    """The EVENT_JOB_MODIFIED listener that stalls the rebuild's worker thread once the run
-    has set its next run time, until the job is submitted again or skipped."""
+    """The EVENT_JOB_MODIFIED listener (called on the thread that set the rebuild job's next
+    run) that stalls that thread until the job is submitted again or skipped."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self.stalls = 0
-        self.skips = 0
-        self.submitted = threading.Event()
-        self.done = threading.Event()
+        self.stalls = self.skips = 0
+        self.submitted, self.done = threading.Event(), threading.Event()
 
     def __call__(self, event: JobEvent) -> None:
         if event.job_id != RECONCILE_JOB_ID:
             return
-        if event.code == EVENT_JOB_SUBMITTED:
-            self.submitted.set()
-        elif event.code == EVENT_JOB_MAX_INSTANCES:
-            self.skips += 1
+        if event.code in (EVENT_JOB_SUBMITTED, EVENT_JOB_MAX_INSTANCES):
+            self.skips += event.code == EVENT_JOB_MAX_INSTANCES
             self.submitted.set()
         elif self.stalls < STALLS and not self.done.is_set():
-            job = self.scheduler.get_job(RECONCILE_JOB_ID)
-            if job is not None and job.next_run_time is not None:
-                self.submitted.clear()
-                self.stalls += 1
-                # Long enough for several due times of the job; set long before that.
-                assert self.submitted.wait(10), "the job was neither run again nor skipped"
-                if self.stalls == STALLS:
-                    self.done.set()
+            self.submitted.clear()
+            self.stalls += 1
+            # Long enough for several due times of the job; set long before that.
+            assert self.submitted.wait(10), "the job was neither run again nor skipped"
+            if self.stalls == STALLS:
+                self.done.set()
 
 
 @pytest.mark.timeout(120)
 def test_the_rebuild_job_is_never_skipped_even_when_its_thread_stalls_after_rescheduling(
-    service: OrderService,
-    caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
+    service: OrderService, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A thread can stall anywhere (a GC pause, a starved thread): here right after it set
+    the job's next run. If that is the run's own thread, still counted, the job is skipped."""
     monkeypatch.setattr(jobs, "RECONCILE_CHECK_S", CHECK_S)
     sweeper = Sweeper(service, interval_s=0.01)  # wakes the scheduler every 10 ms or so
     scheduler = build_scheduler(sweeper, blocking=False)
@@ -82,10 +75,11 @@ def test_the_rebuild_job_is_never_skipped_even_when_its_thread_stalls_after_resc
     caplog.set_level(logging.WARNING)
     scheduler.start()
     try:
-        assert stall.done.wait(60), f"only {stall.stalls} stalls in 60 s"
+        assert stall.done.wait(60), f"{stall.stalls} stalls, {stall.skips} skips in 60 s"
     finally:
         stall.done.set()
         stall.submitted.set()
+        sweeper.request_stop()
         scheduler.shutdown(wait=True)
         sweeper.close()
 
@@ -98,8 +92,9 @@ def test_runs_that_end_before_apscheduler_has_finished_submitting_them_keep_thei
     service: OrderService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run can end before APScheduler has finished submitting it (the future is done when
-    its callback is added: the callback then runs on the scheduler's own thread, inside its
-    job processing). The next run that run asked for must stand."""
+    its callback is added: the callback runs on the scheduler's own thread, before the job's
+    next run is set from the trigger, an hour ahead). The next run that run asked for must
+    stand."""
     monkeypatch.setattr(jobs, "RECONCILE_CHECK_S", 0.0001)
     sweeper = Sweeper(service, interval_s=0.0005)
     runs = threading.Semaphore(0)
@@ -116,5 +111,47 @@ def test_runs_that_end_before_apscheduler_has_finished_submitting_them_keep_thei
         for run in range(2000):
             assert runs.acquire(timeout=10), f"the rebuild job stopped after {run} runs"
     finally:
+        sweeper.request_stop()
         scheduler.shutdown(wait=True)
         sweeper.close()
+
+
+#: A scheduler whose first tick ends while ``shutdown(wait=True)`` joins its worker threads.
+SHUTDOWN_DURING_A_RUN = """
+import threading, time
+from orders.bootstrap import build_service
+from orders.config import Settings
+from orders.scheduler.jobs import build_scheduler
+from orders.scheduler.sweeper import Sweeper
+
+sweeper = Sweeper(build_service(Settings.from_env()))
+real_tick, ticking = sweeper.tick, threading.Event()
+
+def tick():
+    ticking.set()
+    while scheduler.running:
+        time.sleep(0.001)
+    time.sleep(0.2)  # meanwhile shutdown takes the job-store lock and joins this thread
+    return real_tick()
+
+sweeper.tick = tick
+scheduler = build_scheduler(sweeper, blocking=False)
+scheduler.start()
+ticking.wait()
+scheduler.shutdown(wait=True)
+sweeper.close()
+print("stopped")
+"""
+
+
+def test_a_run_ending_while_shutdown_joins_the_workers_lets_the_shutdown_end(
+    service: OrderService, database_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """Run in a child: a deadlock would leave threads that no test can end."""
+    env = child_env(
+        ORDERS_HOME=str(tmp_path / "home"),
+        ORDERS_DATABASE_URL=database_url,
+        ORDERS_REDIS_URL=redis_url,
+    )
+    done = run_python("-c", SHUTDOWN_DURING_A_RUN, env=env, timeout_s=30)
+    assert (done.returncode, done.stdout) == (0, "stopped\n"), done.stderr

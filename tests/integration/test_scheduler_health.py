@@ -170,22 +170,21 @@ def test_parked_events_per_consumer_go_up_and_back_to_zero(
     service.on_closed(refuse)
     name = consumer_name(refuse)
     sweeper = Sweeper(service, owner="A", reconcile_at_start=False)
-    scheduler = build_scheduler(sweeper, blocking=False)
-    (events_job,) = [job for job in scheduler.pausing_jobs if job.job_id == EVENTS_JOB_ID]
+    events_job = build_scheduler(sweeper, blocking=False).get_job(EVENTS_JOB_ID).func
 
-    events_job.step()  # a standby runs nothing and shows 0 for the consumers it knows
+    events_job()  # a standby runs nothing and shows 0 for the consumers it knows
     assert sample("orders_parked_events", consumer=name) == 0
     create_orders(service, [1, 1], users=["u1", "u2"])
     clock.advance(s=2)
     sweeper.tick()
-    events_job.step()
+    events_job()
     parked = list_parked(service.engine)
     assert [entry.consumer for entry in parked] == [name, name]
     assert sample("orders_parked_events", consumer=name) == 2
 
     for entry in parked:
         discard_parked(service.engine, name, entry.event_id)
-    events_job.step()
+    events_job()
     assert sample("orders_parked_events", consumer=name) == 0
     sweeper.close()
 
