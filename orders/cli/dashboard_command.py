@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import signal
 import threading
-from types import FrameType
 
 import click
 
@@ -19,6 +17,7 @@ from orders.dashboard import (
     token_from_env,
 )
 from orders.dashboard.server import DEFAULT_REFRESH_S
+from orders.scheduler.process import on_stop_signals
 from orders.validation import check_seconds
 
 
@@ -67,15 +66,9 @@ def dashboard(
         sock.close()
         raise
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     logging.getLogger("orders.dashboard").info("dashboard on %s/", served.url)
-    try:
-        stop.wait()
-    finally:
-        served.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+    with on_stop_signals(stop.set):
+        try:
+            stop.wait()
+        finally:
+            served.close()

@@ -6,9 +6,10 @@ rather than after ``lease_ttl_s``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
-from types import FrameType
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from orders.scheduler.jobs import build_scheduler
@@ -17,6 +18,21 @@ from orders.service import OrderService
 
 if TYPE_CHECKING:
     from orders.scheduler.health import SchedulerHealth
+
+
+@contextlib.contextmanager
+def on_stop_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """``stop()`` on SIGTERM or SIGINT while inside (from the main thread); the handlers
+    found before are put back on the way out."""
+    previous = {
+        sig: signal.signal(sig, lambda signum, frame: stop())
+        for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def run_scheduler(
@@ -51,22 +67,16 @@ def run_scheduler(
     scheduler = build_scheduler(sweeper, blocking=True)
     if health is not None:
         health.attach(sweeper, scheduler)
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        sweeper.request_stop()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    sweeper.log_event(
-        logging.INFO,
-        "scheduler_started",
-        interval_s=sweeper.interval_s,
-        lease_ttl_s=sweeper.lease_ttl_s,
-        batch_size=sweeper.batch_size,
-    )
-    try:
-        scheduler.start()
-    finally:
-        sweeper.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        sweeper.log_event(logging.INFO, "scheduler_stopped")
+    with on_stop_signals(sweeper.request_stop):
+        sweeper.log_event(
+            logging.INFO,
+            "scheduler_started",
+            interval_s=sweeper.interval_s,
+            lease_ttl_s=sweeper.lease_ttl_s,
+            batch_size=sweeper.batch_size,
+        )
+        try:
+            scheduler.start()
+        finally:
+            sweeper.close()
+            sweeper.log_event(logging.INFO, "scheduler_stopped")
