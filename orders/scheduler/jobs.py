@@ -27,7 +27,8 @@ How a run sets the next one, with APScheduler's public API (an interval trigger,
   run can end before its submission is done (its callback then runs on the scheduler's
   thread, inside that section, and a change made there is overwritten), and a worker thread
   waiting for the lock during a shutdown would never be joined: on its own thread the
-  change comes after both.
+  change comes after both. So does the shutdown of a blocking scheduler once the sweeper
+  stops: inside that section it would empty the job store under APScheduler's loop.
 """
 
 from __future__ import annotations
@@ -120,18 +121,28 @@ def build_scheduler(sweeper: Sweeper, *, blocking: bool) -> BaseScheduler:
             metrics.JOB_FAILURES.labels(event.job_id).inc()
         if sweeper.stopping:
             if blocking:
-                with contextlib.suppress(SchedulerNotRunningError):
-                    scheduler.shutdown(wait=False)
+                _on_own_thread(_stop, scheduler)
             return
         if event.job_id not in {job[0] for job in ours}:
             return  # a job of the host's own keeps its trigger
         delay_s = sweeper.cadence_s if event.exception is not None else event.retval
         at = datetime.now(UTC) + timedelta(seconds=delay_s)
-        args = (scheduler, event.job_id, at)
-        threading.Thread(target=_reschedule, args=args, name="orders-reschedule").start()
+        _on_own_thread(_reschedule, scheduler, event.job_id, at)
 
     scheduler.add_listener(ended, EVENT_JOB_EXECUTED | EVENT_JOB_ERROR)
     return scheduler
+
+
+def _on_own_thread(action: Callable[..., None], *args: object) -> None:
+    """``action(*args)`` on a thread of its own, after the job-store lock the calling
+    listener may be inside of (see the module docstring)."""
+    threading.Thread(target=action, args=args, name="orders-reschedule").start()
+
+
+def _stop(scheduler: BaseScheduler) -> None:
+    # Not inside _process_jobs: a shutdown there empties the job store under its loop.
+    with contextlib.suppress(SchedulerNotRunningError):
+        scheduler.shutdown(wait=False)
 
 
 def _reschedule(scheduler: BaseScheduler, job_id: str, at: datetime) -> None:

@@ -155,3 +155,41 @@ def test_a_run_ending_while_shutdown_joins_the_workers_lets_the_shutdown_end(
     )
     done = run_python("-c", SHUTDOWN_DURING_A_RUN, env=env, timeout_s=30)
     assert (done.returncode, done.stdout) == (0, "stopped\n"), done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_blocking_scheduler_stopped_by_a_run_that_ends_during_its_submission_returns_cleanly(
+    service: OrderService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run's end shuts a blocking scheduler down once the sweeper stops. A run that ends
+    before its submission is done calls back on the scheduler's own thread, inside
+    ``_process_jobs``: a shutdown there empties the job store under it, and ``start()``
+    raised JobLookupError (a scheduler process exiting 1 on SIGTERM)."""
+    monkeypatch.setattr(jobs, "RECONCILE_CHECK_S", 0.0001)
+    for attempt in range(20):
+        sweeper = Sweeper(service, interval_s=0.0005)
+        scheduler = build_scheduler(sweeper, blocking=True)
+        ran, raised = threading.Semaphore(0), []
+        original = sweeper.reconcile_if_due
+
+        def counted(original: Any = original, ran: threading.Semaphore = ran) -> None:
+            original()
+            ran.release()
+
+        monkeypatch.setattr(sweeper, "reconcile_if_due", counted)
+
+        def start(scheduler: Any = scheduler, raised: list[BaseException] = raised) -> None:
+            try:
+                scheduler.start()
+            except BaseException as error:
+                raised.append(error)
+
+        thread = threading.Thread(target=start)
+        thread.start()
+        for _ in range(20):
+            assert ran.acquire(timeout=10), "the rebuild job stopped"
+        sweeper.request_stop()
+        thread.join(10)
+        sweeper.close()
+        assert not thread.is_alive(), f"attempt {attempt}: start() did not return"
+        assert raised == [], f"attempt {attempt}"
