@@ -48,7 +48,7 @@ class UserLimits:
             # The removed row took its "set by" with it: the log keeps who cleared it.
             log.info("user limit cleared by %s", cause, extra={"user_id": uid})
         self.copy(uid, None)
-        return UserLimit(uid, self.settings.unpaid_limit, False)
+        return UserLimit(uid, self.settings.unpaid_limit)
 
     def read(self, user_id: str | int) -> UserLimit:
         uid = check_user_id(user_id, self.settings.max_user_id_length)
