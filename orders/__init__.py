@@ -17,8 +17,10 @@ and redis-py client::
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from collections.abc import Mapping
+from datetime import datetime
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
 from orders.domain import Actor, ActorKind, Order, OrderStatus, Payment, SweepResult
@@ -42,12 +44,13 @@ from orders.errors import (
 from orders.policies import ExpiryPolicy
 
 if TYPE_CHECKING:
+    from orders.events.stream import EventPosition, OrderEvent
+    from orders.rules.reconcile import ReconcileReport
     from orders.service import OrderService
+    from orders.sql.refusals import PaymentRefusal
+    from orders.sql.user_limits import UserLimit
 
     __version__: str
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 __all__ = [
     "Actor",
@@ -146,27 +149,115 @@ def configure(service: OrderService | None) -> None:
         _default = service
 
 
-def _on_default(method: Callable[[OrderService], Callable[_P, _R]]) -> Callable[_P, _R]:
-    """``method`` (a lambda naming an OrderService method) as a function on the default
-    service: the lambda runs at the call, so OrderService still loads on first use."""
+def create_unpaid_order(
+    user_id: str | int,
+    *,
+    order_id: str | None = None,
+    ttl_s: float | None = None,
+    limit: int | None = None,
+    amount: Decimal | int | str | None = None,
+    currency: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    actor: str | Actor | None = None,
+    on_limit: str | None = None,
+    policy: str | None = None,
+    expires_at: datetime | None = None,
+) -> Order:
+    """See :meth:`OrderService.create_unpaid_order`."""
+    return default_service().create_unpaid_order(
+        user_id,
+        order_id=order_id,
+        ttl_s=ttl_s,
+        limit=limit,
+        amount=amount,
+        currency=currency,
+        metadata=metadata,
+        actor=actor,
+        on_limit=on_limit,
+        policy=policy,
+        expires_at=expires_at,
+    )
 
-    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        return method(default_service())(*args, **kwargs)
 
-    return call
+def mark_paid(
+    order_id: str,
+    *,
+    payment_ref: str | None = None,
+    amount: Decimal | int | str | None = None,
+    currency: str | None = None,
+    actor: str | Actor | None = None,
+) -> Order:
+    """See :meth:`OrderService.mark_paid`."""
+    return default_service().mark_paid(
+        order_id, payment_ref=payment_ref, amount=amount, currency=currency, actor=actor
+    )
 
 
-create_unpaid_order = _on_default(lambda s: s.create_unpaid_order)
-mark_paid = _on_default(lambda s: s.mark_paid)
-cancel_order = _on_default(lambda s: s.cancel_order)
-extend_order = _on_default(lambda s: s.extend_order)
-get_order = _on_default(lambda s: s.get_order)
-list_unpaid = _on_default(lambda s: s.list_unpaid)
-iter_events = _on_default(lambda s: s.iter_events)
-sweep_expired = _on_default(lambda s: s.sweep_expired)
-reconcile = _on_default(lambda s: s.reconcile)
-refused_payments = _on_default(lambda s: s.refused_payments)
-mark_refund_handled = _on_default(lambda s: s.mark_refund_handled)
-set_user_limit = _on_default(lambda s: s.set_user_limit)
-clear_user_limit = _on_default(lambda s: s.clear_user_limit)
-user_limit = _on_default(lambda s: s.user_limit)
+def cancel_order(
+    order_id: str, *, reason: str | None = None, actor: str | Actor | None = None
+) -> Order:
+    """See :meth:`OrderService.cancel_order`."""
+    return default_service().cancel_order(order_id, reason=reason, actor=actor)
+
+
+def get_order(order_id: str) -> Order:
+    """See :meth:`OrderService.get_order`."""
+    return default_service().get_order(order_id)
+
+
+def list_unpaid(user_id: str | int) -> list[Order]:
+    """See :meth:`OrderService.list_unpaid`."""
+    return default_service().list_unpaid(user_id)
+
+
+def sweep_expired(*, batch_size: int | None = None, max_batches: int | None = None) -> SweepResult:
+    """See :meth:`OrderService.sweep_expired`."""
+    return default_service().sweep_expired(batch_size=batch_size, max_batches=max_batches)
+
+
+def extend_order(order_id: str, extra_s: float, *, actor: str | Actor | None = None) -> Order:
+    """See :meth:`OrderService.extend_order`."""
+    return default_service().extend_order(order_id, extra_s, actor=actor)
+
+
+def iter_events(*, after: EventPosition | None = None, limit: int = 100) -> list[OrderEvent]:
+    """See :meth:`OrderService.iter_events`."""
+    return default_service().iter_events(after=after, limit=limit)
+
+
+def reconcile(*, user_id: str | None = None, dry_run: bool = False) -> ReconcileReport:
+    """See :meth:`OrderService.reconcile`."""
+    return default_service().reconcile(user_id=user_id, dry_run=dry_run)
+
+
+def refused_payments(
+    *, since_ms: int | None = None, pending_only: bool = False, limit: int = 100
+) -> list[PaymentRefusal]:
+    """See :meth:`OrderService.refused_payments`."""
+    return default_service().refused_payments(
+        since_ms=since_ms, pending_only=pending_only, limit=limit
+    )
+
+
+def mark_refund_handled(
+    order_id: str, payment_ref: str | None = None, *, actor: str | Actor | None = None
+) -> PaymentRefusal:
+    """See :meth:`OrderService.mark_refund_handled`."""
+    return default_service().mark_refund_handled(order_id, payment_ref, actor=actor)
+
+
+def set_user_limit(
+    user_id: str | int, limit: int, *, actor: str | Actor | None = None
+) -> UserLimit:
+    """See :meth:`OrderService.set_user_limit`."""
+    return default_service().set_user_limit(user_id, limit, actor=actor)
+
+
+def clear_user_limit(user_id: str | int, *, actor: str | Actor | None = None) -> UserLimit:
+    """See :meth:`OrderService.clear_user_limit`."""
+    return default_service().clear_user_limit(user_id, actor=actor)
+
+
+def user_limit(user_id: str | int) -> UserLimit:
+    """See :meth:`OrderService.user_limit`."""
+    return default_service().user_limit(user_id)
