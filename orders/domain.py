@@ -93,6 +93,11 @@ class Actor:
             return given if name == given.name else cls(given.kind, name)
         return cls(default, check_optional_text("actor", given, ACTOR_MAX_LENGTH))
 
+    @classmethod
+    def from_columns(cls, kind: str | None, name: str | None) -> Actor | None:
+        """The actor a row's kind and name columns hold; None where the kind is NULL."""
+        return None if kind is None else cls(ActorKind(kind), name)
+
     def columns(self) -> dict[str, str | None]:
         """The event row's ``actor_kind`` and ``actor`` values."""
         return {"actor_kind": self.kind.value, "actor": self.name}

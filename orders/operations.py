@@ -11,6 +11,7 @@ and no Redis command.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 
 from orders.config import Settings
@@ -30,16 +31,14 @@ from orders.sql.pauses import Pause
 from orders.validation import TEXT_MAX_LENGTH, check_count, check_optional_text, check_ttl_ms
 
 
+@dataclass(eq=False)
 class Operations:
     """The actions over many orders (module docstring), over the service's parts."""
 
-    def __init__(
-        self, pausing: Pausing, pruner: Pruner, bulk: BulkActions, settings: Settings
-    ) -> None:
-        self.pausing = pausing
-        self.pruner = pruner
-        self.bulk = bulk
-        self.settings = settings
+    pausing: Pausing
+    pruner: Pruner
+    bulk: BulkActions
+    settings: Settings
 
     # --- the incident pause --------------------------------------------------------------
 

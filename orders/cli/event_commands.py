@@ -83,7 +83,7 @@ def parked_command(ctx: click.Context, consumer: str | None, limit: int, as_json
 
 
 def parked_action(name: str, help_text: str, done: str) -> click.Command:
-    """``orders events NAME CONSUMER EVENT_ID``: run ``orders.events.admin.NAME_parked``."""
+    """``orders events NAME CONSUMER EVENT_ID``: ``orders.events.admin.act_on_parked``."""
 
     @events_group.command(name, help=help_text)
     @click.argument("consumer")
@@ -92,9 +92,11 @@ def parked_action(name: str, help_text: str, done: str) -> click.Command:
     def command(ctx: click.Context, consumer: str, event_id: int) -> None:
         from orders.events import admin as event_admin  # noqa: PLC0415
 
-        action = {"requeue": event_admin.requeue_parked, "discard": event_admin.discard_parked}
+        action = event_admin.ParkedAction(name)
         with opened_engine(ctx) as engine:
-            action[name](engine, consumer, event_id, actor=cli_state(ctx).actor)
+            event_admin.act_on_parked(
+                engine, action, consumer, event_id, actor=cli_state(ctx).actor
+            )
         click.echo(f"{done} event {event_id} of {consumer}")
 
     return command

@@ -2,15 +2,16 @@
 
 Functions over an Engine (``orders events`` runs them): :func:`list_consumers` (position,
 lag, retrying and parked counts), :func:`parked_counts` (the scheduler's gauge),
-:func:`list_parked`, and the two actions on a parked
-event, after Sidekiq's dead set: :func:`requeue_parked` (retrying again, attempts reset,
-due now) and :func:`discard_parked` (the entry goes; the event stays in order_events).
+:func:`list_parked`, and :func:`act_on_parked` with the two actions on a parked event,
+after Sidekiq's dead set: requeue (retrying again, attempts reset, due now) and discard
+(the entry goes; the event stays in order_events).
 A consumer is known once it has saved a position or recorded a failure.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -177,55 +178,42 @@ def list_parked(
         ]
 
 
-def requeue_parked(
+class ParkedAction(StrEnum):
+    """What an operator does to a parked event (``orders events requeue | discard``)."""
+
+    REQUEUE = "requeue"
+    DISCARD = "discard"
+
+
+def act_on_parked(
     engine: Engine,
+    action: ParkedAction,
     consumer: str,
     event_id: int,
     *,
     clock: Clock | None = None,
     actor: Actor = OPERATOR,
 ) -> None:
-    """Make a parked event retrying again: attempts from 0, due now (the consumer's next
-    run tries it, and parks it again only after ``max_attempts`` more failures). A
-    ``requeued`` event of the order records who did it, in the same transaction."""
+    """Requeue a parked event (retrying again: attempts from 0, due now, so the consumer's
+    next run tries it and parks it again only after ``max_attempts`` more failures), or
+    discard it (this consumer forgets it; the event itself stays in order_events).
+
+    A ``requeued`` or ``discarded`` event of the parked event's order records who did it,
+    in the same transaction (none when that event is gone with its order: there is no
+    order left to record it on)."""
     now_ms = (clock or system_clock)()
-    requeue = (
-        update(retries_table)
-        .where(_parked_entry(consumer, event_id))
-        .values(parked_at_ms=None, attempts=0, next_at_ms=now_ms)
-    )
-    _act(engine, requeue, EventKind.REQUEUED, consumer, event_id, now_ms, actor)
-
-
-def discard_parked(
-    engine: Engine,
-    consumer: str,
-    event_id: int,
-    *,
-    clock: Clock | None = None,
-    actor: Actor = OPERATOR,
-) -> None:
-    """Forget a parked event for this consumer; the event itself stays in order_events. A
-    ``discarded`` event of the order records who did it, in the same transaction."""
-    now_ms = (clock or system_clock)()
-    discard = delete(retries_table).where(_parked_entry(consumer, event_id))
-    _act(engine, discard, EventKind.DISCARDED, consumer, event_id, now_ms, actor)
-
-
-def _act(
-    engine: Engine,
-    action: Any,
-    kind: EventKind,
-    consumer: str,
-    event_id: int,
-    now_ms: int,
-    actor: Actor,
-) -> None:
-    """Run ``action`` on the parked entry and record it as a ``kind`` event of the parked
-    event's order, in one transaction (no event when that event is gone with its order:
-    there is no order left to record it on)."""
+    entry = _parked_entry(consumer, event_id)
+    statement: Any
+    if action == ParkedAction.REQUEUE:
+        kind = EventKind.REQUEUED
+        statement = update(retries_table).where(entry)
+        statement = statement.values(parked_at_ms=None, attempts=0, next_at_ms=now_ms)
+    elif action == ParkedAction.DISCARD:
+        kind, statement = EventKind.DISCARDED, delete(retries_table).where(entry)
+    else:
+        raise InvalidInput("action", "must be requeue or discard")
     with sql_errors(), engine.begin() as conn:
-        if conn.execute(action).rowcount == 0:
+        if conn.execute(statement).rowcount == 0:
             _refuse(conn, consumer, event_id)
         of_event = select(EC.order_id, EC.user_id).where(EC.id == event_id)
         parked = conn.execute(of_event).one_or_none()

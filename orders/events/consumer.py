@@ -28,7 +28,7 @@ import logging
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, TypedDict, Unpack, cast, overload
 
 from sqlalchemy import Connection, Engine
 
@@ -48,6 +48,17 @@ Handler = Callable[[OrderEvent], None]
 #: The handler of an ``EventConsumer(..., transactional=True)``: called with each event and
 #: the consumer's Connection, inside the transaction that records the event's outcome.
 TransactionalHandler = Callable[[OrderEvent, Connection], None]
+
+
+class ConsumerOptions(TypedDict, total=False):
+    """The keyword options of :class:`EventConsumer`, in either mode (its defaults there)."""
+
+    kinds: Iterable[EventKind] | None
+    clock: Clock | None
+    backoff_s: float
+    max_backoff_s: float
+    max_attempts: int
+    rand: Random | None
 
 
 @dataclass
@@ -102,12 +113,7 @@ class EventConsumer:
         handler: Handler,
         *,
         transactional: Literal[False] = False,
-        kinds: Iterable[EventKind] | None = None,
-        clock: Clock | None = None,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 300.0,
-        max_attempts: int = 10,
-        rand: Random | None = None,
+        **options: Unpack[ConsumerOptions],
     ) -> None: ...
 
     @overload
@@ -118,12 +124,7 @@ class EventConsumer:
         handler: TransactionalHandler,
         *,
         transactional: Literal[True],
-        kinds: Iterable[EventKind] | None = None,
-        clock: Clock | None = None,
-        backoff_s: float = 1.0,
-        max_backoff_s: float = 300.0,
-        max_attempts: int = 10,
-        rand: Random | None = None,
+        **options: Unpack[ConsumerOptions],
     ) -> None: ...
 
     def __init__(

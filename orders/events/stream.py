@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Engine, func, select, tuple_
 
-from orders.domain import Actor, ActorKind, EventKind
+from orders.domain import Actor, EventKind
 from orders.errors import InvalidInput
 from orders.sql.models import events_table, sql_errors
 
@@ -58,7 +58,7 @@ def event_of(row: Any) -> OrderEvent:
         at_ms=row.at_ms,
         data=dict(row.data or {}),
         txid=row.txid,
-        actor=None if row.actor_kind is None else Actor(ActorKind(row.actor_kind), row.actor),
+        actor=Actor.from_columns(row.actor_kind, row.actor),
     )
 
 

@@ -10,6 +10,7 @@ and reconcile write it back from SQL.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from orders.index.errors import redis_errors
@@ -18,23 +19,17 @@ from orders.index.nodes import RedisClient
 from orders.index.pipeline import Foreign, scan_named
 
 
+@dataclass(eq=False)
 class LimitCopies:
     """Users' own limit keys on a redis-py client (see the module docstring)."""
 
-    def __init__(
-        self,
-        client: RedisClient,
-        *,
-        key_prefix: str,
-        user_key: Callable[[str], str],
-        foreign: Foreign,
-    ) -> None:
-        self.client = client
-        self.key_prefix = key_prefix
-        #: The user's set's key (:meth:`orders.index.unpaid.UnpaidIndex.key`).
-        self.user_key = user_key
-        #: Where a key under the limit tag that names no user is reported.
-        self.foreign = foreign
+    client: RedisClient
+    _: KW_ONLY
+    key_prefix: str
+    #: The user's set's key (:meth:`orders.index.unpaid.UnpaidIndex.key`).
+    user_key: Callable[[str], str]
+    #: Where a key under the limit tag that names no user is reported.
+    foreign: Foreign
 
     def key(self, user_id: str) -> str:
         """The user's own limit, as ``admit.lua`` reads it (see :func:`limit_key`)."""

@@ -8,7 +8,7 @@ of another type, a member that is not UTF-8) is reported and left out, never an 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import redis
@@ -34,26 +34,19 @@ class KeysChecked:
     written: list[str] = field(default_factory=list)
 
 
+@dataclass(eq=False)
 class ReconcileBatch:
     """The reconcile scripts of a batch of users: :meth:`send` writes them all and returns
     at once, :meth:`read` collects the outcome (sending first if need be). Once sent, read
     or :meth:`abandon` must follow, so no reply is left on a pooled connection."""
 
-    def __init__(
-        self,
-        client: RedisClient,
-        users: list[str],
-        packer: CallPacker,
-        *,
-        user_key: Callable[[str], str],
-        foreign: Foreign,
-    ) -> None:
-        self.client = client
-        self.users = users
-        self.packer = packer
-        self.user_key = user_key
-        self.foreign = foreign
-        self.sent: SentCalls | ClusterCalls | None = None
+    client: RedisClient
+    users: list[str]
+    packer: CallPacker
+    _: KW_ONLY
+    user_key: Callable[[str], str]
+    foreign: Foreign
+    sent: SentCalls | ClusterCalls | None = field(default=None, init=False)
 
     def send(self) -> SentCalls | ClusterCalls:
         with redis_errors("reconcile"):

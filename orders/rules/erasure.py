@@ -87,22 +87,15 @@ def pseudonym(key: Secret, user_id: str) -> str:
     return PSEUDONYM_PREFIX + digest[:PSEUDONYM_HEX_DIGITS]
 
 
+@dataclass(eq=False)
 class Eraser:
     """Erases users over the records, the bulk cancel and the index (module docstring)."""
 
-    def __init__(
-        self,
-        records: OrderRecords,
-        bulk: BulkActions,
-        index: UnpaidIndex,
-        settings: Settings,
-        now_ms: Callable[[], int],
-    ) -> None:
-        self.records = records
-        self.bulk = bulk
-        self.index = index
-        self.settings = settings
-        self.now_ms = now_ms
+    records: OrderRecords
+    bulk: BulkActions
+    index: UnpaidIndex
+    settings: Settings
+    now_ms: Callable[[], int]
 
     def erase(self, user_id: object, actor: object) -> Erasure:
         key = self.settings.erasure_key

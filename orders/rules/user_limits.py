@@ -10,6 +10,7 @@ or reconcile, writes the copy from SQL.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from orders.config import Settings
 from orders.domain import Actor, Clock
@@ -22,16 +23,14 @@ from orders.validation import check_user_id, check_user_limit
 log = logging.getLogger("orders.service")
 
 
+@dataclass(eq=False)
 class UserLimits:
     """Sets, clears and reads users' own limits (see the module docstring)."""
 
-    def __init__(
-        self, tx: Transactions, index: UnpaidIndex, settings: Settings, clock: Clock
-    ) -> None:
-        self.tx = tx
-        self.index = index
-        self.settings = settings
-        self.clock = clock
+    tx: Transactions
+    index: UnpaidIndex
+    settings: Settings
+    clock: Clock
 
     def set(self, user_id: str | int, limit: int, actor: str | Actor | None) -> UserLimit:
         uid = check_user_id(user_id, self.settings.max_user_id_length)
@@ -48,7 +47,7 @@ class UserLimits:
             # The removed row took its "set by" with it: the log keeps who cleared it.
             log.info("user limit cleared by %s", cause, extra={"user_id": uid})
         self.copy(uid, None)
-        return UserLimit(uid, self.settings.unpaid_limit, False)
+        return UserLimit(uid, self.settings.unpaid_limit)
 
     def read(self, user_id: str | int) -> UserLimit:
         uid = check_user_id(user_id, self.settings.max_user_id_length)

@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Connection, Row, bindparam, case, select, update
 from sqlalchemy.exc import IntegrityError
 
-from orders.domain import Actor, ActorKind, EventKind, ms_to_datetime
+from orders.domain import Actor, EventKind, ms_to_datetime
 from orders.errors import InvalidInput
 from orders.policies import NEVER_EXPIRES_MS
 from orders.sql.models import orders_table, pauses_table
@@ -66,12 +66,11 @@ class Pause:
 
 
 def _to_pause(row: Row[Any]) -> Pause:
-    actor = None if row.actor_kind is None else Actor(ActorKind(row.actor_kind), row.actor)
     return Pause(
         id=row.id,
         reason=row.reason,
         started_at_ms=row.started_at_ms,
-        actor=actor,
+        actor=Actor.from_columns(row.actor_kind, row.actor),
         resumed_at_ms=row.resumed_at_ms,
         shifted=row.shifted,
         ended_at_ms=row.ended_at_ms,

@@ -122,18 +122,6 @@ class ReconcileReads:
         with self.tx.read() as conn:
             return list(conn.scalars(query, {"users": users, "now_ms": now_ms}).all())
 
-    def users_with_open(self, now_ms: int, after: str, limit: int) -> list[str]:
-        """Up to ``limit`` users with open orders whose id sorts after ``after`` (keyset)."""
-        query = (
-            select(ORDER.user_id)
-            .where(open_at(now_ms), ORDER.user_id > after)
-            .group_by(ORDER.user_id)
-            .order_by(ORDER.user_id)
-            .limit(limit)
-        )
-        with self.tx.read() as conn:
-            return list(conn.scalars(query))
-
     def open_by_user(self, user_ids: Sequence[str], now_ms: int) -> dict[str, dict[str, int]]:
         """For each user: open order id -> expiry."""
         query = select(*_OPEN_COLUMNS).where(ORDER.user_id.in_(user_ids), open_at(now_ms))

@@ -21,7 +21,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, bindparam, func, insert, select, update
 
-from orders.domain import Actor, ActorKind, EventKind, Order, Payment, RefusalReason
+from orders.domain import Actor, EventKind, Order, Payment, RefusalReason
 from orders.errors import InvalidInput, RefusalPosition
 from orders.sql.models import events_table, refusals_table, sql_errors
 from orders.sql.records import payment_data
@@ -204,9 +204,6 @@ def mark_handled(
 
 
 def _refusal(row: Row[Any]) -> PaymentRefusal:
-    handled_by = None
-    if row.handled_by_kind is not None:
-        handled_by = Actor(ActorKind(row.handled_by_kind), row.handled_by)
     return PaymentRefusal(
         order_id=row.order_id,
         user_id=row.user_id,
@@ -217,5 +214,5 @@ def _refusal(row: Row[Any]) -> PaymentRefusal:
         refused_at_ms=row.refused_at_ms,
         position=(row.txid or 0, row.event_id),
         handled_at_ms=row.handled_at_ms,
-        handled_by=handled_by,
+        handled_by=Actor.from_columns(row.handled_by_kind, row.handled_by),
     )

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import Row, delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from orders.domain import Actor, ActorKind, ms_to_datetime
+from orders.domain import Actor, ms_to_datetime
 from orders.sql.models import user_limits_table
 from orders.sql.transactions import Transactions
 
@@ -29,11 +29,14 @@ class UserLimit:
 
     user_id: str
     limit: int
-    #: True when the user has a limit of its own (set by ``set_user_limit``).
-    own: bool
     #: When its own limit was set, and by whom (None for the settings' limit).
     updated_at_ms: int | None = None
     actor: Actor | None = None
+
+    @property
+    def own(self) -> bool:
+        """True when the user has a limit of its own (set by ``set_user_limit``)."""
+        return self.updated_at_ms is not None
 
     @property
     def updated_at(self) -> datetime | None:
@@ -41,15 +44,15 @@ class UserLimit:
 
 
 def _to_limit(row: Row[Any]) -> UserLimit:
-    actor = None if row.actor_kind is None else Actor(ActorKind(row.actor_kind), row.actor)
-    return UserLimit(row.user_id, row.unpaid_limit, True, row.updated_at_ms, actor)
+    actor = Actor.from_columns(row.actor_kind, row.actor)
+    return UserLimit(row.user_id, row.unpaid_limit, row.updated_at_ms, actor)
 
 
 def read_limit(tx: Transactions, user_id: str, default_limit: int) -> UserLimit:
     """The user's own limit, or ``default_limit`` (the settings') when it has none."""
     with tx.read() as conn:
         row = conn.execute(select(user_limits_table).where(LC.user_id == user_id)).one_or_none()
-    return UserLimit(user_id, default_limit, False) if row is None else _to_limit(row)
+    return UserLimit(user_id, default_limit) if row is None else _to_limit(row)
 
 
 def write_limit(tx: Transactions, user_id: str, limit: int, now_ms: int, actor: Actor) -> UserLimit:
@@ -65,7 +68,7 @@ def write_limit(tx: Transactions, user_id: str, limit: int, now_ms: int, actor: 
     with tx.write() as conn:
         conn.execute(upsert)
         conn.commit()
-    return UserLimit(user_id, limit, True, now_ms, actor)
+    return UserLimit(user_id, limit, now_ms, actor)
 
 
 def delete_limit(tx: Transactions, user_id: str) -> bool:

@@ -287,11 +287,11 @@ EVENT_ADMIN: dict[str, Row] = {
     "list_consumers": Row(lambda c: event_admin.list_consumers(c.engine)),
     "list_parked": Row(lambda c: event_admin.list_parked(c.engine)),
     "parked_counts": Row(lambda c: event_admin.parked_counts(c.engine)),
-    "requeue_parked": Row(
-        lambda c: event_admin.requeue_parked(c.engine, "contract", 1), InvalidInput
-    ),
-    "discard_parked": Row(
-        lambda c: event_admin.discard_parked(c.engine, "contract", 1), InvalidInput
+    "act_on_parked": Row(
+        lambda c: event_admin.act_on_parked(
+            c.engine, event_admin.ParkedAction.REQUEUE, "contract", 1
+        ),
+        InvalidInput,
     ),
 }
 CONSUMER: dict[str, Row] = {

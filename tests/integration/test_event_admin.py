@@ -10,11 +10,11 @@ from sqlalchemy import Engine, select
 from orders.domain import Actor, ActorKind, EventKind
 from orders.errors import InvalidInput
 from orders.events.admin import (
-    discard_parked,
+    ParkedAction,
+    act_on_parked,
     lag_statements,
     list_consumers,
     list_parked,
-    requeue_parked,
 )
 from orders.events.consumer import EventConsumer, EventPosition, read_events
 from orders.service import OrderService
@@ -24,6 +24,7 @@ from tests.support.doubles import Poison
 from tests.support.plans import explain
 
 HOUR_S = 3600
+REQUEUE, DISCARD = ParkedAction.REQUEUE, ParkedAction.DISCARD
 
 
 def parked_consumer(
@@ -119,7 +120,7 @@ def test_requeue_makes_a_parked_event_run_again_and_succeed(
     consumer.run_once()
     assert handler.calls == [1, 1]  # parked: not tried again
 
-    requeue_parked(engine, "stock", 1, clock=clock)
+    act_on_parked(engine, REQUEUE, "stock", 1, clock=clock)
     row = retry_row(engine)
     assert (row.attempts, row.next_at_ms, row.parked_at_ms) == (0, clock(), None)
     handler.order_ids.clear()  # the bug is fixed
@@ -135,7 +136,7 @@ def test_a_requeued_event_that_fails_again_gets_max_attempts_more_tries(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
     consumer, handler, _ = parked_consumer(service, engine, clock)
-    requeue_parked(engine, "stock", 1, clock=clock)
+    act_on_parked(engine, REQUEUE, "stock", 1, clock=clock)
 
     for _ in range(5):
         consumer.run_once()
@@ -150,7 +151,7 @@ def test_discard_removes_the_parked_entry_and_keeps_the_event(
 ) -> None:
     consumer, handler, order_id = parked_consumer(service, engine, clock)
 
-    discard_parked(engine, "stock", 1)
+    act_on_parked(engine, DISCARD, "stock", 1)
 
     assert retry_row(engine) is None
     assert read_events(engine)[0].order_id == order_id
@@ -160,20 +161,14 @@ def test_discard_removes_the_parked_entry_and_keeps_the_event(
     assert list_parked(engine) == []
 
 
-@pytest.mark.parametrize("action", ["requeue", "discard"])
+@pytest.mark.parametrize("action", list(ParkedAction))
 def test_requeue_and_discard_refuse_what_is_not_a_parked_event(
-    service: OrderService, engine: Engine, clock: ManualClock, action: str
+    service: OrderService, engine: Engine, clock: ManualClock, action: ParkedAction
 ) -> None:
     consumer, _, _ = parked_consumer(service, engine, clock)
     retrying = service.create_unpaid_order("u2")
     consumer.handler.order_ids.add(retrying.id)  # type: ignore[attr-defined]
     consumer.run_once()
-
-    def act(name: Any, event_id: Any) -> None:
-        if action == "requeue":
-            requeue_parked(engine, name, event_id, clock=clock)
-        else:
-            discard_parked(engine, name, event_id)
 
     cases = [
         ("nope", 1, "consumer", "no consumer with that name"),
@@ -185,8 +180,10 @@ def test_requeue_and_discard_refuse_what_is_not_a_parked_event(
     ]
     for name, event_id, field, words in cases:
         with pytest.raises(InvalidInput, match=words) as refused:
-            act(name, event_id)
+            act_on_parked(engine, action, name, event_id, clock=clock)
         assert refused.value.field == field
+    with pytest.raises(InvalidInput, match="requeue or discard"):
+        act_on_parked(engine, "retry", "stock", 1)  # type: ignore[arg-type]
     assert [p.event_id for p in list_parked(engine)] == [1]  # nothing was changed
     assert consumer.pending_retries() == 1
 
@@ -197,14 +194,14 @@ def test_requeue_and_discard_are_recorded_as_events_naming_the_operator(
     _, _, order_id = parked_consumer(service, engine, clock)
     ann = Actor(ActorKind.OPERATOR, "ann@ops-1")
 
-    requeue_parked(engine, "stock", 1, clock=clock, actor=ann)
+    act_on_parked(engine, REQUEUE, "stock", 1, clock=clock, actor=ann)
     consumer_again = EventConsumer(
         engine, "stock", Poison(order_id), kinds=[EventKind.CREATED], clock=clock, max_attempts=1
     )
     consumer_again.run_once()  # fails once more: parked again (max_attempts=1)
     clock.advance(s=HOUR_S)
     consumer_again.run_once()
-    discard_parked(engine, "stock", 1, clock=clock)
+    act_on_parked(engine, DISCARD, "stock", 1, clock=clock)
 
     with engine.connect() as conn:
         rows = conn.execute(

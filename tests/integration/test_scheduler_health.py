@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 from orders.bootstrap import build_redis
 from orders.config import Settings
 from orders.domain import SweepResult
-from orders.events.admin import discard_parked, list_parked
+from orders.events.admin import ParkedAction, act_on_parked, list_parked
 from orders.events.consumer import OrderEvent
 from orders.index.heartbeat import Heartbeats, SchedulerBeat
 from orders.scheduler.event_jobs import consumer_name
@@ -183,7 +183,7 @@ def test_parked_events_per_consumer_go_up_and_back_to_zero(
     assert sample("orders_parked_events", consumer=name) == 2
 
     for entry in parked:
-        discard_parked(service.engine, name, entry.event_id)
+        act_on_parked(service.engine, ParkedAction.DISCARD, name, entry.event_id)
     events_job()
     assert sample("orders_parked_events", consumer=name) == 0
     sweeper.close()

@@ -19,7 +19,7 @@ from orders.config import Settings
 from orders.config.urls import Secret, SecretUrl
 from orders.domain import EventKind
 from orders.errors import InvalidInput
-from orders.events.admin import list_parked, requeue_parked
+from orders.events.admin import ParkedAction, act_on_parked, list_parked
 from orders.events.consumer import EventConsumer
 from orders.events.webhooks import (
     IDEMPOTENCY_HEADER,
@@ -235,7 +235,7 @@ def test_an_event_is_parked_after_its_attempts_and_delivered_once_requeued(
     assert str(entry.last_error).endswith("answered 503")
 
     receiver.answer_with(200)
-    requeue_parked(engine, WEBHOOK_CONSUMER_NAME, entry.event_id, clock=clock)
+    act_on_parked(engine, ParkedAction.REQUEUE, WEBHOOK_CONSUMER_NAME, entry.event_id, clock=clock)
     assert consumer.run_once().retried_ok == 1
 
     assert list_parked(engine) == []
