@@ -35,15 +35,17 @@ return 1
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
+    """Calls per run (a tenth of them more first, unmeasured), runs side by side, the
+    sweep's due orders, the close lag's rate and length."""
+
     ops: int = 1000
     reps: int = 5
-    warmup: int = 100
     sweep_due: int = 10_000
     lag_rate_s: float = 500.0
     lag_s: float = 10.0
 
 
-QUICK = Sizes(ops=100, reps=3, warmup=10, sweep_due=500, lag_rate_s=200.0, lag_s=1.5)
+QUICK = Sizes(ops=100, reps=3, sweep_due=500, lag_rate_s=200.0, lag_s=1.5)
 
 
 def now_ms() -> int:
@@ -81,7 +83,7 @@ class Bench:
 
     def side_by_side(self, **variants: Callable[[int], Run]) -> dict[str, Any]:
         z = self.sizes
-        return compared(side_by_side(variants, z.ops, z.reps, z.warmup))
+        return compared(side_by_side(variants, z.ops, z.reps, z.ops // 10))
 
     def users(self, kind: str, n: int) -> list[str]:
         """``n`` user (and order) ids never used before, under the bench's tag."""
