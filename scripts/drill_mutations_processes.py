@@ -175,10 +175,12 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "next-run-set-on-apschedulers-threads",
         "orders/scheduler/jobs.py",
-        'threading.Thread(target=_reschedule, args=args, name="orders-reschedule").start()',
-        "_reschedule(*args)",
-        "a run's next run is set after APScheduler's own update of it, on a thread of its own",
+        'threading.Thread(target=action, args=args, name="orders-reschedule").start()',
+        "action(*args)",
+        "a run's next run (and a blocking scheduler's stop) is set after APScheduler's own"
+        " update of the job, on a thread of its own",
         "tests/concurrency/test_scheduler_never_skips.py::test_runs_that_end_before_apscheduler_has_finished_submitting_them_keep_their_job_going",
+        "tests/concurrency/test_scheduler_never_skips.py::test_a_blocking_scheduler_stopped_by_a_run_that_ends_during_its_submission_returns_cleanly",
     ),
     # --- bounded stats, the self-healing embedded server ----------------------------------------
     mutation(
