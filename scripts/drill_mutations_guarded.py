@@ -11,6 +11,10 @@ from drill_mutations import Mutation, mutation
 
 UNIT = "tests/unit/test_guarded_rules.py"
 INTEGRATION = "tests/integration/test_guarded_rules.py"
+LATE_WINDOW_TEST = (
+    "tests/integration/test_payments.py"
+    "::test_the_windows_last_millisecond_is_in_it_in_python_and_in_sql_alike"
+)
 
 GUARDED_MUTATIONS: tuple[Mutation, ...] = (
     # --- input checks and secrets ------------------------------------------------------------
@@ -147,5 +151,38 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
         "",
         "a sweep batch claims the due orders soonest expiry first",
         "tests/integration/test_sweep.py::test_sweep_closes_orders_in_expiry_order_one_batch_at_a_time",
+    ),
+    # --- issue 46's rules no test guarded -------------------------------------------------------
+    mutation(
+        "late-window-last-ms-refused-in-python",
+        "orders/rules/payments.py",
+        "now_ms <= order.expires_at_ms + window_ms):",
+        "now_ms < order.expires_at_ms + window_ms):",
+        "a late payment at exactly expires_at + the window is accepted (the service's check)",
+        LATE_WINDOW_TEST,
+    ),
+    mutation(
+        "late-window-last-ms-refused-in-sql",
+        "orders/sql/transitions.py",
+        'ORDER.expires_at_ms + bindparam("window_ms", type_=BigInteger) >= _NOW,',
+        'ORDER.expires_at_ms + bindparam("window_ms", type_=BigInteger) > _NOW,',
+        "a late payment at exactly expires_at + the window is accepted (the compare-and-set)",
+        LATE_WINDOW_TEST,
+    ),
+    mutation(
+        "tls-options-allowed-on-a-unix-socket",
+        "orders/config/urls.py",
+        'if given and scheme != "rediss":',
+        'if given and scheme not in ("rediss", "unix"):',
+        "TLS options (ssl_*) are refused on any URL but rediss://, unix:// included",
+        "tests/unit/test_settings_errors.py::test_a_malformed_url_is_invalid_input_naming_the_field_not_the_password",
+    ),
+    mutation(
+        "keyfile-without-certfile-allowed",
+        "orders/config/urls.py",
+        "if keyfile is not None and certfile is None:",
+        "if False:",
+        "ssl_keyfile without ssl_certfile is refused",
+        "tests/unit/test_settings_errors.py::test_a_malformed_url_is_invalid_input_naming_the_field_not_the_password",
     ),
 )

@@ -289,6 +289,26 @@ def test_after_the_window_a_payment_is_refused_as_closed(
     assert service.get_order(order.id).status is OrderStatus.CLOSED
 
 
+@pytest.mark.parametrize(("after_window_ms", "paid"), [(0, True), (1, False)])
+def test_the_windows_last_millisecond_is_in_it_in_python_and_in_sql_alike(
+    make_service: Any, engine: Engine, clock: ManualClock, after_window_ms: int, paid: bool
+) -> None:
+    # The service's own check and the compare-and-set's bound read the same instant: a
+    # payment at exactly expires_at + the window is late but in time, one ms later is not.
+    service = make_service(late_payment_window_s=WINDOW_S)
+    order = closed_by_the_sweep(service, clock)
+    clock.set(order.expires_at_ms + WINDOW_S * 1000 + after_window_ms)
+
+    if paid:
+        assert service.mark_paid(order.id, payment_ref="bank-1").status is OrderStatus.PAID
+        assert kinds_of(engine, order.id) == ["created", "closed", "paid"]
+    else:
+        with pytest.raises(OrderClosed):
+            service.mark_paid(order.id, payment_ref="bank-1")
+        assert [r.reason for r in refusal_rows(engine)] == ["closed"]
+    assert (service.get_order(order.id).status is OrderStatus.PAID) is paid
+
+
 def test_without_a_window_a_late_payment_is_refused_as_today(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:

@@ -22,6 +22,11 @@ from orders.errors import InvalidInput
         ("redis_url", "cache:6379", "redis://, rediss:// or unix://"),
         ("redis_url", "redis://:hunter2@cache:port/0", "bad port"),
         ("redis_url", "redis://cache/0?socket_timeout=soon&password=hunter2", "option"),
+        # TLS options only on rediss://: a unix socket never speaks TLS, so redis-py would
+        # connect without what they ask for.
+        ("redis_url", "unix:///run/redis.sock?ssl_cert_reqs=required", "not start rediss://"),
+        ("redis_url", "redis://:hunter2@cache/0?ssl_cert_reqs=none", "not start rediss://"),
+        ("redis_url", "rediss://cache/0?ssl_keyfile=/no/such.key", "ssl_keyfile without"),
         ("database_url", "not a url", "not a SQLAlchemy URL"),
         ("database_url", "host=db password=hunter2", "not a SQLAlchemy URL"),
         ("database_url", "postgresql://app:hunter2@db:port/shop", "not a SQLAlchemy URL"),
