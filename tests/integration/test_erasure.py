@@ -195,6 +195,62 @@ def test_erasure_is_refused_while_a_refund_is_owed_and_writes_nothing(
     assert shop.erase_user(USER).orders == 2
 
 
+class RefusePaymentAfterCancel(OrderRecords):
+    """Pays ``order_id`` (by ``payer``) just after its cancel's compare-and-set committed:
+    the payment is refused, and its refund owed, after the erasure's first check of refunds
+    and before its own transaction."""
+
+    order_id = ""
+    payer: OrderService | None = None
+
+    def transition_or_current(
+        self, order_id: str, now_ms: int, attempt: Any, host: Connection | None = None
+    ) -> Any:
+        result = super().transition_or_current(order_id, now_ms, attempt, host)
+        if order_id == self.order_id and self.payer is not None:
+            payer, self.payer = self.payer, None
+            with pytest.raises(OrderClosed):
+                payer.mark_paid(order_id, payment_ref="psp-alice-after-cancel")
+        return result
+
+
+def test_erasure_checks_again_in_its_own_transaction_that_no_refund_is_owed(
+    engine: Engine,
+    redis_client: RedisClient,
+    redis_options: dict[str, Any],
+    database_url: str,
+    clock: ManualClock,
+) -> None:
+    """Rule: erasure checks again, inside its own transaction, that no refund is owed."""
+    settings = Settings(database_url=database_url, erasure_key=KEY, **redis_options)
+    records = RefusePaymentAfterCancel(engine)
+    shop = OrderService(engine, redis_client, settings, clock=clock, records=records)
+    paid = shop.create_unpaid_order(USER, ttl_s=600, metadata={"email": "alice@example.com"})
+    shop.mark_paid(paid.id, payment_ref="psp-alice-1")
+    racing = shop.create_unpaid_order(USER, ttl_s=600)
+    records.order_id, records.payer = racing.id, shop
+
+    with pytest.raises(RefundOwed) as refused:
+        shop.erase_user(USER)
+
+    assert records.payer is None  # the refused payment ran, after the first check
+    assert (refused.value.user_id, refused.value.pending) == (USER, 1)
+    with engine.connect() as conn:
+        rows = {row.id: row for row in conn.execute(select(orders_table))}
+        owed = list(conn.execute(select(refusals_table)))
+    assert {row.user_id for row in rows.values()} == {USER}  # nothing under the pseudonym
+    assert (rows[paid.id].status, rows[paid.id].payment_ref) == ("paid", "psp-alice-1")
+    assert rows[paid.id].metadata == {"email": "alice@example.com"}
+    assert rows[racing.id].status == "cancelled"  # the cancel (step 2) is not undone
+    assert [(r.order_id, r.user_id, r.payment_ref) for r in owed] == [
+        (racing.id, USER, "psp-alice-after-cancel")
+    ]
+    assert events_of(engine, "erased") == []
+    assert redis_client.exists(shop.index.admits_key(USER)) == 1  # step 4 never ran
+    shop.mark_refund_handled(racing.id, "psp-alice-after-cancel")
+    assert shop.erase_user(USER).orders == 2
+
+
 def test_erasing_again_writes_nothing_returns_the_same_counts_and_finishes_redis(
     shop: OrderService, engine: Engine, redis_client: RedisClient, clock: ManualClock
 ) -> None:
