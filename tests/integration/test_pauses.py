@@ -143,6 +143,40 @@ def test_resume_gives_each_unpaid_order_the_part_of_the_pause_it_lived_through(
         shop.operations.resume()
 
 
+def test_a_resume_shifts_only_the_orders_whose_expiry_came_after_the_pause_began(
+    make_service: Callable[..., OrderService],
+    engine: Engine,
+    redis_client: RedisClient,
+    clock: ManualClock,
+) -> None:
+    """Rule: a resume shifts only the orders whose expiry came after the pause began; one
+    due at the pause's first millisecond was due before it (the sweep was late, not the
+    shopper). One user each, so no admission drops another's member."""
+    shop = make_service(unpaid_limit=1)
+    due: dict[str, int] = {}
+    for user_id in ("before", "at_start", "just_after"):  # due 1 ms apart
+        due[user_id] = shop.create_unpaid_order(user_id, ttl_s=60).id
+        clock.advance(ms=1)
+    clock.set(sql_rows(engine)[due["at_start"]].expires_at_ms)
+    pause = shop.operations.pause("psp outage")
+    assert pause.started_at_ms == clock()
+    clock.advance(ms=300 * S)
+
+    done = shop.operations.resume()
+
+    rows = sql_rows(engine)
+    expiries = {user_id: rows[order_id].expires_at_ms for user_id, order_id in due.items()}
+    assert expiries == {
+        "before": pause.started_at_ms - 1,
+        "at_start": pause.started_at_ms,
+        "just_after": pause.started_at_ms + 1 + 300 * S,
+    }
+    scores = {user_id: score(redis_client, user_id, order_id) for user_id, order_id in due.items()}
+    assert scores == expiries
+    assert done.shifted == 1
+    assert set(resume_events(engine)) == {due["just_after"]}
+
+
 def test_a_resume_cut_short_is_finished_by_the_next_and_moves_no_order_twice(
     make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
 ) -> None:
