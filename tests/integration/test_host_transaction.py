@@ -31,6 +31,7 @@ from tests.support.host_app import (
     event_kinds,
     host_tables,
     members,
+    open_orders,
     sql_status,
 )
 
@@ -138,6 +139,37 @@ def test_rolled_back_savepoint_takes_back_only_the_create_inside_it(
     assert sql_status(engine, after.id) == "unpaid"
     assert members(service, "u1") == {after.id}
     assert cart_count(engine, "u1") == 1
+
+
+def test_rolling_back_a_savepoint_undoes_in_redis_only_the_steps_written_inside_it(
+    make_service: Callable[..., OrderService], engine: Engine
+) -> None:
+    """Rule: rolling back a savepoint of the host's transaction undoes, in Redis, only the
+    steps written inside that savepoint: creates and payments before it, after it, and in
+    the released savepoint around it keep their Redis steps."""
+    service = make_service(unpaid_limit=10)
+    paid_outside = service.create_unpaid_order("u1")
+    paid_inside = service.create_unpaid_order("u1")
+    with engine.connect() as conn:
+        before = service.create_unpaid_order("u1", connection=conn).id
+        service.mark_paid(paid_outside.id, payment_ref="p-out", connection=conn)
+        released = conn.begin_nested()
+        in_released = service.create_unpaid_order("u1", connection=conn).id
+        savepoint = conn.begin_nested()
+        inside = service.create_unpaid_order("u1", connection=conn).id
+        service.mark_paid(paid_inside.id, payment_ref="p-in", connection=conn)
+        savepoint.rollback()
+        after_in_released = service.create_unpaid_order("u1", connection=conn).id
+        released.commit()
+        conn.begin_nested().rollback()  # begun after every step: undoes none of them
+        after = service.create_unpaid_order("u1", connection=conn).id
+        conn.commit()
+    kept = {before, in_released, after_in_released, after, paid_inside.id}
+    assert members(service, "u1") == kept
+    assert open_orders(engine) == {"u1": kept}
+    assert sql_status(engine, inside) is None
+    assert sql_status(engine, paid_outside.id) == "paid"
+    assert event_kinds(engine, paid_inside.id) == ["created"]
 
 
 @pytest.mark.usefixtures("carts")
