@@ -200,6 +200,32 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_embedded.py::test_a_command_in_flight_when_the_server_dies_completes_on_a_restarted_one",
         "tests/integration/test_embedded.py::test_a_stopped_server_comes_back_but_not_in_a_removed_home",
     ),
+    # --- the incident pause, erasure, the host's savepoints ---------------------------------
+    mutation(
+        "resume-shifts-orders-due-as-the-pause-began",
+        "orders/sql/pauses.py",
+        "ORDER.expires_at_ms > _STARTED,",
+        "ORDER.expires_at_ms >= _STARTED,",
+        "a resume shifts only the orders whose expiry came after the pause began",
+        "tests/integration/test_pauses.py::test_a_resume_shifts_only_the_orders_whose_expiry_came_after_the_pause_began",
+    ),
+    mutation(
+        "erasure-skips-its-second-refund-check",
+        "orders/sql/erasure.py",
+        "    if owed:",
+        "    if False:",
+        "erasure checks again, inside its own transaction, that no refund is owed",
+        "tests/integration/test_erasure.py::test_erasure_checks_again_in_its_own_transaction_that_no_refund_is_owed",
+    ),
+    mutation(
+        "savepoint-rollback-keeps-its-steps",
+        "orders/sql/host.py",
+        "            self.steps = [step for step in self.steps if step.level < self.depth]",
+        "            pass",
+        "rolling back a savepoint of the host's transaction undoes, in Redis, only the steps"
+        " written inside that savepoint",
+        "tests/integration/test_host_transaction.py::test_rolling_back_a_savepoint_undoes_in_redis_only_the_steps_written_inside_it",
+    ),
 )
 
 #: Every mutation the drill runs, in order.
