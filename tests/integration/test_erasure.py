@@ -127,39 +127,61 @@ def test_erasure_leaves_no_trace_of_the_user_in_either_store_and_keeps_paid_orde
     assert shop.list_unpaid("bob")[0].id == ids["other"]
 
 
-class PayFirst(OrderRecords):
-    """Pays ``order_id`` (by ``payer``) just before its cancel's compare-and-set starts: a
-    payment that commits between the erasure's read of the orders and its cancel."""
+class PaysDuringCancel(OrderRecords):
+    """Pays ``order_id`` (by ``payer``) once, just before its cancel's compare-and-set starts
+    (a payment that commits between the erasure's read of the orders and its cancel) or,
+    with ``after_cancel``, just after it committed (a payment refused, its refund owed,
+    between the erasure's first check of refunds and its own transaction)."""
 
     order_id = ""
     payer: OrderService | None = None
+    after_cancel = False
+    refused = False
 
     def transition_or_current(
         self, order_id: str, now_ms: int, attempt: Any, host: Connection | None = None
     ) -> Any:
+        if not self.after_cancel:
+            self.pay_once(order_id)
+        result = super().transition_or_current(order_id, now_ms, attempt, host)
+        if self.after_cancel:
+            self.pay_once(order_id)
+        return result
+
+    def pay_once(self, order_id: str) -> None:
         if order_id == self.order_id and self.payer is not None:
             payer, self.payer = self.payer, None
-            payer.mark_paid(order_id, payment_ref="psp-alice-race")
-        return super().transition_or_current(order_id, now_ms, attempt, host)
+            try:
+                payer.mark_paid(order_id, payment_ref="psp-alice-race")
+            except OrderClosed:
+                self.refused = True
 
 
-def test_a_payment_that_commits_before_the_cancel_wins_and_the_order_stays_paid(
+@pytest.fixture
+def racing(
     engine: Engine,
     redis_client: RedisClient,
     redis_options: dict[str, Any],
     database_url: str,
     clock: ManualClock,
-) -> None:
+) -> tuple[OrderService, PaysDuringCancel]:
+    """A service whose records pay an order during the erasure's cancel."""
     settings = Settings(database_url=database_url, erasure_key=KEY, **redis_options)
-    records = PayFirst(engine)
-    shop = OrderService(engine, redis_client, settings, clock=clock, records=records)
+    records = PaysDuringCancel(engine)
+    return OrderService(engine, redis_client, settings, clock=clock, records=records), records
+
+
+def test_a_payment_that_commits_before_the_cancel_wins_and_the_order_stays_paid(
+    racing: tuple[OrderService, PaysDuringCancel], engine: Engine, redis_client: RedisClient
+) -> None:
+    shop, records = racing
     racing = shop.create_unpaid_order(USER, ttl_s=600, metadata={"email": "alice@example.com"})
     other = shop.create_unpaid_order(USER, ttl_s=600)
     records.order_id, records.payer = racing.id, shop
 
     done = shop.erase_user(USER, actor=Actor(ActorKind.OPERATOR, "ops@host"))
 
-    assert records.payer is None  # the payment ran
+    assert (records.payer, records.refused) == (None, False)  # the payment ran, and won
     assert (done.orders, done.cancelled) == (2, 1)
     alias = expected_pseudonym(USER)
     with engine.connect() as conn:
@@ -195,36 +217,12 @@ def test_erasure_is_refused_while_a_refund_is_owed_and_writes_nothing(
     assert shop.erase_user(USER).orders == 2
 
 
-class RefusePaymentAfterCancel(OrderRecords):
-    """Pays ``order_id`` (by ``payer``) just after its cancel's compare-and-set committed:
-    the payment is refused, and its refund owed, after the erasure's first check of refunds
-    and before its own transaction."""
-
-    order_id = ""
-    payer: OrderService | None = None
-
-    def transition_or_current(
-        self, order_id: str, now_ms: int, attempt: Any, host: Connection | None = None
-    ) -> Any:
-        result = super().transition_or_current(order_id, now_ms, attempt, host)
-        if order_id == self.order_id and self.payer is not None:
-            payer, self.payer = self.payer, None
-            with pytest.raises(OrderClosed):
-                payer.mark_paid(order_id, payment_ref="psp-alice-after-cancel")
-        return result
-
-
 def test_erasure_checks_again_in_its_own_transaction_that_no_refund_is_owed(
-    engine: Engine,
-    redis_client: RedisClient,
-    redis_options: dict[str, Any],
-    database_url: str,
-    clock: ManualClock,
+    racing: tuple[OrderService, PaysDuringCancel], engine: Engine, redis_client: RedisClient
 ) -> None:
     """Rule: erasure checks again, inside its own transaction, that no refund is owed."""
-    settings = Settings(database_url=database_url, erasure_key=KEY, **redis_options)
-    records = RefusePaymentAfterCancel(engine)
-    shop = OrderService(engine, redis_client, settings, clock=clock, records=records)
+    shop, records = racing
+    records.after_cancel = True
     paid = shop.create_unpaid_order(USER, ttl_s=600, metadata={"email": "alice@example.com"})
     shop.mark_paid(paid.id, payment_ref="psp-alice-1")
     racing = shop.create_unpaid_order(USER, ttl_s=600)
@@ -233,7 +231,7 @@ def test_erasure_checks_again_in_its_own_transaction_that_no_refund_is_owed(
     with pytest.raises(RefundOwed) as refused:
         shop.erase_user(USER)
 
-    assert records.payer is None  # the refused payment ran, after the first check
+    assert (records.payer, records.refused) == (None, True)  # after the first check
     assert (refused.value.user_id, refused.value.pending) == (USER, 1)
     with engine.connect() as conn:
         rows = {row.id: row for row in conn.execute(select(orders_table))}
@@ -243,11 +241,11 @@ def test_erasure_checks_again_in_its_own_transaction_that_no_refund_is_owed(
     assert rows[paid.id].metadata == {"email": "alice@example.com"}
     assert rows[racing.id].status == "cancelled"  # the cancel (step 2) is not undone
     assert [(r.order_id, r.user_id, r.payment_ref) for r in owed] == [
-        (racing.id, USER, "psp-alice-after-cancel")
+        (racing.id, USER, "psp-alice-race")
     ]
     assert events_of(engine, "erased") == []
     assert redis_client.exists(shop.index.admits_key(USER)) == 1  # step 4 never ran
-    shop.mark_refund_handled(racing.id, "psp-alice-after-cancel")
+    shop.mark_refund_handled(racing.id, "psp-alice-race")
     assert shop.erase_user(USER).orders == 2
 
 
