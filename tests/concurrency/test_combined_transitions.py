@@ -13,7 +13,8 @@ it, so the others run as one batch (the queue's counters say so), and then:
 * a batch whose transaction fails leaves each call to run alone, with the same results;
 * a leader cut off just after the shared commit still hands each follower its outcome
   (none runs twice: an extension would move twice); cut off before it, each runs alone;
-  should the commit not be known, each makes Redis follow its row before it runs alone;
+  should the commit not be known, each makes Redis follow its row before it runs alone
+  (the leader too, when it goes on after an ordinary error);
 * on PostgreSQL the setting changes nothing: each transition stays one autocommit statement.
 """
 
@@ -362,6 +363,36 @@ def test_followers_of_a_commit_not_known_leave_no_member_behind(
         if not isinstance(outcome, KeyboardInterrupt):
             assert isinstance(outcome, Order), outcome
             assert outcome.status is OrderStatus.PAID
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_that_goes_on_after_a_commit_not_known_leaves_no_member_behind_either(
+    combined: OrderService, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch's commit is not known and its leader meets an ordinary error, not an
+    interrupt: the leader goes on like its followers, so it too makes Redis follow its row
+    before it runs alone, and every payment comes back made once, with no member left."""
+    service = combined
+    orders = [service.create_unpaid_order(f"payer-{n}", ttl_s=60) for n in range(5)]
+    commit_all = service.records.transition_all
+
+    def not_known(attempts: Any, into: BatchCommit) -> None:
+        commit_all(attempts, into)
+        into.committed = None
+        raise StoreUnavailable("sql", "the commit's outcome is not known")
+
+    monkeypatch.setattr(service.records, "transition_all", not_known)
+    calls = [lambda o=o: service.mark_paid(o.id, payment_ref=f"psp-{o.id}") for o in orders]
+    outcomes = gated_batch(service, calls)
+    assert service.transitions.queue.stats.batches == 1  # type: ignore[union-attr]
+    records = service.records
+    assert isinstance(records, GatedRecords)
+    assert len(records.alone) == 1 + len(orders)  # the gate's and all five, the leader's too
+    for order, outcome in zip(orders, outcomes, strict=True):
+        assert isinstance(outcome, Order), outcome
+        assert (outcome.status, outcome.payment_ref) == (OrderStatus.PAID, f"psp-{order.id}")
+        assert events_of(engine, order.user_id) == {order.id: ["created", "paid"]}
+        assert service.index.members(order.user_id) == {}, "a paid order kept its member"
 
 
 def test_postgresql_keeps_one_autocommit_statement_per_transition(
