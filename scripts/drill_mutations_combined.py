@@ -40,7 +40,7 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
         "            if pending.unknown:",
         "            if False:",
         "followers of a cut-off leader make Redis follow their rows",
-        "tests/concurrency/test_combined_transitions.py::test_followers_of_a_commit_not_known_leave_no_member_behind",
+        "tests/concurrency/test_combined_transitions.py::test_a_batch_whose_commit_is_not_known_leaves_no_member_behind",
     ),
     mutation(
         "combined-transition-commit-not-read",
@@ -73,6 +73,6 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
         "            for pending in batch:",
         "            for pending in batch[1:]:",
         "a combined transition batch whose commit is not known settles its leader too",
-        "tests/concurrency/test_combined_transitions.py::test_a_leader_that_goes_on_after_a_commit_not_known_leaves_no_member_behind_either",
+        "tests/concurrency/test_combined_transitions.py::test_a_batch_whose_commit_is_not_known_leaves_no_member_behind",
     ),
 )
