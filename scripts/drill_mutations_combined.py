@@ -40,7 +40,7 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
         "            if pending.unknown:",
         "            if False:",
         "followers of a cut-off leader make Redis follow their rows",
-        "tests/concurrency/test_combined_transitions.py::test_followers_of_a_commit_not_known_leave_no_member_behind",
+        "tests/concurrency/test_combined_transitions.py::test_a_batch_whose_commit_is_not_known_leaves_no_member_behind",
     ),
     mutation(
         "combined-transition-commit-not-read",
@@ -49,5 +49,30 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
         "        return False",
         "a batch committed before its leader was cut off hands out its outcomes (none runs twice)",
         "tests/concurrency/test_combined_transitions.py::test_a_leader_cut_off_in_its_commit_leaves_each_transition_made_once",
+    ),
+    # --- issue 46: rules that no test guarded -------------------------------------------------
+    mutation(
+        "schema-conflict-misses-primary-keys",
+        "orders/sql/migrate.py",
+        '        names[str(schema_table.primary_key.name)] = "index"',
+        "        pass",
+        "SchemaConflict names a primary-key name of ours taken (PostgreSQL: its index's name)",
+        "tests/integration/test_shared_database.py::test_a_primary_key_name_of_ours_taken_is_a_conflict_where_the_engine_shares_it",
+    ),
+    mutation(
+        "combined-create-interrupted-leader-not-settled",
+        "orders/rules/combining.py",
+        "            batch[0].error, batch[0].unsettled = stop, True",
+        "            batch[0].error, batch[0].unsettled = stop, False",
+        "a combined-create leader interrupted in its insert leaves no row and no member of its own",
+        "tests/concurrency/test_combined_creates.py::test_a_leader_interrupted_in_its_insert_leaves_nothing_of_its_own_and_followers_go_alone",
+    ),
+    mutation(
+        "combined-transition-unknown-leader-not-settled",
+        "orders/rules/transition.py",
+        "            for pending in batch:",
+        "            for pending in batch[1:]:",
+        "a combined transition batch whose commit is not known settles its leader too",
+        "tests/concurrency/test_combined_transitions.py::test_a_batch_whose_commit_is_not_known_leaves_no_member_behind",
     ),
 )

@@ -10,6 +10,8 @@ batches of several creates really formed (so combining cannot be silently off), 
   SQL guard stands in the way (the batch then leaves the orders it could not insert to the
   single path, which refuses them and writes the index back);
 * retries and twins (the same ``order_id`` twice in one batch) get the one order;
+* a leader interrupted in its batch's insert, before the commit, leaves no row and no
+  member of its own order, and each follower completes alone from Redis's answer;
 * a create alone runs at once, without joining a batch; a create in the host's
   transaction and one with ``on_limit="replace_oldest"`` are never combined.
 """
@@ -22,7 +24,7 @@ from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine, select
 
 from orders.config import Settings
 from orders.domain import Order
@@ -207,6 +209,61 @@ def test_retries_and_twins_in_one_batch_get_the_one_order(
         assert set(orders_of(engine, f"user-{oid}")) == {oid}
         assert_one_created_event_each(engine, f"user-{oid}", {oid})
         assert list(service.index.members(f"user-{oid}")) == [oid]
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_interrupted_in_its_insert_leaves_nothing_of_its_own_and_followers_go_alone(
+    engine: Engine,
+    redis_client: redis.Redis,
+    database_url: str,
+    redis_options: dict[str, Any],
+    clock: ManualClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeyboardInterrupt reaches the leader's thread in the batch's insert, its rows
+    written and not committed: the shared transaction rolls back. The leader's caller gets
+    the interrupt, its admission is taken back (no row, no member); each follower completes
+    alone from its own admission, its order once in both stores."""
+    combined = combined_service(engine, redis_client, database_url, redis_options, clock)
+    service = pausing_after_admit(combined, lambda _user, _order: None)
+    combiner = combiner_of(service)
+    insert_all = combiner.slot_batch.insert_all
+    batches: list[int] = []
+
+    def interrupted_commit(_conn: Connection) -> None:
+        raise KeyboardInterrupt
+
+    def interrupted_insert(creates: Any) -> object:
+        batches.append(len(creates))
+        with monkeypatch.context() as patched:  # the batch's commit only
+            patched.setattr(Connection, "commit", interrupted_commit)
+            return insert_all(creates)
+
+    monkeypatch.setattr(combiner.slot_batch, "insert_all", interrupted_insert)
+
+    def create(user: str) -> object:
+        try:
+            return service.create_unpaid_order(user, ttl_s=60)
+        except KeyboardInterrupt as stop:  # in whichever thread led the batch
+            return stop
+
+    users = [f"buyer-{n}" for n in range(6)]
+    outcomes = gated_race(service, [lambda user=user: create(user) for user in users])
+    assert batches == [len(users)], "the creates did not run as one batch"
+    cut = [
+        user for user, o in zip(users, outcomes, strict=True) if isinstance(o, KeyboardInterrupt)
+    ]
+    assert len(cut) == 1, outcomes
+    for user, outcome in zip(users, outcomes, strict=True):
+        if user in cut:  # the leader: nothing of its order in either store
+            assert orders_of(engine, user) == {}
+            assert events_of(engine, user) == {}
+            assert service.index.members(user) == {}, "the interrupted leader kept its member"
+            continue
+        assert isinstance(outcome, Order), outcome
+        assert set(orders_of(engine, user)) == {outcome.id}
+        assert_one_created_event_each(engine, user, {outcome.id})
+        assert service.index.members(user) == {outcome.id: outcome.expires_at_ms}
 
 
 def test_a_create_alone_runs_at_once_and_some_creates_are_never_combined(

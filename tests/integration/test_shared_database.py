@@ -166,6 +166,34 @@ def test_a_name_of_ours_already_taken_refuses_the_upgrade_and_writes_nothing(
     assert table_names(empty_engine) == before  # not even our version table
 
 
+def test_a_primary_key_name_of_ours_taken_is_a_conflict_where_the_engine_shares_it(
+    empty_engine: Engine,
+) -> None:
+    """A host's table whose primary-key constraint has the name ours needs (``pk_oes_orders``).
+    PostgreSQL backs the constraint with an index of that name, among the relations our
+    CREATE TABLE would add its own to: a SchemaConflict naming it, before anything is
+    written (at upgrade and at start-up). SQLite keeps a constraint's name with its table
+    alone, so there it takes nothing of ours: the upgrade goes through beside it."""
+    primary_key = str(orders_table.primary_key.name)
+    with empty_engine.begin() as conn:
+        constraint = f"CONSTRAINT {primary_key} PRIMARY KEY (at)"
+        conn.execute(text(f"CREATE TABLE host_things (at INTEGER, {constraint})"))
+        conn.execute(text("INSERT INTO host_things VALUES (7)"))
+    host_things = {"host_things": [(7,)]}
+
+    if empty_engine.dialect.name == "sqlite":
+        migrate.upgrade(empty_engine)
+        assert schema_differences(empty_engine) == []
+        assert rows_of(empty_engine, ["host_things"]) == host_things
+        return
+    for refusing in (migrate.upgrade, ensure_schema):
+        with pytest.raises(SchemaConflict) as refused:
+            refusing(empty_engine)
+        assert (refused.value.kind, refused.value.name) == ("index", primary_key)
+        assert table_names(empty_engine) == {"host_things"}  # not even our version table
+        assert rows_of(empty_engine, ["host_things"]) == host_things
+
+
 def test_the_cli_says_the_conflict_in_one_line_with_its_own_exit_code(
     empty_engine: Engine, empty_url: str, tmp_path: Path
 ) -> None:
