@@ -338,6 +338,15 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "no extension moves an expiry past created_at + max_lifetime_s",
         "tests/integration/test_events.py::test_extend_refuses_closed_paid_expired_and_too_long",
     ),
+    mutation(
+        "epoch-marker-names-the-run-after-the-rebuild",
+        "orders/rules/reconcile.py",
+        "self.index.epoch.set(str(now_ms), runs)",
+        "self.index.epoch.set(str(now_ms))",
+        "a Redis restarted during a rebuild is rebuilt again: the marker names the runs read "
+        "before the rebuild began",
+        "tests/crash/test_redis_rewound.py::test_a_redis_restarted_during_a_rebuild_is_rebuilt_again_at_the_next_check",
+    ),
 )
 
 
