@@ -339,7 +339,7 @@ def _start_server(
         data_dir=paths.data_dir,
         logfile=paths.logfile,
     )
-    logger.info("starting redis-server %s for %s", binary, paths.home)
+    logger.info("starting %s for %s", binary, paths.home)
     try:
         # With --daemonize yes the process forks and its parent exits at once.
         launched = subprocess.run(
@@ -363,7 +363,7 @@ def _start_server(
     while True:
         pid = _ping(paths.socket)
         if pid is not None:
-            logger.info("redis-server pid %d for %s is up", pid, paths.home)
+            logger.info("%s pid %d for %s is up", binary.name, pid, paths.home)
             _note_pid(paths, pid)
             return paths.running(pid)
         written = read_pid(paths.pidfile)
@@ -383,7 +383,7 @@ def _start_server(
 def _start_failed(
     paths: _HomePaths, binary: Path, log_offset: int, reason: str, output: str
 ) -> NoReturn:
-    parts = [f"could not start the embedded redis-server {binary} for {paths.home}: {reason}"]
+    parts = [f"could not start the embedded server {binary} for {paths.home}: {reason}"]
     if output.strip():
         parts.append(f"its output:\n{tail(output)}")
     log_tail = tail(read_from(paths.logfile, log_offset))

@@ -7,6 +7,7 @@ the fixture stops, by pid, every redis-server whose working dir is under that ho
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -27,6 +28,7 @@ from redis.retry import Retry
 
 from orders.bootstrap import build_redis
 from orders.config import Settings
+from orders.embedded.binary import find_redis_server
 from orders.embedded.client import MIN_RESTART_INTERVAL_S, ServerRestarter
 from orders.embedded.server import (
     EmbeddedRedis,
@@ -168,6 +170,20 @@ def test_starts_a_unix_socket_only_server(base: Path) -> None:
     assert (home / "redis.log").is_file()
 
     assert redis_status(home) == server
+
+
+def test_the_start_is_logged_with_the_name_of_the_binary_run(
+    home: Path, redis_binary: Path | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the Valkey run: valkey-server, not redis-server."""
+    binary = redis_binary or find_redis_server()
+    caplog.set_level(logging.INFO, logger="orders.embedded")
+
+    server = ensure_redis(home)
+
+    lines = [r.getMessage() for r in caplog.records if r.name == "orders.embedded"]
+    assert f"starting {binary} for {server.home}" in lines
+    assert f"{binary.name} pid {server.pid} for {server.home} is up" in lines
 
 
 def test_second_call_returns_the_running_server(home: Path) -> None:
