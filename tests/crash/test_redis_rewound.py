@@ -6,8 +6,8 @@ older, intact-looking marker. What tells a rewind from the outside is the server
 (new at every start; a promoted replica has its own), which the marker names: within a tick
 or two of the scheduler's rebuild check, the index equals SQL again. A restart in the
 middle of a rebuild is the same case: the marker names the run read before the rebuild
-began, so the next check rebuilds again. The test drives the
-sweeper's ``tick`` and ``reconcile_if_due`` itself, on a manual clock; nothing sleeps.
+began, so the next check rebuilds again. The tests drive the sweeper's ``tick`` and
+``reconcile_if_due`` themselves, on a manual clock; nothing sleeps.
 """
 
 from __future__ import annotations
