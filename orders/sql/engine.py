@@ -11,6 +11,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -174,6 +175,10 @@ def sqlite_file(engine: Engine) -> str | None:
     return os.path.abspath(filename)
 
 
+_GUARDED: weakref.WeakSet[Engine] = weakref.WeakSet()
+_GUARDING = threading.Lock()
+
+
 def refuse_replaced_sqlite_file(engine: Engine) -> None:
     """Refuse every checkout once the file at the path is not the one the engine opened.
 
@@ -187,10 +192,13 @@ def refuse_replaced_sqlite_file(engine: Engine) -> None:
     happened, while the rows are in the file this process still holds. The file put back
     (the same inode, by a rename) serves again. A transaction that checked out before the
     file went is refused at its commit (and rolled back). Memory databases have no file to check.
+    Once per engine: the service calls it on every engine it is given (a host's own too).
     """
-    path = sqlite_file(engine)
-    if path is None:
-        return
+    path = sqlite_file(engine) if engine.dialect.name == "sqlite" else None
+    with _GUARDING:
+        if path is None or engine in _GUARDED:
+            return
+        _GUARDED.add(engine)
     guard = SqliteFileGuard(path)
 
     @event.listens_for(engine, "do_connect")

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import make_url
+from sqlalchemy import create_engine, make_url
 
+from orders.config import Settings
 from orders.errors import StoreUnavailable
 from orders.index.nodes import RedisClient
 from orders.scheduler.sweeper import Sweeper
@@ -173,4 +174,25 @@ def test_a_transaction_begun_before_the_rm_is_refused_at_its_commit(
         with pytest.raises(StoreUnavailable) as committed:
             conn.commit()
         assert_refused_naming(committed, path)
+    assert not path.exists()
+
+
+def test_a_hosts_own_engine_is_guarded_too(
+    database_url: str, redis_client: RedisClient, redis_options: dict[str, Any]
+) -> None:
+    """Issue 46: a host's ``create_engine("sqlite:///...")``, as the README shows, had no
+    guard: 20 of 20 creates after the ``rm`` were acknowledged into the unlinked file."""
+    engine = create_engine(database_url)  # plain SQLAlchemy: none of build_engine's events
+    service = OrderService(engine, redis_client, Settings(**redis_options))
+    path = database_path(database_url)
+    try:
+        service.create_unpaid_order("u1")  # the engine has opened the file
+        path.unlink()
+        for n in range(20):
+            with pytest.raises(StoreUnavailable) as created:
+                service.create_unpaid_order(f"u{n + 2}")
+            assert_refused_naming(created, path)
+    finally:
+        service.close()
+    assert [redis_client.zcard(f"UnpaidOrder-u{n + 2}") for n in range(20)] == [0] * 20
     assert not path.exists()
