@@ -226,6 +226,25 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
         " written inside that savepoint",
         "tests/integration/test_host_transaction.py::test_rolling_back_a_savepoint_undoes_in_redis_only_the_steps_written_inside_it",
     ),
+    # --- the SQLite file guard (issue 46) --------------------------------------------------
+    mutation(
+        "host-sqlite-engine-unguarded",
+        "orders/sql/transactions.py",
+        "        refuse_replaced_sqlite_file(engine)  # a host's own SQLite engine too (issue 46)",
+        "        pass",
+        "a host's own SQLite engine is guarded like the service's: creates after the file is"
+        " deleted are refused, none acknowledged",
+        "tests/crash/test_sqlite_file_replaced.py::test_a_hosts_own_engine_is_guarded_too",
+    ),
+    mutation(
+        "fresh-process-recreates-a-deleted-sqlite-file",
+        "orders/sql/engine.py",
+        "                self._refuse_a_deleted_file()",
+        "                pass",
+        "a fresh process finds a SQLite file deleted under running processes missing, says so"
+        " and creates nothing",
+        "tests/crash/test_sqlite_file_replaced.py::test_a_fresh_process_finds_the_file_missing_and_creates_nothing",
+    ),
 )
 
 #: Every mutation the drill runs, in order.

@@ -11,6 +11,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -174,23 +175,32 @@ def sqlite_file(engine: Engine) -> str | None:
     return os.path.abspath(filename)
 
 
+_GUARDED: weakref.WeakSet[Engine] = weakref.WeakSet()
+_GUARDING = threading.Lock()
+
+
 def refuse_replaced_sqlite_file(engine: Engine) -> None:
     """Refuse every checkout once the file at the path is not the one the engine opened.
 
     A pooled SQLite connection holds its file open: after ``rm orders.db`` (or a file moved
     over it) it reads and writes the unlinked file, and whatever it commits is lost with it.
-    So each checkout stats the path (about a microsecond) and compares (st_dev, st_ino)
-    with the file of the engine's first connection; a connection about to be opened is
-    checked before it opens the path. A mismatch, or no file, is StoreUnavailable naming
-    the path, before any statement runs. It lasts until the process restarts: opening the
-    path again would give an empty database (or someone else's) as if nothing had
-    happened, while the rows are in the file this process still holds. The file put back
+    So each checkout stats the path (about a microsecond) and compares (st_dev, st_ino) with
+    the file of the engine's first connection; a connection about to be opened is checked
+    before it opens the path. A mismatch, or no file, is StoreUnavailable naming the path,
+    before any statement runs; so is a file missing at a process's first open when its -wal
+    or -shm is there (deleted under running processes). It lasts until the process restarts:
+    opening the path again would give an empty database (or someone else's) as if nothing
+    had happened, while the rows are in the file this process still holds. The file put back
     (the same inode, by a rename) serves again. A transaction that checked out before the
-    file went is refused at its commit (and rolled back). Memory databases have no file to check.
+    file went is refused at its commit (and rolled back). Memory databases have no file to
+    check. Once per engine: the service calls it on every engine it is given (a host's own
+    too).
     """
-    path = sqlite_file(engine)
-    if path is None:
-        return
+    path = sqlite_file(engine) if engine.dialect.name == "sqlite" else None
+    with _GUARDING:
+        if path is None or engine in _GUARDED:
+            return
+        _GUARDED.add(engine)
     guard = SqliteFileGuard(path)
 
     @event.listens_for(engine, "do_connect")
@@ -220,6 +230,8 @@ class SqliteFileGuard:
         """Raise StoreUnavailable unless the path still leads to the first file found."""
         found = self._identity()
         if self.opened is None:
+            if found is None:
+                self._refuse_a_deleted_file()
             self.opened = found  # None until a connection has created the file
             return
         if found == self.opened:
@@ -231,6 +243,22 @@ class SqliteFileGuard:
             self._told.set()
             log.error("sql: %s (reads and writes are refused until then)", detail)
         raise StoreUnavailable("sql", detail)
+
+    def _refuse_a_deleted_file(self) -> None:
+        """No file at the path, but its -wal or -shm: SQLite leaves them while a process
+        still has the deleted file open (they go at its last clean close). Opening the
+        path would make an empty database there (and "run `orders db upgrade`" would turn
+        it into one) while the rows sit in the file those processes hold: refused, before
+        the driver creates anything. A path with neither is a first use, created as ever."""
+        if not any(os.path.exists(self.path + end) for end in ("-wal", "-shm")):
+            return
+        metrics.STORE_ERRORS.labels("sql").inc()
+        raise StoreUnavailable(
+            "sql",
+            f"the SQLite file {self.path} is missing, its -wal and -shm are not: it was deleted "
+            "while processes had it open (its rows live until they stop); nothing was created. "
+            "Restore it, or stop them, remove the -wal and -shm and run `orders db upgrade`",
+        )
 
     def _identity(self) -> tuple[int, int] | None:
         try:

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine
 
+from orders.sql.engine import refuse_replaced_sqlite_file
 from orders.sql.models import sql_errors
 
 _SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, threading.Lock] = weakref.WeakKeyDictionary()
@@ -44,6 +45,7 @@ class Transactions:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
+        refuse_replaced_sqlite_file(engine)  # a host's own SQLite engine too (issue 46)
         self._autocommit = (
             engine.execution_options(isolation_level="AUTOCOMMIT")
             if self.dialect == "postgresql"

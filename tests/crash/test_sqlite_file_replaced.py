@@ -26,15 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import make_url
+from sqlalchemy import create_engine, make_url
 
+from orders.config import Settings
 from orders.errors import StoreUnavailable
 from orders.index.nodes import RedisClient
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from tests.support.clocks import now_ms
 from tests.support.health import health_of
-from tests.support.processes import started
+from tests.support.processes import child_env, run_orders, started
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
@@ -174,3 +175,48 @@ def test_a_transaction_begun_before_the_rm_is_refused_at_its_commit(
             conn.commit()
         assert_refused_naming(committed, path)
     assert not path.exists()
+
+
+def test_a_hosts_own_engine_is_guarded_too(
+    database_url: str, redis_client: RedisClient, redis_options: dict[str, Any]
+) -> None:
+    """Issue 46: a host's ``create_engine("sqlite:///...")``, as the README shows, had no
+    guard: 20 of 20 creates after the ``rm`` were acknowledged into the unlinked file."""
+    engine = create_engine(database_url)  # plain SQLAlchemy: none of build_engine's events
+    service = OrderService(engine, redis_client, Settings(**redis_options))
+    path = database_path(database_url)
+    try:
+        service.create_unpaid_order("u1")  # the engine has opened the file
+        path.unlink()
+        for n in range(20):
+            with pytest.raises(StoreUnavailable) as created:
+                service.create_unpaid_order(f"u{n + 2}")
+            assert_refused_naming(created, path)
+    finally:
+        service.close()
+    assert [redis_client.zcard(f"UnpaidOrder-u{n + 2}") for n in range(20)] == [0] * 20
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("command", [("create", "u2"), ("db", "current")])
+def test_a_fresh_process_finds_the_file_missing_and_creates_nothing(
+    make_service: Callable[..., OrderService],
+    database_url: str,
+    redis_url: str,
+    command: tuple[str, ...],
+) -> None:
+    """Issue 46: a new process (the CLI, a restarted worker) after ``rm orders.db`` made an
+    empty file at the path and said "run `orders db upgrade`", while the rows sat in the
+    unlinked file a running process still held. Its -wal and -shm, left at the path, tell
+    that a database was there: now the new process says so, in one line, and exits 8."""
+    service = make_service()  # the running process: it holds the file open
+    service.create_unpaid_order("u1")
+    path = database_path(database_url)
+    path.unlink()  # as `rm orders.db`: the -wal and -shm stay while the file is held
+    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
+    fresh = run_orders(*command, env=env)
+    assert fresh.returncode == 8, fresh.stderr
+    assert fresh.stderr.count("\n") == 1, fresh.stderr
+    assert f"the SQLite file {path} is missing" in fresh.stderr
+    assert "orders db upgrade" not in fresh.stderr.split("nothing was created")[0]
+    assert not path.exists()  # nothing was created in its place
