@@ -35,9 +35,7 @@ return 1
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
-    """Calls per run (a tenth of them more first, unmeasured), runs side by side, the
-    sweep's due orders, the close lag's rate and length."""
-
+    #: Calls per run (a tenth more first, unmeasured), then runs, sweep, lag sizes.
     ops: int = 1000
     reps: int = 5
     sweep_due: int = 10_000

@@ -1,13 +1,7 @@
 """The operator pages on a port of their own: uvicorn serving :class:`OperatorApp` from a
-thread, for ``orders dashboard`` and ``orders scheduler --ops-port``.
-
-:func:`bind` opens the listening socket itself, before the command reaches its stores, so
-a taken port, a bad address or an address off loopback without the dashboard's token is a
-typed error before anything else starts (the commands turn it into one line and exit 2).
-:func:`serve` hands that socket to uvicorn through its public ``Config`` and ``Server``;
-uvicorn runs in a daemon thread, where it installs no signal handler: the command's main
-thread keeps its own. :meth:`Served.close` ends the open streams, sets uvicorn's
-``should_exit`` and joins the thread, after which the port is free again.
+thread, for ``orders dashboard`` and ``orders scheduler --ops-port``, on a socket bound
+first (:func:`bind`), so a taken port or an address refused is a typed error before the
+command reaches its stores. uvicorn installs no signal handler in its thread.
 """
 
 from __future__ import annotations

@@ -21,9 +21,6 @@ order. Trying again could chase concurrent creates without end; the caller may r
 A create in the host's transaction (``connection=``) is refused at the limit as with
 ``"refuse"``: the cancel's Redis release would wait for the host's commit, so the second
 admission could not find the room.
-
-This is a step of a create (:meth:`~orders.service.OrderService.create_unpaid_order`),
-taken only under ``replace_oldest`` and only once the create is refused at the limit.
 """
 
 from __future__ import annotations

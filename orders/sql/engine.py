@@ -184,17 +184,13 @@ def refuse_replaced_sqlite_file(engine: Engine) -> None:
 
     A pooled SQLite connection holds its file open: after ``rm orders.db`` (or a file moved
     over it) it reads and writes the unlinked file, and whatever it commits is lost with it.
-    So each checkout stats the path (about a microsecond) and compares (st_dev, st_ino) with
-    the file of the engine's first connection; a connection about to be opened is checked
-    before it opens the path. A mismatch, or no file, is StoreUnavailable naming the path,
-    before any statement runs; so is a file missing at a process's first open when its -wal
-    or -shm is there (deleted under running processes). It lasts until the process restarts:
-    opening the path again would give an empty database (or someone else's) as if nothing
-    had happened, while the rows are in the file this process still holds. The file put back
-    (the same inode, by a rename) serves again. A transaction that checked out before the
-    file went is refused at its commit (and rolled back). Memory databases have no file to
-    check. Once per engine: the service calls it on every engine it is given (a host's own
-    too).
+    So each checkout (and each connection about to open the path) stats the path, about a
+    microsecond, and compares (st_dev, st_ino) with the first file found. A mismatch, or no
+    file, is StoreUnavailable naming the path until the process restarts (opening the path
+    again would give an empty database as if nothing had happened); the file put back (the
+    same inode) serves again, and a transaction begun before is refused at its commit.
+    Memory databases have no file. Once per engine: the service guards every engine it is
+    given, a host's own too.
     """
     path = sqlite_file(engine) if engine.dialect.name == "sqlite" else None
     with _GUARDING:
@@ -245,11 +241,8 @@ class SqliteFileGuard:
         raise StoreUnavailable("sql", detail)
 
     def _refuse_a_deleted_file(self) -> None:
-        """No file at the path, but its -wal or -shm: SQLite leaves them while a process
-        still has the deleted file open (they go at its last clean close). Opening the
-        path would make an empty database there (and "run `orders db upgrade`" would turn
-        it into one) while the rows sit in the file those processes hold: refused, before
-        the driver creates anything. A path with neither is a first use, created as ever."""
+        """No file, but its -wal or -shm: deleted while a process holds it open (SQLite keeps
+        them until its last close). Refused before the driver creates an empty one there."""
         if not any(os.path.exists(self.path + end) for end in ("-wal", "-shm")):
             return
         metrics.STORE_ERRORS.labels("sql").inc()
