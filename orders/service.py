@@ -30,7 +30,6 @@ from orders.domain import (
     Actor,
     ActorKind,
     Clock,
-    NewOrder,
     Order,
     OrderIdGenerator,
     OrderStatus,
@@ -38,28 +37,21 @@ from orders.domain import (
     refusal,
     system_clock,
 )
-from orders.errors import (
-    CreateRateLimited,
-    OrderConflict,
-    OrderNotFound,
-    UnpaidOrderLimitReached,
-)
+from orders.errors import OrderNotFound
 from orders.events.stream import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import UnpaidIndex
 from orders.operations import Operations
 from orders.requests import CreateRequest, checked_payment
 from orders.rules.admission import Admitter
-from orders.rules.bulk import (
-    BulkActions,
-)
+from orders.rules.bulk import BulkActions
 from orders.rules.combining import CreateCombiner
+from orders.rules.creating import Creating
 from orders.rules.erasure import Eraser, Erasure
 from orders.rules.extending import Extender
 from orders.rules.pausing import Pausing
 from orders.rules.payments import LatePaymentCheck, Payments
 from orders.rules.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
-from orders.rules.replacing import Replacer
 from orders.rules.retention import Pruner
 from orders.rules.sweep import PreCloseCheck, Sweep
 from orders.rules.transition import Transitioner, combines_on
@@ -72,7 +64,6 @@ from orders.sql.retention import Retention
 from orders.sql.slot_batch import SlotBatch
 from orders.sql.user_limits import UserLimit
 from orders.validation import (
-    ON_LIMIT_REPLACE_OLDEST,
     TEXT_MAX_LENGTH,
     check_optional_text,
     check_order_id,
@@ -128,12 +119,11 @@ class OrderService:
         self.transitions = Transitioner(self.records, self.admitter, combine=combine)
         self.payments = Payments(self.transitions, s)
         self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)
-        #: Makes room at the limit for a create under ``on_limit="replace_oldest"``.
-        self.replacer = Replacer(self.records, self.transitions, self.sweep)
         #: Combines concurrent creates (``Settings.combine_creates``), or None.
         self.combiner = (
             CreateCombiner(self.admitter, SlotBatch(self.records.tx)) if s.combine_creates else None
         )
+        self.creating = Creating(self.transitions, self.sweep, self.combiner)
         self.reconciler = Reconciler(
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
@@ -199,7 +189,7 @@ class OrderService:
         :class:`UnpaidOrderLimitReached`; ``"replace_oldest"`` cancels the user's oldest
         unpaid order (reason ``replaced``) and admits this one instead, unless that order
         was paid first or the pre-close check says its payment is in flight (then the
-        create is refused as usual; see :mod:`orders.rules.replacing`). Not with
+        create is refused as usual; see :mod:`orders.rules.creating`). Not with
         ``connection``: the cancel needs a transaction of its own, so the create is refused.
 
         ``policy``: the name of one of ``Settings.policies`` (:mod:`orders.policies`): its
@@ -227,34 +217,9 @@ class OrderService:
             now_ms = self.clock()
             oid = asked.order_id or self.new_order_id(now_ms)
             new = asked.new_order(oid, now_ms, tracing.event_context())
-            try:
-                order, created = self._create(new, asked.on_limit, host)
-            except UnpaidOrderLimitReached as refused:
-                metrics.CREATES.labels(f"refused_{refused.source}").inc()
-                raise
-            except CreateRateLimited:
-                metrics.CREATES.labels("refused_rate").inc()
-                raise
-            except OrderConflict:
-                metrics.CREATES.labels("conflict").inc()
-                raise
-            metrics.CREATES.labels("admitted" if created else "retry").inc()
+            order, created = self.creating.create(new, asked.on_limit, host)
             traced.set(order_id=order.id, outcome="admitted" if created else "retry")
             return order
-
-    def _create(self, new: NewOrder, on_limit: str, host: Connection | None) -> tuple[Order, bool]:
-        """A create's admission, combined with concurrent ones where that is on. Under
-        ``replace_oldest`` alone, and at the limit one order replaced, then one admission
-        more, whose refusal is the create's (:mod:`orders.rules.replacing`)."""
-        if on_limit != ON_LIMIT_REPLACE_OLDEST:
-            return (self.combiner or self.admitter).create(new, host)
-        try:
-            return self.admitter.create(new, host)
-        except UnpaidOrderLimitReached as refused:
-            if host is not None:  # the cancel's release would wait for the host's commit
-                raise
-            self.replacer.make_room(refused, new)
-        return self.admitter.create(new)
 
     # --- per-user limits ---------------------------------------------------------------
 
@@ -504,7 +469,7 @@ class OrderService:
         ``create_without_redis`` is off (the one outage policy of :mod:`orders.rules.admission`).
 
         A create with ``on_limit="replace_oldest"`` asks it too, about the order it would
-        cancel, and keeps that order on any answer but None (:mod:`orders.rules.replacing`).
+        cancel, and keeps that order on any answer but None (:mod:`orders.rules.creating`).
         """
         self.sweep.pre_close = check
 

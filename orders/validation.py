@@ -100,7 +100,7 @@ def check_user_limit(limit: object) -> int:
 
 
 #: What a create does at its user's limit (``on_limit``): refuse it, or cancel the user's
-#: oldest unpaid order to make room (:mod:`orders.rules.replacing`).
+#: oldest unpaid order to make room (:mod:`orders.rules.creating`).
 ON_LIMIT_REFUSE = "refuse"
 ON_LIMIT_REPLACE_OLDEST = "replace_oldest"
 ON_LIMIT_CHOICES = (ON_LIMIT_REFUSE, ON_LIMIT_REPLACE_OLDEST)

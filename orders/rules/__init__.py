@@ -3,7 +3,7 @@
 ``admission`` (Redis admit, SQL guard, compensation, the one Redis-outage policy) and
 ``abandoning`` (the undo of an admission of unknown outcome); ``transition`` (a
 compare-and-set, then Redis); ``payments`` (who wins between a payment and an expiry, and
-the loser's money); ``replacing`` (a create's admission, and at the limit the oldest order
+the loser's money); ``creating`` (a create's way, and at the limit the oldest order
 replaced); ``extending`` (more time, within the order's policy); ``user_limits`` (a user's
 own limit and its Redis copy); ``pausing`` (the incident pause and the resume that gives
 the time back); ``retention`` (pruning old orders); ``erasure`` (a user erased, over the

@@ -25,7 +25,7 @@ or its own typed error, by the code a create alone runs in every case but the co
 
 Not combined: a create in the host's transaction (it commits with the host), and one with
 ``on_limit="replace_oldest"`` (the service sends it alone: its second admission follows a
-cancel of its own, :mod:`orders.rules.replacing`).
+cancel of its own, :mod:`orders.rules.creating`).
 """
 
 from __future__ import annotations

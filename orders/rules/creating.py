@@ -1,4 +1,7 @@
-"""Replace the oldest: at the limit, a create may cancel its user's oldest unpaid order.
+"""A create's way through the rules, once checked: combined with concurrent ones where
+``Settings.combine_creates`` is on, or admitted alone; each outcome counted in
+``orders_creates_total``. Replacing the oldest order is a step of it, taken only under
+``on_limit="replace_oldest"`` and only once the create is refused at the limit.
 
 With ``on_limit="replace_oldest"`` a create refused at the limit (by Redis or by the SQL
 slot guard) makes room once, and is then admitted again through the same path as any
@@ -27,24 +30,57 @@ from __future__ import annotations
 
 import logging
 
+from sqlalchemy import Connection
+
 from orders import metrics
 from orders.domain import REPLACED_REASON, NewOrder, Order
-from orders.errors import UnpaidOrderLimitReached
+from orders.errors import CreateRateLimited, OrderConflict, UnpaidOrderLimitReached
+from orders.rules.combining import CreateCombiner
 from orders.rules.sweep import Sweep
 from orders.rules.transition import Transitioner
-from orders.sql.records import OrderRecords
+from orders.validation import ON_LIMIT_REPLACE_OLDEST
 
 log = logging.getLogger(__name__)
 
 
-class Replacer:
-    """At the limit, cancels the user's oldest unpaid order to make room for a create
-    (module docstring)."""
+class Creating:
+    """Runs a checked create (module docstring)."""
 
-    def __init__(self, records: OrderRecords, transitions: Transitioner, sweep: Sweep) -> None:
-        self.records = records
+    def __init__(
+        self, transitions: Transitioner, sweep: Sweep, combiner: CreateCombiner | None
+    ) -> None:
+        self.admitter = transitions.admitter
+        self.records = transitions.records
         self.transitions = transitions
         self.sweep = sweep
+        self.combiner = combiner
+
+    def create(self, new: NewOrder, on_limit: str, host: Connection | None) -> tuple[Order, bool]:
+        """The order, and whether this call created it (False: a retry found it)."""
+        try:
+            order, created = self._create(new, on_limit, host)
+        except UnpaidOrderLimitReached as refused:
+            metrics.CREATES.labels(f"refused_{refused.source}").inc()
+            raise
+        except CreateRateLimited:
+            metrics.CREATES.labels("refused_rate").inc()
+            raise
+        except OrderConflict:
+            metrics.CREATES.labels("conflict").inc()
+            raise
+        metrics.CREATES.labels("admitted" if created else "retry").inc()
+        return order, created
+
+    def _create(self, new: NewOrder, on_limit: str, host: Connection | None) -> tuple[Order, bool]:
+        if on_limit != ON_LIMIT_REPLACE_OLDEST:
+            return (self.combiner or self.admitter).create(new, host)
+        try:
+            return self.admitter.create(new, host)
+        except UnpaidOrderLimitReached as refused:
+            if host is not None:  # the cancel's release would wait for the host's commit
+                raise
+            self.make_room(refused, new)
+        return self.admitter.create(new)
 
     def oldest(self, user_id: str, now_ms: int) -> Order | None:
         """The user's oldest open unpaid order, or None."""
