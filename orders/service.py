@@ -130,7 +130,7 @@ class OrderService:
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
         self.extender = Extender(self.transitions, s)
         self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
-        self.pausing = Pausing(Pauses(self.records.tx), self.index.rescore_present, self.now_ms)
+        self.pausing = Pausing(Pauses(self.records.tx), self.admitter.followups, self.now_ms)
         bulk = BulkActions(self.transitions, s, self.now_ms)
         self.eraser = Eraser(self.records, bulk, self.index, s, self.now_ms)
         #: The operator's actions over many orders: the pause, retention, bulk actions.

@@ -4,38 +4,39 @@
 close or remind by expiry find nothing, on every host, while creates, payments and cancels
 go on. ``resume`` moves each unpaid order's expiry later by the part of the pause it lived
 through, in batches that each commit with their ``extended`` events and the pause's cursor,
-then rescores the members still in Redis, batch by batch (never adding one back: an order
-paid meanwhile has lost its member), and closes the pause. A resume
-cut short (a crash, Redis down) is finished by running it again: no order moves twice, and
-a member left with its old score is rescored by the next reconcile (until then the SQL
-guard still counts the order, so the limit holds).
+then gives each moved order its member at the new score, batch by batch, and closes the
+pause. The member is added where it is missing: while paused, a user's admission drops the
+members whose score has passed, though the pause keeps their orders open. An order paid or
+cancelled since its batch committed may have lost its member before that write put it
+back, so the batch's orders are read again and those no longer unpaid lose it (one that
+leaves later removes its own, after its commit). A resume cut short (a crash, Redis down)
+is finished by running it again: no order moves twice, and a member left missing or with
+its old score is restored by the next reconcile (until then the SQL guard still counts the
+order, so the limit holds).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
 
 from orders import metrics
 from orders.domain import Actor, Clock
 from orders.errors import InvalidInput, StoreUnavailable
+from orders.rules.followups import Followups
 from orders.sql.pauses import Pause, Pauses
 from orders.validation import TEXT_MAX_LENGTH, check_count, check_optional_text
 
 log = logging.getLogger("orders.pausing")
 
-#: Moves the members of the orders given (user -> order -> new expiry) to their new scores,
-#: where they are still members (a member removed by a payment meanwhile stays removed).
-Rescore = Callable[[Mapping[str, Mapping[str, int]]], None]
 DEFAULT_RESUME_BATCH = 500
 
 
 class Pausing:
     """Pause and resume over the service's stores (composed by :class:`OrderService`)."""
 
-    def __init__(self, pauses: Pauses, rescore: Rescore, clock: Clock) -> None:
+    def __init__(self, pauses: Pauses, followups: Followups, clock: Clock) -> None:
         self.pauses = pauses
-        self.rescore = rescore
+        self.followups = followups
         self.clock = clock
 
     def pause(self, reason: object, actor: Actor) -> Pause:
@@ -43,7 +44,7 @@ class Pausing:
         text = check_optional_text("reason", reason, TEXT_MAX_LENGTH)
         if not text or not text.strip():
             raise InvalidInput("reason", "must say why (it is shown to every operator)")
-        pause = self.pauses.start(text, self.clock(), actor)
+        pause = self.pauses.start(text, self.clock, actor)
         log.warning("orders paused: nothing closes by expiry", extra={"reason": text})
         return pause
 
@@ -62,9 +63,11 @@ class Pausing:
             for order_id, user_id, expires_at_ms in moved:
                 wanted.setdefault(user_id, {})[order_id] = expires_at_ms
             try:
-                self.rescore(wanted)
+                self.followups.rescore(wanted, now_ms)
+                left = self.pauses.no_longer_unpaid([order_id for order_id, _, _ in moved])
+                self.followups.index.remove_members(left)
             except StoreUnavailable:
-                log.warning("redis rescore after a resume batch failed; reconcile will fix it")
+                log.warning("the index restore after a resume batch failed; reconcile will fix it")
         done = self.pauses.finish(pause, self.clock())
         log.warning(
             "orders resumed",

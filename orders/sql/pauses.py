@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Connection, Row, bindparam, case, select, update
 from sqlalchemy.exc import IntegrityError
 
-from orders.domain import Actor, EventKind, ms_to_datetime
+from orders.domain import Actor, Clock, EventKind, ms_to_datetime
 from orders.errors import InvalidInput
 from orders.policies import NEVER_EXPIRES_MS
 from orders.sql.models import orders_table, pauses_table
@@ -117,18 +117,30 @@ class Pauses:
         with self.tx.read() as conn:
             return [_to_pause(row) for row in conn.execute(query)]
 
-    def start(self, reason: str, now_ms: int, actor: Actor) -> Pause:
-        """Open a pause; :class:`InvalidInput` while one is open already."""
-        values = {"reason": reason, "started_at_ms": now_ms, "open_marker": True, "shifted": 0}
+    def start(self, reason: str, clock: Clock, actor: Actor) -> Pause:
+        """Open a pause; :class:`InvalidInput` while one is open already.
+
+        Its start is read from ``clock`` once the pause is committed, when it takes hold: a
+        close committed while the pause was on its way (waiting for SQLite's lock, or
+        committing on PostgreSQL) is then recorded before the start, never during it."""
+        values = {"reason": reason, "started_at_ms": clock(), "open_marker": True, "shifted": 0}
         values.update(actor.columns())
         with self.tx.write() as conn:
             _refuse_if_open(conn)
             try:
-                row = conn.execute(
-                    pauses_table.insert().values(values).returning(*pauses_table.c)
-                ).one()
+                pause_id = conn.execute(
+                    pauses_table.insert().values(values).returning(PAUSE.id)
+                ).scalar_one()
             except IntegrityError:  # another pause committed between the read and here
                 raise InvalidInput("pause", "a pause is open already") from None
+            conn.commit()
+        with self.tx.write() as conn:
+            conn.execute(
+                update(pauses_table)
+                .where(PAUSE.id == pause_id, PAUSE.resumed_at_ms.is_(None))
+                .values(started_at_ms=clock())
+            )
+            row = conn.execute(select(pauses_table).where(PAUSE.id == pause_id)).one()
             conn.commit()
         return _to_pause(row)
 
@@ -196,6 +208,12 @@ class Pauses:
             )
             conn.commit()
         return [(row.id, row.user_id, row.expires_at_ms) for row in moved]
+
+    def no_longer_unpaid(self, order_ids: list[str]) -> list[tuple[str, str]]:
+        """(user id, order id) of the orders given that are no longer unpaid."""
+        query = select(ORDER.user_id, ORDER.id).where(ORDER.id.in_(order_ids), ~UNPAID_PREDICATE)
+        with self.tx.read() as conn:
+            return [(row.user_id, row.id) for row in conn.execute(query)]
 
     def finish(self, pause: Pause, now_ms: int) -> Pause:
         """Close the pause: the sweep runs again."""

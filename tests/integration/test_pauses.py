@@ -18,6 +18,7 @@ from orders.domain import Actor, ActorKind, OrderStatus
 from orders.errors import InvalidInput, UnpaidOrderLimitReached
 from orders.index.nodes import RedisClient
 from orders.policies import NEVER_EXPIRES_MS
+from orders.rules.pausing import Pausing
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.models import events_table, pauses_table
@@ -270,3 +271,73 @@ def test_a_pause_needs_a_reason_and_nothing_is_written_without_one(
     with pytest.raises(InvalidInput, match="reason"):
         shop.operations.pause(reason)  # type: ignore[arg-type]
     assert pause_rows(engine) == 0
+
+
+def members(redis_client: RedisClient, user_id: str) -> dict[str, float]:
+    pairs = redis_client.zrange(f"UnpaidOrder-{user_id}", 0, -1, withscores=True)
+    return {member.decode(): member_score for member, member_score in pairs}
+
+
+def test_orders_due_during_a_pause_keep_their_members_through_the_resume(
+    make_service: Callable[..., OrderService],
+    engine: Engine,
+    redis_client: RedisClient,
+    clock: ManualClock,
+) -> None:
+    """The admissions run during a pause (each user's script drops its members whose score
+    has passed) must not leave the index without the orders the pause keeps open: after the
+    resume every open order has its member, with its shifted expiry, and a user at the limit
+    is refused by Redis alone."""
+    shop = make_service(unpaid_limit=2)
+    full = [shop.create_unpaid_order("full", ttl_s=60) for _ in range(2)]
+    half = shop.create_unpaid_order("half", ttl_s=60)
+    clock.advance(ms=10 * S)
+    shop.operations.pause("psp outage")
+    clock.advance(ms=120 * S)  # all three fall due during the pause
+    with pytest.raises(UnpaidOrderLimitReached):
+        shop.create_unpaid_order("full", ttl_s=60)  # its admission runs (SQL holds both)
+    later = shop.create_unpaid_order("half", ttl_s=600)  # admitted beside the held one
+    shop.create_unpaid_order("other", ttl_s=600)
+    clock.advance(ms=30 * S)
+
+    shop.operations.resume()
+
+    rows = sql_rows(engine)
+    open_rows = {order_id: row for order_id, row in rows.items() if row.status == "unpaid"}
+    assert set(open_rows) >= {o.id for o in (*full, half, later)}
+    for order_id, row in open_rows.items():
+        assert members(redis_client, row.user_id).get(order_id) == row.expires_at_ms
+    with pytest.raises(UnpaidOrderLimitReached) as refused:
+        shop.create_unpaid_order("half", ttl_s=60)
+    assert refused.value.source == "redis"
+
+
+def test_a_close_committed_before_the_pause_takes_hold_is_not_during_it(
+    make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
+) -> None:
+    """Rule: a pause's recorded start is when it takes hold, not when it was asked: a close
+    that commits while the pause is on its way (here, right after the pause read the clock
+    first) is recorded before the start, never during the pause."""
+    shop = make_service(unpaid_limit=1)
+    order = shop.create_unpaid_order("u1", ttl_s=60)
+    clock.set(order.expires_at_ms)
+    closed_before: list[int] = []
+
+    def closing_clock() -> int:
+        now_ms = clock()
+        if not closed_before:  # the sweep commits its close while the pause is on its way
+            closed_before.append(shop.sweep_expired().closed)
+            clock.advance(ms=1)
+        return now_ms
+
+    pausing = Pausing(shop.pausing.pauses, shop.pausing.followups, closing_clock)
+    pause = pausing.pause("psp outage", OPERATOR)
+
+    assert closed_before == [1]
+    query = select(events_table.c.at_ms).where(
+        events_table.c.order_id == order.id, events_table.c.kind == "closed"
+    )
+    with engine.connect() as conn:
+        closed_at_ms = conn.execute(query).scalar_one()
+    assert closed_at_ms < pause.started_at_ms
+    assert shop.operations.current_pause() == pause
