@@ -341,3 +341,34 @@ def test_a_close_committed_before_the_pause_takes_hold_is_not_during_it(
         closed_at_ms = conn.execute(query).scalar_one()
     assert closed_at_ms < pause.started_at_ms
     assert shop.operations.current_pause() == pause
+
+
+class PaidBeforeTheRestore:
+    """The resume's Redis writes, with a payment of ``order_id`` committed (and its member
+    removed) between a batch's commit and the restore of that batch's members."""
+
+    def __init__(self, shop: OrderService, order_id: str) -> None:
+        self.shop = shop
+        self.order_id = order_id
+        self.index = shop.index
+
+    def rescore(self, wanted: dict[str, dict[str, int]], now_ms: int) -> None:
+        assert self.order_id in wanted["u1"]  # the batch moved it while still unpaid
+        self.shop.mark_paid(self.order_id)
+        self.shop.admitter.followups.rescore(wanted, now_ms)
+
+
+def test_an_order_paid_after_its_resume_batch_does_not_get_its_member_back(
+    make_service: Callable[..., OrderService], redis_client: RedisClient, clock: ManualClock
+) -> None:
+    """Rule: the resume puts back the members of the orders it moved, and an order paid
+    between its batch's commit and that write loses it again (else it would hold a slot)."""
+    shop = make_service(unpaid_limit=5)
+    paid, kept = (shop.create_unpaid_order("u1", ttl_s=600) for _ in range(2))
+    shop.operations.pause("psp outage")
+    clock.advance(ms=60 * S)
+    pausing = Pausing(shop.pausing.pauses, PaidBeforeTheRestore(shop, paid.id), clock)  # type: ignore[arg-type]
+
+    pausing.resume(OPERATOR)
+
+    assert members(redis_client, "u1") == {kept.id: kept.expires_at_ms + 60 * S}
