@@ -4,15 +4,11 @@
 close or remind by expiry find nothing, on every host, while creates, payments and cancels
 go on. ``resume`` moves each unpaid order's expiry later by the part of the pause it lived
 through, in batches that each commit with their ``extended`` events and the pause's cursor,
-then gives each moved order its member at the new score, batch by batch, and closes the
-pause. The member is added where it is missing: while paused, a user's admission drops the
-members whose score has passed, though the pause keeps their orders open. An order paid or
-cancelled since its batch committed may have lost its member before that write put it
-back, so the batch's orders are read again and those no longer unpaid lose it (one that
-leaves later removes its own, after its commit). A resume cut short (a crash, Redis down)
-is finished by running it again: no order moves twice, and a member left missing or with
-its old score is restored by the next reconcile (until then the SQL guard still counts the
-order, so the limit holds).
+then gives the moved orders their members at the new scores, added where an admission
+dropped them while paused (their score had passed), and taken again from those no longer
+unpaid when read after that write; then closes the pause. A resume cut short (a crash,
+Redis down) is finished by running it again: no order moves twice, and a member left out
+is restored by the next reconcile (until then the SQL guard counts the order).
 """
 
 from __future__ import annotations

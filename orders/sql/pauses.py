@@ -118,11 +118,8 @@ class Pauses:
             return [_to_pause(row) for row in conn.execute(query)]
 
     def start(self, reason: str, clock: Clock, actor: Actor) -> Pause:
-        """Open a pause; :class:`InvalidInput` while one is open already.
-
-        Its start is read from ``clock`` once the pause is committed, when it takes hold: a
-        close committed while the pause was on its way (waiting for SQLite's lock, or
-        committing on PostgreSQL) is then recorded before the start, never during it."""
+        """Open a pause (:class:`InvalidInput` while one is open); its start is read once it
+        has committed, when it takes hold: a close committed before it is before its start."""
         values = {"reason": reason, "started_at_ms": clock(), "open_marker": True, "shifted": 0}
         values.update(actor.columns())
         with self.tx.write() as conn:
@@ -135,12 +132,12 @@ class Pauses:
                 raise InvalidInput("pause", "a pause is open already") from None
             conn.commit()
         with self.tx.write() as conn:
-            conn.execute(
+            row = conn.execute(
                 update(pauses_table)
-                .where(PAUSE.id == pause_id, PAUSE.resumed_at_ms.is_(None))
+                .where(PAUSE.id == pause_id)
                 .values(started_at_ms=clock())
-            )
-            row = conn.execute(select(pauses_table).where(PAUSE.id == pause_id)).one()
+                .returning(*pauses_table.c)
+            ).one()
             conn.commit()
         return _to_pause(row)
 
