@@ -1,9 +1,9 @@
 -- oes_orders and oes_order_events, hash-partitioned by user_id (PostgreSQL 11 or later;
 -- tried on 15).
 --
--- The same columns, checks, partial indexes and names as migrations 0001-0011, for a fresh
+-- The same columns, checks, partial indexes and names as migrations 0001-0012, for a fresh
 -- database; oes_event_cursors, oes_event_retries, oes_payment_refusals, oes_user_limits,
--- oes_pauses and oes_alembic_version stay as the
+-- oes_user_limit_history, oes_pauses and oes_alembic_version stay as the
 -- migrations make them (small, not partitioned). The service's statements run on it unchanged:
 -- tests/integration/test_partitioning.py applies this file to a throwaway PostgreSQL and
 -- runs create, pay, cancel, the sweep and the SQL guard against it. docs/capacity.md says
@@ -167,18 +167,16 @@ CREATE INDEX ix_oes_event_retries_retrying_consumer_next_at_ms ON oes_event_retr
 CREATE TABLE oes_payment_refusals (
     order_id varchar(128) NOT NULL,
     payment_ref varchar(256) NOT NULL,
-    user_id varchar(512) NOT NULL,
+    user_id varchar(512),
     reason varchar(32) NOT NULL,
     amount varchar(40),
     currency varchar(3),
     refused_at_ms bigint NOT NULL,
-    event_id bigint NOT NULL,
+    event_id bigint,
     handled_at_ms bigint,
     handled_by_kind varchar(16),
     handled_by varchar(128),
-    CONSTRAINT pk_oes_payment_refusals PRIMARY KEY (order_id, payment_ref),
-    CONSTRAINT fk_oes_payment_refusals_order_id_oes_orders FOREIGN KEY (order_id, user_id)
-        REFERENCES oes_orders (id, user_id) ON DELETE CASCADE
+    CONSTRAINT pk_oes_payment_refusals PRIMARY KEY (order_id, payment_ref)
 );
 CREATE INDEX ix_oes_payment_refusals_refused_at_ms ON oes_payment_refusals (refused_at_ms);
 CREATE INDEX ix_oes_payment_refusals_pending_refused_at_ms ON oes_payment_refusals (refused_at_ms)
@@ -193,6 +191,16 @@ CREATE TABLE oes_user_limits (
     CONSTRAINT ck_oes_user_limits_unpaid_limit_range
         CHECK (unpaid_limit >= 0 AND unpaid_limit <= 1000000)
 );
+CREATE TABLE oes_user_limit_history (
+    id bigserial NOT NULL,
+    user_id varchar(512) NOT NULL,
+    unpaid_limit integer,
+    changed_at_ms bigint NOT NULL,
+    actor_kind varchar(16),
+    actor varchar(128),
+    CONSTRAINT pk_oes_user_limit_history PRIMARY KEY (id)
+);
+CREATE INDEX ix_oes_user_limit_history_user_id_id ON oes_user_limit_history (user_id, id);
 CREATE TABLE oes_pauses (
     id bigserial NOT NULL,
     reason varchar(256) NOT NULL,
@@ -213,4 +221,4 @@ CREATE TABLE oes_alembic_version (
     version_num varchar(32) NOT NULL,
     CONSTRAINT oes_alembic_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO oes_alembic_version (version_num) VALUES ('0011');
+INSERT INTO oes_alembic_version (version_num) VALUES ('0012');

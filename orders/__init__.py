@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from orders.rules.reconcile import ReconcileReport
     from orders.service import OrderService
     from orders.sql.refusals import PaymentRefusal
-    from orders.sql.user_limits import UserLimit
+    from orders.sql.user_limits import LimitChange, UserLimit
 
     __version__: str
 
@@ -93,6 +93,7 @@ __all__ = [
     "set_user_limit",
     "sweep_expired",
     "user_limit",
+    "user_limit_history",
 ]
 
 
@@ -261,3 +262,8 @@ def clear_user_limit(user_id: str | int, *, actor: str | Actor | None = None) ->
 def user_limit(user_id: str | int) -> UserLimit:
     """See :meth:`OrderService.user_limit`."""
     return default_service().user_limit(user_id)
+
+
+def user_limit_history(user_id: str | int, *, limit: int = 100) -> list[LimitChange]:
+    """See :meth:`OrderService.user_limit_history`."""
+    return default_service().user_limit_history(user_id, limit=limit)

@@ -131,6 +131,9 @@ class RefusalReason(StrEnum):
     #: Within the late-payment window, but the host's late-payment check refused it (or
     #: raised, or ran out of time).
     LATE_PAYMENT_REFUSED = "late_payment_refused"
+    #: SQL holds no order with that id: retention pruned it, or it never existed (once
+    #: pruned, the two cannot be told apart). Recorded with no user and no event.
+    UNKNOWN_ORDER = "unknown_order"
 
 
 @dataclass(frozen=True, slots=True)

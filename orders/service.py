@@ -62,7 +62,7 @@ from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
 from orders.sql.retention import Retention
 from orders.sql.slot_batch import SlotBatch
-from orders.sql.user_limits import UserLimit
+from orders.sql.user_limits import LimitChange, UserLimit
 from orders.validation import (
     TEXT_MAX_LENGTH,
     check_optional_text,
@@ -252,6 +252,11 @@ class OrderService:
         """The limit that applies to the user, whether it is its own, and when and by whom
         it was set."""
         return self.user_limits.read(user_id)
+
+    def user_limit_history(self, user_id: str | int, *, limit: int = 100) -> list[LimitChange]:
+        """Who set or cleared the user's own limit, and when: its latest ``limit`` changes,
+        newest first (kept until the user's erasure)."""
+        return self.user_limits.history(user_id, limit)
 
     # --- transitions ---------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from drill_mutations import Mutation, mutation
 
 UNIT = "tests/unit/test_guarded_rules.py"
 INTEGRATION = "tests/integration/test_guarded_rules.py"
+UNKNOWN_ORDER = "tests/integration/test_unknown_order_payments.py"
+LIMITS = "tests/integration/test_user_limits.py"
 LATE_WINDOW_TEST = (
     "tests/integration/test_payments.py"
     "::test_the_windows_last_millisecond_is_in_it_in_python_and_in_sql_alike"
@@ -184,5 +186,81 @@ GUARDED_MUTATIONS: tuple[Mutation, ...] = (
         "if False:",
         "ssl_keyfile without ssl_certfile is refused",
         "tests/unit/test_settings_errors.py::test_a_malformed_url_is_invalid_input_naming_the_field_not_the_password",
+    ),
+    # --- issue 46's records: refusals that outlive their order, the limits' history --------
+    mutation(
+        "unknown-order-refusal-not-recorded",
+        "orders/rules/payments.py",
+        "                record_unknown_order(conn, order_id, payment, now_ms)",
+        "                pass",
+        "a payment for an order SQL does not hold records its refund before OrderNotFound",
+        f"{UNKNOWN_ORDER}::test_a_payment_for_an_order_never_seen_raises_not_found_and_records_its_refund_once",
+        f"{UNKNOWN_ORDER}::test_a_payment_for_a_pruned_order_is_owed_and_outlives_every_prune",
+    ),
+    mutation(
+        "unknown-order-refusal-retry-conflicts",
+        "orders/sql/refusals.py",
+        ".values(values).on_conflict_do_nothing())",
+        ".values(values))",
+        "the same payment for a missing order, retried or raced, is one refusal",
+        f"{UNKNOWN_ORDER}::test_concurrent_retries_of_one_payment_for_a_missing_order_record_one_refusal",
+    ),
+    mutation(
+        "malformed-order-id-paid-unchecked",
+        "orders/service.py",
+        "        oid = check_order_id(order_id, self.settings.max_order_id_length)\n"
+        "        payment = checked_payment(",
+        "        oid = order_id\n        payment = checked_payment(",
+        "a malformed order id is InvalidInput before anything is written, no refusal",
+        f"{UNKNOWN_ORDER}::test_a_malformed_order_id_is_invalid_input_and_records_no_refusal",
+    ),
+    mutation(
+        "pruned-orders-handled-refusals-kept",
+        "orders/sql/retention.py",
+        "    if deleted:",
+        "    if False:",
+        "a prune deletes the handled refusals of the orders it deletes (no cascade any more)",
+        "tests/integration/test_retention.py::test_an_order_still_needed_is_kept_until_it_is_not",
+    ),
+    mutation(
+        "limit-set-not-in-history",
+        "orders/sql/user_limits.py",
+        "        conn.execute(upsert)\n        _append_history(",
+        "        conn.execute(upsert)\n        0 and _append_history(",
+        "every set of a user's limit is appended to its history",
+        f"{LIMITS}::test_every_set_and_clear_is_kept_in_the_users_history_newest_first",
+    ),
+    mutation(
+        "limit-history-in-its-own-transaction",
+        "orders/sql/user_limits.py",
+        "        conn.execute(upsert)\n        _append_history(",
+        "        conn.execute(upsert)\n        conn.commit()\n        _append_history(",
+        "a limit change and its history commit together or not at all",
+        f"{LIMITS}::test_a_limit_change_whose_history_cannot_be_written_changes_nothing",
+    ),
+    mutation(
+        "limit-clear-not-in-history",
+        "orders/sql/user_limits.py",
+        "        if removed:",
+        "        if False:",
+        "a clear that removed a limit is appended to its history",
+        f"{LIMITS}::test_every_set_and_clear_is_kept_in_the_users_history_newest_first",
+    ),
+    mutation(
+        "erasure-keeps-limit-history",
+        "orders/sql/erasure.py",
+        "    conn.execute(delete(user_limit_history_table).where(HISTORY.user_id == user_id))",
+        "    pass",
+        "erasure deletes the user's limit history",
+        "tests/integration/test_erasure.py::test_erasure_leaves_no_trace_of_the_user_in_either_store_and_keeps_paid_orders",
+        "tests/integration/test_erasure.py::test_a_user_whose_limit_was_set_and_cleared_loses_its_limit_history",
+    ),
+    mutation(
+        "erasure-unaware-of-history-only-users",
+        "orders/sql/erasure.py",
+        "(ORDER.user_id, LIMIT.user_id, HISTORY.user_id)",
+        "(ORDER.user_id, LIMIT.user_id)",
+        "a user with only a limit history is erased, not UnknownUser",
+        "tests/integration/test_erasure.py::test_a_user_whose_limit_was_set_and_cleared_loses_its_limit_history",
     ),
 )

@@ -33,6 +33,7 @@ mark_refund_handled = on_default(AsyncOrderService.mark_refund_handled)
 set_user_limit = on_default(AsyncOrderService.set_user_limit)
 clear_user_limit = on_default(AsyncOrderService.clear_user_limit)
 user_limit = on_default(AsyncOrderService.user_limit)
+user_limit_history = on_default(AsyncOrderService.user_limit_history)
 
 __all__ = [
     "AsyncOrderService",
@@ -54,4 +55,5 @@ __all__ = [
     "set_user_limit",
     "sweep_expired",
     "user_limit",
+    "user_limit_history",
 ]

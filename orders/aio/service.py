@@ -217,6 +217,7 @@ class AsyncOrderService:
     set_user_limit = Awaited(OrderService.set_user_limit)
     clear_user_limit = Awaited(OrderService.clear_user_limit)
     user_limit = Awaited(OrderService.user_limit)
+    user_limit_history = Awaited(OrderService.user_limit_history)
     # An operator's action, which a host's request handler may also take (no module function).
     erase_user = Awaited(OrderService.erase_user)
 

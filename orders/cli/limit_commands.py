@@ -1,4 +1,4 @@
-"""``orders limit``: a user's own unpaid limit, set, shown and cleared."""
+"""``orders limit``: a user's own unpaid limit, set, shown and cleared, and its history."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import click
 
 from orders.cli.app import cli_state, json_option, main
-from orders.cli.render import user_limit_text, user_limit_to_json
+from orders.cli.render import user_limit_text, user_limit_to_json, utc_text
+from orders.domain import ms_to_datetime
 from orders.errors import InvalidInput
 
 if TYPE_CHECKING:  # SQLAlchemy stays unloaded until a command needs it (``orders --help``)
@@ -66,3 +67,33 @@ def clear_command(ctx: click.Context, user: str, as_json: bool) -> None:
     """Remove USER's own limit: the settings' one applies again."""
     state = cli_state(ctx)
     echo_limit(state.service().clear_user_limit(user, actor=state.actor), as_json)
+
+
+@limit_group.command("history")
+@click.argument("user")
+@click.option("--limit", type=int, default=100, show_default=True, help="At most this many.")
+@json_option
+@click.pass_context
+def history_command(ctx: click.Context, user: str, limit: int, as_json: bool) -> None:
+    """Who set or cleared USER's own limit, and when: newest first."""
+    changes = cli_state(ctx).service().user_limit_history(user, limit=limit)
+    if as_json:
+        rows = [
+            {
+                "user_id": c.user_id,
+                "limit": c.limit,
+                "changed_at": ms_to_datetime(c.changed_at_ms).isoformat(),
+                "changed_at_ms": c.changed_at_ms,
+                "actor_kind": None if c.actor is None else c.actor.kind.value,
+                "actor": None if c.actor is None else c.actor.name,
+            }
+            for c in changes
+        ]
+        click.echo(json.dumps(rows))
+        return
+    if not changes:
+        click.echo(f"{user}: no own limit was ever set")
+    for c in changes:
+        what = "cleared" if c.limit is None else f"set to {c.limit}"
+        by = "" if c.actor is None else f" by {c.actor}"
+        click.echo(f"{utc_text(c.changed_at_ms)} UTC  {c.user_id}: {what}{by}")

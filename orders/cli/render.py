@@ -88,7 +88,7 @@ def order_to_json(order: Order) -> dict[str, Any]:
 
 def refusal_to_json(refusal: PaymentRefusal) -> dict[str, Any]:
     handled_by = refusal.handled_by
-    txid, event_id = refusal.position
+    position = refusal.position
     return {
         "order_id": refusal.order_id,
         "user_id": refusal.user_id,
@@ -98,7 +98,8 @@ def refusal_to_json(refusal: PaymentRefusal) -> dict[str, Any]:
         "currency": refusal.currency,
         "refused_at": ms_to_datetime(refusal.refused_at_ms).isoformat(),
         "refused_at_ms": refusal.refused_at_ms,
-        "event": {"txid": txid, "event_id": event_id},
+        # None: no event (``unknown_order``: no order to carry one).
+        "event": None if position is None else {"txid": position[0], "event_id": position[1]},
         "handled": refusal.handled,
         "handled_at": (
             None
@@ -133,7 +134,7 @@ def print_refusals_table(found: list[PaymentRefusal], title: str) -> None:
     for refusal in found:
         table.add_row(
             refusal.order_id,
-            refusal.user_id,
+            refusal.user_id or "-",
             refusal.payment_ref or "-",
             refusal.reason.value,
             amount_text(refusal),

@@ -17,10 +17,10 @@ again:
 3. In one SQL transaction (:mod:`orders.sql.erasure`): the pseudonym in place of the user
    id in the orders, their events and refused payments; the orders' metadata and payment
    references cleared, and the references in event data and refusals; the user's own limit
-   deleted; one ``erased`` event with the pseudonym and the counts (on the user's latest
-   order: a user who had only an own limit gets none, and a second erasure of it is then
-   UnknownUser). Step 1's check is made again inside it, after the orders' rows are taken,
-   so a refusal that committed meanwhile rolls it back (RefundOwed).
+   and its history deleted; one ``erased`` event with the pseudonym and the counts (on the
+   user's latest order: a user who had only an own limit gets none, and a second erasure of
+   it is then UnknownUser). Step 1's check is made again inside it, after the orders' rows
+   are taken, so a refusal that committed meanwhile rolls it back (RefundOwed).
 4. After the commit, the user's Redis keys are deleted. If Redis fails, StoreUnavailable is
    raised: SQL is done; running the erasure again deletes them.
 

@@ -18,6 +18,10 @@ stands decides (:func:`decide`):
 
 A payment that states an amount is compared with the order's first (amounts never change,
 so the read needs no lock): a mismatch never pays the order and is refused the same way.
+
+A payment for an order SQL does not hold (retention pruned it, or it never existed) raises
+OrderNotFound, once its refusal (``unknown_order``, no user, no event) is recorded in a
+transaction of its own (the host's, given one): the money was taken all the same.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from orders.errors import (
 from orders.hooks import HookRunner
 from orders.rules.transition import Transitioner
 from orders.sql.records import EXPIRED_REASON, to_order
-from orders.sql.refusals import record_refusal
+from orders.sql.refusals import record_refusal, record_unknown_order
 
 log = logging.getLogger("orders.service")
 
@@ -97,6 +101,17 @@ class Payments:
         self, order_id: str, payment: Payment, actor: Actor, now_ms: int, host: Connection | None
     ) -> Order:
         """Mark the order paid, or raise the refusal once it is recorded (module docstring)."""
+        try:
+            return self._pay(order_id, payment, actor, now_ms, host)
+        except OrderNotFound:
+            with self.records.tx.write(host) as conn:
+                record_unknown_order(conn, order_id, payment, now_ms)
+                self.records.tx.commit(conn, host)
+            raise
+
+    def _pay(
+        self, order_id: str, payment: Payment, actor: Actor, now_ms: int, host: Connection | None
+    ) -> Order:
         strict = self.settings.strict_expiry
 
         def attempt(conn: Connection) -> Row[Any] | None:

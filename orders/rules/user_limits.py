@@ -17,7 +17,14 @@ from orders.domain import Actor, Clock
 from orders.errors import StoreUnavailable
 from orders.index.unpaid import UnpaidIndex
 from orders.sql.transactions import Transactions
-from orders.sql.user_limits import UserLimit, delete_limit, read_limit, write_limit
+from orders.sql.user_limits import (
+    LimitChange,
+    UserLimit,
+    delete_limit,
+    read_history,
+    read_limit,
+    write_limit,
+)
 from orders.validation import check_user_id, check_user_limit
 
 log = logging.getLogger("orders.service")
@@ -42,12 +49,13 @@ class UserLimits:
 
     def clear(self, user_id: str | int, actor: str | Actor | None) -> UserLimit:
         uid = check_user_id(user_id, self.settings.max_user_id_length)
-        cause = Actor.of(actor)
-        if delete_limit(self.tx, uid):
-            # The removed row took its "set by" with it: the log keeps who cleared it.
-            log.info("user limit cleared by %s", cause, extra={"user_id": uid})
+        delete_limit(self.tx, uid, self.clock(), Actor.of(actor))
         self.copy(uid, None)
         return UserLimit(uid, self.settings.unpaid_limit)
+
+    def history(self, user_id: str | int, limit: int) -> list[LimitChange]:
+        uid = check_user_id(user_id, self.settings.max_user_id_length)
+        return read_history(self.tx, uid, limit)
 
     def read(self, user_id: str | int) -> UserLimit:
         uid = check_user_id(user_id, self.settings.max_user_id_length)

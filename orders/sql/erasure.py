@@ -33,7 +33,13 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from orders.domain import ERASED_REASON, Actor, EventKind, OrderStatus
 from orders.errors import RefundOwed
-from orders.sql.models import events_table, orders_table, refusals_table, user_limits_table
+from orders.sql.models import (
+    events_table,
+    orders_table,
+    refusals_table,
+    user_limit_history_table,
+    user_limits_table,
+)
 from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.refusals import PENDING
 
@@ -41,6 +47,7 @@ ORDER = orders_table.c
 EVENT = events_table.c
 REFUSAL = refusals_table.c
 LIMIT = user_limits_table.c
+HISTORY = user_limit_history_table.c
 #: The key of event data that names a payment (paid, payment_refused, a strict close).
 PAYMENT_REF_KEY = "payment_ref"
 
@@ -89,11 +96,11 @@ def pending_refunds(conn: Connection, user_id: str) -> int:
 
 
 def holds_rows(conn: Connection, user_id: str) -> bool:
-    """Whether any order or an own limit is still under ``user_id``."""
-    order = select(ORDER.id).where(ORDER.user_id == user_id).limit(1)
-    if conn.execute(order).first() is not None:
-        return True
-    return conn.execute(select(LIMIT.user_id).where(LIMIT.user_id == user_id)).first() is not None
+    """Whether any order, an own limit or its history is still under ``user_id``."""
+    for key in (ORDER.user_id, LIMIT.user_id, HISTORY.user_id):
+        if conn.execute(select(key).where(key == user_id).limit(1)).first() is not None:
+            return True
+    return False
 
 
 def erasure_on_record(conn: Connection, pseudonym: str) -> ErasedRows | None:
@@ -113,8 +120,8 @@ def erase_rows(
 ) -> ErasedRows:
     """Put ``pseudonym`` in place of ``user_id`` in the user's orders (but unpaid ones), their
     events and refused payments; clear the orders' metadata and payment references and the
-    references in event data and refusals; delete the user's own limit; write one
-    ``erased`` event. In the caller's transaction, which commits it all or nothing.
+    references in event data and refusals; delete the user's own limit and its history;
+    write one ``erased`` event. In the caller's transaction, which commits it all or nothing.
 
     Raises RefundOwed when a refused payment of the user's is pending once the orders'
     rows are taken (on PostgreSQL they are then held, so a refusal that committed since the
@@ -153,6 +160,7 @@ def erase_rows(
         )
     ).rowcount
     limit_removed = conn.execute(delete(user_limits_table).where(LIMIT.user_id == user_id))
+    conn.execute(delete(user_limit_history_table).where(HISTORY.user_id == user_id))
     cancelled = conn.scalar(
         select(func.count()).where(
             ORDER.user_id == pseudonym,

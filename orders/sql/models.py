@@ -183,17 +183,15 @@ class PaymentRefusalRow(Base):
     payment, beside its ``payment_refused`` event: the same payment refused again finds
     its row and writes nothing. A payment without a reference has ``payment_ref`` ''
     (one row per order: without a reference two payments cannot be told apart).
+    No foreign key: a refusal outlives its order (retention deletes only handled ones with
+    it), and one for an order SQL does not hold has no user and no event (NULL).
     """
 
     __tablename__ = "oes_payment_refusals"
 
-    order_id: Mapped[str] = mapped_column(
-        String(ORDER_ID_COLUMN_LENGTH),
-        ForeignKey("oes_orders.id", ondelete="CASCADE"),
-        primary_key=True,
-    )
+    order_id: Mapped[str] = mapped_column(String(ORDER_ID_COLUMN_LENGTH), primary_key=True)
     payment_ref: Mapped[str] = mapped_column(String(TEXT_COLUMN_LENGTH), primary_key=True)
-    user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH))
+    user_id: Mapped[str | None] = mapped_column(String(USER_ID_COLUMN_LENGTH))
     #: An ``orders.domain.RefusalReason``.
     reason: Mapped[str] = mapped_column(String(32))
     #: What the payment said it was (NULL when it did not say).
@@ -201,7 +199,7 @@ class PaymentRefusalRow(Base):
     currency: Mapped[str | None] = mapped_column(String(3))
     refused_at_ms: Mapped[int] = mapped_column(BigInteger)
     #: The ``payment_refused`` event (its position is (event's txid, event_id)).
-    event_id: Mapped[int] = mapped_column(BigInteger)
+    event_id: Mapped[int | None] = mapped_column(BigInteger)
     #: Set when a consumer or an operator marked the refund handled, with who did it.
     handled_at_ms: Mapped[int | None] = mapped_column(BigInteger)
     handled_by_kind: Mapped[str | None] = mapped_column(String(16))
@@ -233,6 +231,22 @@ class UserLimitRow(Base):
             f"unpaid_limit >= 0 AND unpaid_limit <= {USER_LIMIT_MAX}", name="unpaid_limit_range"
         ),
     )
+
+
+class UserLimitChangeRow(Base):
+    """Append-only: each set (``unpaid_limit``) or clear (NULL) of a user's own limit, written
+    in the transaction of the change. Kept until the user's erasure deletes it."""
+
+    __tablename__ = "oes_user_limit_history"
+
+    id: Mapped[int] = mapped_column(EventId, primary_key=True, autoincrement=True)
+    user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH))
+    unpaid_limit: Mapped[int | None] = mapped_column(Integer)
+    changed_at_ms: Mapped[int] = mapped_column(BigInteger)
+    actor_kind: Mapped[str | None] = mapped_column(String(16))
+    actor: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
+
+    __table_args__ = (Index("ix_oes_user_limit_history_user_id_id", "user_id", "id"),)
 
 
 class PauseRow(Base):
@@ -304,6 +318,7 @@ cursors_table = cast(Table, EventCursorRow.__table__)
 retries_table = cast(Table, EventRetryRow.__table__)
 refusals_table = cast(Table, PaymentRefusalRow.__table__)
 user_limits_table = cast(Table, UserLimitRow.__table__)
+user_limit_history_table = cast(Table, UserLimitChangeRow.__table__)
 pauses_table = cast(Table, PauseRow.__table__)
 
 

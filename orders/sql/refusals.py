@@ -10,7 +10,11 @@ refused``), :func:`refunds_owed` the dashboard's bounded summary of the pending 
 :func:`mark_handled` is how a refund consumer or an operator says a refund was dealt with.
 
 One row per (order, reference): the same payment refused twice finds its row, under the
-order's row lock (PostgreSQL) or the write lock (SQLite), and writes nothing more.
+order's row lock (PostgreSQL) or the write lock (SQLite), and writes nothing more. A
+payment for an order SQL does not hold (:func:`record_unknown_order`) has no lock to take:
+its row is inserted unless one with its key exists, in one statement. It names no user and
+has no event (an event belongs to an order), so only this list and the dashboard show it,
+not the ``payment_refused`` consumers.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from decimal import Decimal
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, bindparam, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, EventKind, Order, Payment, RefusalReason
 from orders.errors import InvalidInput, RefusalPosition
@@ -48,15 +53,17 @@ class PaymentRefusal:
     """A refused payment: the refund owed for it, and whether someone handled it."""
 
     order_id: str
-    user_id: str
+    #: None for an order SQL did not hold (``unknown_order``).
+    user_id: str | None
     #: The payment's reference; None when the payment gave none.
     payment_ref: str | None
     reason: RefusalReason
     amount: Decimal | None
     currency: str | None
     refused_at_ms: int
-    #: Where its ``payment_refused`` event stands: (transaction id, event id).
-    position: RefusalPosition
+    #: Where its ``payment_refused`` event stands: (transaction id, event id); None when
+    #: it has none (``unknown_order``).
+    position: RefusalPosition | None
     handled_at_ms: int | None = None
     handled_by: Actor | None = None
 
@@ -92,20 +99,30 @@ def record_refusal(
             **actor.columns(),
         },
     ).one()
-    conn.execute(
-        _INSERT_REFUSAL,
-        {
-            "order_id": order.id,
-            "payment_ref": ref,
-            "user_id": order.user_id,
-            "reason": reason.value,
-            "amount": amount_to_text(payment.amount),
-            "currency": payment.currency,
-            "refused_at_ms": now_ms,
-            "event_id": event.id,
-        },
-    )
+    values = _refusal_values(order.id, payment, reason, now_ms)
+    conn.execute(_INSERT_REFUSAL, {**values, "user_id": order.user_id, "event_id": event.id})
     return (event.txid or 0, event.id)
+
+
+def record_unknown_order(conn: Connection, order_id: str, payment: Payment, now_ms: int) -> None:
+    """Record that ``payment`` was refused because no order ``order_id`` is held, in
+    ``conn``'s transaction; a payment already recorded keeps its first record."""
+    values = _refusal_values(order_id, payment, RefusalReason.UNKNOWN_ORDER, now_ms)
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    conn.execute(dialect.insert(refusals_table).values(values).on_conflict_do_nothing())
+
+
+def _refusal_values(
+    order_id: str, payment: Payment, reason: RefusalReason, now_ms: int
+) -> dict[str, Any]:
+    return {
+        "order_id": order_id,
+        "payment_ref": payment.ref or "",
+        "reason": reason.value,
+        "amount": amount_to_text(payment.amount),
+        "currency": payment.currency,
+        "refused_at_ms": now_ms,
+    }
 
 
 def list_refusals(
@@ -212,7 +229,7 @@ def _refusal(row: Row[Any]) -> PaymentRefusal:
         amount=None if row.amount is None else Decimal(row.amount),
         currency=row.currency,
         refused_at_ms=row.refused_at_ms,
-        position=(row.txid or 0, row.event_id),
+        position=None if row.event_id is None else (row.txid or 0, row.event_id),
         handled_at_ms=row.handled_at_ms,
         handled_by=Actor.from_columns(row.handled_by_kind, row.handled_by),
     )

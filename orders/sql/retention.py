@@ -7,7 +7,8 @@ only when nothing still needs it:
 * no event of it is retrying or parked for a consumer (an operator may still requeue it);
 * every registered consumer has read every event of it (its cursor is past them).
 
-Its events, its refusals (all handled) and the rest go with it: ``ON DELETE CASCADE``.
+Its events go with it (``ON DELETE CASCADE``), and its refusals, all handled, in the same
+transaction (a refusal has no foreign key: one still owed outlives its order).
 The candidates are read along the partial indexes over each terminal status (paid by
 ``paid_at_ms``, cancelled and closed by ``closed_at_ms``), oldest first, in batches with a
 keyset cursor, so an order kept for one of the reasons above is stepped over, not read
@@ -167,4 +168,13 @@ class Retention:
 
 
 def _delete_in(conn: Connection, ids: list[str], *conditions: ColumnElement[bool]) -> None:
-    conn.execute(delete(orders_table).where(ORDER.id.in_(ids), *conditions))
+    deleted = conn.scalars(
+        delete(orders_table).where(ORDER.id.in_(ids), *conditions).returning(ORDER.id)
+    ).all()
+    if deleted:
+        refusal = refusals_table.c
+        conn.execute(
+            delete(refusals_table).where(
+                refusal.order_id.in_(deleted), refusal.handled_at_ms.is_not(None)
+            )
+        )

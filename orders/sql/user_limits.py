@@ -4,7 +4,9 @@ the settings' one.
 SQL holds them; Redis keeps a copy per user that the admission script reads
 (:meth:`orders.index.limits.LimitCopies.write`), and the SQL guard reads the row
 itself inside its insert (:func:`orders.sql.slots.effective_limit`), so a limit holds in SQL
-whatever Redis lost. Each function here opens and commits its own transaction.
+whatever Redis lost. Each function here opens and commits its own transaction; a set, and a
+clear that removed a limit, append a row to ``oes_user_limit_history`` in it (who, when,
+what), which only the user's erasure deletes.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, delete, select
+from sqlalchemy import Connection, Row, delete, insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, ms_to_datetime
-from orders.sql.models import user_limits_table
+from orders.sql.models import user_limit_history_table, user_limits_table
 from orders.sql.transactions import Transactions
+from orders.validation import check_count
 
 LC = user_limits_table.c
+HC = user_limit_history_table.c
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,16 @@ class UserLimit:
     @property
     def updated_at(self) -> datetime | None:
         return None if self.updated_at_ms is None else ms_to_datetime(self.updated_at_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitChange:
+    """One set (``limit``) or clear (``limit`` None) of a user's own limit."""
+
+    user_id: str
+    limit: int | None
+    changed_at_ms: int
+    actor: Actor | None
 
 
 def _to_limit(row: Row[Any]) -> UserLimit:
@@ -67,13 +81,41 @@ def write_limit(tx: Transactions, user_id: str, limit: int, now_ms: int, actor: 
     )
     with tx.write() as conn:
         conn.execute(upsert)
+        _append_history(conn, user_id, limit, now_ms, actor)
         conn.commit()
     return UserLimit(user_id, limit, now_ms, actor)
 
 
-def delete_limit(tx: Transactions, user_id: str) -> bool:
+def delete_limit(tx: Transactions, user_id: str, now_ms: int, actor: Actor) -> bool:
     """Remove the user's own limit (the settings' one applies again); True if it had one."""
     with tx.write() as conn:
         removed = conn.execute(delete(user_limits_table).where(LC.user_id == user_id)).rowcount
+        if removed:
+            _append_history(conn, user_id, None, now_ms, actor)
         conn.commit()
     return bool(removed)
+
+
+def read_history(tx: Transactions, user_id: str, limit: int = 100) -> list[LimitChange]:
+    """The user's latest ``limit`` limit changes, newest first."""
+    query = (
+        select(user_limit_history_table)
+        .where(HC.user_id == user_id)
+        .order_by(HC.id.desc())
+        .limit(check_count("limit", limit, 1, 10_000))
+    )
+    with tx.read() as conn:
+        rows = conn.execute(query).all()
+    return [
+        LimitChange(
+            r.user_id, r.unpaid_limit, r.changed_at_ms, Actor.from_columns(r.actor_kind, r.actor)
+        )
+        for r in rows
+    ]
+
+
+def _append_history(
+    conn: Connection, user_id: str, limit: int | None, now_ms: int, actor: Actor
+) -> None:
+    values = {"user_id": user_id, "unpaid_limit": limit, "changed_at_ms": now_ms}
+    conn.execute(insert(user_limit_history_table).values(values | actor.columns()))

@@ -78,3 +78,42 @@ def test_bad_input_is_exit_2_on_one_line_with_nothing_written(
     assert words in result.stderr
     assert result.stderr.count("\n") == 1
     assert service.user_limit("u1").own is False
+
+
+def test_history_lists_each_set_and_clear_newest_first_with_the_operator(run: Any) -> None:
+    assert run("limit", "history", "u1").stdout == "u1: no own limit was ever set\n"
+    assert run("--actor", "anna", "limit", "set", "u1", "1").exit_code == 0
+    assert run("--actor", "ben", "limit", "clear", "u1").exit_code == 0
+
+    shown = run("limit", "history", "u1")
+    assert shown.exit_code == 0, shown.output
+    newest, oldest = shown.stdout.splitlines()
+    assert newest.endswith("UTC  u1: cleared by operator:ben")
+    assert oldest.endswith("UTC  u1: set to 1 by operator:anna")
+    rows = json.loads(run("limit", "history", "u1", "--json").stdout)
+    assert [(r["limit"], r["actor_kind"], r["actor"]) for r in rows] == [
+        (None, "operator", "ben"),
+        (1, "operator", "anna"),
+    ]
+    assert set(rows[0]) == {
+        "user_id",
+        "limit",
+        "changed_at",
+        "changed_at_ms",
+        "actor_kind",
+        "actor",
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["limit", "history", "a*b"], "invalid user_id"),
+        (["limit", "history", "u1", "--limit", "0"], "invalid limit"),
+    ],
+)
+def test_a_bad_history_request_is_exit_2_on_one_line(run: Any, args: list[str], words: str) -> None:
+    result = run(*args)
+    assert (result.exit_code, result.stderr.count("\n")) == (2, 1), result.output
+    assert result.stderr.startswith("error: ")
+    assert words in result.stderr

@@ -346,3 +346,22 @@ def test_handled_for_no_such_refusal_is_exit_2_and_marks_nothing(
         "error: invalid payment_ref: no refused payment of that order has this reference\n"
     )
     assert [r["handled"] for r in refusals(run)] == [False, False]
+
+
+def test_a_payment_for_a_missing_order_is_exit_3_and_listed_as_owed_with_no_user(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paid = run("pay", "o-gone", "--ref", "psp-1", "--amount", "5.00", "--currency", "EUR")
+    assert (paid.exit_code, paid.stderr.count("\n")) == (3, 1), paid.output
+
+    [row] = refusals(run, "--pending")
+    assert (row["order_id"], row["reason"], row["user_id"], row["event"]) == (
+        "o-gone",
+        "unknown_order",
+        None,
+        None,
+    )
+    monkeypatch.setenv("COLUMNS", "200")  # rich's table: one line per row
+    [line] = [line for line in run("payments", "refused").stdout.splitlines() if "o-gone" in line]
+    assert "unknown_order" in line
+    assert "owed" in line

@@ -19,7 +19,13 @@ from orders.domain import Actor, ActorKind
 from orders.errors import InvalidInput, OrderClosed, RefundOwed, UnknownUser
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
-from orders.sql.models import events_table, orders_table, refusals_table, user_limits_table
+from orders.sql.models import (
+    events_table,
+    orders_table,
+    refusals_table,
+    user_limit_history_table,
+    user_limits_table,
+)
 from orders.sql.records import OrderRecords
 from tests.support.clocks import ManualClock
 
@@ -27,7 +33,7 @@ KEY = "erasure-key-of-the-tests"
 USER = "alice"
 #: What the user's rows carry that must go: the id, the metadata, the payment references.
 SECRETS = (USER, "alice@example.com", "psp-alice")
-TABLES = (orders_table, events_table, refusals_table, user_limits_table)
+TABLES = (orders_table, events_table, refusals_table, user_limits_table, user_limit_history_table)
 
 
 def expected_pseudonym(user_id: str) -> str:
@@ -284,6 +290,20 @@ def test_a_user_with_only_an_own_limit_loses_it_without_an_event_and_is_then_unk
     assert leaks(engine, redis_client) == []
     with pytest.raises(UnknownUser):
         shop.erase_user(USER)
+
+
+def test_a_user_whose_limit_was_set_and_cleared_loses_its_limit_history(
+    shop: OrderService, engine: Engine, redis_client: RedisClient
+) -> None:
+    shop.set_user_limit(USER, 2)
+    shop.clear_user_limit(USER)
+    shop.set_user_limit("bob", 1)
+
+    shop.erase_user(USER)
+
+    assert shop.user_limit_history(USER) == []
+    assert [c.limit for c in shop.user_limit_history("bob")] == [1]
+    assert leaks(engine, redis_client) == []
 
 
 @pytest.mark.rotate("database_url", "redis_kind")

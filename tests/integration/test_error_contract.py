@@ -245,6 +245,7 @@ USE_CASES: dict[str, Row] = {
     "set_user_limit": Row(lambda c: c.api.set_user_limit(c.user, 2)),
     "clear_user_limit": Row(lambda c: c.api.clear_user_limit(c.user)),
     "user_limit": Row(lambda c: c.api.user_limit(c.user)),
+    "user_limit_history": Row(lambda c: c.api.user_limit_history(c.user)),
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
     "earliest_reminder_ms": Row(lambda c: c.api.earliest_reminder_ms()),
@@ -609,6 +610,7 @@ COMMANDS: dict[str, Cmd] = {
     "limit set": cmd("limit", "set", "{user}", "2"),
     "limit show": cmd("limit", "show", "{user}"),
     "limit clear": cmd("limit", "clear", "{user}"),
+    "limit history": cmd("limit", "history", "{user}"),
     # A pause that succeeded would stay open in the module's shared database (and hold
     # every sweep in it), so the row takes the refusal path: a blank reason, exit 2 once
     # the service is built. tests/e2e/test_cli.py and test_pauses.py run the real pause.

@@ -253,6 +253,18 @@ def test_transition_in_host_transaction_leaves_redis_only_when_the_host_commits(
         assert members(service, "u1") == {order.id}
 
 
+@pytest.mark.parametrize("outcome", ["commit", "rollback"])
+def test_a_payment_for_a_missing_order_records_its_refusal_in_the_host_transaction(
+    service: OrderService, engine: Engine, outcome: str
+) -> None:
+    with engine.connect() as conn:
+        with pytest.raises(OrderNotFound):
+            service.mark_paid("o-gone", payment_ref="p-1", connection=conn)
+        getattr(conn, outcome)()
+    owed = [(r.order_id, r.reason.value) for r in service.refused_payments()]
+    assert owed == ([("o-gone", "unknown_order")] if outcome == "commit" else [])
+
+
 def test_create_and_pay_in_one_host_transaction(service: OrderService, engine: Engine) -> None:
     with Session(engine) as session, session.begin():
         order = service.create_unpaid_order("u1", connection=session)

@@ -100,6 +100,7 @@ def test_an_order_still_needed_is_kept_until_it_is_not(
     assert shop.operations.prune(90 * 86_400).orders == 1  # the cancelled one
     shop.mark_refund_handled(ids["closed"], "too-late")
     assert shop.operations.prune(90 * 86_400).orders == 1  # the closed one
+    assert shop.refused_payments() == []  # its refusal, handled, went with it
     assert ids["paid"] in order_ids(engine)  # parked events: an operator may requeue them
     assert ids["unpaid"] in order_ids(engine)
 

@@ -3,19 +3,18 @@ alike, with Redis intact or flushed; rebuilt by reconcile; one hash slot per use
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import pytest
 import redis
 from redis.crc import key_slot
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, text
 
-from orders import InvalidInput, Order, OrderService, UnpaidOrderLimitReached
+from orders import InvalidInput, Order, OrderService, SchemaNotReady, UnpaidOrderLimitReached
 from orders.domain import Actor, ActorKind
 from orders.index.keys import limit_key
 from orders.index.unpaid import UnpaidIndex
-from orders.sql.models import orders_table, user_limits_table
+from orders.sql.models import orders_table, user_limit_history_table, user_limits_table
 from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.stats import collect_stats
 from tests.support.clocks import ManualClock
@@ -103,18 +102,16 @@ def test_limit_zero_refuses_in_sql_too_when_redis_lost_its_key(
 
 
 def test_clear_returns_the_user_to_the_settings_limit_in_both_stores(
-    service: OrderService, engine: Engine, caplog: pytest.LogCaptureFixture
+    service: OrderService, engine: Engine
 ) -> None:
     service.set_user_limit("u1", 1)
     create_n(service, "u1", 1)
     assert refusal(service, "u1").limit == 1
 
-    with caplog.at_level(logging.INFO, logger="orders.service"):
-        cleared = service.clear_user_limit("u1", actor="ops")
-    # Who cleared it outlives the row it removed, in the log.
-    [record] = [r for r in caplog.records if r.getMessage().startswith("user limit cleared")]
-    assert record.getMessage() == "user limit cleared by application:ops"
-    assert record.user_id == "u1"  # type: ignore[attr-defined]
+    cleared = service.clear_user_limit("u1", actor="ops")
+    # Who cleared it outlives the row it removed, in the history.
+    [change, _] = service.user_limit_history("u1")
+    assert (change.limit, change.actor) == (None, Actor(ActorKind.APPLICATION, "ops"))
 
     assert (cleared.limit, cleared.own, cleared.updated_at_ms) == (3, False, None)
     assert service.user_limit("u1") == cleared
@@ -294,3 +291,42 @@ def test_a_raised_limit_whose_key_redis_lost_refuses_at_the_settings_limit_until
 
     create_n(service, "u1", 2)
     assert refusal(service, "u1").limit == 5
+
+
+def test_every_set_and_clear_is_kept_in_the_users_history_newest_first(
+    service: OrderService, clock: ManualClock
+) -> None:
+    start_ms = clock()
+    service.set_user_limit("u1", 5, actor="ops-anna")
+    clock.advance(s=1)
+    service.set_user_limit("u1", 2, actor="ops-ben")
+    service.set_user_limit("u2", 1, actor="ops-ben")
+    clock.advance(s=1)
+    service.clear_user_limit("u1", actor="ops-cleo")
+    service.clear_user_limit("u1", actor="ops-dan")  # nothing left to clear: no change
+
+    history = service.user_limit_history("u1")
+
+    app = ActorKind.APPLICATION
+    assert [(c.user_id, c.limit, c.changed_at_ms, c.actor) for c in history] == [
+        ("u1", None, start_ms + 2000, Actor(app, "ops-cleo")),
+        ("u1", 2, start_ms + 1000, Actor(app, "ops-ben")),
+        ("u1", 5, start_ms, Actor(app, "ops-anna")),
+    ]
+    assert [c.limit for c in service.user_limit_history("u2")] == [1]
+    assert service.user_limit_history("u3") == []
+
+
+def test_a_limit_change_whose_history_cannot_be_written_changes_nothing(
+    service: OrderService, engine: Engine
+) -> None:
+    service.set_user_limit("u1", 5)
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE {user_limit_history_table.name}"))
+
+    with pytest.raises(SchemaNotReady):
+        service.set_user_limit("u1", 2)
+    with pytest.raises(SchemaNotReady):
+        service.clear_user_limit("u1")
+
+    assert limit_rows(engine) == {"u1": 5}

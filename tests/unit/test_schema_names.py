@@ -14,7 +14,12 @@ def names_of(table: Table) -> list[str]:
 
 
 #: Tables created after 0007, with the prefix from the start.
-BORN_PREFIXED = {"oes_payment_refusals", "oes_user_limits", "oes_pauses"}
+BORN_PREFIXED = {
+    "oes_payment_refusals",
+    "oes_user_limits",
+    "oes_pauses",
+    "oes_user_limit_history",
+}
 
 
 def test_every_table_of_the_models_is_a_former_table_with_the_prefix_or_born_with_it() -> None:

@@ -173,7 +173,7 @@ function render(data) {
     field("refunds_owed", owed, refunds.owed > 0);
     field("refunds_oldest", refunds.oldest_age_ms === null ? "-" : `${duration(refunds.oldest_age_ms)} ago`);
     fillTable("refunds", refunds.newest, (r) => [
-      [r.order_id], [r.user_id], r.payment_ref === null ? ["none", "ref muted"] : [r.payment_ref, "ref"],
+      [r.order_id], [r.user_id ?? "-"], r.payment_ref === null ? ["none", "ref muted"] : [r.payment_ref, "ref"],
       [r.reason], [r.amount === null ? "-" : `${r.amount} ${r.currency || ""}`.trim(), "num"],
       [`${duration(r.age_ms)} ago`],
     ]);
