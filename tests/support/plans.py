@@ -76,6 +76,8 @@ def _sql_literal(value: Any) -> str:
         return "NULL"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, list):  # an array (a JSON value comes wrapped)
+        return "'{" + ",".join(json.dumps(item) for item in value).replace("'", "''") + "}'"
     text = value if isinstance(value, str) else json.dumps(value)
     return "'" + text.replace("'", "''") + "'"
 
@@ -97,7 +99,8 @@ def explain_sql(engine: Engine, sql: str, params: Any) -> str:
                 names.append(match.group(1))
                 return f"${len(names)}"
 
-            generic = re.sub(r"%\((\w+)\)s(::\w+)?", placeholder, sql)
+            # Scalar casts go (PREPARE infers the types); an array's stays.
+            generic = re.sub(r"%\((\w+)\)s(::\w+\b(?!\[))?", placeholder, sql)
             values = ", ".join(_sql_literal(params[name]) for name in names)
             conn.exec_driver_sql("SET enable_seqscan = off")
             conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
