@@ -45,6 +45,8 @@ SANITY = Mutation(
     sanity=True,
 )
 
+RECONCILE_PLANS = "tests/integration/test_reconcile_plans.py"
+
 #: The breaks of the stores' rules: admission, the SQL guard, transitions (the processes'
 #: are in drill_mutations_processes.py).
 STORE_MUTATIONS: tuple[Mutation, ...] = (
@@ -337,6 +339,27 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         '            <= 2 * bindparam("max_life_ms", type_=BigInteger),',
         "no extension moves an expiry past created_at + max_lifetime_s",
         "tests/integration/test_events.py::test_extend_refuses_closed_paid_expired_and_too_long",
+    ),
+    # Reconcile's reads are bound by the open orders: planned beside 10**6 closed ones, as
+    # the driver's prepared statements are (PostgreSQL's generic plan; SQLite plans the
+    # bound values, so it keeps the partial index through both breaks).
+    mutation(
+        "reconcile-page-without-its-user-bound",
+        "orders/sql/reconcile_reads.py",
+        '        ORDER.user_id >= bindparam("after_user"),',
+        "        ORDER.user_id.is_not(None),",
+        "each reconcile page starts its scan of the per-user unpaid index at the last page's end",
+        RECONCILE_PLANS,
+    ),
+    mutation(
+        "reconcile-page-status-as-parameter",
+        "orders/sql/reconcile_reads.py",
+        '        open_at(bindparam("now_ms")),\n        ORDER.user_id >= bindparam("after_user"),',
+        '        ORDER.status == bindparam("unpaid", "unpaid"),'
+        ' ORDER.expires_at_ms > bindparam("now_ms"),\n'
+        '        ORDER.user_id >= bindparam("after_user"),',
+        "a reconcile page reads the partial index over unpaid orders, never the table",
+        RECONCILE_PLANS,
     ),
     mutation(
         "epoch-marker-names-the-run-after-the-rebuild",

