@@ -143,8 +143,8 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "sweep-line-after-lease-lost-silent",
         "orders/scheduler/sweeper.py",
-        '"lease_lost": self._lost_lease}',
-        '"lease_lost": False}',
+        '                fields["lease_lost"] = True',
+        "                pass",
         "a sweep line written after the lease was lost says so",
         "tests/crash/test_frozen_sweeper.py::test_a_sweeper_frozen_mid_batch_holds_no_order_and_a_standby_finishes_the_sweep",
     ),

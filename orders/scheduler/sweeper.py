@@ -278,9 +278,9 @@ class Sweeper:
         whole = not (self._stop_requested or self._lost_lease)
         self.status.swept(earliest_ms, now_ms, whole=whole)
         if result.closed:
-            # Written once the last batch's commit is known: after a freeze that can be after
-            # the ``lease_lost`` its end found, which the line then says.
-            fields = {**asdict(result), "duration_ms": duration_ms, "lease_lost": self._lost_lease}
+            fields = {**asdict(result), "duration_ms": duration_ms}
+            if self._lost_lease:  # after a freeze, written after the lease_lost its end found
+                fields["lease_lost"] = True
             self.log_event(logging.DEBUG, "sweep", **fields)
         self.summary.add_sweep(result)
         due: int | None = None
