@@ -16,10 +16,8 @@ A batch does the shared work only, in the leader's thread:
    commit (:mod:`orders.sql.slot_batch`): the same slot guard, but an order that finds no
    free slot or a taken id is skipped, never an error that aborts the others.
 
-A caller that waited while Redis left a call unanswered (the one in flight, or a batch)
-does not ask Redis again: it takes the outage policy at once (``StoreUnavailable``, or the
-SQL guard alone under ``create_without_redis``), so its whole wait stays within the bound
-of a create alone (about two socket timeouts), not that bound twice.
+A caller that waited while Redis left a call unanswered takes the outage policy at once
+rather than asking again: in a stall it waits no longer than a create alone, not twice.
 
 Then each caller finishes in its own thread, while the next batch runs: an order inserted
 is returned; every other goes on by the single path from Redis's answer
@@ -172,8 +170,7 @@ class CreateCombiner:
             member.error = StoreUnavailable("redis", detail)
 
     def _outage_seen(self, member: Member) -> bool:
-        """Whether Redis left a call unanswered while the member waited; then the outage
-        policy decides it now (module docstring)."""
+        """Redis left a call unanswered while the member waited: the outage policy, now."""
         if member.entered > self.admitter.unanswered_at:
             return False
         if self.admitter.create_without_redis:
