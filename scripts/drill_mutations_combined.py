@@ -60,6 +60,22 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_shared_database.py::test_a_primary_key_name_of_ours_taken_is_a_conflict_where_the_engine_shares_it",
     ),
     mutation(
+        "combined-create-asks-again-after-no-answer",
+        "orders/rules/combining.py",
+        "        if member.entered > self.admitter.unanswered_at:",
+        "        if True:",
+        "a combined create queued behind a call Redis left unanswered does not ask again",
+        "tests/crash/test_stalled_redis.py::test_combined_creates_in_a_stall_end_within_the_single_paths_bound",
+    ),
+    mutation(
+        "combined-create-no-answer-not-recorded",
+        "orders/rules/admission.py",
+        "                self.unanswered_at = time.monotonic()",
+        "                pass",
+        "an admission Redis left unanswered is recorded for the creates queued behind it",
+        "tests/crash/test_stalled_redis.py::test_combined_creates_in_a_stall_end_within_the_single_paths_bound",
+    ),
+    mutation(
         "combined-create-interrupted-leader-not-settled",
         "orders/rules/combining.py",
         "            batch[0].error, batch[0].unsettled = stop, True",

@@ -141,6 +141,14 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     ),
     # --- the scheduler: its logs, its rebuild beside the sweep, its jobs' next runs ----------
     mutation(
+        "sweep-line-after-lease-lost-silent",
+        "orders/scheduler/sweeper.py",
+        '                fields["lease_lost"] = True',
+        "                pass",
+        "a sweep line written after the lease was lost says so",
+        "tests/crash/test_frozen_sweeper.py::test_a_sweeper_frozen_mid_batch_holds_no_order_and_a_standby_finishes_the_sweep",
+    ),
+    mutation(
         "summary-every-tick",
         "orders/scheduler/log.py",
         "(not force and now - self._since < self.period_s)",

@@ -30,6 +30,8 @@ undo it.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import replace
 
 from sqlalchemy import Connection
@@ -84,6 +86,9 @@ class Admitter:
         self.abandoner = Abandoner(index, records)
         #: The Redis writes after a commit (also the transitions' and extensions').
         self.followups = Followups(index, records)
+        #: When (``time.monotonic``) Redis last left an admission unanswered: a create
+        #: combined behind it does not ask again (:mod:`orders.rules.combining`).
+        self.unanswered_at = -math.inf
 
     def reserve(self, request: AdmitRequest) -> AdmitResult:
         """The Redis step, under the one outage policy; ``request.rate``: count it as a
@@ -99,7 +104,9 @@ class Admitter:
             if freed and admitted.outcome is not Admission.ADMITTED:
                 admitted = self.index.admit(request)
             return admitted
-        except StoreUnavailable:
+        except StoreUnavailable as failed:
+            if not isinstance(failed, ServerRefused):
+                self.unanswered_at = time.monotonic()
             if not self.create_without_redis:
                 raise
             log.warning(

@@ -16,6 +16,9 @@ A batch does the shared work only, in the leader's thread:
    commit (:mod:`orders.sql.slot_batch`): the same slot guard, but an order that finds no
    free slot or a taken id is skipped, never an error that aborts the others.
 
+A caller that waited while Redis left a call unanswered takes the outage policy at once
+rather than asking again: in a stall it waits no longer than a create alone, not twice.
+
 Then each caller finishes in its own thread, while the next batch runs: an order inserted
 is returned; every other goes on by the single path from Redis's answer
 (:meth:`Admitter.complete`): the refusal, the retry, the order that found no slot (make
@@ -31,6 +34,7 @@ cancel of its own, :mod:`orders.rules.creating`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +64,7 @@ class Member:
     the shared commit, or its error decided (which goes before the rest)."""
 
     new: NewOrder
+    entered: float = field(default_factory=time.monotonic)
     seat: Seat[Member] = field(default_factory=Seat)
     admitted: AdmitResult | None = None
     row: Mapping[str, Any] | None = None
@@ -110,13 +115,18 @@ class CreateCombiner:
     def _run(self, batch: list[Member]) -> None:
         if self.admitter.abandoner.unsent:
             return  # each goes alone: the single path sends the abandons first
+        asking = [member for member in batch if not self._outage_seen(member)]
+        if not asking:
+            return
         try:
-            results = admit_all(self.admitter.index, [self.admitter.request(m.new) for m in batch])
+            results = admit_all(self.admitter.index, [self.admitter.request(m.new) for m in asking])
         except BaseException as stop:
-            self._unanswered(batch, stop)
+            self._unanswered(asking, stop)
+            if not isinstance(stop, StoreUnavailable):  # the leader's own interrupt (or a bug)
+                batch[0].error = stop
             return
         admitted: list[Member] = []
-        for member, result in zip(batch, results, strict=True):
+        for member, result in zip(asking, results, strict=True):
             if isinstance(result, ServerRefused):  # Redis answered: nothing was written
                 member.error = StoreUnavailable(result.store, result.detail)
                 continue
@@ -138,6 +148,8 @@ class CreateCombiner:
                 member.error = StoreUnavailable(stop.store, stop.detail)
             return
         cut_off = interrupted(stop)
+        if not cut_off:
+            self.admitter.unanswered_at = time.monotonic()
         if (
             not cut_off
             and isinstance(stop, StoreUnavailable)
@@ -154,9 +166,18 @@ class CreateCombiner:
                 new.user_id, new.id, new.created_at_ms, send_now=cut_off
             )
         detail = stop.detail if isinstance(stop, StoreUnavailable) else "admit cut off"
-        for member in batch[1:]:
+        for member in batch:
             member.error = StoreUnavailable("redis", detail)
-        batch[0].error = stop
+
+    def _outage_seen(self, member: Member) -> bool:
+        """Redis left a call unanswered while the member waited: the outage policy, now."""
+        if member.entered > self.admitter.unanswered_at:
+            return False
+        if self.admitter.create_without_redis:
+            member.admitted = AdmitResult(Admission.EXISTS, 0, member.new.expires_at_ms)
+        else:
+            member.error = StoreUnavailable("redis", "no answer while this create waited")
+        return True
 
     def _insert(self, admitted: list[Member]) -> None:
         """The shared transaction; a member it did not insert goes on alone from Redis's
@@ -171,6 +192,8 @@ class CreateCombiner:
 
     def _finish(self, member: Member) -> tuple[Order, bool]:
         new = member.new
+        if member.error is None and member.row is None and member.admitted is None:
+            self._outage_seen(member)  # it was to go alone
         if member.error is not None:
             if member.unsettled:
                 self.admitter.followups.settle(new.id, new.created_at_ms, user_id=new.user_id)

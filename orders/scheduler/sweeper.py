@@ -278,7 +278,10 @@ class Sweeper:
         whole = not (self._stop_requested or self._lost_lease)
         self.status.swept(earliest_ms, now_ms, whole=whole)
         if result.closed:
-            self.log_event(logging.DEBUG, "sweep", **asdict(result), duration_ms=duration_ms)
+            fields = {**asdict(result), "duration_ms": duration_ms}
+            if self._lost_lease:  # after a freeze, written after the lease_lost its end found
+                fields["lease_lost"] = True
+            self.log_event(logging.DEBUG, "sweep", **fields)
         self.summary.add_sweep(result)
         due: int | None = None
         with contextlib.suppress(StoreUnavailable):

@@ -10,7 +10,9 @@ PostgreSQL, and the two timeouts that bound what any frozen holder of a lock cos
    were all in the batch must then each return at once (well within the lease), and a
    standby must finish the sweep while the frozen one is still stopped. After SIGCONT
    both processes stop cleanly and the stores agree: nothing closed twice, nothing both
-   paid and closed, no member for a paid order.
+   paid and closed, no member for a paid order. The frozen one's log does not read as a
+   sweep by a scheduler that no longer held the lease: its sweep line, written after its
+   ``lease_lost``, says that the lease was lost during it.
 2. A transaction of the service's own engine left open (its process frozen between two
    statements) loses its locks after ``sql_idle_in_transaction_timeout_s``: a payment
    blocked behind it waits that long and then wins.
@@ -24,6 +26,7 @@ Every process a test starts is stopped by its PID in a ``finally`` (SIGCONT firs
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -53,7 +56,7 @@ OC, EC = orders_table.c, events_table.c
 BATCH = 500
 LEASE_TTL_S = 5.0
 SCHEDULER_ARGS = [
-    "-m", "orders", "scheduler", "--interval", "0.5", "--batch-size", str(BATCH),
+    "-m", "orders", "-vv", "scheduler", "--interval", "0.5", "--batch-size", str(BATCH),
     "--lease-ttl", str(LEASE_TTL_S),
 ]  # fmt: skip
 LEASE_ACQUIRED = '"event": "lease_acquired"'
@@ -156,6 +159,20 @@ def hold_closed_events_on(conn: psycopg.Connection[Any]) -> None:
     )
 
 
+def assert_sweep_after_lease_lost_says_so(log: str) -> None:
+    """Each ``sweep`` line written after a ``lease_lost`` line carries ``lease_lost``."""
+    events = [
+        json.loads(line[line.index("{") :])
+        for line in log.splitlines()
+        if '"event": "sweep"' in line or '"event": "lease_lost"' in line
+    ]
+    kinds = [event["event"] for event in events]
+    assert "lease_lost" in kinds, log[-3000:]
+    after = [e for e in events[kinds.index("lease_lost") :] if e["event"] == "sweep"]
+    assert after, log[-3000:]
+    assert all(e.get("lease_lost") is True for e in after), after
+
+
 def continue_and_close(child: ChildProcess) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(child.pid, signal.SIGCONT)
@@ -221,9 +238,11 @@ def test_a_sweeper_frozen_mid_batch_holds_no_order_and_a_standby_finishes_the_sw
         wait_until("the standby leaves nothing due", lambda: service.count_due() == 0 or None, 120)
 
         os.kill(frozen.pid, signal.SIGCONT)
+        frozen.wait_for('"event": "sweep"', 60)
         for child in (frozen, standby):
             child.proc.send_signal(signal.SIGTERM)
             assert child.proc.wait(30) == 0, child.log()[-3000:]
+        assert_sweep_after_lease_lost_says_so(frozen.log())
     finally:
         for child in (frozen, standby):
             if child is not None:

@@ -258,3 +258,61 @@ def test_a_create_that_times_out_keeps_a_concurrent_twins_open_order(
 
     assert set(service.index.members("u1")) == {"same-1"}
     assert rows_of(engine, "u1") == 1
+
+
+#: The single path's bound (two socket timeouts of 0.5 s: the read and its one retry), and
+#: the most a combined create may take beside it: 0.6 s for 32 threads scheduled on two
+#: loaded cores. A follower that waited out the call in flight and then its own round trip
+#: takes twice the bound (2.2 to 2.3 s measured), which this catches.
+SINGLE_PATH_BOUND_S = 1.0
+COMBINED_MARGIN_S = 0.6
+
+
+@pytest.mark.timeout(120)
+def test_combined_creates_in_a_stall_end_within_the_single_paths_bound(
+    stallable_redis: RedisServer, engine: Engine
+) -> None:
+    """32 threads create in a loop through a stall with ``combine_creates``: a follower does
+    not ask Redis again once the call it waited for found Redis silent, so every create
+    ends (its order, or StoreUnavailable) within the bound a create alone keeps."""
+    settings = Settings(redis_url=stallable_redis.url, combine_creates=True)
+    service = OrderService(engine, build_redis(settings), settings)
+    assert settings.redis_socket_timeout_s * 2 == SINGLE_PATH_BOUND_S
+    durations: list[tuple[float, object]] = []
+    stop = threading.Event()
+
+    def create_until_stopped(thread: int) -> None:
+        for n in range(10_000):
+            if stop.is_set():
+                return
+            started = time.monotonic()
+            try:
+                outcome: object = service.create_unpaid_order(f"c{thread}-{n}")
+            except StoreUnavailable as failed:
+                outcome = failed
+            durations.append((time.monotonic() - started, outcome))
+
+    # A connection per thread before the stall, as in a process that was serving: one
+    # opened during it waits for its handshake too, on either path.
+    pool = service.index.client.connection_pool
+    for connection in [pool.get_connection() for _ in range(32)]:  # each one connected
+        pool.release(connection)
+    try:
+        service.create_unpaid_order("warm")
+        woken = stall(stallable_redis, STALL_S)
+        threads = [threading.Thread(target=create_until_stopped, args=(t,)) for t in range(32)]
+        for thread in threads:
+            thread.start()
+        woken()
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        stop.set()
+        service.index.client.close()
+    failed = [outcome for _, outcome in durations if isinstance(outcome, StoreUnavailable)]
+    assert failed, "no create met the stall"
+    assert service.combiner is not None
+    assert service.combiner.stats.combined, "no create was combined"
+    slowest_s, outcome = max(durations, key=lambda pair: pair[0])
+    assert slowest_s < SINGLE_PATH_BOUND_S + COMBINED_MARGIN_S, (slowest_s, outcome)
