@@ -46,6 +46,13 @@ from orders.index.server_config import server_warnings
 
 log = logging.getLogger("orders.index")  # the package's name: operators configure it
 
+#: How old (ms) a create's admission must be before a refusal names its member as a suspect
+#: (``admit.lua``), for the caller to ask SQL whether the create committed, still runs, or
+#: died (:mod:`orders.rules.ghosts`). A create is between its Redis and SQL steps for
+#: milliseconds; one still there after this waits on a starved pool or a connect, and losing
+#: its member then costs nothing of the limit (SQL's slot guard decides, and writes it back).
+SUSPECT_AFTER_MS = 5_000
+
 #: How many distinct foreign keys one process logs (each once); past it, only counted.
 _FOREIGN_LOG_CAP = 1000
 
