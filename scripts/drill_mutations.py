@@ -370,6 +370,49 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
         "before the rebuild began",
         "tests/crash/test_redis_rewound.py::test_a_redis_restarted_during_a_rebuild_is_rebuilt_again_at_the_next_check",
     ),
+    # --- creates that died: a refusal's suspects (issue 46) --------------------------------
+    mutation(
+        "refusal-names-no-suspects",
+        "orders/index/lua/admit.lua",
+        "if start and start > 0 and start <= settled then",
+        "if false then",
+        "a create that died stops refusing its user, from any process, seconds after its start",
+        "tests/crash/test_stalled_redis.py::test_another_process_admits_the_user_once_a_create_failed_in_a_stall_is_seconds_old[redis7.0-sqlite]",
+        "tests/crash/test_stalled_redis.py::test_another_process_admits_the_user_once_a_create_failed_in_a_stall_is_seconds_old[redis7.0-postgresql]",
+    ),
+    mutation(
+        "suspect-check-ignores-the-in-flight-lock",
+        "orders/sql/inflight.py",
+        'free = {oid for oid, got in conn.execute(_TRY_LOCKS, {"ids": ids}) if got}',
+        'free = {oid for oid, got in conn.execute(_TRY_LOCKS, {"ids": ids}) if True}',
+        "PostgreSQL: a create whose transaction is still open is not taken for dead",
+        "tests/integration/test_host_transaction.py::test_a_refusal_keeps_the_member_of_a_create_whose_host_transaction_is_still_open[redis7.0-postgresql]",
+    ),
+    mutation(
+        "suspect-check-ignores-the-sqlite-write-lock",
+        "orders/sql/inflight.py",
+        "if not _write_lock(conn):",
+        "if not (_write_lock(conn) or True):",
+        "SQLite: a create whose transaction is still open is not taken for dead",
+        "tests/integration/test_host_transaction.py::test_a_refusal_keeps_the_member_of_a_create_whose_host_transaction_is_still_open[redis7.0-sqlite]",
+    ),
+    mutation(
+        "suspects-never-confirmed",
+        "orders/rules/abandoning.py",
+        "self.index.confirm(user_id, fates.committed)",
+        "pass",
+        "a refusal asks SQL about a committed order once, then costs one round trip again",
+        "tests/integration/test_create.py::test_a_refusal_asks_sql_once_about_admissions_seconds_old_then_costs_one_redis_call_again[redis7.0-postgresql-sync-server]",
+    ),
+    mutation(
+        "reconcile-keeps-dead-creates-in-flight",
+        "orders/rules/reconcile.py",
+        "abandoned += [member for member in suspects if member[1] in fates.dead]",
+        "abandoned += []",
+        "reconcile does not keep a create SQL knows dead as in flight",
+        "tests/crash/test_stalled_redis.py::test_a_leftover_no_compensation_reached_goes_at_reconcile_once_seconds_old[redis7.0-postgresql]",
+        "tests/crash/test_host_transaction_crash.py::test_create_killed_in_its_host_transaction_frees_its_users_slot_seconds_after_its_start[redis7.0-sqlite-create-commit]",
+    ),
 )
 
 

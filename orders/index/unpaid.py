@@ -46,6 +46,13 @@ from orders.index.server_config import server_warnings
 
 log = logging.getLogger("orders.index")  # the package's name: operators configure it
 
+#: How old (ms) a create's admission must be before a refusal names its member as a suspect
+#: (``admit.lua``), for the caller to ask SQL whether the create committed, still runs, or
+#: died (:mod:`orders.rules.ghosts`). A create is between its Redis and SQL steps for
+#: milliseconds; one still there after this waits on a starved pool or a connect, and losing
+#: its member then costs nothing of the limit (SQL's slot guard decides, and writes it back).
+SUSPECT_AFTER_MS = 5_000
+
 #: How many distinct foreign keys one process logs (each once); past it, only counted.
 _FOREIGN_LOG_CAP = 1000
 
@@ -91,6 +98,9 @@ class AdmitResult:
     score_ms: int
     #: REFUSED: the limit the script applied (the user's own, when its key is set).
     limit: int | None = None
+    #: REFUSED: (order id, start ms) of the members whose create started at least
+    #: :data:`SUSPECT_AFTER_MS` ago and is not confirmed: it may be over without a row.
+    suspects: tuple[tuple[str, int], ...] = ()
 
 
 def _score(value: bytes | str | float) -> int:
@@ -104,7 +114,9 @@ def admit_result(reply: list[Any]) -> AdmitResult:
     """``admit.lua``'s reply (its header says what each element is)."""
     code, count, score = reply[:3]
     applied = int(reply[3]) if len(reply) > 3 else None
-    return AdmitResult(Admission(int(code)), int(count), _score(score), applied)
+    pairs = reply[4:]
+    suspects = tuple((text_of(o), int(s)) for o, s in zip(pairs[::2], pairs[1::2], strict=True))
+    return AdmitResult(Admission(int(code)), int(count), _score(score), applied, suspects)
 
 
 def admit_args(
@@ -120,7 +132,16 @@ def admit_args(
     the bench's raw EVALSHA alike (whose KEYS are the user's key and :func:`admits_key`:
     without a ``rate`` the script reads no other)."""
     rate_count, rate_window_ms = rate or (0, 0)
-    return [order_id, expires_at_ms, now_ms, limit, window_ms, rate_count, rate_window_ms]
+    return [
+        order_id,
+        expires_at_ms,
+        now_ms,
+        limit,
+        window_ms,
+        rate_count,
+        rate_window_ms,
+        SUSPECT_AFTER_MS,
+    ]
 
 
 class UnpaidIndex:
@@ -215,6 +236,12 @@ class UnpaidIndex:
         keys = [self.key(user_id), self.admits_key(user_id), self.rate_key(user_id)]
         with redis_errors("abandon"):
             return bool(self._abandon(keys=keys, args=[order_id, started_ms, self.window_ms]))
+
+    def confirm(self, user_id: str, order_ids: list[str]) -> None:
+        """Drop the admission entries of orders SQL has a row of: a refusal names them no
+        more (one command; reconcile and abandons go by the row)."""
+        with redis_errors("confirm"):
+            self.client.hdel(self.admits_key(user_id), *order_ids)
 
     def admission_starts(self, members: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """When the create that admitted each (user id, order id) started, for those the

@@ -5,8 +5,13 @@ interrupt), the script may have run, or may still be queued in a stalled server.
 admission then abandons the attempt (:meth:`Abandoner.abandon`): ``abandon.lua`` is sent
 after the process's next admission that Redis answers (at once after an interrupt), which
 removes the member if that attempt added it and otherwise makes a late run of the attempt
-add nothing. What none of this reaches, reconcile removes once the admission window has
-passed since the create started.
+add nothing.
+
+What none of this reaches (the abandon waits in a process that makes no more admissions, or
+the process died inside its host's transaction) is found by any process's refusal: the
+admission script names the members whose create started ``SUSPECT_AFTER_MS`` ago or more,
+and :meth:`Abandoner.clear_dead` asks SQL about those few (:mod:`orders.sql.inflight`).
+Reconcile asks the same, and removes the rest once the admission window has passed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Sequence
 
 from orders.errors import OrdersError, StoreUnavailable
 from orders.index.unpaid import UnpaidIndex
@@ -82,3 +88,26 @@ class Abandoner:
                 )
                 return freed
             freed = freed or (removed and user_id == freeing)
+
+    def clear_dead(self, user_id: str, suspects: Sequence[tuple[str, int]]) -> bool:
+        """A refusal's suspects, (order id, start ms): those SQL has a row of are confirmed
+        (no refusal names them again); those whose create is over without one are abandoned
+        by their start, so a member a later attempt admitted again stays. True if a member
+        went. A store that fails leaves the refusal as it was."""
+        try:
+            fates = self.records.in_flight.fates([order_id for order_id, _ in suspects])
+            if fates is None:
+                return False
+            if fates.committed:
+                self.index.confirm(user_id, fates.committed)
+            removed = [
+                self.index.abandon(user_id, order_id, started_ms=started_ms)
+                for order_id, started_ms in suspects
+                if order_id in fates.dead
+            ]
+        except OrdersError as exc:
+            log.warning("could not check the refusal's old admissions: %s", exc)
+            return False
+        if any(removed):
+            log.info("removed members of creates that died", extra={"user_id": user_id})
+        return any(removed)

@@ -5,7 +5,9 @@ and the pre-close check's extension of an expired order (which no longer held a 
 
 1. The Redis script (``admit.lua``) drops expired members, counts, and refuses at the limit
    (or at the create rate, ``Settings.create_rate``, asked first) or adds the member,
-   atomically: a refusal costs one round trip and no SQL. The rate counts creates, not
+   atomically: a refusal costs one round trip and no SQL (unless it names members whose
+   create started a few seconds ago unconfirmed: SQL is asked about those, and a slot
+   freed by a create that died is taken, :meth:`Abandoner.clear_dead`). The rate counts creates, not
    open orders, so only a create is counted: a retry that finds its member is not, nor is
    the pre-close check's reopen. It lives in Redis alone: a Redis that lost its data has
    forgotten the creates it counted.
@@ -171,6 +173,8 @@ class Admitter:
         """:meth:`create` from Redis's answer on: the refusal, or the SQL step (also where a
         combined create whose order the shared transaction did not insert goes on)."""
         now_ms = new.created_at_ms
+        if admitted.suspects and self.abandoner.clear_dead(new.user_id, admitted.suspects):
+            admitted = self._reserve_or_abandon(self.request(new))  # it freed a slot
         if admitted.outcome in (Admission.REFUSED, Admission.RATE_LIMITED):
             # The caller's own id: the refusal may be a retry of an order no longer open.
             earlier = self.records.find(new.id, now_ms, host) if new.caller_id else None

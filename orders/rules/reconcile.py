@@ -10,7 +10,8 @@ user's set equal to SQL's view:
 * a member with no SQL row at all stays while its create may still be between its Redis
   and SQL steps (its admission, on record beside the set, started less than the admission
   window ago); once the create is certainly over (it started longer ago, or no admission
-  of it is on record: every record outlives the window), it goes;
+  of it is on record: every record outlives the window, or, ``SUSPECT_AFTER_MS`` after its
+  start, SQL says no transaction can still write it: :mod:`orders.sql.inflight`), it goes;
 * a key left with no members disappears (Redis deletes empty sets).
 
 A full run makes two passes; ``now`` is read once at the start, and every SCAN batch and
@@ -62,7 +63,7 @@ from dataclasses import dataclass, fields
 from orders import metrics
 from orders.domain import Clock
 from orders.index.reconcile_batch import KeysChecked, ReconcileBatch
-from orders.index.unpaid import UnpaidIndex
+from orders.index.unpaid import SUSPECT_AFTER_MS, UnpaidIndex
 from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
@@ -85,7 +86,7 @@ class ReconcileReport:
     removed_terminal: int = 0
     removed_expired: int = 0
     #: Members with no SQL row whose create is certainly over (it started more than the
-    #: admission window ago, or no admission of it is on record): removed.
+    #: admission window ago, no admission of it is on record, or SQL says it died): removed.
     removed_abandoned: int = 0
     #: Members with no SQL row whose create may still be running: kept.
     kept_in_flight: int = 0
@@ -112,6 +113,7 @@ class Reconciler:
         self, records: OrderRecords, index: UnpaidIndex, clock: Clock, *, max_user_id_length: int
     ) -> None:
         self.reads = records.reads
+        self.in_flight = records.in_flight
         self.index = index
         self.clock = clock
         self.max_user_id_length = max_user_id_length
@@ -305,6 +307,10 @@ class Reconciler:
         starts = self.index.admission_starts(rowless)
         over = now_ms - self.index.window_ms
         abandoned = [member for member in rowless if starts.get(member, over) <= over]
+        suspects = [m for m in rowless if over < starts.get(m, over) <= now_ms - SUSPECT_AFTER_MS]
+        fates = suspects and self.in_flight.fates([order_id for _, order_id in suspects])
+        if fates:
+            abandoned += [member for member in suspects if member[1] in fates.dead]
         report.removed_abandoned += len(abandoned)
         report.kept_in_flight += len(rowless) - len(abandoned)
         if not dry_run:

@@ -32,6 +32,7 @@ from sqlalchemy import (
 
 from orders.domain import Actor, NewOrder, Order, OrderStatus, Payment
 from orders.errors import OrderNotFound
+from orders.sql.inflight import CreatesInFlight
 from orders.sql.models import orders_table
 from orders.sql.predicates import (
     REMINDER_DUE_PREDICATE,
@@ -148,6 +149,8 @@ class OrderRecords:
         self.reads = ReconcileReads(self.tx)
         #: The SQL limit guard.
         self.slots = SlotGuard(self.tx)
+        #: Whether a create with no row is over (a refusal's suspects, reconcile's extras).
+        self.in_flight = CreatesInFlight(self.tx)
 
     @property
     def engine(self) -> Engine:

@@ -51,6 +51,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
 from orders.domain import APPLICATION, EventKind, NewOrder, OrderStatus
+from orders.sql.inflight import in_flight_lock
 from orders.sql.models import events_table, orders_table, user_limits_table
 from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.transactions import Transactions
@@ -168,11 +169,11 @@ def _free_slot() -> Any:
 
 def insert_in_free_slot(dialect: str, *, any_conflict: bool = False) -> Any:
     """INSERT INTO oes_orders ... SELECT the values, the free slot: no row when none is free;
-    on PostgreSQL with its ``created`` event in the statement (bind parameters
-    ``event_data``, ``actor_kind``, ``actor``). ``any_conflict``: no row either when any
-    unique constraint refuses it (the id too), instead of raising: the insert of combined
-    creates (:mod:`orders.sql.slot_batch`), so that one order never aborts the transaction
-    many share."""
+    on PostgreSQL with its in-flight lock (:mod:`orders.sql.inflight`) and its ``created``
+    event in the statement (bind parameters ``event_data``, ``actor_kind``, ``actor``).
+    ``any_conflict``: no row either when any unique constraint refuses it (the id too),
+    instead of raising: the insert of combined creates (:mod:`orders.sql.slot_batch`), so
+    that one order never aborts the transaction many share."""
     free = _free_slot()
     values = [bindparam(name, type_=ORDER[name].type) for name in CREATE_COLUMNS]
     source = select(*values, free.c.n)
@@ -182,6 +183,8 @@ def insert_in_free_slot(dialect: str, *, any_conflict: bool = False) -> Any:
         if any_conflict:
             plain = plain.prefix_with("OR IGNORE")
         return plain.returning(*orders_table.c)
+    # The create's in-flight lock, held until its transaction ends (orders.sql.inflight).
+    source = source.where(in_flight_lock(values[CREATE_COLUMNS.index("id")]))
     statement = postgresql.insert(orders_table).from_select(columns, source)
     if any_conflict:
         statement = statement.on_conflict_do_nothing()

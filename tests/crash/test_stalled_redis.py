@@ -5,8 +5,13 @@ the server and run when it wakes, after the creates have failed with StoreUnavai
    two runs first, no member without a row stays, and the user can create again at once.
 2. A leftover that no compensation reached (the admission ran, nothing undid it) names its
    create's start: reconcile keeps it while the create may be in flight, and removes it
-   once the admission window has passed.
+   once it is :data:`SUSPECT_AFTER_MS` old and SQL has no row of it and no transaction
+   that could still write one (a transaction still open keeps it for the admission window:
+   ``tests/integration/test_reconcile.py``).
 3. The two scripts in either order, and a concurrent twin or a retry of the same order id.
+4. Another process, with no abandon of its own to send, admits the user once the failed
+   create's admission is :data:`SUSPECT_AFTER_MS` old: its refusal names the member, SQL
+   has no row of it and no transaction holding it, and the member goes.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from sqlalchemy import Engine, func, select
 from orders import StoreUnavailable, UnpaidOrderLimitReached
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.index.unpaid import Admission, AdmitRequest
+from orders.index.unpaid import SUSPECT_AFTER_MS, Admission, AdmitRequest
 from orders.service import OrderService
 from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
@@ -163,11 +168,49 @@ def test_creates_of_several_users_during_a_stall_leave_the_stores_agreeing(
         service.create_unpaid_order(user)  # not held
 
 
-def test_a_leftover_no_compensation_reached_goes_at_reconcile_once_the_window_passed(
+@pytest.mark.timeout(120)
+def test_another_process_admits_the_user_once_a_create_failed_in_a_stall_is_seconds_old(
+    stallable_redis: RedisServer,
+    stalled_service: OrderService,
+    engine: Engine,
+    clock: ManualClock,
+) -> None:
+    service = stalled_service
+    # Another instance (a worker behind the same load balancer): nothing pending of its own.
+    other_clock = ManualClock(clock())
+    other = OrderService(engine, build_redis(service.settings), service.settings, clock=other_clock)
+    service.create_unpaid_order("warm")
+    woken = stall(stallable_redis, STALL_S)
+    with pytest.raises(StoreUnavailable):
+        service.create_unpaid_order("u1", order_id="stalled-1")
+    woken()
+    started_ms = clock()
+    # The admission ran when Redis woke; its abandon waits for this process's next one.
+    assert set(other.index.members("u1")) == {"stalled-1"}
+    assert rows_of(engine, "u1") == 0
+
+    try:
+        other_clock.set(started_ms + SUSPECT_AFTER_MS - 1)  # may still be in flight
+        with pytest.raises(UnpaidOrderLimitReached):
+            other.create_unpaid_order("u1")
+        assert set(other.index.members("u1")) == {"stalled-1"}
+
+        other_clock.set(started_ms + SUSPECT_AFTER_MS)
+        fresh = other.create_unpaid_order("u1")
+        assert other.index.members("u1") == {fresh.id: fresh.expires_at_ms}
+        assert rows_of(engine, "u1") == 1
+        # The failed process's abandon, sent later, finds its attempt over and removes nothing.
+        clock.advance(ms=1)
+        service.create_unpaid_order("w2")
+        assert other.index.members("u1") == {fresh.id: fresh.expires_at_ms}
+    finally:
+        other.index.client.close()
+
+
+def test_a_leftover_no_compensation_reached_goes_at_reconcile_once_seconds_old(
     stalled_service: OrderService, clock: ManualClock, engine: Engine
 ) -> None:
     service = stalled_service
-    window_ms = service.settings.admission_window_ms
     # What a stalled create leaves when its compensation never reached Redis: the admission
     # ran (late), with the create's start, and nothing undid it. No SQL row.
     started_ms = clock()
@@ -176,15 +219,13 @@ def test_a_leftover_no_compensation_reached_goes_at_reconcile_once_the_window_pa
             "u1", "left-1", expires_at_ms=started_ms + 1_800_000, now_ms=started_ms, limit=1
         )
     )
-    with pytest.raises(UnpaidOrderLimitReached):
-        service.create_unpaid_order("u1")
 
-    clock.advance(ms=window_ms - 1)  # the create might still be between its two steps
+    clock.advance(ms=SUSPECT_AFTER_MS - 1)  # the create might still be between its two steps
     report = service.reconcile()
     assert (report.kept_in_flight, report.removed_abandoned) == (1, 0)
     assert set(service.index.members("u1")) == {"left-1"}
 
-    clock.advance(ms=1)  # now it is certainly over
+    clock.advance(ms=1)  # no row, and no transaction that could still write one: over
     dry = service.reconcile(dry_run=True)
     assert (dry.kept_in_flight, dry.removed_abandoned) == (0, 1)
     assert set(service.index.members("u1")) == {"left-1"}

@@ -20,7 +20,7 @@ from orders import (
 )
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.index.unpaid import AdmitRequest
+from orders.index.unpaid import SUSPECT_AFTER_MS, AdmitRequest
 from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 from tests.support.stores import RoundTripCounter, StatementCounter, refuse_inserts
@@ -110,6 +110,29 @@ def test_refusal_at_the_limit_carries_count_and_retry_after_and_costs_one_redis_
     assert (refusal.user_id, refusal.limit, refusal.open_count) == ("u1", 3, 3)
     assert refusal.retry_after_s == (first.expires_at_ms - clock()) / 1000 == 7.0
     assert redis_client.zcard("UnpaidOrder-u1") == 3
+
+
+def test_a_refusal_asks_sql_once_about_admissions_seconds_old_then_costs_one_redis_call_again(
+    service: OrderService,
+    clock: ManualClock,
+    sql_statements: StatementCounter,
+    redis_round_trips: RoundTripCounter,
+) -> None:
+    held = {service.create_unpaid_order("u1", limit=2).id for _ in range(2)}
+    clock.advance(ms=SUSPECT_AFTER_MS)
+    statements_before = sql_statements.count
+
+    with pytest.raises(UnpaidOrderLimitReached):
+        service.create_unpaid_order("u1", limit=2)  # might they be creates that died?
+    assert sql_statements.count > statements_before  # no: SQL has them, now confirmed
+    statements_before = sql_statements.count
+    trips_before = redis_round_trips.count
+    with pytest.raises(UnpaidOrderLimitReached):
+        service.create_unpaid_order("u1", limit=2)
+
+    assert redis_round_trips.count - trips_before == 1
+    assert sql_statements.count == statements_before
+    assert set(service.index.members("u1")) == held
 
 
 def test_admission_costs_one_redis_call_and_one_sql_transaction(

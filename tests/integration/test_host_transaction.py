@@ -20,9 +20,11 @@ from orders.bootstrap import build_async_engine, build_engine
 from orders.config import Settings
 from orders.domain import OrderStatus
 from orders.errors import InvalidInput, OrderNotFound, UnpaidOrderLimitReached
+from orders.index.unpaid import SUSPECT_AFTER_MS
 from orders.service import OrderService
 from orders.sql import host as host_tx
 from orders.sql.models import orders_table
+from tests.support.clocks import ManualClock
 from tests.support.host_app import (
     Boom,
     admission_notes,
@@ -64,6 +66,22 @@ def test_create_in_committed_host_transaction_keeps_order_cart_and_member(
     assert event_kinds(engine, order.id) == ["created"]
     assert cart_count(engine, "u1") == 1
     assert members(service, "u1") == {order.id}
+
+
+def test_a_refusal_keeps_the_member_of_a_create_whose_host_transaction_is_still_open(
+    service: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    # Older than the suspects' age, no row to be seen: but its transaction is alive
+    # (PostgreSQL: its in-flight lock is held; SQLite: the write lock is), so it counts.
+    with engine.connect() as conn:
+        order = service.create_unpaid_order("u1", limit=1, connection=conn)
+        clock.advance(ms=SUSPECT_AFTER_MS)
+        with pytest.raises(UnpaidOrderLimitReached):
+            service.create_unpaid_order("u1", limit=1)
+        assert members(service, "u1") == {order.id}
+        conn.commit()
+    assert members(service, "u1") == {order.id}
+    assert sql_status(engine, order.id) == "unpaid"
 
 
 @pytest.mark.usefixtures("carts")

@@ -17,12 +17,16 @@
 --          that admitted it, kept for ARGV[7] ms
 -- ARGV[6]  the rate: how many creates the user may start in any ARGV[7] ms (0 or absent: off)
 -- ARGV[7]  the rate's sliding window, ms
+-- ARGV[8]  the suspects' age, ms: a refusal names the members whose create started at least
+--          this long ago (by the admissions hash) and is not confirmed (absent: none)
 --
 -- Returns {code, open_count, score} where code is
 --   1  admitted: the order was added; score is its expiry
 --   0  exists:   the order was already a member (a retry); score is its stored expiry
---  -1  refused:  open_count >= limit; score is the earliest open expiry (0 when none), and
---      a fourth element is the limit applied
+--  -1  refused:  open_count >= limit; score is the earliest open expiry (0 when none), a
+--      fourth element is the limit applied, and pairs (order id, start ms) follow: the
+--      suspects, members whose create may be over without a row (the caller asks SQL;
+--      a confirmed member has no entry in the hash, abandon.lua removes a dead one)
 --  -3  rate:     ARGV[6] creates started in the last ARGV[7] ms (open_count is how many);
 --      score is the start of the one whose leaving the window lets the next one in. The
 --      rate is asked before the limit: a cancel frees a slot, never a create
@@ -82,7 +86,20 @@ if count >= limit then
   -- which a full server allows.
   redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[3])
   local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-  return {-1, count, first[2] or '0', limit}
+  local reply = {-1, count, first[2] or '0', limit}
+  local live = redis.call('ZRANGE', key, 0, -1)
+  if ARGV[8] and #live > 0 then
+    local settled = now - tonumber(ARGV[8])
+    local starts = redis.call('HMGET', admits, unpack(live))
+    for i = 1, #live do
+      local start = tonumber(starts[i])
+      if start and start > 0 and start <= settled then
+        reply[#reply + 1] = live[i]
+        reply[#reply + 1] = starts[i]
+      end
+    end
+  end
+  return reply
 end
 
 redis.call('ZADD', key, ARGV[2], order_id)
