@@ -13,14 +13,22 @@ def db() -> None:
 
 
 @db.command("upgrade")
+@click.option(
+    "--new",
+    is_flag=True,
+    help="Where the SQLite file is missing (deleted or moved), create an empty database.",
+)
 @click.pass_context
-def db_upgrade(ctx: click.Context) -> None:
+def db_upgrade(ctx: click.Context, new: bool) -> None:
     """Create or upgrade the schema to this version (Alembic upgrade head)."""
     from orders.bootstrap import build_engine  # noqa: PLC0415
     from orders.sql import migrate  # noqa: PLC0415
+    from orders.sql.engine import forget_missing_sqlite_file  # noqa: PLC0415
 
     engine = build_engine(cli_state(ctx).settings)
     try:
+        if new:
+            forget_missing_sqlite_file(engine)
         migrate.upgrade(engine)
         click.echo(f"schema at revision {migrate.current_revision(engine)}")
     finally:
