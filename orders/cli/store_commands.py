@@ -63,9 +63,9 @@ def server_status(ctx: click.Context) -> None:
     home = cli_state(ctx).settings.home
     running = redis_status(home)
     if running is None:
-        click.echo(f"no embedded redis-server runs for {home}")
+        click.echo(f"no embedded server runs for {home}")
         ctx.exit(1)
-    click.echo(f"redis-server pid {running.pid} at {running.url}")
+    click.echo(f"{running.program} pid {running.pid} at {running.url}")
 
 
 @server.command("stop")
@@ -75,4 +75,4 @@ def server_stop(ctx: click.Context) -> None:
     from orders.embedded.server import stop_redis  # noqa: PLC0415
 
     home = cli_state(ctx).settings.home
-    click.echo("stopped" if stop_redis(home) else f"no embedded redis-server ran for {home}")
+    click.echo("stopped" if stop_redis(home) else f"no embedded server ran for {home}")
