@@ -134,8 +134,8 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "pg-reader-passes-a-running-transaction",
         "orders/events/stream.py",
-        "        query = query.where(EC.txid < horizon)",
-        "        query = query",
+        "        return EC.txid < func.txid_snapshot_xmin(func.txid_current_snapshot())",
+        "        return true()",
         "PostgreSQL: readers never pass an event of a transaction still running",
         "tests/integration/test_events.py::test_postgresql_readers_never_pass_an_event_of_a_transaction_still_running[redis7.0-postgresql]",
     ),
@@ -276,6 +276,59 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
         "a fresh process finds a SQLite file deleted under running processes missing, says so"
         " and creates nothing",
         "tests/crash/test_sqlite_file_replaced.py::test_a_fresh_process_finds_the_file_missing_and_creates_nothing",
+    ),
+    mutation(
+        "sqlite-file-never-marked",
+        "orders/sql/engine.py",
+        "                self._mark_opened()",
+        "                pass",
+        "after rm orders.db*, a fresh process finds the marker of the database that was there,"
+        " refuses and creates nothing; orders db upgrade --new starts an empty one",
+        "tests/crash/test_sqlite_file_replaced.py::test_a_fresh_process_after_rm_of_the_file_and_its_wal_refuses_and_creates_nothing",
+        "tests/crash/test_sqlite_file_replaced.py::test_orders_db_upgrade_new_starts_an_empty_embedded_database_only_when_asked",
+    ),
+    mutation(
+        "embedded-server-named-redis-server",
+        "orders/embedded/server.py",
+        'Path(info.get("executable", "redis-server")).name',
+        '"redis-server"',
+        "the embedded server's restart, stop and status lines name the program that runs",
+        "tests/integration/test_embedded.py::test_the_restart_the_stop_and_the_status_name_the_binary_that_runs",
+    ),
+    # --- a new consumer and retention (issue 46) -------------------------------------------
+    mutation(
+        "new-consumer-starts-at-the-oldest-event",
+        "orders/events/consumer.py",
+        "        return self.book.register(lambda: newest_position(self.engine))",
+        "        return self.book.register(EventPosition)",
+        "a new consumer starts from now: registered after 1000 events, it holds no old order",
+        "tests/integration/test_retention.py::test_a_consumer_registered_after_1000_events_does_not_hold_the_prune_of_old_ones",
+    ),
+    mutation(
+        "consumer-from-oldest-starts-from-now",
+        "orders/events/consumer.py",
+        '        if self.start == "oldest":',
+        "        if False:",
+        "a consumer registered from the oldest reads every kept event",
+        "tests/integration/test_retention.py::test_a_consumer_registered_from_the_oldest_reads_every_kept_event_holding_them_meanwhile",
+    ),
+    mutation(
+        "retention-waits-on-a-stopped-consumer",
+        "orders/sql/retention.py",
+        "    reading = CURSOR.updated_at_ms >= cutoff_ms",
+        "    reading = CURSOR.updated_at_ms >= 0",
+        "retention waits on a consumer behind only while it reads: one stopped for the retention"
+        " period is passed",
+        "tests/integration/test_retention.py::test_a_consumer_standing_still_for_the_retention_period_holds_nothing_past_it",
+    ),
+    mutation(
+        "retention-tells-no-consumer-behind",
+        "orders/rules/retention.py",
+        "        held_by, passed_by = self.retention.behind(cutoff_ms)",
+        "        held_by, passed_by = [], []",
+        "a prune names, in its log and report, the consumers behind: held for or passed",
+        "tests/integration/test_retention.py::test_a_consumer_registered_from_the_oldest_reads_every_kept_event_holding_them_meanwhile",
+        "tests/integration/test_retention.py::test_a_consumer_standing_still_for_the_retention_period_holds_nothing_past_it",
     ),
 )
 

@@ -13,14 +13,22 @@ def db() -> None:
 
 
 @db.command("upgrade")
+@click.option(
+    "--new",
+    is_flag=True,
+    help="Where the SQLite file is missing (deleted or moved), create an empty database.",
+)
 @click.pass_context
-def db_upgrade(ctx: click.Context) -> None:
+def db_upgrade(ctx: click.Context, new: bool) -> None:
     """Create or upgrade the schema to this version (Alembic upgrade head)."""
     from orders.bootstrap import build_engine  # noqa: PLC0415
     from orders.sql import migrate  # noqa: PLC0415
+    from orders.sql.engine import forget_missing_sqlite_file  # noqa: PLC0415
 
     engine = build_engine(cli_state(ctx).settings)
     try:
+        if new:
+            forget_missing_sqlite_file(engine)
         migrate.upgrade(engine)
         click.echo(f"schema at revision {migrate.current_revision(engine)}")
     finally:
@@ -55,9 +63,9 @@ def server_status(ctx: click.Context) -> None:
     home = cli_state(ctx).settings.home
     running = redis_status(home)
     if running is None:
-        click.echo(f"no embedded redis-server runs for {home}")
+        click.echo(f"no embedded server runs for {home}")
         ctx.exit(1)
-    click.echo(f"redis-server pid {running.pid} at {running.url}")
+    click.echo(f"{running.program} pid {running.pid} at {running.url}")
 
 
 @server.command("stop")
@@ -67,4 +75,4 @@ def server_stop(ctx: click.Context) -> None:
     from orders.embedded.server import stop_redis  # noqa: PLC0415
 
     home = cli_state(ctx).settings.home
-    click.echo("stopped" if stop_redis(home) else f"no embedded redis-server ran for {home}")
+    click.echo("stopped" if stop_redis(home) else f"no embedded server ran for {home}")

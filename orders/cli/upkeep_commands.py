@@ -117,6 +117,8 @@ def prune(
                     "batches": done.batches,
                     "cutoff": ms_to_datetime(done.cutoff_ms).isoformat(),
                     "dry_run": done.dry_run,
+                    "held_by": list(done.held_by),
+                    "passed_by": list(done.passed_by),
                 }
             )
         )
@@ -124,6 +126,10 @@ def prune(
     verb = "would delete" if done.dry_run else "deleted"
     cutoff = ms_to_datetime(done.cutoff_ms).strftime("%Y-%m-%d %H:%M:%S UTC")
     click.echo(f"{verb} {done.orders} orders and {done.events} events last changed before {cutoff}")
+    if done.held_by:
+        click.echo(f"kept for consumers behind, still reading: {', '.join(done.held_by)}")
+    if done.passed_by:
+        click.echo(f"passed consumers stopped for that long: {', '.join(done.passed_by)}")
 
 
 def erasure_text(done: Erasure) -> str:

@@ -98,18 +98,20 @@ class ServerRestarter:
     def _attempt(self) -> bool:
         if not self.home.is_dir():
             logger.warning(
-                "the embedded redis-server for %s is gone and so is the folder; not starting one",
+                "the embedded server for %s is gone and so is the folder; not starting one",
                 self.home,
             )
             return False
         try:
             server = ensure_redis(self.home, timeout_s=self.timeout_s)
         except StoreUnavailable as exc:
-            logger.warning("the embedded redis-server is gone and could not be started: %s", exc)
+            logger.warning("the embedded server is gone and could not be started: %s", exc)
             return False
         logger.warning(
-            "the embedded redis-server for %s was gone; redis-server pid %d serves it now",
+            "the embedded %s for %s was gone; %s pid %d serves it now",
+            server.program,
             self.home,
+            server.program,
             server.pid,
         )
         return True

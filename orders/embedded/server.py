@@ -72,11 +72,13 @@ _PING_TIMEOUT_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class EmbeddedRedis:
-    """A running embedded redis-server: its home, its unix socket and its pid."""
+    """A running embedded server: its home, its unix socket, its pid and its program
+    (``redis-server`` or ``valkey-server``, as the server's INFO names its executable)."""
 
     home: Path
     socket_path: Path
     pid: int
+    program: str
 
     @property
     def url(self) -> str:
@@ -105,8 +107,8 @@ class _HomePaths:
             data_dir=home / DATA_DIR_NAME,
         )
 
-    def running(self, pid: int) -> EmbeddedRedis:
-        return EmbeddedRedis(home=self.home, socket_path=self.socket, pid=pid)
+    def running(self, pid: int, program: str) -> EmbeddedRedis:
+        return EmbeddedRedis(home=self.home, socket_path=self.socket, pid=pid, program=program)
 
 
 def database_url(settings: Settings) -> str:
@@ -129,8 +131,8 @@ def sqlite_url(home: Path) -> str:
 def redis_status(home: Path) -> EmbeddedRedis | None:
     """The redis-server running for ``home``, or None. Read-only: starts or cleans nothing."""
     paths = _HomePaths.of(home)
-    pid = _ping(paths.socket)
-    return None if pid is None else paths.running(pid)
+    answer = _ping(paths.socket)
+    return None if answer is None else paths.running(*answer)
 
 
 def check_can_start(home: Path) -> Path | None:
@@ -176,25 +178,24 @@ def stop_redis(home: Path, *, timeout_s: float = 10.0) -> bool:
         return False
     with _home_lock(paths, timeout_s):
         deadline = time.monotonic() + timeout_s
-        pid = _ping(paths.socket)
-        if pid is None:
-            pid = _our_live_pid(paths)
+        answer = _ping(paths.socket)
+        pid, program = answer or (_our_live_pid(paths), "server")
         if pid is None:
             _remove_leftovers(paths)
             return False
         if not _shutdown(paths.socket, timeout_s):
-            logger.warning("SHUTDOWN failed; sending SIGTERM to redis-server pid %d", pid)
+            logger.warning("SHUTDOWN failed; sending SIGTERM to %s pid %d", program, pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         if not wait_gone(pid, deadline):
             raise StoreUnavailable(
                 "redis",
-                f"redis-server pid {pid} for {paths.home} did not stop within {timeout_s:g} s; "
+                f"{program} pid {pid} for {paths.home} did not stop within {timeout_s:g} s; "
                 f"see {paths.logfile}; as a last resort `kill -9 {pid}` "
                 "(it may lose up to a second of writes)",
             )
         _remove_leftovers(paths)
-        logger.info("stopped redis-server pid %d for %s", pid, paths.home)
+        logger.info("stopped %s pid %d for %s", program, pid, paths.home)
         return True
 
 
@@ -237,8 +238,9 @@ def _client(socket_path: Path, timeout_s: float) -> redis.Redis:
     )
 
 
-def _ping(socket_path: Path) -> int | None:
-    """The pid of the server answering PING on ``socket_path``, or None if none answers."""
+def _ping(socket_path: Path) -> tuple[int, str] | None:
+    """The pid and program name of the server answering PING on ``socket_path``, or None if
+    none answers."""
     if not socket_path.exists():
         return None
     try:
@@ -246,7 +248,7 @@ def _ping(socket_path: Path) -> int | None:
             if client.ping() is not True:
                 return None
             info = client.info("server")
-            return int(info["process_id"])
+            return int(info["process_id"]), Path(info.get("executable", "redis-server")).name
     except (RedisError, OSError, KeyError, TypeError, ValueError):
         return None
 
@@ -257,7 +259,7 @@ def _shutdown(socket_path: Path, timeout_s: float) -> bool:
         with _client(socket_path, max(timeout_s, _PING_TIMEOUT_S)) as client:
             client.shutdown(save=True)
     except (RedisError, OSError) as exc:
-        logger.warning("SHUTDOWN of the redis-server on %s failed: %s", socket_path, exc)
+        logger.warning("SHUTDOWN of the server on %s failed: %s", socket_path, exc)
         return False
     return True
 
@@ -272,25 +274,25 @@ def _our_live_pid(paths: _HomePaths) -> int | None:
 
 def _existing_server(paths: _HomePaths, deadline: float, timeout_s: float) -> EmbeddedRedis | None:
     """The server already running for this home, waiting for it if it is still starting."""
-    pid = _ping(paths.socket)
-    if pid is not None:
-        _note_pid(paths, pid)
-        return paths.running(pid)
+    answer = _ping(paths.socket)
+    if answer is not None:
+        _note_pid(paths, answer[0])
+        return paths.running(*answer)
     starting = _our_live_pid(paths)
     if starting is None:
         return None
-    logger.info("redis-server pid %d for %s is not answering yet; waiting", starting, paths.home)
+    logger.info("server pid %d for %s is not answering yet; waiting", starting, paths.home)
     while time.monotonic() < deadline:
         time.sleep(POLL_S)
-        pid = _ping(paths.socket)
-        if pid is not None:
-            _note_pid(paths, pid)
-            return paths.running(pid)
+        answer = _ping(paths.socket)
+        if answer is not None:
+            _note_pid(paths, answer[0])
+            return paths.running(*answer)
         if not pid_alive(starting):
             return None
     raise StoreUnavailable(
         "redis",
-        f"redis-server pid {starting} for {paths.home} is running but did not answer on "
+        f"server pid {starting} for {paths.home} is running but did not answer on "
         f"{paths.socket} within {timeout_s:g} s (still loading its data?); see "
         f"{paths.logfile}; try again, or stop it with `kill {starting}`",
     )
@@ -300,7 +302,7 @@ def _note_pid(paths: _HomePaths, pid: int) -> None:
     """Make the pidfile name the server that answers, if it names another (or none)."""
     if read_pid(paths.pidfile) == pid:
         return
-    logger.warning("pidfile %s did not name redis-server pid %d; rewriting it", paths.pidfile, pid)
+    logger.warning("pidfile %s did not name server pid %d; rewriting it", paths.pidfile, pid)
     with contextlib.suppress(OSError):
         paths.pidfile.write_text(f"{pid}\n", encoding="ascii")
 
@@ -361,11 +363,11 @@ def _start_server(
             paths, binary, log_offset, f"it exited with status {launched.returncode}", output
         )
     while True:
-        pid = _ping(paths.socket)
-        if pid is not None:
-            logger.info("%s pid %d for %s is up", binary.name, pid, paths.home)
-            _note_pid(paths, pid)
-            return paths.running(pid)
+        answer = _ping(paths.socket)
+        if answer is not None:
+            logger.info("%s pid %d for %s is up", answer[1], answer[0], paths.home)
+            _note_pid(paths, answer[0])
+            return paths.running(*answer)
         written = read_pid(paths.pidfile)
         if written is not None and not pid_alive(written):
             _start_failed(paths, binary, log_offset, "it exited while starting up", output)

@@ -6,6 +6,8 @@ outbox), so an event exists exactly when its transition committed. :func:`read_e
 reads them after a :class:`EventPosition`; an :class:`EventConsumer` keeps a durable,
 named position and calls a handler for each event:
 
+* a new name starts after the newest event (``start="now"``, the default) or before the
+  oldest one retention kept (``start="oldest"``), saved at its first run;
 * the position is saved after each handled event, so a consumer that dies resumes where it
   stopped: nothing is skipped, and at most the event in hand is delivered again;
 * a handler that raises does not hold the stream up: the event goes to ``event_retries``
@@ -36,12 +38,14 @@ from orders import tracing
 from orders.domain import Clock, EventKind, system_clock
 from orders.errors import InvalidInput
 from orders.events.retries import ConsumerBook, Random, error_text
-from orders.events.stream import EventPosition, OrderEvent, read_events
+from orders.events.stream import EventPosition, OrderEvent, newest_position, read_events
 from orders.sql.models import sql_errors
 from orders.sql.transactions import Transactions
 
 log = logging.getLogger("orders.events")  # the package's name: consumers configure it
 
+#: Where a consumer of a new name starts: after the newest event, or at the oldest kept one.
+Start = Literal["now", "oldest"]
 #: The handler of an :class:`EventConsumer`: called with each event, outside any transaction
 #: of the consumer's.
 Handler = Callable[[OrderEvent], None]
@@ -59,6 +63,7 @@ class ConsumerOptions(TypedDict, total=False):
     max_backoff_s: float
     max_attempts: int
     rand: Random | None
+    start: Start
 
 
 @dataclass
@@ -140,6 +145,7 @@ class EventConsumer:
         max_backoff_s: float = 300.0,
         max_attempts: int = 10,
         rand: Random | None = None,
+        start: Start = "now",
     ) -> None:
         self.book = ConsumerBook(
             engine,
@@ -152,6 +158,9 @@ class EventConsumer:
         )
         if not isinstance(transactional, bool):
             raise InvalidInput("transactional", "must be True or False")
+        if start not in ("now", "oldest"):
+            raise InvalidInput("start", "must be now or oldest")
+        self.start = start
         self.engine = engine
         self.name = name
         self.handler = handler
@@ -162,6 +171,14 @@ class EventConsumer:
     def position(self) -> EventPosition:
         """The position saved so far: every event up to it was handled (or is retried)."""
         return self.book.position()
+
+    def register(self) -> EventPosition:
+        """The saved position; for a new name (no position saved yet), its start saved
+        first: after the newest event (``start="now"``: it is handed what commits from
+        now on) or before the oldest one kept (``"oldest"``). Each run calls it."""
+        if self.start == "oldest":
+            return self.book.register(EventPosition)
+        return self.book.register(lambda: newest_position(self.engine))
 
     def pending_retries(self) -> int:
         """Events of this consumer still being retried (parked ones not counted)."""
@@ -179,7 +196,7 @@ class EventConsumer:
             return result
         for event_id, attempts, event in self.book.due(limit):
             self._retry(event_id, attempts, event, result)
-        for event in read_events(self.engine, self.position(), limit):
+        for event in read_events(self.engine, self.register(), limit):
             error = None
             if self._wanted(event):
                 error = self._call(event)
@@ -245,12 +262,8 @@ class EventConsumer:
         at the end."""
         for event_id, _attempts, event in self.book.due(limit):
             self._retry_in_transaction(event_id, event, result)
-        start = self.book.saved_position()
-        if start is None:
-            self.book.ensure_cursor()
-            start = EventPosition()
         passed: EventPosition | None = None
-        for event in read_events(self.engine, start, limit):
+        for event in read_events(self.engine, self.register(), limit):
             if not self._wanted(event):
                 passed = event.position
                 continue

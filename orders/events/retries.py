@@ -119,11 +119,17 @@ class ConsumerBook:
         saved = self.saved_position()
         return EventPosition() if saved is None else saved
 
-    def ensure_cursor(self) -> None:
-        """A cursor row at the start, so that there is a row to lock; a twin's row wins."""
-        values = {"txid": 0, "event_id": 0, "updated_at_ms": self.clock()}
+    def register(self, start: Callable[[], EventPosition]) -> EventPosition:
+        """The saved position; first, when there is none, ``start()`` saved as it (a twin's
+        row, saved meanwhile, wins)."""
+        saved = self.saved_position()
+        if saved is not None:
+            return saved
+        at = start()
+        values = {"txid": at.txid, "event_id": at.event_id, "updated_at_ms": self.clock()}
         with sql_errors(), self.engine.begin() as conn:
             upsert(conn, cursors_table, {"name": self.name}, values, only_if=lambda new: false())
+        return self.position()
 
     def locked_position(self, conn: Connection) -> EventPosition | None:
         """The saved position, its row locked until ``conn`` commits; None if a twin holds

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, func, select, tuple_
+from sqlalchemy import ColumnElement, Engine, func, select, true, tuple_
 
 from orders.domain import Actor, EventKind
 from orders.errors import InvalidInput
@@ -72,13 +72,28 @@ def read_events(
         type(v) is int and 0 <= v < 2**63 for v in (after.txid, after.event_id)
     ):
         raise InvalidInput("after", "must be an EventPosition of two integers in 0 .. 2**63-1")
-    query = select(events_table).where(events_after(engine, after))
-    if engine.dialect.name == "postgresql":
-        horizon = func.txid_snapshot_xmin(func.txid_current_snapshot())
-        query = query.where(EC.txid < horizon)
+    query = select(events_table).where(events_after(engine, after), committed(engine))
     query = query.order_by(*commit_order(engine)).limit(limit)
     with sql_errors(), engine.connect() as conn:
         return [event_of(row) for row in conn.execute(query)]
+
+
+def newest_position(engine: Engine) -> EventPosition:
+    """The position of the newest event a reader can take now (the start when there is
+    none): every event committed later comes after it."""
+    newest = (c.desc() for c in commit_order(engine))
+    query = select(EC.txid, EC.id).where(committed(engine)).order_by(*newest).limit(1)
+    with sql_errors(), engine.connect() as conn:
+        found = conn.execute(query).one_or_none()
+    return EventPosition() if found is None else EventPosition(found.txid or 0, found.id)
+
+
+def committed(engine: Engine) -> ColumnElement[bool]:
+    """Events no running transaction can still commit one behind (PostgreSQL: of
+    transactions older than every running one); on SQLite, every event."""
+    if engine.dialect.name == "postgresql":
+        return EC.txid < func.txid_snapshot_xmin(func.txid_current_snapshot())
+    return true()
 
 
 def events_after(engine: Engine, after: EventPosition) -> ColumnElement[bool]:

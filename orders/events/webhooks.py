@@ -243,8 +243,8 @@ def webhook_consumer(
     named :data:`WEBHOOK_CONSUMER_NAME`, the settings' kinds (``kinds`` overrides them),
     timeout and ``event_max_attempts``.
 
-    A new cursor starts at the beginning of the event stream: the first run sends every
-    event the database holds.
+    A new cursor starts at the oldest event retention kept: the first run sends every event
+    the database holds.
     """
     if settings.webhook_url is None or settings.webhook_secret is None:
         return None
@@ -263,4 +263,5 @@ def webhook_consumer(
         kinds=kinds,
         clock=clock,
         max_attempts=settings.event_max_attempts,
+        start="oldest",
     )

@@ -82,6 +82,7 @@ def closed_order_consumers(service: OrderService) -> list[EventConsumer]:
                 kinds=[kind],
                 clock=service.clock,
                 max_attempts=service.settings.event_max_attempts,
+                start="oldest",  # the closes the sweep made before the job's first run too
             )
             for name, handler in zip(names, handlers, strict=True)
         ]

@@ -6,6 +6,7 @@ Which URL to use (the configured one, else the embedded SQLite file) is decided 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -13,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -175,6 +177,29 @@ def sqlite_file(engine: Engine) -> str | None:
     return os.path.abspath(filename)
 
 
+MARKER_TEXT = """\
+A database of `orders` was opened at {path} on the date above. While this file stays, a
+process that finds that file missing refuses to create an empty one there.
+`orders db upgrade --new` removes this file and creates an empty database.
+"""
+
+
+def opened_marker(path: str) -> str:
+    """The marker of the SQLite file ``path`` (``.orders.db.opened`` beside ``orders.db``):
+    the date a process first opened it; named so that ``rm orders.db*`` leaves it."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.opened")
+
+
+def forget_missing_sqlite_file(engine: Engine) -> None:
+    """Remove the marker of ``engine``'s SQLite file when the file is missing, so the next
+    connection creates an empty database there (``orders db upgrade --new``)."""
+    path = sqlite_file(engine) if engine.dialect.name == "sqlite" else None
+    if path is not None and not os.path.exists(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(opened_marker(path))
+
+
 _GUARDED: weakref.WeakSet[Engine] = weakref.WeakSet()
 _GUARDING = threading.Lock()
 
@@ -228,6 +253,8 @@ class SqliteFileGuard:
         if self.opened is None:
             if found is None:
                 self._refuse_a_deleted_file()
+            else:
+                self._mark_opened()
             self.opened = found  # None until a connection has created the file
             return
         if found == self.opened:
@@ -241,17 +268,38 @@ class SqliteFileGuard:
         raise StoreUnavailable("sql", detail)
 
     def _refuse_a_deleted_file(self) -> None:
-        """No file, but its -wal or -shm: deleted while a process holds it open (SQLite keeps
-        them until its last close). Refused before the driver creates an empty one there."""
-        if not any(os.path.exists(self.path + end) for end in ("-wal", "-shm")):
-            return
+        """Refused before the driver creates an empty file where a database was: its -wal or
+        -shm are there (deleted while a process holds it open: SQLite keeps them until its
+        last close), or its marker (:func:`opened_marker`: every process stopped since)."""
+        if any(os.path.exists(self.path + end) for end in ("-wal", "-shm")):
+            detail = (
+                "its -wal and -shm are not: it was deleted while processes had it open (its "
+                "rows live until they stop); nothing was created. Restore it, or stop them, "
+                "remove the -wal and -shm and run `orders db upgrade --new`"
+            )
+        else:
+            try:
+                with open(opened_marker(self.path), encoding="utf-8") as marker:
+                    since = marker.readline().strip()
+            except FileNotFoundError:
+                return  # a first use
+            detail = (
+                f"where one was first opened on {since}; nothing was created. Restore it, or "
+                "run `orders db upgrade --new` for an empty database"
+            )
         metrics.STORE_ERRORS.labels("sql").inc()
-        raise StoreUnavailable(
-            "sql",
-            f"the SQLite file {self.path} is missing, its -wal and -shm are not: it was deleted "
-            "while processes had it open (its rows live until they stop); nothing was created. "
-            "Restore it, or stop them, remove the -wal and -shm and run `orders db upgrade`",
-        )
+        raise StoreUnavailable("sql", f"the SQLite file {self.path} is missing {detail}")
+
+    def _mark_opened(self) -> None:
+        """Leave the marker beside the file, once: it outlives ``rm orders.db*``."""
+        now = datetime.now(UTC).isoformat(timespec="seconds")
+        try:
+            with open(opened_marker(self.path), "x", encoding="utf-8") as marker:
+                marker.write(f"{now}\n{MARKER_TEXT.format(path=self.path)}")
+        except FileExistsError:
+            return
+        except OSError as exc:  # a read-only folder: the guard works on without it
+            log.warning("sql: no marker beside %s: %s", self.path, exc.strerror)
 
     def _identity(self) -> tuple[int, int] | None:
         try:

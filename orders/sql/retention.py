@@ -5,7 +5,9 @@ only when nothing still needs it:
 
 * no refund of it is still owed (a refusal not yet marked handled);
 * no event of it is retrying or parked for a consumer (an operator may still requeue it);
-* every registered consumer has read every event of it (its cursor is past them).
+* every consumer still reading has read every event of it: a consumer whose cursor has not
+  moved since the cutoff (stopped for the retention period) holds nothing that old, so
+  retention never waits on one for longer (:meth:`Retention.behind` names both kinds).
 
 Its events go with it (``ON DELETE CASCADE``), and its refusals, all handled, in the same
 transaction (a refusal has no foreign key: one still owed outlives its order).
@@ -46,6 +48,7 @@ from orders.sql.transactions import Transactions
 
 ORDER = orders_table.c
 EVENT = events_table.c
+CURSOR = cursors_table.c
 #: Each terminal status and the column its partial index orders it by.
 TERMINAL = (
     (OrderStatus.PAID, ORDER.paid_at_ms),
@@ -54,19 +57,21 @@ TERMINAL = (
 )
 
 
-def _still_needed(postgresql: bool) -> ColumnElement[bool]:
-    """An order (of the outer query) that a refund, a retry or a consumer still needs."""
+def _past_cursor(postgresql: bool) -> ColumnElement[bool]:
+    """An event (of the outer query) after a consumer's cursor (of the outer query)."""
+    if postgresql:
+        return tuple_(EVENT.txid, EVENT.id) > tuple_(CURSOR.txid, CURSOR.event_id)
+    return EVENT.id > CURSOR.event_id
+
+
+def _still_needed(postgresql: bool, cutoff_ms: int) -> ColumnElement[bool]:
+    """An order (of the outer query) that a refund, a retry or a reading consumer needs."""
     owed = exists().where(
         refusals_table.c.order_id == ORDER.id, refusals_table.c.handled_at_ms.is_(None)
     )
     retrying = exists().where(retries_table.c.event_id == EVENT.id, EVENT.order_id == ORDER.id)
-    if postgresql:
-        past_cursor = tuple_(EVENT.txid, EVENT.id) > tuple_(
-            cursors_table.c.txid, cursors_table.c.event_id
-        )
-    else:
-        past_cursor = EVENT.id > cursors_table.c.event_id
-    unread = exists().where(EVENT.order_id == ORDER.id, past_cursor)
+    reading = CURSOR.updated_at_ms >= cutoff_ms
+    unread = exists().where(EVENT.order_id == ORDER.id, _past_cursor(postgresql), reading)
     return or_(owed, retrying, unread)
 
 
@@ -83,7 +88,26 @@ class Retention:
 
     def __init__(self, tx: Transactions) -> None:
         self.tx = tx
-        self.needed = _still_needed(tx.dialect == "postgresql")
+        self.postgresql = tx.dialect == "postgresql"
+
+    def behind(self, cutoff_ms: int) -> tuple[list[str], list[str]]:
+        """The consumers whose first unread event is older than the cutoff: those still
+        reading (they hold its order), and those whose cursor has not moved since the
+        cutoff (passed: that event goes without them). One index probe per consumer."""
+        first_unread = (
+            select(EVENT.at_ms)
+            .where(_past_cursor(self.postgresql))
+            .order_by(*((EVENT.txid, EVENT.id) if self.postgresql else (EVENT.id,)))
+            .limit(1)
+            .scalar_subquery()
+        )
+        query = select(CURSOR.name, CURSOR.updated_at_ms).where(first_unread < cutoff_ms)
+        with self.tx.read() as conn:
+            found = conn.execute(query.order_by(CURSOR.name)).all()
+        return (
+            [row.name for row in found if row.updated_at_ms >= cutoff_ms],
+            [row.name for row in found if row.updated_at_ms < cutoff_ms],
+        )
 
     def batches(
         self, cutoff_ms: int, size: int, *, dry_run: bool, with_rows: bool = True
@@ -94,10 +118,11 @@ class Retention:
         the caller is back from handling it (the next step of the iterator), in a
         transaction of its own.
         """
+        needed = _still_needed(self.postgresql, cutoff_ms)
         for status, at in TERMINAL:
             after: tuple[int, str] | None = None
             while True:
-                found = self._next(status, at, cutoff_ms, size, after)
+                found = self._next(status, at, cutoff_ms, size, after, needed)
                 if not found:
                     break
                 ids = [row.id for row in found]
@@ -109,7 +134,7 @@ class Retention:
                 batch = PruneBatch([(r.id, r.user_id, r.status) for r in found], events)
                 yield batch, rows
                 if not dry_run:
-                    self._delete(ids)
+                    self._delete(ids, needed)
                 last = found[-1]
                 after = (last.at, last.id)
                 if len(found) < size:
@@ -122,13 +147,14 @@ class Retention:
         cutoff_ms: int,
         size: int,
         after: tuple[int, str] | None,
+        needed: ColumnElement[bool],
     ) -> Sequence[Any]:
         query = (
             select(ORDER.id, ORDER.user_id, ORDER.status, at.label("at"))
             .where(
                 ORDER.status == literal_column(f"'{status.value}'"),
                 at < cutoff_ms,
-                ~self.needed,
+                ~needed,
             )
             .order_by(at, ORDER.id)
             .limit(size)
@@ -160,10 +186,10 @@ class Retention:
             by_order[event["order_id"]].append(dict(event))
         return [dict(row) | {"events": by_order[row["id"]]} for row in orders]
 
-    def _delete(self, ids: list[str]) -> None:
+    def _delete(self, ids: list[str], needed: ColumnElement[bool]) -> None:
         terminal = ORDER.status != literal_column(f"'{OrderStatus.UNPAID.value}'")
         with self.tx.write() as conn:
-            _delete_in(conn, ids, terminal, ~self.needed)
+            _delete_in(conn, ids, terminal, ~needed)
             conn.commit()
 
 

@@ -49,7 +49,9 @@ def next_effect(engine: Engine, child: ChildProcess) -> None:
 
 
 def position(engine: Engine) -> EventPosition:
-    return EventConsumer(engine, worker.NAME, worker.handler, transactional=True).position()
+    return EventConsumer(
+        engine, worker.NAME, worker.handler, transactional=True, start="oldest"
+    ).position()
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, make_url
+from sqlalchemy import Engine, create_engine, make_url
 
 from orders.config import Settings
 from orders.errors import StoreUnavailable
@@ -220,3 +220,51 @@ def test_a_fresh_process_finds_the_file_missing_and_creates_nothing(
     assert f"the SQLite file {path} is missing" in fresh.stderr
     assert "orders db upgrade" not in fresh.stderr.split("nothing was created")[0]
     assert not path.exists()  # nothing was created in its place
+
+
+@pytest.mark.parametrize("command", [("create", "u2"), ("db", "current"), ("db", "upgrade")])
+def test_a_fresh_process_after_rm_of_the_file_and_its_wal_refuses_and_creates_nothing(
+    make_service: Callable[..., OrderService],
+    engine: Engine,
+    database_url: str,
+    redis_url: str,
+    command: tuple[str, ...],
+) -> None:
+    """Issue 46: with every process stopped (SQLite then removes the -wal and -shm), or after
+    ``rm orders.db*``, nothing at the path told that a database was there: a new process took
+    it for a first use and made an empty one (``orders db upgrade`` a migrated empty one).
+    The marker written beside the file when it was first opened now tells it: exit 8, one
+    line, nothing created."""
+    make_service().create_unpaid_order("u1")
+    engine.dispose()  # every process stopped
+    path = database_path(database_url)
+    for leftover in path.parent.glob(f"{path.name}*"):  # rm orders.db*
+        leftover.unlink()
+    env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
+    fresh = run_orders(*command, env=env)
+    assert fresh.returncode == 8, fresh.stderr
+    assert fresh.stderr.count("\n") == 1, fresh.stderr
+    assert f"the SQLite file {path} is missing where one was first opened on " in fresh.stderr
+    assert "`orders db upgrade --new`" in fresh.stderr
+    assert not path.exists()
+
+
+def test_orders_db_upgrade_new_starts_an_empty_embedded_database_only_when_asked(
+    database_url: str, tmp_path: Path
+) -> None:
+    """The embedded default (ORDERS_HOME, no database URL) migrates its file on first use:
+    after ``rm orders.db*`` it refuses like a configured file, and ``--new`` starts over."""
+    home = tmp_path / "home"
+    env = child_env(ORDERS_HOME=str(home))
+    assert run_orders("db", "upgrade", env=env).returncode == 0
+    path = home / "orders.db"
+    for leftover in home.glob("orders.db*"):
+        leftover.unlink()
+    for command in (("db", "current"), ("db", "upgrade")):
+        refused = run_orders(*command, env=env)
+        assert refused.returncode == 8, refused.stderr
+        assert "is missing where one was first opened on" in refused.stderr
+        assert not path.exists()
+    new = run_orders("db", "upgrade", "--new", env=env)
+    assert new.returncode == 0, new.stderr
+    assert run_orders("db", "current", env=env).returncode == 0

@@ -313,7 +313,9 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     assert SweeperLease(redis_client, key_prefix=prefix).acquire("scheduler-a", 30_000)
     beat = SchedulerBeat("scheduler-a", True, clock() - 800, clock() + 30_000, clock())
     Heartbeats(redis_client, key_prefix=prefix).publish(beat, forget_after_ms=60_000)
-    EventConsumer(service.engine, "mailer", lambda event: None, clock=clock).run_once(limit=30)
+    EventConsumer(
+        service.engine, "mailer", lambda event: None, clock=clock, start="oldest"
+    ).run_once(limit=30)
     expect(page.locator("#schedulers tbody td").first).to_have_text("scheduler-a")
     expect(page.locator("#consumers tbody td").first).to_have_text("mailer")
 

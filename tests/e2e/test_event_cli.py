@@ -22,7 +22,7 @@ HOUR_S = 3600
 def stock(service: OrderService, engine: Engine, clock: ManualClock) -> Poison:
     """Consumer "stock": event 1 parked (a long, two-line error), event 2 retrying."""
     handler = Poison(service.create_unpaid_order("u1", order_id="o-" + "x" * 60).id)
-    consumer = EventConsumer(engine, "stock", handler, clock=clock, max_attempts=2)
+    consumer = EventConsumer(engine, "stock", handler, clock=clock, max_attempts=2, start="oldest")
     consumer.run_once()
     clock.advance(s=HOUR_S)
     consumer.run_once()
@@ -96,7 +96,7 @@ def test_a_requeued_event_is_run_by_the_consumer_and_then_has_nothing_to_discard
     assert run("events", "requeue", "stock", "1").exit_code == 0
 
     stock.order_ids.clear()
-    consumer = EventConsumer(engine, "stock", stock, clock=clock, max_attempts=2)
+    consumer = EventConsumer(engine, "stock", stock, clock=clock, max_attempts=2, start="oldest")
     clock.advance(s=HOUR_S)
     assert consumer.run_once().retried_ok == 2  # the requeued one and the retrying one
 

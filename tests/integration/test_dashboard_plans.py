@@ -125,7 +125,9 @@ def dashboard_statements(
             service.mark_paid("cancelled", payment_ref=ref)
     service.mark_refund_handled("cancelled", "refund-handled")
     service.create_unpaid_order("w", ttl_s=10, order_id="due")
-    EventConsumer(engine, "stock", Poison("due"), clock=clock, max_attempts=1).run_once()
+    EventConsumer(
+        engine, "stock", Poison("due"), clock=clock, max_attempts=1, start="oldest"
+    ).run_once()
     clock.advance(s=11)
     assert service.sweep_expired().closed == 1
     redis_client.zadd(service.index.key("u"), {"ghost": clock() + 5000, "paid": clock() + 1})

@@ -186,6 +186,28 @@ def test_the_start_is_logged_with_the_name_of_the_binary_run(
     assert f"{binary.name} pid {server.pid} for {server.home} is up" in lines
 
 
+def test_the_restart_the_stop_and_the_status_name_the_binary_that_runs(
+    home: Path, redis_binary: Path | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 46: on the Valkey run they said redis-server; they name valkey-server now."""
+    program = (redis_binary or find_redis_server()).name
+    caplog.set_level(logging.INFO)
+    first = ensure_redis(home)
+    os.kill(first.pid, signal.SIGKILL)
+    wait_dead(first.pid)
+    assert ServerRestarter(home, timeout_s=10).restart() is True
+    running = redis_status(home)
+    assert running is not None
+    status = run_python("-m", "orders", "server", "status", env=child_env(ORDERS_HOME=str(home)))
+    assert status.stdout == f"{program} pid {running.pid} at {running.url}\n", status.stderr
+    assert stop_redis(home) is True
+    lines = [r.getMessage() for r in caplog.records]
+    assert (
+        f"the embedded {program} for {home} was gone; {program} pid {running.pid} serves it now"
+    ) in lines
+    assert f"stopped {program} pid {running.pid} for {home}" in lines
+
+
 def test_second_call_returns_the_running_server(home: Path) -> None:
     first = ensure_redis(home)
     second = ensure_redis(home)

@@ -298,6 +298,7 @@ EVENT_ADMIN: dict[str, Row] = {
 CONSUMER: dict[str, Row] = {
     "run_once": Row(lambda c: c.consumer.run_once(limit=5)),
     "position": Row(lambda c: c.consumer.position()),
+    "register": Row(lambda c: c.consumer.register()),
     "pending_retries": Row(lambda c: c.consumer.pending_retries()),
 }
 

@@ -35,7 +35,13 @@ def parked_consumer(
     order = service.create_unpaid_order("u1")
     handler = Poison(order.id)
     consumer = EventConsumer(
-        engine, "stock", handler, kinds=[EventKind.CREATED], clock=clock, max_attempts=2
+        engine,
+        "stock",
+        handler,
+        kinds=[EventKind.CREATED],
+        clock=clock,
+        max_attempts=2,
+        start="oldest",
     )
     consumer.run_once()
     clock.advance(s=HOUR_S)
@@ -55,7 +61,7 @@ def test_consumers_show_position_lag_oldest_wait_and_failure_counts(
     bad = service.create_unpaid_order("u2")
     consumer.handler.order_ids.add(bad.id)  # type: ignore[attr-defined]
     consumer.run_once()  # one retrying now, one parked
-    EventConsumer(engine, "audit", lambda e: None, clock=clock).run_once()
+    EventConsumer(engine, "audit", lambda e: None, clock=clock, start="oldest").run_once()
     assert [c.lag_events for c in list_consumers(engine, clock=clock)] == [0, 0]
 
     clock.advance(s=10)
@@ -196,7 +202,13 @@ def test_requeue_and_discard_are_recorded_as_events_naming_the_operator(
 
     act_on_parked(engine, REQUEUE, "stock", 1, clock=clock, actor=ann)
     consumer_again = EventConsumer(
-        engine, "stock", Poison(order_id), kinds=[EventKind.CREATED], clock=clock, max_attempts=1
+        engine,
+        "stock",
+        Poison(order_id),
+        kinds=[EventKind.CREATED],
+        clock=clock,
+        max_attempts=1,
+        start="oldest",
     )
     consumer_again.run_once()  # fails once more: parked again (max_attempts=1)
     clock.advance(s=HOUR_S)

@@ -72,7 +72,9 @@ def test_two_consumers_of_one_name_creating_the_cursor_at_once_both_succeed(
             handled[e.id] += 1
 
     line_up(cursors_table.name)
-    consumers = [EventConsumer(engine, "twin", handler, clock=clock) for _ in range(2)]
+    consumers = [
+        EventConsumer(engine, "twin", handler, clock=clock, start="oldest") for _ in range(2)
+    ]
 
     assert run_twice_at_once(consumers) == []
 
@@ -93,7 +95,9 @@ def test_two_consumers_of_one_name_failing_on_one_event_at_once_keep_one_retry(
         raise RuntimeError("stock service down")
 
     line_up(retries_table.name)
-    consumers = [EventConsumer(engine, "twin", handler, clock=clock) for _ in range(2)]
+    consumers = [
+        EventConsumer(engine, "twin", handler, clock=clock, start="oldest") for _ in range(2)
+    ]
 
     assert run_twice_at_once(consumers) == []
 

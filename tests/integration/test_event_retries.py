@@ -33,7 +33,9 @@ def test_attempts_are_counted_and_the_last_error_kept_on_one_line(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
     order = service.create_unpaid_order("u1")
-    consumer = EventConsumer(engine, "stock", Poison(order.id), clock=clock, max_attempts=5)
+    consumer = EventConsumer(
+        engine, "stock", Poison(order.id), clock=clock, max_attempts=5, start="oldest"
+    )
 
     seen = []
     for _ in range(3):
@@ -61,6 +63,7 @@ def test_backoff_is_full_jitter_below_the_doubling_ceiling(
         max_backoff_s=20,
         max_attempts=100,
         rand=random.Random(7).random,
+        start="oldest",
     )
 
     delays, ceilings = [], []
@@ -81,7 +84,13 @@ def test_the_jitter_draw_scales_the_ceiling(
 ) -> None:
     order = service.create_unpaid_order("u1")
     consumer = EventConsumer(
-        engine, "stock", Poison(order.id), clock=clock, backoff_s=2, rand=lambda: 0.25
+        engine,
+        "stock",
+        Poison(order.id),
+        clock=clock,
+        backoff_s=2,
+        rand=lambda: 0.25,
+        start="oldest",
     )
     assert [consumer.backoff_ms(n) for n in (1, 2, 3, 20)] == [500, 1000, 2000, 75_000]
     consumer.run_once()
@@ -93,7 +102,7 @@ def test_an_event_that_used_its_attempts_is_parked_logged_once_and_never_tried_a
 ) -> None:
     poison = service.create_unpaid_order("u1")
     handler = Poison(poison.id)
-    consumer = EventConsumer(engine, "stock", handler, clock=clock, max_attempts=3)
+    consumer = EventConsumer(engine, "stock", handler, clock=clock, max_attempts=3, start="oldest")
     caplog.set_level(logging.WARNING, logger="orders.events")
 
     parked = 0
@@ -122,7 +131,9 @@ def test_max_attempts_one_parks_at_the_first_failure(
     service: OrderService, engine: Engine, clock: ManualClock
 ) -> None:
     order = service.create_unpaid_order("u1")
-    consumer = EventConsumer(engine, "stock", Poison(order.id), clock=clock, max_attempts=1)
+    consumer = EventConsumer(
+        engine, "stock", Poison(order.id), clock=clock, max_attempts=1, start="oldest"
+    )
 
     assert consumer.run_once().parked == 1
 

@@ -96,7 +96,9 @@ def test_a_failing_handler_is_retried_with_backoff_without_holding_up_later_even
         handled.append(event.order_id)
 
     # rand 1.0: the top of the jitter range, so the delays are the plain doubling.
-    consumer = EventConsumer(engine, "test", handler, clock=clock, backoff_s=1, rand=lambda: 1.0)
+    consumer = EventConsumer(
+        engine, "test", handler, clock=clock, backoff_s=1, rand=lambda: 1.0, start="oldest"
+    )
     first = consumer.run_once()
     assert (first.handled, first.failed) == (3, 1)
     assert handled == [orders[0].id, orders[2].id, orders[3].id]
@@ -117,7 +119,9 @@ def test_kinds_filter_passes_other_events_by(service: OrderService, engine: Engi
     order = service.create_unpaid_order("u1")
     service.cancel_order(order.id)
     seen: list[EventKind] = []
-    consumer = EventConsumer(engine, "cancels", lambda e: seen.append(e.kind), kinds=["cancelled"])
+    consumer = EventConsumer(
+        engine, "cancels", lambda e: seen.append(e.kind), kinds=["cancelled"], start="oldest"
+    )
     consumer.run_once()
     assert seen == [EventKind.CANCELLED]
     assert consumer.position().event_id > 0
@@ -134,7 +138,7 @@ def handler(event):
     out.write(f"{event.id}\\n"); out.flush(); os.fsync(out.fileno())
     time.sleep(0.01)
 engine = build_engine(Settings(database_url=sys.argv[1]))
-consumer = EventConsumer(engine, "killed", handler)
+consumer = EventConsumer(engine, "killed", handler, start="oldest")
 while consumer.run_once(limit=5).handled:
     pass
 """

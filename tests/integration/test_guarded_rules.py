@@ -234,7 +234,7 @@ def test_a_parked_event_is_not_overwritten_by_a_twins_failure(
     def twin_fails(e: OrderEvent) -> None:
         raise RuntimeError("twin: stock service down")
 
-    twin = EventConsumer(engine, "stock", twin_fails, clock=clock, max_attempts=1)
+    twin = EventConsumer(engine, "stock", twin_fails, clock=clock, max_attempts=1, start="oldest")
     parked_at_ms = clock()
 
     def first_fails_later(e: OrderEvent) -> None:
@@ -243,7 +243,9 @@ def test_a_parked_event_is_not_overwritten_by_a_twins_failure(
         clock.advance(s=1)
         raise RuntimeError("first: timeout")
 
-    first = EventConsumer(engine, "stock", first_fails_later, clock=clock, max_attempts=1)
+    first = EventConsumer(
+        engine, "stock", first_fails_later, clock=clock, max_attempts=1, start="oldest"
+    )
 
     assert first.run_once().parked == 0  # parked already: not again, not logged again
 
@@ -263,12 +265,14 @@ def test_a_consumer_that_fell_behind_its_twin_never_moves_the_cursor_back(
         service.create_unpaid_order(user)
     every = read_events(engine)
     seen_by_twin: list[int] = []
-    twin = EventConsumer(engine, "mail", lambda e: seen_by_twin.append(e.id), clock=clock)
+    twin = EventConsumer(
+        engine, "mail", lambda e: seen_by_twin.append(e.id), clock=clock, start="oldest"
+    )
 
     def slow(e: OrderEvent) -> None:
         twin.run_once()  # the twin handles the whole stream meanwhile
 
-    first = EventConsumer(engine, "mail", slow, clock=clock)
+    first = EventConsumer(engine, "mail", slow, clock=clock, start="oldest")
     first.run_once(limit=1)  # handles the first event, then saves its position
 
     assert seen_by_twin == [e.id for e in every]

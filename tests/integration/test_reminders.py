@@ -263,7 +263,9 @@ def test_an_event_consumer_of_expiring_events_gets_each_reminder_with_its_expiry
     order = reminding.create_unpaid_order("u1", ttl_s=TTL_S)
     reminding.create_unpaid_order("u2", ttl_s=TTL_S + 1)  # reminded 1 s later: not yet
     seen: list[OrderEvent] = []
-    consumer = EventConsumer(engine, "send-reminders", seen.append, kinds=[EventKind.EXPIRING])
+    consumer = EventConsumer(
+        engine, "send-reminders", seen.append, kinds=[EventKind.EXPIRING], start="oldest"
+    )
     clock.set(order.expires_at_ms - OFFSET_MS)
     reminding.sweep_expired()
 

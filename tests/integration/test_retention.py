@@ -88,9 +88,11 @@ def test_an_order_still_needed_is_kept_until_it_is_not(
     with pytest.raises(OrderClosed):
         shop.mark_paid(ids["closed"], payment_ref="too-late")
     # A consumer that parks the paid order's events, and one that has read nothing since.
-    failing = EventConsumer(engine, "failing", _fail_on(ids["paid"]), clock=clock, max_attempts=1)
+    failing = EventConsumer(
+        engine, "failing", _fail_on(ids["paid"]), clock=clock, max_attempts=1, start="oldest"
+    )
     failing.run_once(limit=1000)
-    behind = EventConsumer(engine, "behind", lambda e: None, clock=clock)
+    behind = EventConsumer(engine, "behind", lambda e: None, clock=clock, start="oldest")
     behind.run_once(limit=1)  # registered, one event read
     clock.advance(ms=DAY_MS)
 
@@ -103,6 +105,68 @@ def test_an_order_still_needed_is_kept_until_it_is_not(
     assert shop.refused_payments() == []  # its refusal, handled, went with it
     assert ids["paid"] in order_ids(engine)  # parked events: an operator may requeue them
     assert ids["unpaid"] in order_ids(engine)
+
+
+def cancelled_orders(shop: OrderService, count: int) -> None:
+    """``count`` orders created and cancelled: two events each."""
+    for n in range(count):
+        shop.cancel_order(shop.create_unpaid_order(f"u{n % 50}", ttl_s=600).id)
+
+
+def test_a_consumer_registered_after_1000_events_does_not_hold_the_prune_of_old_ones(
+    shop: OrderService, engine: Engine, clock: ManualClock
+) -> None:
+    """Issue 46: a new consumer read from the first event and saved its place there, so
+    every order after it was kept until it had read all 1000. It starts from now."""
+    cancelled_orders(shop, 500)
+    clock.advance(ms=100 * DAY_MS)
+    seen: list[OrderEvent] = []
+    late = EventConsumer(engine, "late", seen.append, clock=clock)
+    late.run_once(limit=10)  # registered
+
+    done = shop.operations.prune(90 * 86_400)
+    assert (done.orders, done.events, done.held_by, done.passed_by) == (500, 1000, (), ())
+    assert seen == []
+    shop.cancel_order(shop.create_unpaid_order("u1").id)
+    late.run_once()
+    assert [e.kind.value for e in seen] == ["created", "cancelled"]
+
+
+def test_a_consumer_registered_from_the_oldest_reads_every_kept_event_holding_them_meanwhile(
+    shop: OrderService, engine: Engine, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    cancelled_orders(shop, 500)
+    clock.advance(ms=100 * DAY_MS)
+    seen: list[int] = []
+    reader = EventConsumer(
+        engine, "archive", lambda e: seen.append(e.id), clock=clock, start="oldest"
+    )
+    reader.run_once(limit=10)  # the first five orders' events
+
+    done = shop.operations.prune(90 * 86_400)
+    assert (done.orders, done.held_by, done.passed_by) == (5, ("archive",), ())
+    assert "consumer archive is behind" in caplog.text
+    while reader.run_once(limit=500).handled:
+        pass
+    assert len(seen) == len(set(seen)) == 1000
+    assert shop.operations.prune(90 * 86_400).orders == 495
+
+
+def test_a_consumer_standing_still_for_the_retention_period_holds_nothing_past_it(
+    shop: OrderService, engine: Engine, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Retention waits on a consumer that is behind while it reads; one whose cursor has not
+    moved for the retention period is passed: its unread events that old go, and it is
+    told in the log and the report."""
+    cancelled_orders(shop, 20)
+    stopped = EventConsumer(engine, "stopped", lambda e: None, clock=clock, start="oldest")
+    stopped.run_once(limit=10)
+    clock.advance(ms=100 * DAY_MS)
+
+    done = shop.operations.prune(90 * 86_400)
+    assert (done.orders, done.held_by, done.passed_by) == (20, (), ("stopped",))
+    assert "consumer stopped has not moved" in caplog.text
+    assert stopped.run_once().handled == 0  # its unread events went with their orders
 
 
 def _fail_on(order_id: str) -> Callable[[OrderEvent], None]:

@@ -138,7 +138,7 @@ def test_the_created_event_carries_the_trace_and_a_consumer_span_links_to_it(
         assert events[order.id].data["traceparent"] == f"00-{ids}-{create.trace_flags:02x}"
 
     handled: list[str] = []
-    consumer = EventConsumer(engine, "traced", lambda e: handled.append(e.order_id))
+    consumer = EventConsumer(engine, "traced", lambda e: handled.append(e.order_id), start="oldest")
     assert consumer.run_once().handled == 2
     consumed = [s for s in spans() if s.name == "orders.consume_event"]
     assert [attributes(s)["orders.order_id"] for s in consumed] == [traced.id, untraced.id]

@@ -51,7 +51,9 @@ def test_a_failing_handler_leaves_no_writes_and_its_failure_is_recorded(
             # which the consumer's savepoint must bring back.
             conn.exec_driver_sql("SELECT * FROM no_such_table")
 
-    consumer = EventConsumer(engine, "stock", handler, transactional=True, clock=clock)
+    consumer = EventConsumer(
+        engine, "stock", handler, transactional=True, clock=clock, start="oldest"
+    )
     assert consumer.run_once() == ConsumeResult(handled=2, failed=2)
     assert effect_counts(engine) == Counter({first: 1, last: 1})
     assert retry_rows(engine, "stock") == {raises: (1, False), refused: (1, False)}
@@ -74,7 +76,9 @@ def test_a_handler_that_commits_the_consumer_s_transaction_is_refused(
         record_effect(event, conn)
         conn.commit()
 
-    consumer = EventConsumer(engine, "stock", handler, transactional=True, clock=clock)
+    consumer = EventConsumer(
+        engine, "stock", handler, transactional=True, clock=clock, start="oldest"
+    )
     with pytest.raises(InvalidInput, match="never commit"):
         consumer.run_once()
     assert consumer.position() == EventPosition()  # the event is not marked handled
@@ -106,7 +110,9 @@ def test_twin_consumers_racing_hand_each_event_over_exactly_once(
             raise RuntimeError("first try fails")
 
     twins = [
-        EventConsumer(engine, "twin", handler, transactional=True, clock=clock, backoff_s=0)
+        EventConsumer(
+            engine, "twin", handler, transactional=True, clock=clock, backoff_s=0, start="oldest"
+        )
         for _ in range(2)
     ]
     last = read_events(engine, limit=1000)[-1].position

@@ -68,6 +68,7 @@ def consumer_for(
         max_attempts=max_attempts,
         rand=lambda: 1.0,
         **options,
+        start="oldest",
     )
 
 
@@ -197,7 +198,7 @@ def test_an_unreachable_receiver_is_a_failure_to_retry(
 ) -> None:
     service.create_unpaid_order("u1")
     sender = WebhookSender("http://127.0.0.1:1/hooks", SECRET, timeout_s=2, clock=clock)
-    consumer = EventConsumer(engine, WEBHOOK_CONSUMER_NAME, sender, clock=clock)
+    consumer = EventConsumer(engine, WEBHOOK_CONSUMER_NAME, sender, clock=clock, start="oldest")
 
     assert consumer.run_once().failed == 1
 

@@ -48,7 +48,13 @@ def main() -> int:
     url = os.environ["ORDERS_DATABASE_URL"]
     engine = build_engine(Settings.from_env(), url)
     consumer = EventConsumer(
-        engine, NAME, handler, transactional=True, backoff_s=0, max_attempts=MAX_ATTEMPTS
+        engine,
+        NAME,
+        handler,
+        transactional=True,
+        backoff_s=0,
+        max_attempts=MAX_ATTEMPTS,
+        start="oldest",
     )
     total = ConsumeResult()
     while read_events(engine, consumer.position(), 1) or consumer.pending_retries():
