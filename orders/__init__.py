@@ -23,9 +23,10 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
-from orders.domain import Actor, ActorKind, Order, OrderStatus, Payment, SweepResult
+from orders.domain import Actor, ActorKind, Order, OrderStatus, Payment, Resource, SweepResult
 from orders.errors import (
     CreateRateLimited,
+    HoldRefused,
     InvalidInput,
     OrderAlreadyPaid,
     OrderClosed,
@@ -57,6 +58,7 @@ __all__ = [
     "ActorKind",
     "CreateRateLimited",
     "ExpiryPolicy",
+    "HoldRefused",
     "InvalidInput",
     "Order",
     "OrderAlreadyPaid",
@@ -70,6 +72,7 @@ __all__ = [
     "Payment",
     "PaymentMismatch",
     "RefundOwed",
+    "Resource",
     "SchemaConflict",
     "SchemaNotReady",
     "Settings",

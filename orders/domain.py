@@ -186,6 +186,9 @@ class Order:
     reminded_at_ms: int | None = None
     #: The expiry policy it was created under (None: ``Settings.default_policy``).
     policy: str | None = None
+    #: What it holds of counted resources: resource id -> units (held while unpaid, sold
+    #: once paid, released at its close or cancel).
+    holds: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def created_at(self) -> datetime:
@@ -252,6 +255,8 @@ class NewOrder:
     policy: str | None = None
     #: The caller's trace context, for its ``created`` event (``tracing.event_context``).
     trace: dict[str, str] | None = None
+    #: The units it holds, (resource id, units) sorted by id (``validation.check_holds``).
+    holds: tuple[tuple[str, int], ...] = ()
 
     def retry_of(self, order: Order) -> Order:
         """``order`` if this create is a retry of it; else OrderConflict."""
@@ -259,7 +264,35 @@ class NewOrder:
             raise OrderConflict(order.id, "this order id belongs to another user")
         if order.amount != self.amount or order.currency != self.currency:
             raise OrderConflict(order.id, "this order id exists with another amount or currency")
+        if dict(order.holds) != dict(self.holds):
+            raise OrderConflict(order.id, "this order id exists with other holds")
         return order
+
+
+class HoldReason(StrEnum):
+    """Why a create's holds were refused (:class:`~orders.errors.HoldRefused`)."""
+
+    SOLD_OUT = "sold_out"
+    USER_CAP = "user_cap"
+    UNKNOWN_RESOURCE = "unknown_resource"
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """A counted resource as SQL held it: ``held`` units by unpaid orders, ``sold`` by paid
+    ones. ``free`` may not go below 0 even where the capacity was lowered below what is
+    held and sold (nothing is taken back; new holds wait until enough is released)."""
+
+    id: str
+    capacity: int
+    held: int
+    sold: int
+    per_user: int | None = None
+    updated_at_ms: int | None = None
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.held - self.sold)
 
 
 def refusal(order: Order) -> OrdersError:

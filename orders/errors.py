@@ -99,6 +99,31 @@ class UnpaidOrderLimitReached(OrdersError):
         self.source = source
 
 
+class HoldRefused(OrdersError):
+    """A create's holds were refused and nothing was written: ``resource_id`` is the first
+    resource of the cart (in id order) that could not be held, ``reason`` one of
+    ``sold_out`` (fewer than ``requested`` units free), ``user_cap`` (the user would hold or
+    have bought more than the resource's ``per_user``) or ``unknown_resource``; ``free`` is
+    what could still be held of it (for ``user_cap``: by this user), None when unknown.
+    ``source`` says who refused: ``redis`` (the index, no SQL asked) or ``sql``."""
+
+    def __init__(
+        self,
+        resource_id: str,
+        reason: str,
+        requested: int,
+        free: int | None,
+        source: str = "sql",
+    ) -> None:
+        left = "" if free is None else f"; {max(free, 0)} free"
+        super().__init__(f"hold refused on {resource_id}: {reason} ({requested} asked{left})")
+        self.resource_id = resource_id
+        self.reason = reason
+        self.requested = requested
+        self.free = None if free is None else max(free, 0)
+        self.source = source
+
+
 class CreateRateLimited(OrdersError):
     """The user started ``limit`` creates in the last ``window_s`` seconds
     (``Settings.create_rate``); cancelling or paying orders does not lift it.

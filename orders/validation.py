@@ -71,6 +71,46 @@ def check_optional_text(name: str, value: object, max_length: int) -> str | None
     return _check_text(name, value, max_length, key_safe=False)
 
 
+#: The widest resource id (``sku:42``, ``coupon:SPRING``, ``slot:2027-01-05T10:00``).
+RESOURCE_ID_MAX_LENGTH = 128
+#: The most units one hold may ask for, and the most resources one cart may name.
+HOLD_QUANTITY_MAX = 1_000_000
+HOLDS_PER_ORDER_MAX = 100
+#: The largest capacity a resource may have.
+CAPACITY_MAX = 10**12
+
+
+def check_resource_id(value: object) -> str:
+    """A resource id, checked like a user id (its Redis key carries it as a hash tag)."""
+    return _check_text("resource_id", value, RESOURCE_ID_MAX_LENGTH, key_safe=True)
+
+
+def check_holds(value: object) -> tuple[tuple[str, int], ...]:
+    """A create's ``holds``: resource id -> units, as (id, units) pairs sorted by id (the
+    order every store takes them in). None or empty: no holds."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise InvalidInput("holds", "must be a mapping of resource id to a number of units")
+    if len(value) > HOLDS_PER_ORDER_MAX:
+        raise InvalidInput("holds", f"must name at most {HOLDS_PER_ORDER_MAX} resources")
+    pairs: dict[str, int] = {}
+    for resource_id, units in value.items():
+        rid = check_resource_id(resource_id)
+        if rid in pairs:
+            raise InvalidInput("holds", "names a resource twice")
+        pairs[rid] = check_count("holds", units, 1, HOLD_QUANTITY_MAX)
+    return tuple(sorted(pairs.items()))
+
+
+def check_capacity(capacity: object, per_user: object) -> tuple[int, int | None]:
+    """A resource's capacity (0 or more) and its ``per_user`` cap (None, or 1..capacity)."""
+    cap = check_count("capacity", capacity, 0, CAPACITY_MAX)
+    if per_user is None:
+        return cap, None
+    return cap, check_count("per_user", per_user, 1, max(cap, 1))
+
+
 def check_ttl_ms(ttl_s: object, max_ttl_s: float) -> int:
     """A TTL given in seconds, as whole milliseconds (at least 1 ms, at most the maximum)."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float | Decimal):

@@ -29,7 +29,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from orders import metrics
 from orders.domain import ACTOR_MAX_LENGTH, EventKind, OrderStatus
 from orders.errors import SchemaNotReady, StoreUnavailable
-from orders.validation import TEXT_MAX_LENGTH, USER_ID_MAX_LENGTH, USER_LIMIT_MAX
+from orders.validation import (
+    RESOURCE_ID_MAX_LENGTH,
+    TEXT_MAX_LENGTH,
+    USER_ID_MAX_LENGTH,
+    USER_LIMIT_MAX,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -44,6 +49,7 @@ USER_ID_COLUMN_LENGTH = USER_ID_MAX_LENGTH
 ORDER_ID_COLUMN_LENGTH = 128
 TEXT_COLUMN_LENGTH = TEXT_MAX_LENGTH
 POLICY_NAME_COLUMN_LENGTH = 64
+RESOURCE_ID_COLUMN_LENGTH = RESOURCE_ID_MAX_LENGTH
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; elsewhere the key is a BIGINT.
 EventId = BigInteger().with_variant(Integer(), "sqlite")
@@ -104,6 +110,10 @@ class OrderRow(Base):
     #: When the sweep writes its ``expiring`` event (NULL: none due), and when it did.
     remind_at_ms: Mapped[int | None] = mapped_column(BigInteger)
     reminded_at_ms: Mapped[int | None] = mapped_column(BigInteger)
+    #: What it holds of counted resources, as the create asked (resource id -> units; NULL:
+    #: nothing). The ``oes_holds`` rows say what each unit is now; this names them in the
+    #: order's events without a join.
+    holds: Mapped[dict[str, int] | None] = mapped_column(JSON)
 
     __table_args__ = (
         CheckConstraint(f"status IN ({_in(OrderStatus)})", name="status"),
@@ -273,6 +283,66 @@ class PauseRow(Base):
     ended_at_ms: Mapped[int | None] = mapped_column(BigInteger)
 
 
+#: A hold's units still kept for an unpaid order; ``sold``: bought; ``released``: free again.
+HOLD_HELD = "held"
+HOLD_SOLD = "sold"
+HOLD_RELEASED = "released"
+HELD_SQL = f"status = '{HOLD_HELD}'"
+
+
+class ResourceRow(Base):
+    """A counted resource (``service.set_capacity``). ``sold`` counts the units of paid
+    orders; what unpaid orders hold is the sum of its ``held`` rows in ``oes_holds`` (a
+    partial index keeps that sum to the open holds). Every create holding it locks this row
+    first, in id order, so two creates never both take the last unit."""
+
+    __tablename__ = "oes_resources"
+
+    id: Mapped[str] = mapped_column(String(RESOURCE_ID_COLUMN_LENGTH), primary_key=True)
+    capacity: Mapped[int] = mapped_column(BigInteger)
+    per_user: Mapped[int | None] = mapped_column(BigInteger)
+    sold: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
+    updated_at_ms: Mapped[int] = mapped_column(BigInteger)
+    actor_kind: Mapped[str | None] = mapped_column(String(16))
+    actor: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
+
+    __table_args__ = (
+        CheckConstraint("capacity >= 0", name="capacity"),
+        CheckConstraint("sold >= 0", name="sold"),
+    )
+
+
+class HoldRow(Base):
+    """What one order holds of one resource: ``held`` while the order is unpaid, ``sold``
+    once paid, ``released`` once closed or cancelled; changed in the transaction (on
+    PostgreSQL the statement) of the order's own transition."""
+
+    __tablename__ = "oes_holds"
+
+    order_id: Mapped[str] = mapped_column(
+        String(ORDER_ID_COLUMN_LENGTH),
+        ForeignKey("oes_orders.id", ondelete="CASCADE"),
+        primary_key=True,
+    )
+    resource_id: Mapped[str] = mapped_column(
+        String(RESOURCE_ID_COLUMN_LENGTH), ForeignKey("oes_resources.id"), primary_key=True
+    )
+    user_id: Mapped[str] = mapped_column(String(USER_ID_COLUMN_LENGTH))
+    quantity: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16))
+
+    __table_args__ = (
+        CheckConstraint(
+            f"status IN ('{HOLD_HELD}', '{HOLD_SOLD}', '{HOLD_RELEASED}')", name="status"
+        ),
+        CheckConstraint("quantity > 0", name="quantity"),
+        # The units held now, per resource: the guard sums them from this index alone.
+        partial_index("ix_oes_holds_held_resource_id", "resource_id", "quantity", where=HELD_SQL),
+        # A user's holds and purchases of one resource (the per-user cap).
+        Index("ix_oes_holds_resource_id_user_id", "resource_id", "user_id"),
+    )
+
+
 class EventCursorRow(Base):
     """Where a named consumer of order_events has got to (durable, one row per name)."""
 
@@ -320,6 +390,8 @@ refusals_table = cast(Table, PaymentRefusalRow.__table__)
 user_limits_table = cast(Table, UserLimitRow.__table__)
 user_limit_history_table = cast(Table, UserLimitChangeRow.__table__)
 pauses_table = cast(Table, PauseRow.__table__)
+resources_table = cast(Table, ResourceRow.__table__)
+holds_table = cast(Table, HoldRow.__table__)
 
 
 @contextmanager

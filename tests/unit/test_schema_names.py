@@ -19,6 +19,8 @@ BORN_PREFIXED = {
     "oes_user_limits",
     "oes_pauses",
     "oes_user_limit_history",
+    "oes_resources",
+    "oes_holds",
 }
 
 
