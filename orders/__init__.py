@@ -166,6 +166,7 @@ def create_unpaid_order(
     on_limit: str | None = None,
     policy: str | None = None,
     expires_at: datetime | None = None,
+    holds: Mapping[str, int] | None = None,
 ) -> Order:
     """See :meth:`OrderService.create_unpaid_order`."""
     return default_service().create_unpaid_order(
@@ -180,6 +181,7 @@ def create_unpaid_order(
         on_limit=on_limit,
         policy=policy,
         expires_at=expires_at,
+        holds=holds,
     )
 
 

@@ -134,6 +134,9 @@ class RefusalReason(StrEnum):
     #: SQL holds no order with that id: retention pruned it, or it never existed (once
     #: pruned, the two cannot be told apart). Recorded with no user and no event.
     UNKNOWN_ORDER = "unknown_order"
+    #: A late payment within the window, but units its order had released are held or
+    #: sold by others now (:mod:`orders.sql.holds`): a refund is owed.
+    UNITS_TAKEN = "units_taken"
 
 
 @dataclass(frozen=True, slots=True)

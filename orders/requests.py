@@ -23,6 +23,7 @@ from orders.validation import (
     check_currency,
     check_currency_needs_amount,
     check_expiry_ms,
+    check_holds,
     check_limit,
     check_metadata,
     check_on_limit,
@@ -67,6 +68,8 @@ class CreateRequest:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: ``expires_at`` in ms (None: ``ttl_ms`` after the creation).
     deadline_ms: int | None = None
+    #: The units it holds, sorted by resource id (``validation.check_holds``).
+    holds: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def checked(
@@ -84,6 +87,7 @@ class CreateRequest:
         on_limit: object = None,
         policy: object = None,
         expires_at: object = None,
+        holds: object = None,
     ) -> CreateRequest:
         s = settings
         amt, cur = checked_money(amount, currency)
@@ -106,6 +110,7 @@ class CreateRequest:
             policy=name,
             terms=terms,
             deadline_ms=None if expires_at is None else check_deadline(expires_at),
+            holds=check_holds(holds),
         )
 
     def new_order(self, order_id: str, now_ms: int, trace: dict[str, str] | None) -> NewOrder:
@@ -129,4 +134,5 @@ class CreateRequest:
             remind_at_ms=terms.remind_at_ms(now_ms, expires_at_ms),
             policy=self.policy,
             trace=trace,
+            holds=self.holds,
         )

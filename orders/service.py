@@ -167,6 +167,7 @@ class OrderService:
         on_limit: str | None = None,
         policy: str | None = None,
         expires_at: datetime | None = None,
+        holds: Mapping[str, int] | None = None,
     ) -> Order:
         """Admit a new unpaid order for ``user_id`` unless the user is at the limit.
 
@@ -196,6 +197,12 @@ class OrderService:
         time to pay, reminder, late-payment window and maximum lifetime, or no expiry. The
         order keeps the name. ``expires_at``: an absolute deadline instead of ``ttl_s``
         (an aware datetime, ahead of now, capped at the maximum lifetime).
+
+        ``holds``: units of counted resources the order keeps from other buyers (resource
+        id -> units, see :meth:`set_capacity`), taken with the order or not at all:
+        :class:`HoldRefused` names the first resource short and why, and nothing is
+        written. Paid, they are sold; cancelled, replaced, closed or erased, released in
+        the same transaction. Not combined with concurrent creates.
         """
         host = self._host(connection)
         with tracing.span("orders.create_unpaid_order") as traced:
@@ -212,6 +219,7 @@ class OrderService:
                 on_limit=on_limit,
                 policy=policy,
                 expires_at=expires_at,
+                holds=holds,
             )
             traced.set(user_id=asked.user_id)
             now_ms = self.clock()

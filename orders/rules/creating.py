@@ -73,7 +73,8 @@ class Creating:
 
     def _create(self, new: NewOrder, on_limit: str, host: Connection | None) -> tuple[Order, bool]:
         if on_limit != ON_LIMIT_REPLACE_OLDEST:
-            return (self.combiner or self.admitter).create(new, host)
+            combiner = None if new.holds else self.combiner  # holds: a transaction each
+            return (combiner or self.admitter).create(new, host)
         try:
             return self.admitter.create(new, host)
         except UnpaidOrderLimitReached as refused:

@@ -37,6 +37,7 @@ from orders import metrics
 from orders.config import Settings
 from orders.domain import Actor, Order, OrderStatus, Payment, RefusalReason
 from orders.errors import (
+    HoldRefused,
     OrderAlreadyPaid,
     OrderClosed,
     OrderNotFound,
@@ -45,6 +46,7 @@ from orders.errors import (
 )
 from orders.hooks import HookRunner
 from orders.rules.transition import Transitioner
+from orders.sql.holds import check_retake
 from orders.sql.records import EXPIRED_REASON, to_order
 from orders.sql.refusals import record_refusal, record_unknown_order
 
@@ -134,13 +136,19 @@ class Payments:
         if decision is Decision.REPEAT:
             metrics.PAYMENTS.labels("repeat").inc()
             return order
+        late_refusal = RefusalReason.LATE_PAYMENT_REFUSED
         if decision is Decision.LATE and self._late_check_accepts(order, payment):
-            paid = self._pay_late(order, payment, actor, now_ms, host)
+            try:
+                paid = self._pay_late(order, payment, actor, now_ms, host)
+            except HoldRefused:
+                paid, late_refusal = None, RefusalReason.UNITS_TAKEN
             if paid is not None:
                 _count_paid(paid, "late_accepted")
                 return paid
         closed_now = won  # strict_expiry: this payment's attempt closed the order
-        return self._refuse(order_id, payment, actor, now_ms, host, closed_now=closed_now)
+        return self._refuse(
+            order_id, payment, actor, now_ms, host, closed_now=closed_now, late=late_refusal
+        )
 
     def _close_for(
         self, conn: Connection, order_id: str, payment: Payment, actor: Actor, now_ms: int
@@ -195,6 +203,15 @@ class Payments:
                 conn, order_id, now_ms, payment, actor, late_window_ms=window_ms
             )
 
+        if closed.holds:
+            # Its units again, if free: checked and taken in one transaction, the
+            # resources locked as a create locks them (HoldRefused: taken by others).
+            with self.records.tx.write(host) as conn:
+                check_retake(conn, closed.user_id, order_id)
+                row = attempt(conn)
+                self.records.tx.commit(conn, host)
+            return None if row is None else to_order(row, now_ms)
+
         order, won = self.transitioner.run(
             order_id, now_ms, attempt, redis_after=_nothing, host=host
         )
@@ -209,6 +226,7 @@ class Payments:
         host: Connection | None,
         *,
         closed_now: bool = False,
+        late: RefusalReason = RefusalReason.LATE_PAYMENT_REFUSED,
     ) -> Order:
         """Decide again under the order's lock and record the refusal, in one transaction;
         then raise it. (Under the lock the order may turn out payable after all, or paid
@@ -222,7 +240,7 @@ class Payments:
             if decision is Decision.LATE:
                 # Late and still closed: the check refused it, or (a strict expiry's order
                 # still unpaid) it was never asked; either way it is not accepted here.
-                decision, reason = Decision.REFUSE, RefusalReason.LATE_PAYMENT_REFUSED
+                decision, reason = Decision.REFUSE, late
             if decision is Decision.PAY:
                 row = records.pay(conn, order_id, now_ms, payment, actor, strict=False)
                 records.tx.commit(conn, host)
@@ -280,6 +298,7 @@ _OUTCOMES = {
     RefusalReason.AMOUNT_MISMATCH: "refused_mismatch",
     RefusalReason.CURRENCY_MISMATCH: "refused_mismatch",
     RefusalReason.LATE_PAYMENT_REFUSED: "refused_late",
+    RefusalReason.UNITS_TAKEN: "refused_late",
 }
 
 

@@ -34,17 +34,20 @@ from sqlalchemy import (
     String,
     any_,
     bindparam,
+    case,
     cast,
     func,
     insert,
     literal,
     literal_column,
+    null,
     select,
     update,
 )
 
 from orders.domain import SWEEPER, Actor, EventKind, OrderStatus
-from orders.sql.models import events_table, orders_table
+from orders.sql.holds import RELEASE, hold_changes
+from orders.sql.models import events_table, holds_table, orders_table
 from orders.sql.predicates import NOT_PAUSED, UNPAID_PREDICATE, closable_at, reminder_due_at
 from orders.sql.records import EXPIRED_REASON, OrderRecords
 from orders.sql.transitions import ACTOR_PARAMS, EVENT_COLUMNS, with_events
@@ -102,6 +105,8 @@ class DueCloser:
             rows = conn.execute(statement, params).all()
             ids = json.dumps([row.id for row in rows])
             conn.execute(record, {"ids": ids, "at_ms": at_ms, **actor.columns()})
+            if record is _SQLITE_RECORD_CLOSED:
+                conn.execute(_SQLITE_RELEASE, {"ids": ids})
             conn.commit()
         return [(row.user_id, row.expires_at_ms) for row in rows]
 
@@ -123,15 +128,25 @@ def _claim(due: Select[Any], *, postgresql: bool) -> ColumnElement[bool]:
     return ORDER.id == claimed.c.id
 
 
-def _batch(statement: Any, *, postgresql: bool, name: str, kind: EventKind, **events: Any) -> Any:
+def _batch(
+    statement: Any,
+    *,
+    postgresql: bool,
+    name: str,
+    kind: EventKind,
+    holds: tuple[str, str] | None = None,
+    **events: Any,
+) -> Any:
     """SQLite: ``statement`` returning what its caller reads (its events follow, since
     SQLite cannot put an UPDATE in a CTE). PostgreSQL: the events inserted in the same
     statement (``with_events``); row-by-row event inserts (psycopg's executemany) took most
     of a sweep's time there."""
-    changed = statement.returning(ORDER.id, ORDER.user_id, ORDER.expires_at_ms)
+    changed = statement.returning(ORDER.id, ORDER.user_id, ORDER.expires_at_ms, ORDER.holds)
     if not postgresql:
         return changed
     with_recorded = with_events(changed, name, kind, **events)
+    if holds is not None:
+        with_recorded = hold_changes(with_recorded, with_recorded.get_final_froms()[0], holds)
     columns = with_recorded.selected_columns
     return with_recorded.with_only_columns(columns.user_id, columns.expires_at_ms)
 
@@ -157,8 +172,20 @@ def _close_statement(*, postgresql: bool) -> Any:
         )
     )
     return _batch(
-        close, postgresql=postgresql, name="closed", kind=EventKind.CLOSED, at_ms=closed_at
+        close,
+        postgresql=postgresql,
+        name="closed",
+        kind=EventKind.CLOSED,
+        holds=RELEASE,
+        at_ms=closed_at,
+        data_from=_released,
     )
+
+
+def _released(row: Any) -> Any:
+    """A close's event data: the units it released (none: no data)."""
+    released = func.json_build_object(literal_column("'released'"), row.holds)
+    return case((row.holds.is_(None), null()), else_=released)
 
 
 def _expiring_data(row: Any) -> Any:
@@ -211,7 +238,24 @@ def _sqlite_record(kind: EventKind, data: Any = None) -> Any:
     return insert(events_table).from_select(names, source)
 
 
-_SQLITE_RECORD_CLOSED = _sqlite_record(EventKind.CLOSED)
+_SQLITE_RECORD_CLOSED = _sqlite_record(
+    EventKind.CLOSED,
+    case(
+        (ORDER.holds.is_(None), null()),
+        else_=func.json_object(literal_column("'released'"), func.json(ORDER.holds)),
+    ),
+)
+#: SQLite: the holds of a batch's closed orders are released (PostgreSQL: in the statement).
+_SQLITE_RELEASE = (
+    update(holds_table)
+    .where(
+        holds_table.c.order_id.in_(
+            select(func.json_each(bindparam("ids", type_=String)).table_valued("value").c.value)
+        ),
+        holds_table.c.status == RELEASE[0],
+    )
+    .values(status=RELEASE[1])
+)
 _SQLITE_RECORD_EXPIRING = _sqlite_record(
     EventKind.EXPIRING, func.json_object(literal_column("'expires_at_ms'"), ORDER.expires_at_ms)
 )

@@ -113,7 +113,7 @@ class OrderRow(Base):
     #: What it holds of counted resources, as the create asked (resource id -> units; NULL:
     #: nothing). The ``oes_holds`` rows say what each unit is now; this names them in the
     #: order's events without a join.
-    holds: Mapped[dict[str, int] | None] = mapped_column(JSON)
+    holds: Mapped[dict[str, int] | None] = mapped_column(JSON(none_as_null=True))
 
     __table_args__ = (
         CheckConstraint(f"status IN ({_in(OrderStatus)})", name="status"),
@@ -303,8 +303,10 @@ class ResourceRow(Base):
     per_user: Mapped[int | None] = mapped_column(BigInteger)
     sold: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     updated_at_ms: Mapped[int] = mapped_column(BigInteger)
-    actor_kind: Mapped[str | None] = mapped_column(String(16))
-    actor: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
+    # Not named actor_kind/actor: a transition's statement binds parameters of those names,
+    # which SQLAlchemy would take as values for the columns of an UPDATE in it.
+    updated_by_kind: Mapped[str | None] = mapped_column(String(16))
+    updated_by: Mapped[str | None] = mapped_column(String(ACTOR_MAX_LENGTH))
 
     __table_args__ = (
         CheckConstraint("capacity >= 0", name="capacity"),

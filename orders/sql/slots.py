@@ -51,6 +51,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
 from orders.domain import APPLICATION, EventKind, NewOrder, OrderStatus
+from orders.sql.holds import take
 from orders.sql.inflight import in_flight_lock
 from orders.sql.models import events_table, orders_table, user_limits_table
 from orders.sql.predicates import UNPAID_PREDICATE
@@ -78,6 +79,7 @@ def order_row(new: NewOrder) -> dict[str, Any]:
         "metadata": new.metadata or None,
         "remind_at_ms": new.remind_at_ms,
         "policy": new.policy,
+        "holds": dict(new.holds) or None,
     }
 
 
@@ -218,6 +220,8 @@ class SlotGuard:
         (or, on PostgreSQL, a concurrent create took it first). Raises InsertConflict.
         ``host``: in the host's transaction (``Transactions.in_host``)."""
         params = insert_params(new)
+        if new.holds:
+            return self._insert_holding(new, params, host)
         if self._in_one_statement:
             with self.tx.statements(host) as conn:
                 try:
@@ -235,6 +239,28 @@ class SlotGuard:
                     conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor
                 )
                 self.tx.commit(conn, host)
+            return row
+
+    def _insert_holding(
+        self, new: NewOrder, params: dict[str, Any], host: Connection | None
+    ) -> Row[Any] | None:
+        """:meth:`insert` of an order with holds: the insert and the holds
+        (:func:`orders.sql.holds.take`) in one transaction, on both engines; HoldRefused
+        leaves with neither written."""
+        with self.tx.write(host) as conn:
+            try:
+                row = conn.execute(self._insert, params).one_or_none()
+            except IntegrityError as exc:
+                raise InsertConflict(new.id) from exc
+            if row is None:
+                return None
+            if not self._in_one_statement:
+                created = [(row.id, row.user_id)]
+                record_events(
+                    conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor
+                )
+            take(conn, new)
+            self.tx.commit(conn, host)
             return row
 
     def make_room(self, new: NewOrder, host: Connection | None = None) -> dict[str, int]:

@@ -33,6 +33,14 @@ from sqlalchemy import (
 )
 
 from orders.domain import Actor, EventKind, OrderStatus
+from orders.sql.holds import (
+    RELEASE,
+    RETAKE,
+    SELL,
+    hold_changes,
+    released_data,
+    sqlite_hold_changes,
+)
 from orders.sql.models import events_table, orders_table
 from orders.sql.predicates import PAUSED, UNPAID_PREDICATE, closable_at, open_at
 
@@ -90,9 +98,21 @@ def with_events(
     return select(changed).add_cte(record)
 
 
-def _with_event(change: Any, kind: EventKind) -> Any:
-    data = bindparam("event_data", type_=events_table.c.data.type)
-    return with_events(change, "changed", kind, _NOW, data)
+def _with_event(change: Any, kind: EventKind, holds: tuple[str, str] | None) -> Any:
+    data: Any = bindparam("event_data", type_=events_table.c.data.type)
+    names_released = holds == RELEASE
+    statement = with_events(
+        change,
+        "changed",
+        kind,
+        _NOW,
+        data_from=(lambda row: released_data(row, data)) if names_released else None,
+        data=None if names_released else data,
+    )
+    if holds is None:
+        return statement
+    changed = statement.get_final_froms()[0]
+    return hold_changes(statement, changed, holds)
 
 
 def record_events(
@@ -145,14 +165,18 @@ def insert_event_rows(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> No
 
 @dataclass(frozen=True)
 class CompareAndSet:
-    """One transition: its UPDATE and the kind of event it records when it wins."""
+    """One transition: its UPDATE, the kind of event it records when it wins, and what it
+    does to the order's holds (:mod:`orders.sql.holds`: from one status to another; a
+    release names the units in the event's ``released``)."""
 
     kind: EventKind
     change: Any
+    holds: tuple[str, str] | None = None
     in_one_statement: Any = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "in_one_statement", _with_event(self.change, self.kind))
+        statement = _with_event(self.change, self.kind, self.holds)
+        object.__setattr__(self, "in_one_statement", statement)
 
     def run(
         self,
@@ -168,6 +192,10 @@ class CompareAndSet:
             return conn.execute(self.in_one_statement, statement_params).one_or_none()
         row = conn.execute(self.change, params).one_or_none()
         if row is not None:
+            if self.holds is not None and row.holds:
+                sqlite_hold_changes(conn, row.id, self.holds)
+                if self.holds == RELEASE:
+                    data = {**(data or {}), "released": row.holds}
             event = event_row(row.id, row.user_id, self.kind, params["now_ms"], data, actor)
             conn.execute(_INSERT_EVENT, event)
         return row
@@ -180,11 +208,11 @@ _PAID = {
 }
 
 #: Unpaid -> paid, whatever the expiry (a payment that beats the sweep wins).
-PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))
+PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID), SELL)
 #: Unpaid -> paid while the expiry is still ahead, or a pause holds every expiry
 #: (``strict_expiry``).
 PAY_STRICT = CompareAndSet(
-    EventKind.PAID, _update([UNPAID_PREDICATE, or_(open_at(_NOW), PAUSED)], _PAID)
+    EventKind.PAID, _update([UNPAID_PREDICATE, or_(open_at(_NOW), PAUSED)], _PAID), SELL
 )
 #: Closed by expiry, at most ``:window_ms`` after the expiry -> paid (a late payment the
 #: host accepted; its policy's ``late_payment_window_s``).
@@ -198,6 +226,7 @@ PAY_LATE = CompareAndSet(
         ],
         _PAID,
     ),
+    RETAKE,
 )
 #: Unpaid -> cancelled.
 CANCEL = CompareAndSet(
@@ -210,6 +239,7 @@ CANCEL = CompareAndSet(
             "close_reason": bindparam("reason", type_=String),
         },
     ),
+    RELEASE,
 )
 #: Unpaid and due, no pause open -> closed (the sweep's rule, for one order).
 CLOSE_EXPIRED = CompareAndSet(
@@ -222,6 +252,7 @@ CLOSE_EXPIRED = CompareAndSet(
             "close_reason": EXPIRED_REASON,
         },
     ),
+    RELEASE,
 )
 #: An unreminded order's reminder keeps its distance to the expiry when the expiry moves
 #: (the SET sees the row before the update). NULL stays NULL: a reminder already written is

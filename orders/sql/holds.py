@@ -1,0 +1,230 @@
+"""The SQL record of holds: what each order holds of each counted resource, and the one
+guard that makes an oversell impossible whatever Redis lost.
+
+A create with holds (``NewOrder.holds``) takes them in its own transaction, after its
+order's insert, with :meth:`HoldLedger.take`:
+
+1. it locks the cart's ``oes_resources`` rows in id order (PostgreSQL: ``FOR UPDATE``;
+   SQLite's write transaction holds the whole database already), so two creates of one
+   resource take turns and two carts never wait on each other in a circle;
+2. then, in a statement of its own (at READ COMMITTED each statement reads a snapshot taken
+   when it starts: one taken before the lock was granted would miss the holds of the create
+   that had it), it sums the units held now (``held`` rows, through a partial index) and,
+   for a resource with ``per_user``, what the user holds and bought of it;
+3. it refuses the whole cart (:class:`~orders.errors.HoldRefused`, the first resource short
+   in id order) or inserts one ``held`` row per resource. The caller rolls back on refusal:
+   neither the order nor any hold is written.
+
+Every later change of a hold rides on its order's compare-and-set (:data:`HOLD_CHANGES`), in
+the same statement on PostgreSQL: paid -> ``sold`` (and the resource's ``sold`` grows);
+cancelled or closed -> ``released``. Only the payment touches ``oes_resources`` (its
+``sold``), locking the rows in id order like a create, so a payment and a create never
+deadlock; a release changes ``oes_holds`` only (what is held is a sum of rows), so the
+sweep's one statement closes 500 orders without taking a resource lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Connection,
+    String,
+    bindparam,
+    case,
+    cast,
+    func,
+    insert,
+    literal_column,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from orders.domain import HoldReason, NewOrder, Resource
+from orders.errors import HoldRefused
+from orders.sql.models import (
+    HOLD_HELD,
+    HOLD_RELEASED,
+    HOLD_SOLD,
+    holds_table,
+    resources_table,
+)
+
+HOLD = holds_table.c
+RESOURCE = resources_table.c
+
+_IDS = bindparam("ids", expanding=True, type_=String)
+_LOCK = select(RESOURCE.id, RESOURCE.capacity, RESOURCE.sold, RESOURCE.per_user).where(
+    RESOURCE.id.in_(_IDS)
+)
+_LOCK_FOR_UPDATE = _LOCK.order_by(RESOURCE.id).with_for_update()
+_LOCK_PLAIN = _LOCK.order_by(RESOURCE.id)
+# The status as a literal, never a parameter: only then may the planner use the partial
+# index over held rows.
+_HELD_LITERAL: Any = literal_column(f"'{HOLD_HELD}'")
+_HELD_NOW = (
+    select(HOLD.resource_id, func.sum(HOLD.quantity))
+    .where(HOLD.resource_id.in_(_IDS), HOLD.status == _HELD_LITERAL)
+    .group_by(HOLD.resource_id)
+)
+_TAKEN_BY_USER = (
+    select(HOLD.resource_id, func.sum(HOLD.quantity))
+    .where(
+        HOLD.resource_id.in_(_IDS),
+        HOLD.user_id == bindparam("user_id", type_=String),
+        HOLD.status.in_([HOLD_HELD, HOLD_SOLD]),
+    )
+    .group_by(HOLD.resource_id)
+)
+_INSERT = insert(holds_table)
+
+
+def take(conn: Connection, new: NewOrder) -> None:
+    """Take every hold of ``new`` in ``conn``'s transaction, or raise HoldRefused and write
+    nothing (the caller rolls the transaction back; see the module docstring)."""
+    check(conn, new.user_id, new.holds)
+    conn.execute(
+        _INSERT,
+        [
+            {
+                "order_id": new.id,
+                "resource_id": resource_id,
+                "user_id": new.user_id,
+                "quantity": units,
+                "status": HOLD_HELD,
+            }
+            for resource_id, units in new.holds
+        ],
+    )
+
+
+def check_retake(conn: Connection, user_id: str, order_id: str) -> None:
+    """Before a late payment turns the closed ``order_id`` paid, in its transaction: raise
+    HoldRefused unless every unit it released is free again (its resources stay locked
+    until the payment commits)."""
+    released = [
+        (rid, units)
+        for rid, (units, status) in holds_of(conn, order_id).items()
+        if status == HOLD_RELEASED
+    ]
+    if released:
+        check(conn, user_id, tuple(sorted(released)))
+
+
+def check(conn: Connection, user_id: str, holds: tuple[tuple[str, int], ...]) -> None:
+    """Lock the resources of ``holds`` (id order) and raise HoldRefused unless all fit."""
+    wanted = dict(holds)
+    ids = list(wanted)
+    lock = _LOCK_FOR_UPDATE if conn.dialect.name == "postgresql" else _LOCK_PLAIN
+    rows = {row.id: row for row in conn.execute(lock, {"ids": ids})}
+    for resource_id in ids:
+        if resource_id not in rows:
+            raise HoldRefused(resource_id, HoldReason.UNKNOWN_RESOURCE, wanted[resource_id], None)
+    held = _sums(conn, _HELD_NOW, {"ids": ids})
+    capped = [rid for rid in ids if rows[rid].per_user is not None]
+    taken = _sums(conn, _TAKEN_BY_USER, {"ids": capped, "user_id": user_id}) if capped else {}
+    for resource_id, units in holds:
+        row = rows[resource_id]
+        free = row.capacity - row.sold - held.get(resource_id, 0)
+        if units > free:
+            raise HoldRefused(resource_id, HoldReason.SOLD_OUT, units, free)
+        if row.per_user is not None:
+            left = row.per_user - taken.get(resource_id, 0)
+            if units > left:
+                raise HoldRefused(resource_id, HoldReason.USER_CAP, units, min(left, free))
+
+
+def _sums(conn: Connection, query: Any, params: Mapping[str, Any]) -> dict[str, int]:
+    return {rid: int(total) for rid, total in conn.execute(query, params)}
+
+
+def holds_of(conn: Connection, order_id: str) -> dict[str, tuple[int, str]]:
+    """An order's holds: resource id -> (units, status)."""
+    query = select(HOLD.resource_id, HOLD.quantity, HOLD.status).where(HOLD.order_id == order_id)
+    return {row.resource_id: (row.quantity, row.status) for row in conn.execute(query)}
+
+
+def resource_of(row: Any, held: int) -> Resource:
+    """The Resource an ``oes_resources`` row and its held sum describe."""
+    return Resource(
+        id=row.id,
+        capacity=row.capacity,
+        held=held,
+        sold=row.sold,
+        per_user=row.per_user,
+        updated_at_ms=row.updated_at_ms,
+    )
+
+
+#: The statuses a hold moves between, by the order transition that moves it.
+RELEASE = (HOLD_HELD, HOLD_RELEASED)
+SELL = (HOLD_HELD, HOLD_SOLD)
+#: A late payment takes its released units again (once it found them free).
+RETAKE = (HOLD_RELEASED, HOLD_SOLD)
+
+
+def hold_changes(statement: Any, changed: Any, change: tuple[str, str]) -> Any:
+    """PostgreSQL: ``statement`` (a SELECT over the CTE ``changed``, the order rows a
+    transition returned) with the holds of those orders moved from ``change[0]`` to
+    ``change[1]`` in the same statement; a sale also adds to the resources' ``sold``, their
+    rows locked in id order first (as a create locks them)."""
+    source, target = change
+    moved = (
+        update(holds_table)
+        .where(
+            HOLD.order_id.in_(select(changed.c.id)), HOLD.status == literal_column(f"'{source}'")
+        )
+        .values(status=literal_column(f"'{target}'"))
+        .returning(HOLD.resource_id, HOLD.quantity)
+        .cte(f"holds_{target}")
+    )
+    statement = statement.add_cte(moved)
+    if target != HOLD_SOLD:
+        return statement
+    locked = (
+        select(RESOURCE.id)
+        .where(RESOURCE.id.in_(select(moved.c.resource_id)))
+        .order_by(RESOURCE.id)
+        .with_for_update()
+        .cte("resources_locked")
+    )
+    counted = (
+        update(resources_table)
+        .where(RESOURCE.id == moved.c.resource_id, RESOURCE.id == locked.c.id)
+        .values(sold=RESOURCE.sold + moved.c.quantity)
+        .returning(RESOURCE.id)
+        .cte("resources_sold")
+    )
+    return statement.add_cte(counted)
+
+
+def released_data(row: Any, data: Any) -> Any:
+    """PostgreSQL: a release's event data, ``data`` with ``released`` (the order's holds)
+    added when the order held something."""
+    # No data arrives as JSON null, not SQL NULL: either is an empty object here.
+    nothing = cast(text("'null'"), JSONB)
+    given = func.coalesce(func.nullif(cast(data, JSONB), nothing), cast(text("'{}'"), JSONB))
+    released = func.jsonb_build_object(literal_column("'released'"), row.holds)
+    return case((row.holds.is_(None), data), else_=cast(given.op("||")(released), JSON))
+
+
+def sqlite_hold_changes(conn: Connection, order_id: str, change: tuple[str, str]) -> None:
+    """SQLite: :func:`hold_changes` of one order, in ``conn``'s write transaction."""
+    source, target = change
+    moved = conn.execute(
+        update(holds_table)
+        .where(HOLD.order_id == order_id, HOLD.status == source)
+        .values(status=target)
+        .returning(HOLD.resource_id, HOLD.quantity)
+    ).all()
+    if target == HOLD_SOLD:
+        for resource_id, units in moved:
+            conn.execute(
+                update(resources_table)
+                .where(RESOURCE.id == resource_id)
+                .values(sold=RESOURCE.sold + units)
+            )
