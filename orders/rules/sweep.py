@@ -116,10 +116,10 @@ class Sweep:
             return 0
         metrics.CLOSES.inc(len(rows))
         observe = metrics.CLOSE_LAG_SECONDS.observe
-        for _, expires_at_ms in rows:
-            observe((closed_at_ms - expires_at_ms) / 1000)
-        batch_users = {user_id for user_id, _ in rows}
-        result.add(len(rows), batch_users, closed_at_ms - min(e for _, e in rows))
+        for row in rows:
+            observe((closed_at_ms - row[1]) / 1000)
+        batch_users = {row[0] for row in rows}
+        result.add(len(rows), batch_users, closed_at_ms - min(row[1] for row in rows))
         if result.redis_errors == 0:  # after one failure, spare later batches the timeouts
             try:
                 self.admitter.index.drop_expired(batch_users, cutoff)

@@ -70,7 +70,8 @@ class DueCloser:
         """Close up to ``size`` due orders in one committed transaction; their events name
         ``actor`` (the sweeper, unless an operator's sweep says otherwise).
 
-        Returns a (user_id, expires_at_ms) tuple per closed order.
+        Returns a (user_id, expires_at_ms, order id, holds) tuple per closed order (holds:
+        what it released, None when nothing).
         """
         params = {"cutoff_ms": cutoff_ms, "size": size, "closed_at_ms": closed_at_ms}
         return self._run(self._close, _SQLITE_RECORD_CLOSED, params, closed_at_ms, actor)
@@ -82,7 +83,7 @@ class DueCloser:
         after it) in one committed transaction: each order's ``reminded_at_ms`` and its
         ``expiring`` event, whose data holds the order's ``expires_at_ms``.
 
-        Returns a (user_id, expires_at_ms) tuple per reminded order.
+        Returns a (user_id, expires_at_ms, order id, None) tuple per reminded order.
         """
         params = {"cutoff_ms": cutoff_ms, "size": size, "reminded_at_ms": reminded_at_ms}
         return self._run(self._remind, _SQLITE_RECORD_EXPIRING, params, reminded_at_ms, actor)
@@ -108,7 +109,7 @@ class DueCloser:
             if record is _SQLITE_RECORD_CLOSED:
                 conn.execute(_SQLITE_RELEASE, {"ids": ids})
             conn.commit()
-        return [(row.user_id, row.expires_at_ms) for row in rows]
+        return [(row.user_id, row.expires_at_ms, row.id, row.holds) for row in rows]
 
 
 def _claim(due: Select[Any], *, postgresql: bool) -> ColumnElement[bool]:
@@ -148,7 +149,9 @@ def _batch(
     if holds is not None:
         with_recorded = hold_changes(with_recorded, with_recorded.get_final_froms()[0], holds)
     columns = with_recorded.selected_columns
-    return with_recorded.with_only_columns(columns.user_id, columns.expires_at_ms)
+    return with_recorded.with_only_columns(
+        columns.user_id, columns.expires_at_ms, columns.id, columns.holds
+    )
 
 
 def _close_statement(*, postgresql: bool) -> Any:

@@ -35,6 +35,7 @@ from orders.domain import ERASED_REASON, Actor, EventKind, OrderStatus
 from orders.errors import RefundOwed
 from orders.sql.models import (
     events_table,
+    holds_table,
     orders_table,
     refusals_table,
     user_limit_history_table,
@@ -159,6 +160,12 @@ def erase_rows(
             ),
         )
     ).rowcount
+    # What its orders held or bought goes under the pseudonym with them.
+    conn.execute(
+        update(holds_table)
+        .where(holds_table.c.order_id.in_(ours), holds_table.c.user_id == user_id)
+        .values(user_id=pseudonym)
+    )
     limit_removed = conn.execute(delete(user_limits_table).where(LIMIT.user_id == user_id))
     conn.execute(delete(user_limit_history_table).where(HISTORY.user_id == user_id))
     cancelled = conn.scalar(

@@ -241,3 +241,22 @@ def test_a_late_payment_takes_its_units_again_only_while_they_are_free(
     assert counts(engine, "a") == (1, 1)
     owed = service.refused_payments(pending_only=True)
     assert [(r.order_id, r.reason) for r in owed] == [(unlucky.id, RefusalReason.UNITS_TAKEN)]
+
+
+def test_erasure_and_replace_the_oldest_release_what_the_cancelled_orders_held(
+    make_service: Callable[..., OrderService], engine: Engine
+) -> None:
+    service = make_service(unpaid_limit=1, erasure_key="k" * 32)
+    add_resource(engine, "a", 2)
+    oldest = service.create_unpaid_order("u1", holds={"a": 2})
+
+    newer = service.create_unpaid_order("u1", holds={"a": 1}, on_limit="replace_oldest")
+
+    assert holds_in_sql(engine, oldest.id) == {(oldest.id, "a"): (2, "released")}
+    assert counts(engine, "a") == (1, 0)
+    service.erase_user("u1")
+    assert counts(engine, "a") == (0, 0)
+    with engine.connect() as conn:
+        users = set(conn.scalars(select(HOLD.user_id)))
+    assert "u1" not in users and len(users) == 1  # under the pseudonym
+    assert holds_in_sql(engine, newer.id) == {(newer.id, "a"): (1, "released")}

@@ -159,7 +159,7 @@ def load(service: OrderService, cfg: dict[str, Any], stop: threading.Event) -> T
 
     def recording(cutoff_ms: int, size: int, closed_at_ms: int, actor: Any = SWEEPER) -> Any:
         rows = close_due(cutoff_ms, size, closed_at_ms, actor)
-        batches.append([[user, expires, closed_at_ms] for user, expires in rows])
+        batches.append([[user, expires, closed_at_ms] for user, expires, *_ in rows])
         return rows
 
     service.sweep.closer.close_due = recording  # type: ignore[method-assign]
