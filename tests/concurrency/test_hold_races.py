@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, insert, select
 
-from orders import HoldRefused, OrderService, OrdersError, UnpaidOrderLimitReached
+from orders import HoldRefused, OrdersError, OrderService, UnpaidOrderLimitReached
 from orders.sql.models import holds_table, orders_table, resources_table
 from tests.support.threads import errors_of_threads
 
@@ -144,8 +144,9 @@ def test_overlapping_carts_racing_payers_cancels_the_sweeper_and_index_loss_neve
     assert sum(n for k, n in outcomes.items() if k.startswith("refused_sold_out")) > 0, outcomes
     with engine.connect() as conn:
         rows = conn.execute(
-            select(HOLD.resource_id, HOLD.quantity, HOLD.status, ORDER.status.label("order"))
-            .join(orders_table, ORDER.id == HOLD.order_id)
+            select(HOLD.resource_id, HOLD.quantity, HOLD.status, ORDER.status.label("order")).join(
+                orders_table, ORDER.id == HOLD.order_id
+            )
         ).all()
         sold = dict(conn.execute(select(RESOURCE.id, RESOURCE.sold)).tuples().all())
     assert [r for r in rows if FOLLOWS[r.order] != r.status] == []
@@ -155,7 +156,7 @@ def test_overlapping_carts_racing_payers_cancels_the_sweeper_and_index_loss_neve
             sold_rows[row.resource_id] += row.quantity
     assert sold == {rid: sold_rows.get(rid, 0) for rid in CAPACITIES}
     assert all(units <= CAPACITIES[rid] for rid, units in used(engine).items())
-    for rid in CAPACITIES:
+    for rid, capacity in CAPACITIES.items():
         snap = service.resource_index.snapshot(rid, service.clock())
         assert snap is not None, rid
-        assert (snap.cap, snap.sold, snap.held) == (CAPACITIES[rid], sold[rid], 0), rid
+        assert (snap.cap, snap.sold, snap.held) == (capacity, sold[rid], 0), rid

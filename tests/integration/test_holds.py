@@ -186,7 +186,8 @@ def test_a_retry_with_the_same_order_id_returns_the_same_holds_and_takes_nothing
     first = service.create_unpaid_order("u1", order_id="o-1", holds={"a": 2})
     again = service.create_unpaid_order("u1", order_id="o-1", holds={"a": 2})
 
-    assert again.id == first.id and again.holds == {"a": 2}
+    assert again.id == first.id
+    assert again.holds == {"a": 2}
     assert counts(engine, "a") == (2, 0)
     with pytest.raises(OrderConflict):
         service.create_unpaid_order("u1", order_id="o-1", holds={"a": 3})
@@ -258,5 +259,6 @@ def test_erasure_and_replace_the_oldest_release_what_the_cancelled_orders_held(
     assert counts(engine, "a") == (0, 0)
     with engine.connect() as conn:
         users = set(conn.scalars(select(HOLD.user_id)))
-    assert "u1" not in users and len(users) == 1  # under the pseudonym
+    assert "u1" not in users
+    assert len(users) == 1
     assert holds_in_sql(engine, newer.id) == {(newer.id, "a"): (1, "released")}
