@@ -1,0 +1,46 @@
+"""Every metric is in the operator's table (docs/operations.md, Metrics), and the counted
+resources' metrics keep a bounded set of series: their labels are a fixed list of values,
+never a resource id (ids are unbounded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orders import metrics
+
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+
+
+def metrics_table() -> str:
+    """The Metrics section of docs/operations.md, up to the next heading."""
+    text = OPERATIONS.read_text()
+    start = text.index("\n## Metrics\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+@pytest.mark.parametrize("name", sorted(metrics.METRIC_NAMES))
+def test_each_metric_is_in_the_operators_table(name: str) -> None:
+    [described] = getattr(metrics, name).describe()
+    assert f"`{described.name}" in metrics_table()
+
+
+@pytest.mark.parametrize(
+    ("name", "label", "values"),
+    [
+        ("HOLDS", "outcome", metrics.HOLD_OUTCOMES),
+        ("RESOURCE_DRIFT", "kind", metrics.DRIFT_KINDS),
+    ],
+)
+def test_resource_metrics_have_one_label_of_listed_values_and_no_resource_label(
+    name: str, label: str, values: tuple[str, ...]
+) -> None:
+    metric = getattr(metrics, name)
+    [described] = metric.describe()
+    row = next(line for line in metrics_table().splitlines() if f"`{described.name}" in line)
+    for value in values:
+        metric.labels(**{label: value})  # exactly this one label: no other is required
+        assert value in row
+    with pytest.raises(ValueError, match="label"):
+        metric.labels(**{label: values[0], "resource_id": "sku:42"})
