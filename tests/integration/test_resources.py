@@ -168,17 +168,18 @@ def test_resources_lists_by_id_a_page_at_a_time_with_what_is_held(
 def test_running_out_lists_the_smallest_free_share_first_without_capacity_zero(
     service: OrderService, engine: Engine
 ) -> None:
-    for name, capacity in [("a", 10), ("b", 4), ("c", 100), ("d", 0), ("e", 2)]:
+    for name, capacity in [("a", 10), ("b", 4), ("c", 100), ("d", 0), ("e", 2), ("f", 1)]:
         service.set_capacity(name, capacity)
     [order] = order_ids(service, 1)
     hold(engine, order, "a", 9, HOLD_HELD)  # 1 of 10 free
     hold(engine, order, "b", 1, HOLD_HELD)  # 3 of 4 free
     set_sold(engine, "e", 2)  # sold out
+    set_sold(engine, "f", 3)  # sold out, its capacity lowered below what was sold
     set_sold(engine, "c", 50)  # 50 of 100 free
 
-    found = ResourceRecords(service.records.tx).running_out(limit=3)
+    found = ResourceRecords(service.records.tx).running_out(limit=4)
 
-    assert [(r.id, r.free) for r in found] == [("e", 0), ("a", 1), ("c", 50)]
+    assert [(r.id, r.free) for r in found] == [("e", 0), ("f", 0), ("a", 1), ("c", 50)]
 
 
 @pytest.mark.parametrize(
