@@ -248,6 +248,8 @@ def bound(service: OrderService) -> Iterator[OrderService]:
 def test_the_module_functions_run_on_the_default_service(bound: OrderService) -> None:
     made = orders.set_capacity("sku:1", 3, per_user=1, actor="ops")
 
+    assert (made.capacity, made.per_user) == (3, 1)
+
     assert orders.resource("sku:1") == made == bound.resource("sku:1")
     assert orders.resources(limit=1) == [made]
     with pytest.raises(UnknownResource):
