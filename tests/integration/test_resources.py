@@ -22,6 +22,7 @@ from orders.sql.models import HOLD_HELD, HOLD_RELEASED, HOLD_SOLD, holds_table, 
 from orders.sql.resources import ResourceRecords
 from tests.support.aio import run_checked
 from tests.support.clocks import ManualClock
+from tests.support.plans import captured, explain_sql
 from tests.support.stores import StatementCounter
 
 #: Every bad input of the issue, as (resource_id, capacity, per_user).
@@ -281,3 +282,18 @@ def test_orders_aio_runs_the_same_rules(
     assert (made.capacity, made.per_user) == (3, 2)
     assert shown == made
     assert listed == [made]
+
+
+def test_what_is_held_is_read_from_the_partial_index_of_held_rows(
+    service: OrderService, engine: Engine
+) -> None:
+    """The held sum reads ``ix_oes_holds_held_resource_id`` (the held rows alone), as a
+    generic plan on PostgreSQL would: the predicate is the index's own literal."""
+    service.set_capacity("sku:1", 3)
+    with captured(engine) as seen:
+        service.resource("sku:1")
+    [(sql, params)] = seen
+
+    plan = explain_sql(engine, sql, params)
+
+    assert "ix_oes_holds_held_resource_id" in plan, plan
