@@ -39,6 +39,7 @@ from orders.errors import (
     SchemaConflict,
     SchemaNotReady,
     StoreUnavailable,
+    UnknownResource,
     UnknownUser,
     UnpaidOrderLimitReached,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "Settings",
     "StoreUnavailable",
     "SweepResult",
+    "UnknownResource",
     "UnknownUser",
     "UnpaidOrderLimitReached",
     "cancel_order",
@@ -93,6 +95,9 @@ __all__ = [
     "mark_refund_handled",
     "reconcile",
     "refused_payments",
+    "resource",
+    "resources",
+    "set_capacity",
     "set_user_limit",
     "sweep_expired",
     "user_limit",
@@ -272,3 +277,24 @@ def user_limit(user_id: str | int) -> UserLimit:
 def user_limit_history(user_id: str | int, *, limit: int = 100) -> list[LimitChange]:
     """See :meth:`OrderService.user_limit_history`."""
     return default_service().user_limit_history(user_id, limit=limit)
+
+
+def set_capacity(
+    resource_id: str,
+    capacity: int,
+    *,
+    per_user: int | None = None,
+    actor: str | Actor | None = None,
+) -> Resource:
+    """See :meth:`OrderService.set_capacity`."""
+    return default_service().set_capacity(resource_id, capacity, per_user=per_user, actor=actor)
+
+
+def resource(resource_id: str) -> Resource:
+    """See :meth:`OrderService.resource`."""
+    return default_service().resource(resource_id)
+
+
+def resources(*, after: str | None = None, limit: int = 100) -> list[Resource]:
+    """See :meth:`OrderService.resources`."""
+    return default_service().resources(after=after, limit=limit)

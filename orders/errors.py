@@ -14,6 +14,7 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
      ├── PaymentMismatch           the payment's amount or currency is not the order's
      ├── RefundOwed                erasure refused: a refund of the user's is still owed
      ├── UnknownUser               erasure of a user the service never held
+     ├── UnknownResource           no counted resource with that id (set_capacity first)
      ├── SchemaConflict            a name our schema needs is taken by something else
      └── StoreUnavailable          Redis or SQL failed; the operation did not happen
           ├── SchemaNotReady       the database has no (or an old) schema
@@ -122,6 +123,14 @@ class HoldRefused(OrdersError):
         self.requested = requested
         self.free = None if free is None else max(free, 0)
         self.source = source
+
+
+class UnknownResource(OrdersError, LookupError):
+    """SQL has no counted resource ``resource_id`` (``service.set_capacity`` creates one)."""
+
+    def __init__(self, resource_id: str) -> None:
+        super().__init__("no resource with that id")
+        self.resource_id = resource_id
 
 
 class CreateRateLimited(OrdersError):

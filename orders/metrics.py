@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     PARKED_EVENTS: Gauge
     PAUSE_STARTED_TIMESTAMP: Gauge
     COMBINED_BATCH_SIZE: Histogram
+    HOLDS: Counter
+    RESOURCE_DRIFT: Counter
 
 #: Every metric this module defines, by the name it is read as (``metrics.CREATES``).
 METRIC_NAMES = frozenset(
@@ -76,8 +78,24 @@ METRIC_NAMES = frozenset(
         "PARKED_EVENTS",
         "PAUSE_STARTED_TIMESTAMP",
         "COMBINED_BATCH_SIZE",
+        "HOLDS",
+        "RESOURCE_DRIFT",
     }
 )
+
+#: The ``outcome`` label values of ``orders_holds_total``: holds taken by a create, refused
+#: (by reason, :class:`~orders.errors.HoldRefused`), released by a close or cancel, sold.
+HOLD_OUTCOMES = (
+    "taken",
+    "refused_sold_out",
+    "refused_user_cap",
+    "refused_unknown_resource",
+    "released",
+    "sold",
+)
+#: The ``kind`` label values of ``orders_resource_drift_total``: the Redis copy of a
+#: resource was missing, or stale (other than SQL).
+DRIFT_KINDS = ("missing", "stale")
 
 _registering = threading.Lock()
 _defined: dict[str, Any] = {}
@@ -182,6 +200,17 @@ def _define() -> dict[str, Any]:
             "alone, at once or after a wait",
             ["kind"],  # create, transition
             buckets=(1, 2, 4, 8, 16, 32, 64),
+        ),
+        # No resource label: resource ids are unbounded, and so would the series be.
+        "HOLDS": Counter(
+            "orders_holds_total",
+            "holds of counted resources (one per order and resource), by outcome",
+            ["outcome"],  # HOLD_OUTCOMES
+        ),
+        "RESOURCE_DRIFT": Counter(
+            "orders_resource_drift_total",
+            "resources whose Redis copy reconcile found wrong and rebuilt from SQL, by kind",
+            ["kind"],  # DRIFT_KINDS
         ),
     }
 

@@ -33,6 +33,7 @@ from orders.domain import (
     Order,
     OrderIdGenerator,
     OrderStatus,
+    Resource,
     SweepResult,
     refusal,
     system_clock,
@@ -52,6 +53,7 @@ from orders.rules.extending import Extender
 from orders.rules.pausing import Pausing
 from orders.rules.payments import LatePaymentCheck, Payments
 from orders.rules.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
+from orders.rules.resources import Capacities
 from orders.rules.retention import Pruner
 from orders.rules.sweep import PreCloseCheck, Sweep
 from orders.rules.transition import Transitioner, combines_on
@@ -60,6 +62,7 @@ from orders.sql.host import host_connection
 from orders.sql.pauses import Pauses
 from orders.sql.records import OrderRecords
 from orders.sql.refusals import PaymentRefusal, list_refusals, mark_handled
+from orders.sql.resources import ResourceRecords
 from orders.sql.retention import Retention
 from orders.sql.slot_batch import SlotBatch
 from orders.sql.user_limits import LimitChange, UserLimit
@@ -128,6 +131,8 @@ class OrderService:
             self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
         )
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
+        #: Counted resources; ``capacities.after_capacity`` writes the Redis index's copy.
+        self.capacities = Capacities(ResourceRecords(self.records.tx), self.now_ms)
         self.extender = Extender(self.transitions, s)
         self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
         self.pausing = Pausing(Pauses(self.records.tx), self.admitter.followups, self.now_ms)
@@ -265,6 +270,35 @@ class OrderService:
         """Who set or cleared the user's own limit, and when: its latest ``limit`` changes,
         newest first (kept until the user's erasure)."""
         return self.user_limits.history(user_id, limit)
+
+    # --- counted resources -----------------------------------------------------------
+
+    def set_capacity(
+        self,
+        resource_id: str,
+        capacity: int,
+        *,
+        per_user: int | None = None,
+        actor: str | Actor | None = None,
+    ) -> Resource:
+        """Create the counted resource ``resource_id`` (``sku:42``, ``coupon:SPRING``; checked
+        like a user id) or change its ``capacity`` (0 to 10^12) and ``per_user`` cap (None,
+        or 1 to the capacity): SQL first, then the Redis index's copy
+        (:mod:`orders.rules.resources`). Returns it as stored, with what is held and sold.
+        A capacity lowered below what is held and sold takes nothing back; new holds are
+        refused until enough is released. :class:`InvalidInput` before anything is written.
+        """
+        return self.capacities.set(resource_id, capacity, per_user, actor)
+
+    def resource(self, resource_id: str) -> Resource:
+        """The resource's capacity, units held and sold, ``free`` and ``per_user``, as SQL
+        has them; :class:`UnknownResource` when there is no resource of that id."""
+        return self.capacities.read(resource_id)
+
+    def resources(self, *, after: str | None = None, limit: int = 100) -> list[Resource]:
+        """Up to ``limit`` resources (1 to 10,000) by id, after the id ``after`` (the last
+        of the previous page)."""
+        return self.capacities.page(after, limit)
 
     # --- transitions ---------------------------------------------------------------------
 

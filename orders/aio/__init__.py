@@ -34,6 +34,9 @@ set_user_limit = on_default(AsyncOrderService.set_user_limit)
 clear_user_limit = on_default(AsyncOrderService.clear_user_limit)
 user_limit = on_default(AsyncOrderService.user_limit)
 user_limit_history = on_default(AsyncOrderService.user_limit_history)
+set_capacity = on_default(AsyncOrderService.set_capacity)
+resource = on_default(AsyncOrderService.resource)
+resources = on_default(AsyncOrderService.resources)
 
 __all__ = [
     "AsyncOrderService",
@@ -52,6 +55,9 @@ __all__ = [
     "mark_refund_handled",
     "reconcile",
     "refused_payments",
+    "resource",
+    "resources",
+    "set_capacity",
     "set_user_limit",
     "sweep_expired",
     "user_limit",

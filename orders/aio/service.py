@@ -218,6 +218,9 @@ class AsyncOrderService:
     clear_user_limit = Awaited(OrderService.clear_user_limit)
     user_limit = Awaited(OrderService.user_limit)
     user_limit_history = Awaited(OrderService.user_limit_history)
+    set_capacity = Awaited(OrderService.set_capacity)
+    resource = Awaited(OrderService.resource)
+    resources = Awaited(OrderService.resources)
     # An operator's action, which a host's request handler may also take (no module function).
     erase_user = Awaited(OrderService.erase_user)
 

@@ -2,8 +2,8 @@
 
 ``app`` holds the group, its global options and the error mapping; the commands register
 themselves on it from ``order_commands``, ``ops_commands``, ``store_commands``,
-``event_commands``, ``payment_commands``, ``limit_commands`` and ``upkeep_commands``;
-``render`` prints. The benchmark command is loaded only when it is run.
+``event_commands``, ``payment_commands``, ``limit_commands``, ``resource_commands`` and
+``upkeep_commands``; ``render`` prints. The benchmark command is loaded only when it is run.
 """
 
 from orders.cli import (
@@ -12,6 +12,7 @@ from orders.cli import (
     ops_commands,
     order_commands,
     payment_commands,
+    resource_commands,
     store_commands,
     upkeep_commands,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ops_commands",
     "order_commands",
     "payment_commands",
+    "resource_commands",
     "store_commands",
     "upkeep_commands",
 ]

@@ -40,6 +40,7 @@ EXIT_CODES: dict[type[errors.OrdersError], int] = {
     errors.CreateRateLimited: 11,
     errors.RefundOwed: 12,
     errors.UnknownUser: 3,  # not found, as an order
+    errors.UnknownResource: 3,  # likewise
 }
 
 #: Commands whose module is imported only when the command runs: name -> ("module:attr",

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orders.domain import Order, ms_to_datetime
+from orders.domain import Order, Resource, ms_to_datetime
 from orders.policies import NEVER_EXPIRES_MS
 
 if TYPE_CHECKING:
@@ -53,6 +53,30 @@ def user_limit_to_json(shown: UserLimit) -> dict[str, Any]:
         "updated_at": None if shown.updated_at is None else shown.updated_at.isoformat(),
         "actor_kind": None if shown.actor is None else shown.actor.kind.value,
         "actor": None if shown.actor is None else shown.actor.name,
+    }
+
+
+def resource_text(shown: Resource) -> str:
+    """``sku:42: capacity 10, held 2, sold 1, free 7, per user 2 (set 2026-11-26 14:40:00 UTC)``."""
+    cap = "" if shown.per_user is None else f", per user {shown.per_user}"
+    when = "" if shown.updated_at_ms is None else f" (set {utc_text(shown.updated_at_ms)} UTC)"
+    return (
+        f"{shown.id}: capacity {shown.capacity}, held {shown.held}, sold {shown.sold}, "
+        f"free {shown.free}{cap}{when}"
+    )
+
+
+def resource_to_json(shown: Resource) -> dict[str, Any]:
+    at_ms = shown.updated_at_ms
+    return {
+        "id": shown.id,
+        "capacity": shown.capacity,
+        "held": shown.held,
+        "sold": shown.sold,
+        "free": shown.free,
+        "per_user": shown.per_user,
+        "updated_at": None if at_ms is None else ms_to_datetime(at_ms).isoformat(),
+        "updated_at_ms": at_ms,
     }
 
 

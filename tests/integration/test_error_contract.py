@@ -44,6 +44,7 @@ from orders.aio import AsyncOrderService
 from orders.bootstrap import build_engine, build_redis
 from orders.cli import main
 from orders.config import Settings
+from orders.errors import UnknownResource
 from orders.events import admin as event_admin
 from orders.events.consumer import EventConsumer
 from orders.operations import Operations
@@ -246,6 +247,11 @@ USE_CASES: dict[str, Row] = {
     "clear_user_limit": Row(lambda c: c.api.clear_user_limit(c.user)),
     "user_limit": Row(lambda c: c.api.user_limit(c.user)),
     "user_limit_history": Row(lambda c: c.api.user_limit_history(c.user)),
+    # SQL is the record; the Redis index's copy of the capacity follows (its failure logged).
+    "set_capacity": Row(lambda c: c.api.set_capacity(f"r:{c.user}", 3, per_user=1)),
+    # No resource of that id: UnknownResource, unless SQL fails first.
+    "resource": Row(lambda c: c.api.resource(f"r:{c.user}"), UnknownResource),
+    "resources": Row(lambda c: c.api.resources(limit=5)),
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
     "earliest_reminder_ms": Row(lambda c: c.api.earliest_reminder_ms()),
@@ -612,6 +618,10 @@ COMMANDS: dict[str, Cmd] = {
     "limit show": cmd("limit", "show", "{user}"),
     "limit clear": cmd("limit", "clear", "{user}"),
     "limit history": cmd("limit", "history", "{user}"),
+    "resource set": cmd("resource", "set", "r:{user}", "--capacity", "3"),
+    # No resource of that id: exit 3 (not found), unless SQL fails first.
+    "resource show": cmd("resource", "show", "r:{user}", redis=3),
+    "resource list": cmd("resource", "list", "--limit", "5"),
     # A pause that succeeded would stay open in the module's shared database (and hold
     # every sweep in it), so the row takes the refusal path: a blank reason, exit 2 once
     # the service is built. tests/e2e/test_cli.py and test_pauses.py run the real pause.

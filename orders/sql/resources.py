@@ -1,0 +1,107 @@
+"""Counted resources in SQL: ``oes_resources``, read with what ``oes_holds`` holds of each.
+
+A resource's ``sold`` is its column; what unpaid orders hold of it is not stored but summed
+from its ``held`` rows of ``oes_holds`` (the partial index ``ix_oes_holds_held_resource_id``
+covers that sum), so no counter can drift from the holds it counts. Every read here returns
+the row with that sum, read in the same statement.
+
+Each method opens and commits its own transaction (a use case of its own:
+``service.set_capacity``); a set never touches ``sold`` nor a hold, so lowering a capacity
+below what is held and sold takes nothing back.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+from sqlalchemy import ColumnElement, Float, Row, Select, case, cast, func, literal_column, select
+from sqlalchemy.dialects import postgresql, sqlite
+
+from orders.domain import Actor, Resource
+from orders.sql.models import HOLD_HELD, holds_table, resources_table
+from orders.sql.transactions import Transactions
+
+RC = resources_table.c
+HC = holds_table.c
+
+#: What unpaid orders hold of the resource: the sum of its ``held`` rows. The predicate is
+#: written as the partial index's own (a literal, not a bound parameter), so that
+#: PostgreSQL answers it from the index.
+HELD_UNITS: ColumnElement[int] = (
+    select(func.coalesce(func.sum(HC.quantity), 0))
+    .where(HC.resource_id == RC.id, HC.status == literal_column(f"'{HOLD_HELD}'"))
+    .scalar_subquery()
+    .label("held")
+)
+
+
+def _with_held() -> Select[Any]:
+    return select(RC.id, RC.capacity, RC.per_user, RC.sold, RC.updated_at_ms, HELD_UNITS)
+
+
+def _to_resource(row: Row[Any]) -> Resource:
+    return Resource(
+        id=row.id,
+        capacity=int(row.capacity),
+        held=int(row.held),
+        sold=int(row.sold),
+        per_user=None if row.per_user is None else int(row.per_user),
+        updated_at_ms=row.updated_at_ms,
+    )
+
+
+class ResourceRecords:
+    """Reads and writes ``oes_resources`` (see the module docstring)."""
+
+    def __init__(self, tx: Transactions) -> None:
+        self.tx = tx
+
+    def set(
+        self, resource_id: str, capacity: int, per_user: int | None, now_ms: int, actor: Actor
+    ) -> Resource:
+        """Create the resource or change its capacity and ``per_user`` cap, and commit; the
+        row as stored, with what is held of it, read in the same transaction."""
+        values: dict[str, Any] = {
+            "id": resource_id,
+            "capacity": capacity,
+            "per_user": per_user,
+            "updated_at_ms": now_ms,
+        }
+        values.update(actor.columns())
+        dialect = postgresql if self.tx.dialect == "postgresql" else sqlite
+        upsert = dialect.insert(resources_table).values(values)
+        upsert = upsert.on_conflict_do_update(
+            index_elements=[RC.id],
+            set_={name: upsert.excluded[name] for name in values if name != "id"},
+        )
+        with self.tx.write() as conn:
+            conn.execute(upsert)
+            row = conn.execute(_with_held().where(RC.id == resource_id)).one()
+            conn.commit()
+        return _to_resource(row)
+
+    def get(self, resource_id: str) -> Resource | None:
+        """The resource, or None when SQL has none of that id."""
+        with self.tx.read() as conn:
+            row = conn.execute(_with_held().where(RC.id == resource_id)).one_or_none()
+        return None if row is None else _to_resource(row)
+
+    def list(self, after: str | None, limit: int) -> builtins.list[Resource]:
+        """Up to ``limit`` resources by id, those after ``after`` (a page's last id)."""
+        query = _with_held().order_by(RC.id).limit(limit)
+        if after is not None:
+            query = query.where(RC.id > after)
+        with self.tx.read() as conn:
+            return [_to_resource(row) for row in conn.execute(query)]
+
+    def running_out(self, limit: int) -> builtins.list[Resource]:
+        """The ``limit`` resources (capacity above 0) with the smallest share of their
+        capacity still free, sold out first; ties by fewest free units, then by id. Reads
+        every resource with its held sum: for the dashboard, not for a request path."""
+        free = RC.capacity - RC.sold - HELD_UNITS.element
+        clamped = case((free < 0, 0), else_=free)
+        share = cast(clamped, Float) / cast(RC.capacity, Float)
+        query = _with_held().where(RC.capacity > 0).order_by(share, clamped, RC.id).limit(limit)
+        with self.tx.read() as conn:
+            return [_to_resource(row) for row in conn.execute(query)]
