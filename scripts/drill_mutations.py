@@ -201,8 +201,8 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "pay-cas-dropped",
         "orders/sql/transitions.py",
-        "PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))",
-        "PAY = CompareAndSet(EventKind.PAID, _update([], _PAID))",
+        "PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID), SELL)",
+        "PAY = CompareAndSet(EventKind.PAID, _update([], _PAID), SELL)",
         "pay is a compare-and-set on status = 'unpaid'",
         "tests/integration/test_transitions.py::test_paying_a_cancelled_or_swept_order_raises_order_closed_and_records_the_refusal",
         "tests/integration/test_transitions.py::test_cancel_then_pay_leaves_the_cancel_as_the_only_winner",
@@ -287,11 +287,11 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "created-event-dropped",
         "orders/sql/slots.py",
-        "                record_events(\n"
-        "                    conn, created, EventKind.CREATED, "
+        "                    record_events(\n"
+        "                        conn, created, EventKind.CREATED, "
         "new.created_at_ms, new.trace, new.actor\n"
-        "                )",
-        "                pass",
+        "                    )",
+        "                    pass",
         "a create writes its created event (outbox)",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
     ),

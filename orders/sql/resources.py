@@ -68,7 +68,8 @@ class ResourceRecords:
             "per_user": per_user,
             "updated_at_ms": now_ms,
         }
-        values.update(actor.columns())
+        who = actor.columns()
+        values.update(updated_by_kind=who["actor_kind"], updated_by=who["actor"])
         dialect = postgresql if self.tx.dialect == "postgresql" else sqlite
         upsert = dialect.insert(resources_table).values(values)
         upsert = upsert.on_conflict_do_update(

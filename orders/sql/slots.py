@@ -220,9 +220,7 @@ class SlotGuard:
         (or, on PostgreSQL, a concurrent create took it first). Raises InsertConflict.
         ``host``: in the host's transaction (``Transactions.in_host``)."""
         params = insert_params(new)
-        if new.holds:
-            return self._insert_holding(new, params, host)
-        if self._in_one_statement:
+        if self._in_one_statement and not new.holds:
             with self.tx.statements(host) as conn:
                 try:
                     return conn.execute(self._insert, params).one_or_none()
@@ -234,33 +232,14 @@ class SlotGuard:
             except IntegrityError as exc:
                 raise InsertConflict(new.id) from exc
             if row is not None:
-                created = [(row.id, row.user_id)]
-                record_events(
-                    conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor
-                )
+                if not self._in_one_statement:
+                    created = [(row.id, row.user_id)]
+                    record_events(
+                        conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor
+                    )
+                if new.holds:  # taken in the insert's transaction, or neither is written
+                    take(conn, new)
                 self.tx.commit(conn, host)
-            return row
-
-    def _insert_holding(
-        self, new: NewOrder, params: dict[str, Any], host: Connection | None
-    ) -> Row[Any] | None:
-        """:meth:`insert` of an order with holds: the insert and the holds
-        (:func:`orders.sql.holds.take`) in one transaction, on both engines; HoldRefused
-        leaves with neither written."""
-        with self.tx.write(host) as conn:
-            try:
-                row = conn.execute(self._insert, params).one_or_none()
-            except IntegrityError as exc:
-                raise InsertConflict(new.id) from exc
-            if row is None:
-                return None
-            if not self._in_one_statement:
-                created = [(row.id, row.user_id)]
-                record_events(
-                    conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor
-                )
-            take(conn, new)
-            self.tx.commit(conn, host)
             return row
 
     def make_room(self, new: NewOrder, host: Connection | None = None) -> dict[str, int]:

@@ -48,7 +48,7 @@ def test_set_show_and_change_name_the_operator_in_sql(run: Any, engine: Engine) 
     assert (found["capacity"], found["free"], found["per_user"]) == (5, 5, 2)
     with engine.connect() as conn:
         row = conn.execute(select(resources_table)).one()
-    assert (row.actor_kind, row.actor) == ("operator", "anna")
+    assert (row.updated_by_kind, row.updated_by) == ("operator", "anna")
 
     changed = run("resource", "set", "sku:42", "--capacity", "0", "--json")
     assert changed.exit_code == 0, changed.output

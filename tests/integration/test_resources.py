@@ -63,7 +63,7 @@ def hold(engine: Engine, order_id: str, resource_id: str, units: int, status: st
 def actor_of(engine: Engine, resource_id: str) -> Actor | None:
     with engine.connect() as conn:
         row = conn.execute(select(resources_table).where(resources_table.c.id == resource_id)).one()
-    return Actor.from_columns(row.actor_kind, row.actor)
+    return Actor.from_columns(row.updated_by_kind, row.updated_by)
 
 
 def set_sold(engine: Engine, resource_id: str, sold: int) -> None:
