@@ -105,16 +105,20 @@ def test_a_cart_short_on_one_resource_writes_no_member_anywhere(
 
 
 def test_expired_members_free_their_units_at_the_next_reserve(index: ResourceIndex) -> None:
-    build(index, "sku:1", 2)
-    index.reserve("o1", NOW + 1_000, NOW, [("sku:1", 2)])
-    assert index.reserve("o2", LATER, NOW + 999, [("sku:1", 1)]) == Reservation("sku:1", 0)
+    build(index, "sku:1", 2, ("o-old", 1, NOW + 500))
+    index.reserve("o1", NOW + 1_000, NOW, [("sku:1", 1)])
+    before = raw(index, "sku:1")
+    # o-old no longer counts, o1 does; a refusal drops nothing (it writes nothing at all).
+    assert index.reserve("o2", LATER, NOW + 999, [("sku:1", 2)]) == Reservation("sku:1", 1)
+    assert raw(index, "sku:1") == before
 
-    # At its expiry exactly, o1 no longer counts; this reserve drops it and its units.
+    # At its expiry exactly, o1 no longer counts; this reserve drops both and their units.
     assert index.reserve("o2", LATER, NOW + 1_000, [("sku:1", 2)]) == Reservation(None, None)
 
     fields, members = raw(index, "sku:1")
     assert fields[b"held"] == b"2"
     assert b"o:o1" not in fields
+    assert b"o:o-old" not in fields
     assert [m for m, _ in members] == [b"o2"]
 
 
@@ -276,6 +280,7 @@ def test_scan_resources_and_forget(index: ResourceIndex) -> None:
 
     assert sorted(r for batch in index.scan_resources() for r in batch) == sorted(ids)
     index.forget(ids[0])
+    assert index.client.exists(*index.keys(ids[0])) == 0
     assert sorted(r for batch in index.scan_resources() for r in batch) == sorted(ids[1:])
     assert index.snapshot(ids[0], NOW) is None
 
@@ -306,3 +311,32 @@ def test_a_full_server_refuses_a_reserve_and_writes_nothing(full_server: RedisSe
         finally:
             client.config_set("maxmemory", 0)
         assert index.reserve("o1", LATER, NOW + 2_000, [("sku:1", 1)]).refused is None
+
+
+def test_a_cart_costs_one_round_trip_a_node(
+    index: ResourceIndex, redis_nodes: int, redis_round_trips: Any
+) -> None:
+    ids = ids_on_distinct_slots(index.client, 3)
+    for rid in ids:
+        build(index, rid, 1)
+    index.reserve("warm", LATER, NOW, [(rid, 1) for rid in ids])  # scripts loaded
+    index.release("warm", ids)
+
+    redis_round_trips.count = 0
+    assert index.reserve("o1", LATER, NOW, [(ids[0], 1)]).refused is None
+    assert redis_round_trips.count == 1  # one resource: one call on a cluster too
+    redis_round_trips.count = 0
+    assert index.reserve("o2", LATER, NOW, [(rid, 1) for rid in ids[1:]]).refused is None
+    assert redis_round_trips.count == min(redis_nodes, 2)
+    redis_round_trips.count = 0
+    index.release_many([("o1", ids), ("o2", ids)])
+    assert redis_round_trips.count == redis_nodes
+    if not is_cluster(index.client):  # the whole cart is one script call
+        before = evalsha_calls(index.client)
+        assert index.reserve("o3", LATER, NOW, [(rid, 1) for rid in ids]).refused is None
+        assert evalsha_calls(index.client) == before + 1
+
+
+def evalsha_calls(client: RedisClient) -> int:
+    stats: dict[str, Any] = client.info("commandstats")
+    return int(stats["cmdstat_evalsha"]["calls"])
