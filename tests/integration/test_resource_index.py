@@ -5,6 +5,7 @@ never written, a rebuild is exact, and a full server refuses before writing."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,11 +14,14 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from orders.bootstrap import build_redis
+from orders.config import Settings
 from orders.index.errors import ServerRefused
 from orders.index.nodes import RedisClient, is_cluster, primaries
 from orders.index.resources import Reservation, ResourceIndex
+from tests.support.cluster import LocalCluster
 from tests.support.redis_server import RedisServer, own_server
-from tests.support.stores import key_count
+from tests.support.stores import flush_db, key_count
 
 pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
 
@@ -340,3 +344,58 @@ def test_a_cart_costs_one_round_trip_a_node(
 def evalsha_calls(client: RedisClient) -> int:
     stats: dict[str, Any] = client.info("commandstats")
     return int(stats["cmdstat_evalsha"]["calls"])
+
+
+def test_a_reader_sees_the_old_state_or_the_new_never_half_a_rebuild(
+    index: ResourceIndex,
+) -> None:
+    old = [(f"old{n}", 1, LATER) for n in range(3_000)]
+    new = [(f"new{n}", 2, LATER) for n in range(2_500)]
+    index.rebuild("sku:1", 10_000, 0, old, NOW)
+    seen: set[tuple[int, int, int] | None] = set()
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            snap = index.snapshot("sku:1", NOW)
+            seen.add(None if snap is None else (snap.cap, snap.held, len(snap.members)))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(3):
+            index.rebuild("sku:1", 20_000, 5, new, NOW)
+            index.rebuild("sku:1", 10_000, 0, old, NOW)
+    finally:
+        done.set()
+        reader.join(30)
+
+    assert seen <= {(10_000, 3_000, 3_000), (20_000, 5_000, 2_500)}, seen
+
+
+@pytest.fixture
+def cluster_index(local_cluster: LocalCluster) -> ResourceIndex:
+    client = build_redis(Settings(redis_url=local_cluster.url, redis_cluster=True))
+    flush_db(client)
+    return ResourceIndex(client, PREFIX)
+
+
+def test_a_cart_one_cluster_node_refuses_is_taken_back_from_the_others(
+    cluster_index: ResourceIndex,
+) -> None:
+    index = cluster_index
+    ids = ids_on_distinct_slots(index.client, 3)
+    for rid in ids:
+        build(index, rid, 5)
+    index.reserve("warm", LATER, NOW, [(rid, 1) for rid in ids])  # scripts loaded
+    index.release("warm", ids)
+    before = {rid: raw(index, rid) for rid in ids}
+    full = index.client.get_node_from_key(index.keys(ids[1])[0]).redis_connection
+    full.config_set("maxmemory", int(full.info("memory")["used_memory"]) // 2)
+    try:
+        with pytest.raises(ServerRefused, match="out of memory"):
+            index.reserve("o1", LATER, NOW, [(rid, 1) for rid in ids])
+        assert {rid: raw(index, rid) for rid in ids} == before
+    finally:
+        full.config_set("maxmemory", 0)
+        index.client.close()
