@@ -137,6 +137,8 @@ class ResourceIndex:
         if expires_at_ms <= now_ms:
             raise InvalidInput("expires_at_ms", "must be after now_ms")
         groups = self.slot_groups(ids)
+        if not groups:
+            return Reservation(None, None)
         head: list[str | int] = [order_id, expires_at_ms, now_ms]
         if len(groups) <= 1:
             keys = self._keys_of(ids)

@@ -335,6 +335,9 @@ def test_a_cart_costs_one_round_trip_a_node(
     redis_round_trips.count = 0
     index.release_many([("o1", ids), ("o2", ids)])
     assert redis_round_trips.count == redis_nodes
+    redis_round_trips.count = 0
+    assert index.reserve("o4", LATER, NOW, []) == Reservation(None, None)
+    assert redis_round_trips.count == 0
     if not is_cluster(index.client):  # the whole cart is one script call
         before = evalsha_calls(index.client)
         assert index.reserve("o3", LATER, NOW, [(rid, 1) for rid in ids]).refused is None
