@@ -1,13 +1,13 @@
 """The names of the index's keys: a user's set, the admissions hash and the rate set beside
-it, and back from a key to its user; the one place each is built or read (see
-:mod:`orders.index.unpaid`)."""
+it, a counted resource's two keys, and back from a key to its user or resource; the one
+place each is built or read (see :mod:`orders.index.unpaid`, :mod:`orders.index.resources`)."""
 
 from __future__ import annotations
 
 import re
 
 from orders.errors import InvalidInput
-from orders.validation import USER_ID_MAX_LENGTH, check_user_id
+from orders.validation import USER_ID_MAX_LENGTH, check_resource_id, check_user_id
 
 
 def text_of(value: bytes | str) -> str:
@@ -101,3 +101,51 @@ def user_of_limit_key(key: bytes | str, key_prefix: str) -> str | None:
 def glob_escape(text: str) -> str:
     """``text`` matched literally in a SCAN or KEYS pattern."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+#: A counted resource's hash (``cap``, ``sold``, ``held``, ``o:<order id>`` -> units) and
+#: its holds set (order id -> expiry ms), both hashed on the resource id (see
+#: :mod:`orders.index.resources`).
+RESOURCE_TAG = "[res]"
+RESOURCE_HOLDS_TAG = "[resh]"
+
+
+def resource_keys(key_prefix: str, resource_id: str) -> tuple[str, str]:
+    """The names of a resource's hash and holds set, in one hash slot (the resource id is
+    their hash tag: ``check_resource_id`` keeps ``{}`` out of it); the one place they are
+    built."""
+    return (
+        f"{key_prefix}{RESOURCE_TAG}{{{resource_id}}}",
+        f"{key_prefix}{RESOURCE_HOLDS_TAG}{{{resource_id}}}",
+    )
+
+
+def resource_build_keys(key_prefix: str, resource_id: str, token: str) -> tuple[str, str]:
+    """The temporary hash and holds set a rebuild of the resource writes before renaming
+    them over :func:`resource_keys` (same slot; ``token`` names the one rebuild, so a crashed
+    one's leftovers, which expire, never mix with the next one's)."""
+    return (
+        f"{key_prefix}[resb:{token}]{{{resource_id}}}",
+        f"{key_prefix}[reshb:{token}]{{{resource_id}}}",
+    )
+
+
+def resource_pattern(key_prefix: str) -> str:
+    """The SCAN pattern of every resource's hash (one key a resource)."""
+    return glob_escape(f"{key_prefix}{RESOURCE_TAG}{{") + "*}"
+
+
+def resource_of(key: bytes | str, key_prefix: str) -> str | None:
+    """The resource id a :func:`resource_keys` hash names, or None when ``key`` is not one
+    (foreign data under the prefix)."""
+    try:
+        name = text_of(key)
+    except UnicodeDecodeError:
+        return None
+    head = f"{key_prefix}{RESOURCE_TAG}{{"
+    if not name.startswith(head) or not name.endswith("}"):
+        return None
+    try:
+        return check_resource_id(name[len(head) : -1])
+    except InvalidInput:
+        return None

@@ -1,0 +1,27 @@
+-- rebuild_swap: put a rebuilt resource's temporary keys (rebuild_part.lua) in place of its
+-- keys, both at once: a reader sees the old state or the new, never half.
+--
+-- KEYS[1]  the temporary hash
+-- KEYS[2]  the temporary holds set (absent when the new state has no member)
+-- KEYS[3]  the resource's hash
+-- KEYS[4]  the resource's holds set
+--
+-- The temporary keys carry an expiry (a rebuild that dies leaves nothing for long); the
+-- renamed keys lose it. Returns 1 when swapped, 0 when the temporary hash is gone (it
+-- expired: the rebuild took too long) or lacks its first part: nothing changes then.
+local build = KEYS[1]
+local build_holds = KEYS[2]
+local res = KEYS[3]
+local holds = KEYS[4]
+if redis.call('HEXISTS', build, 'cap') == 0 then
+  return 0
+end
+redis.call('RENAME', build, res)
+redis.call('PERSIST', res)
+if redis.call('EXISTS', build_holds) == 1 then
+  redis.call('RENAME', build_holds, holds)
+  redis.call('PERSIST', holds)
+else
+  redis.call('DEL', holds)
+end
+return 1
