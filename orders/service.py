@@ -41,6 +41,7 @@ from orders.domain import (
 from orders.errors import OrderNotFound
 from orders.events.stream import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
+from orders.index.resources import ResourceIndex
 from orders.index.unpaid import UnpaidIndex
 from orders.operations import Operations
 from orders.requests import CreateRequest, checked_payment
@@ -50,6 +51,7 @@ from orders.rules.combining import CreateCombiner
 from orders.rules.creating import Creating
 from orders.rules.erasure import Eraser, Erasure
 from orders.rules.extending import Extender
+from orders.rules.holding import Holding
 from orders.rules.pausing import Pausing
 from orders.rules.payments import LatePaymentCheck, Payments
 from orders.rules.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
@@ -111,11 +113,19 @@ class OrderService:
             redis_client, key_prefix=s.key_prefix, window_ms=s.admission_window_ms
         )
         self.records = records or OrderRecords(engine)
+        #: The counted resources' index in Redis and its SQL (issue 43).
+        self.resource_index = ResourceIndex(redis_client, s.key_prefix)
+        self.holding = Holding(
+            self.resource_index,
+            ResourceRecords(self.records.tx),
+            create_without_redis=s.create_without_redis,
+        )
         self.admitter = Admitter(
             self.index,
             self.records,
             create_without_redis=s.create_without_redis,
             rate=s.create_rate_limit,
+            holding=self.holding,
         )
         # The parts read the time through now_ms, so a clock swapped later reaches them too.
         combine = s.combine_transitions and combines_on(engine.dialect.name)
@@ -132,7 +142,11 @@ class OrderService:
         )
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
         #: Counted resources; ``capacities.after_capacity`` writes the Redis index's copy.
-        self.capacities = Capacities(ResourceRecords(self.records.tx), self.now_ms)
+        self.capacities = Capacities(
+            self.holding.records,
+            self.now_ms,
+            after_capacity=lambda r: self.resource_index.set_capacity(r.id, r.capacity),
+        )
         self.extender = Extender(self.transitions, s)
         self.pruner = Pruner(Retention(self.records.tx), self.now_ms)
         self.pausing = Pausing(Pauses(self.records.tx), self.admitter.followups, self.now_ms)

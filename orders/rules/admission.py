@@ -50,6 +50,7 @@ from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
 from orders.rules.abandoning import Abandoner
 from orders.rules.followups import Followups
+from orders.rules.holding import Holding
 from orders.sql.host import follow
 from orders.sql.records import InsertConflict, LimitReachedInSql, OrderRecords
 
@@ -79,6 +80,7 @@ class Admitter:
         *,
         create_without_redis: bool,
         rate: CreateRate | None = None,
+        holding: Holding | None = None,
     ) -> None:
         self.index = index
         self.records = records
@@ -87,7 +89,9 @@ class Admitter:
         self.rate = rate
         self.abandoner = Abandoner(index, records)
         #: The Redis writes after a commit (also the transitions' and extensions').
-        self.followups = Followups(index, records)
+        self.followups = Followups(index, records, holding)
+        #: The resources' index (:mod:`orders.rules.holding`), asked before the user's.
+        self.holding = holding
         #: When (``time.monotonic``) Redis last left an admission unanswered: a create
         #: combined behind it does not ask again (:mod:`orders.rules.combining`).
         self.unanswered_at = -math.inf
@@ -165,7 +169,22 @@ class Admitter:
         again if that transaction (or the savepoint the insert ran in) rolls back, and
         stays when it commits.
         """
-        return self.complete(new, self._reserve_or_abandon(self.request(new)), host)
+        if not new.holds or self.holding is None:
+            return self.complete(new, self._reserve_or_abandon(self.request(new)), host)
+        holding = self.holding
+        unknown = holding.reserve(new)  # HoldRefused: nothing written anywhere
+        try:
+            order, created = self.complete(new, self._reserve_or_abandon(self.request(new)), host)
+        except BaseException:
+            holding.release(new)  # if it committed after all (cut off): too few taken, safe
+            raise
+        if not created and not order.is_open:  # a retry of an order paid or closed since
+            holding.release(new)
+        elif host is not None and created:
+            follow(host, on_rollback=lambda: holding.release(new))
+        if unknown:
+            holding.rebuild_quietly(unknown, new.created_at_ms)
+        return order, created
 
     def complete(
         self, new: NewOrder, admitted: AdmitResult, host: Connection | None = None

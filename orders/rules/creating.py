@@ -34,7 +34,7 @@ from sqlalchemy import Connection
 
 from orders import metrics
 from orders.domain import REPLACED_REASON, NewOrder, Order
-from orders.errors import CreateRateLimited, OrderConflict, UnpaidOrderLimitReached
+from orders.errors import CreateRateLimited, HoldRefused, OrderConflict, UnpaidOrderLimitReached
 from orders.rules.combining import CreateCombiner
 from orders.rules.sweep import Sweep
 from orders.rules.transition import Transitioner
@@ -65,10 +65,15 @@ class Creating:
         except CreateRateLimited:
             metrics.CREATES.labels("refused_rate").inc()
             raise
+        except HoldRefused as refused:
+            metrics.HOLDS.labels(f"refused_{refused.reason}").inc()
+            raise
         except OrderConflict:
             metrics.CREATES.labels("conflict").inc()
             raise
         metrics.CREATES.labels("admitted" if created else "retry").inc()
+        if created and new.holds:
+            metrics.HOLDS.labels("taken").inc(len(new.holds))
         return order, created
 
     def _create(self, new: NewOrder, on_limit: str, host: Connection | None) -> tuple[Order, bool]:

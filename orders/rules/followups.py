@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from orders.domain import Order
 from orders.errors import OrdersError, StoreUnavailable
 from orders.index.unpaid import UnpaidIndex
+from orders.rules.holding import Holding
 from orders.sql.records import OrderRecords
 
 log = logging.getLogger(__name__)
@@ -23,9 +24,13 @@ log = logging.getLogger(__name__)
 class Followups:
     """The index's side of a decision SQL has committed (see the module docstring)."""
 
-    def __init__(self, index: UnpaidIndex, records: OrderRecords) -> None:
+    def __init__(
+        self, index: UnpaidIndex, records: OrderRecords, holding: Holding | None = None
+    ) -> None:
         self.index = index
         self.records = records
+        #: The resources' index, where the service keeps one (:mod:`orders.rules.holding`).
+        self.holding = holding
 
     def settle(self, order_id: str, now_ms: int, *, user_id: str | None = None) -> None:
         """Make the order's member agree with its row, after a call that was cut off half-way
@@ -38,7 +43,7 @@ class Followups:
             if order is not None and order.is_open:
                 self.rescore_after_commit(order)
             elif order is not None:
-                self.release_after_commit(order.user_id, order_id)
+                self.release_of(order)
             elif user_id is not None:
                 self.release_after_commit(user_id, order_id)
         except OrdersError:
@@ -58,8 +63,11 @@ class Followups:
             )
 
     def release_of(self, order: Order) -> None:
-        """:meth:`release_after_commit` of a transition's order (paid, cancelled)."""
+        """:meth:`release_after_commit` of a transition's order (paid, cancelled), and its
+        holds sold or released."""
         self.release_after_commit(order.user_id, order.id)
+        if self.holding is not None:
+            self.holding.after_transition(order)
 
     def rescore(self, wanted: Mapping[str, Mapping[str, int]], now_ms: int) -> None:
         """Move the members given (user -> order -> expiry) to those scores, in one round
@@ -75,6 +83,8 @@ class Followups:
         the SQL slot guard counts the order meanwhile, and reconcile restores it."""
         wanted = {order.user_id: {order.id: order.expires_at_ms}}
         self.follow_commit(order, lambda: self.index.rescore_present(wanted))
+        if self.holding is not None:
+            self.holding.moved(order)
 
     def rescore_after_commit(self, order: Order) -> None:
         """Give an open order its member at its expiry after SQL decided (added if missing)."""

@@ -27,7 +27,7 @@ log = logging.getLogger("orders.service")
 RESOURCES_PAGE_MAX = 10_000
 
 #: Writes the Redis index's copy of a resource's capacity, after the SQL commit.
-AfterCapacity = Callable[[Resource], None]
+AfterCapacity = Callable[[Resource], object]
 
 
 @dataclass(eq=False)

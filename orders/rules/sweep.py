@@ -123,6 +123,8 @@ class Sweep:
         if result.redis_errors == 0:  # after one failure, spare later batches the timeouts
             try:
                 self.admitter.index.drop_expired(batch_users, cutoff)
+                if self.admitter.holding is not None:
+                    self.admitter.holding.released_by_sweep((row[2], row[3]) for row in rows)
             except StoreUnavailable:
                 result.redis_errors += 1
                 log.debug("sweep: redis cleanup failed; expired members go by score")

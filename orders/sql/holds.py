@@ -44,7 +44,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from orders.domain import HoldReason, NewOrder, Resource
+from orders.domain import HoldReason, NewOrder
 from orders.errors import HoldRefused
 from orders.sql.models import (
     HOLD_HELD,
@@ -146,18 +146,6 @@ def holds_of(conn: Connection, order_id: str) -> dict[str, tuple[int, str]]:
     """An order's holds: resource id -> (units, status)."""
     query = select(HOLD.resource_id, HOLD.quantity, HOLD.status).where(HOLD.order_id == order_id)
     return {row.resource_id: (row.quantity, row.status) for row in conn.execute(query)}
-
-
-def resource_of(row: Any, held: int) -> Resource:
-    """The Resource an ``oes_resources`` row and its held sum describe."""
-    return Resource(
-        id=row.id,
-        capacity=row.capacity,
-        held=held,
-        sold=row.sold,
-        per_user=row.per_user,
-        updated_at_ms=row.updated_at_ms,
-    )
 
 
 #: The statuses a hold moves between, by the order transition that moves it.

@@ -13,13 +13,26 @@ below what is held and sold takes nothing back.
 from __future__ import annotations
 
 import builtins
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Float, Row, Select, case, cast, func, literal_column, select
+from sqlalchemy import (
+    ColumnElement,
+    Float,
+    Row,
+    Select,
+    String,
+    bindparam,
+    case,
+    cast,
+    func,
+    literal_column,
+    select,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, Resource
-from orders.sql.models import HOLD_HELD, holds_table, resources_table
+from orders.sql.models import HOLD_HELD, holds_table, orders_table, resources_table
 from orders.sql.transactions import Transactions
 
 RC = resources_table.c
@@ -34,6 +47,19 @@ HELD_UNITS: ColumnElement[int] = (
     .scalar_subquery()
     .label("held")
 )
+
+
+_HELD_LITERAL_WHERE = HC.status == literal_column(f"'{HOLD_HELD}'")
+#: The held holds of ``:rid`` with their orders' expiries (what the index's members are).
+_HELD_MEMBERS = (
+    select(HC.order_id, HC.quantity, orders_table.c.expires_at_ms)
+    .join(orders_table, orders_table.c.id == HC.order_id)
+    .where(HC.resource_id == bindparam("rid", type_=String), _HELD_LITERAL_WHERE)
+)
+
+
+#: (capacity, sold, [(order id, units, expiry ms) of each held hold]).
+RebuildState = tuple[int, int, list[tuple[str, int, int]]]
 
 
 def _with_held() -> Select[Any]:
@@ -106,3 +132,31 @@ class ResourceRecords:
         query = _with_held().where(RC.capacity > 0).order_by(share, clamped, RC.id).limit(limit)
         with self.tx.read() as conn:
             return [_to_resource(row) for row in conn.execute(query)]
+
+    def for_rebuild(
+        self, resource_id: str
+    ) -> tuple[int, int, builtins.list[tuple[str, int, int]]] | None:
+        """What the index of one resource is rebuilt from: its capacity, units sold, and
+        (order id, units, expiry) per held hold; None when SQL has no such resource.
+
+        Read in this order, in two statements: a payment between them moves units from held
+        to sold, which the second then no longer lists, so the index counts them in neither
+        (too optimistic, which is safe) and never in both."""
+        with self.tx.read() as conn:
+            row = conn.execute(
+                select(RC.capacity, RC.sold).where(RC.id == resource_id)
+            ).one_or_none()
+            if row is None:
+                return None
+            held = conn.execute(_HELD_MEMBERS, {"rid": resource_id}).all()
+        return row.capacity, row.sold, [(oid, int(units), int(exp)) for oid, units, exp in held]
+
+    def still_held(self, resource_id: str, order_ids: Sequence[str]) -> builtins.set[str]:
+        """Of ``order_ids``, those whose hold of the resource is still ``held``."""
+        if not order_ids:
+            return set()
+        query = select(HC.order_id).where(
+            HC.resource_id == resource_id, HC.order_id.in_(list(order_ids)), _HELD_LITERAL_WHERE
+        )
+        with self.tx.read() as conn:
+            return set(conn.scalars(query))

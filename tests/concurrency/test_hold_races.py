@@ -148,7 +148,7 @@ def test_overlapping_carts_racing_payers_cancels_the_sweeper_and_index_loss_neve
                 orders_table, ORDER.id == HOLD.order_id
             )
         ).all()
-        sold = dict(conn.execute(select(RESOURCE.id, RESOURCE.sold)).tuples().all())
+        sold = {r.id: r.sold for r in conn.execute(select(RESOURCE.id, RESOURCE.sold))}
     assert [r for r in rows if FOLLOWS[r.order] != r.status] == []
     sold_rows: defaultdict[str, int] = defaultdict(int)
     for row in rows:

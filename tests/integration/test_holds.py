@@ -248,7 +248,7 @@ def test_erasure_and_replace_the_oldest_release_what_the_cancelled_orders_held(
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
     service = make_service(unpaid_limit=1, erasure_key="k" * 32)
-    add_resource(engine, "a", 2)
+    add_resource(engine, "a", 3)
     oldest = service.create_unpaid_order("u1", holds={"a": 2})
 
     newer = service.create_unpaid_order("u1", holds={"a": 1}, on_limit="replace_oldest")

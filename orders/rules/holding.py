@@ -1,0 +1,146 @@
+"""A create's holds in the Redis index, and the index of each resource rebuilt from SQL.
+
+SQL is the record and refuses every oversell alone (:mod:`orders.sql.holds`); the index
+(:mod:`orders.index.resources`) lets a sold-out cart be refused in one round trip without
+SQL. A create with holds asks the index first (:meth:`Holding.reserve`):
+
+* refused: :class:`~orders.errors.HoldRefused` (``source="redis"``), nothing written
+  anywhere: neither the user's admission nor SQL is asked;
+* reserved: the create goes on to the user's admission and SQL; if it does not commit, its
+  members leave the resources again (:meth:`Holding.release`), as its user's member does;
+* a resource the index does not know (its keys were lost, or never built) is not guessed:
+  SQL decides for it, and once the create is over the resource is rebuilt from SQL
+  (:meth:`Holding.rebuild`), one rebuild at a time per resource in this process.
+
+Redis unreachable: under ``create_without_redis`` SQL decides alone, as for the limit;
+otherwise the create fails with ``StoreUnavailable`` before anything is written.
+
+A rebuild reads SQL (capacity and sold first, then the held holds), replaces the resource's
+keys atomically, then reads SQL again for the members it wrote and releases those no longer
+held: a cancel or close that committed between the read and the swap removed its member from
+the old keys (or from none), and would otherwise leave a unit looking taken until its order's
+expiry. A create that commits during the rebuild is missing from the new keys: the index then
+counts too few units taken, which is safe (SQL refuses the last ones), until reconcile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from orders import metrics
+from orders.domain import NewOrder, Order, OrderStatus
+from orders.errors import HoldRefused, StoreUnavailable
+from orders.index.resources import ResourceIndex
+from orders.sql.resources import ResourceRecords
+
+log = logging.getLogger(__name__)
+
+
+class Holding:
+    """The index side of holds (module docstring)."""
+
+    def __init__(
+        self, index: ResourceIndex, records: ResourceRecords, *, create_without_redis: bool
+    ) -> None:
+        self.index = index
+        self.records = records
+        self.create_without_redis = create_without_redis
+        self._rebuilding: set[str] = set()
+        self._guard = threading.Lock()
+
+    def reserve(self, new: NewOrder) -> tuple[str, ...]:
+        """Reserve ``new``'s holds in the index, or raise HoldRefused (nothing written).
+        Returns the resources the index did not know (for :meth:`rebuild` once the create
+        is over)."""
+        try:
+            reserved = self.index.reserve(
+                new.id, new.expires_at_ms, new.created_at_ms, list(new.holds)
+            )
+        except StoreUnavailable:
+            if not self.create_without_redis:
+                raise
+            log.warning(
+                "redis unavailable: holds decided by SQL only",
+                extra={"order_id": new.id, "user_id": new.user_id},
+            )
+            return ()
+        if reserved.refused is not None:
+            units = dict(new.holds)[reserved.refused]
+            raise HoldRefused(reserved.refused, "sold_out", units, reserved.free, source="redis")
+        return reserved.unknown
+
+    def release(self, new: NewOrder) -> None:
+        """Take a create's reservation back (it did not commit); a failure only delays it."""
+        self.follow(lambda: self.index.release(new.id, [rid for rid, _ in new.holds]), new.id)
+
+    def after_transition(self, order: Order) -> None:
+        """After a commit that changed the order: a paid order's units move to sold, a
+        cancelled or closed order's are released (a late payment's units, taken again in
+        SQL, are left for reconcile: the index then counts too few sold, which is safe)."""
+        if not order.holds:
+            return
+        ids = list(order.holds)
+        if order.status is OrderStatus.PAID:
+            self.follow(lambda: self.index.sell(order.id, ids), order.id)
+            metrics.HOLDS.labels("sold").inc(len(ids))
+        elif order.status is not OrderStatus.UNPAID:
+            self.follow(lambda: self.index.release(order.id, ids), order.id)
+            metrics.HOLDS.labels("released").inc(len(ids))
+
+    def moved(self, order: Order) -> None:
+        """After an extension: the members follow the new expiry."""
+        if order.holds:
+            ids = list(order.holds)
+            self.follow(lambda: self.index.move(order.id, ids, order.expires_at_ms), order.id)
+
+    def released_by_sweep(self, closed: Iterable[tuple[str, dict[str, int] | None]]) -> None:
+        """After a sweep batch: the units of the orders it closed (order id, holds)."""
+        pairs = [(order_id, list(holds)) for order_id, holds in closed if holds]
+        if pairs:
+            metrics.HOLDS.labels("released").inc(sum(len(ids) for _, ids in pairs))
+            self.index.release_many(pairs)
+
+    def rebuild(self, resource_id: str, now_ms: int) -> bool:
+        """Rebuild one resource's keys from SQL (module docstring); False when another
+        thread of this process is rebuilding it, or SQL has no such resource (its keys go)."""
+        with self._guard:
+            if resource_id in self._rebuilding:
+                return False
+            self._rebuilding.add(resource_id)
+        try:
+            state = self.records.for_rebuild(resource_id)
+            if state is None:
+                self.index.forget(resource_id)
+                return False
+            capacity, sold, held = state
+            self.index.rebuild(resource_id, capacity, sold, held, now_ms)
+            written = [order_id for order_id, _, expiry in held if expiry > now_ms]
+            gone = set(written) - self.records.still_held(resource_id, written)
+            for order_id in gone:
+                self.index.release(order_id, [resource_id])
+            return True
+        finally:
+            with self._guard:
+                self._rebuilding.discard(resource_id)
+
+    def rebuild_quietly(self, resource_ids: Iterable[str], now_ms: int) -> None:
+        """:meth:`rebuild` after a create found resources unknown; a failure is logged (the
+        next create, or reconcile, tries again)."""
+        for resource_id in resource_ids:
+            try:
+                self.rebuild(resource_id, now_ms)
+            except StoreUnavailable:
+                log.warning("resource rebuild failed", extra={"resource_id": resource_id})
+
+    @staticmethod
+    def follow(write: Callable[[], object], order_id: str) -> None:
+        """Run a Redis write that follows a commit; its failure only delays the repair."""
+        try:
+            write()
+        except StoreUnavailable:
+            log.warning(
+                "redis hold update failed; the member expires by its score or at reconcile",
+                extra={"order_id": order_id},
+            )
