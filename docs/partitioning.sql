@@ -1,10 +1,11 @@
 -- oes_orders and oes_order_events, hash-partitioned by user_id (PostgreSQL 11 or later;
 -- tried on 15).
 --
--- The same columns, checks, partial indexes and names as migrations 0001-0012, for a fresh
+-- The same columns, checks, partial indexes and names as migrations 0001-0013, for a fresh
 -- database; oes_event_cursors, oes_event_retries, oes_payment_refusals, oes_user_limits,
--- oes_user_limit_history, oes_pauses and oes_alembic_version stay as the
--- migrations make them (small, not partitioned). The service's statements run on it unchanged:
+-- oes_user_limit_history, oes_pauses, oes_resources and oes_alembic_version stay as the
+-- migrations make them (small, not partitioned); oes_holds too, its foreign key to the
+-- orders being (order_id, user_id) as the events' is. The service's statements run on it unchanged:
 -- tests/integration/test_partitioning.py applies this file to a throwaway PostgreSQL and
 -- runs create, pay, cancel, the sweep and the SQL guard against it. docs/capacity.md says
 -- what it costs and what would change.
@@ -51,6 +52,7 @@ CREATE TABLE oes_orders (
     policy varchar(64),
     remind_at_ms bigint,
     reminded_at_ms bigint,
+    holds json,
     CONSTRAINT pk_oes_orders PRIMARY KEY (id, user_id),
     CONSTRAINT ck_oes_orders_status CHECK (status IN ('unpaid', 'paid', 'cancelled', 'closed')),
     CONSTRAINT ck_oes_orders_expiry_after_creation CHECK (expires_at_ms > created_at_ms)
@@ -217,8 +219,37 @@ CREATE TABLE oes_pauses (
     CONSTRAINT pk_oes_pauses PRIMARY KEY (id),
     CONSTRAINT uq_oes_pauses_open_marker UNIQUE (open_marker)
 );
+CREATE TABLE oes_resources (
+    id varchar(128) NOT NULL,
+    capacity bigint NOT NULL,
+    per_user bigint,
+    sold bigint DEFAULT 0 NOT NULL,
+    updated_at_ms bigint NOT NULL,
+    updated_by_kind varchar(16),
+    updated_by varchar(128),
+    CONSTRAINT pk_oes_resources PRIMARY KEY (id),
+    CONSTRAINT ck_oes_resources_capacity CHECK (capacity >= 0),
+    CONSTRAINT ck_oes_resources_sold CHECK (sold >= 0)
+);
+CREATE TABLE oes_holds (
+    order_id varchar(128) NOT NULL,
+    resource_id varchar(128) NOT NULL,
+    user_id varchar(512) NOT NULL,
+    quantity bigint NOT NULL,
+    status varchar(16) NOT NULL,
+    CONSTRAINT pk_oes_holds PRIMARY KEY (order_id, resource_id),
+    CONSTRAINT ck_oes_holds_status CHECK (status IN ('held', 'sold', 'released')),
+    CONSTRAINT ck_oes_holds_quantity CHECK (quantity > 0),
+    CONSTRAINT fk_oes_holds_order_id_oes_orders FOREIGN KEY (order_id, user_id)
+        REFERENCES oes_orders (id, user_id) ON DELETE CASCADE,
+    CONSTRAINT fk_oes_holds_resource_id_oes_resources FOREIGN KEY (resource_id)
+        REFERENCES oes_resources (id)
+);
+CREATE INDEX ix_oes_holds_held_resource_id ON oes_holds (resource_id, quantity)
+    WHERE status = 'held';
+CREATE INDEX ix_oes_holds_resource_id_user_id ON oes_holds (resource_id, user_id);
 CREATE TABLE oes_alembic_version (
     version_num varchar(32) NOT NULL,
     CONSTRAINT oes_alembic_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO oes_alembic_version (version_num) VALUES ('0012');
+INSERT INTO oes_alembic_version (version_num) VALUES ('0013');

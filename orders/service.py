@@ -138,7 +138,11 @@ class OrderService:
         )
         self.creating = Creating(self.transitions, self.sweep, self.combiner)
         self.reconciler = Reconciler(
-            self.records, self.index, self.now_ms, max_user_id_length=s.max_user_id_length
+            self.records,
+            self.index,
+            self.now_ms,
+            max_user_id_length=s.max_user_id_length,
+            holding=self.holding,
         )
         self.user_limits = UserLimits(self.records.tx, self.index, s, self.now_ms)
         #: Counted resources; ``capacities.after_capacity`` writes the Redis index's copy.

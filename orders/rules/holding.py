@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from contextlib import closing
+from dataclasses import dataclass
 
 from orders import metrics
 from orders.domain import NewOrder, Order, OrderStatus
@@ -125,6 +127,20 @@ class Holding:
             with self._guard:
                 self._rebuilding.discard(resource_id)
 
+    def drift(self, resource_id: str, now_ms: int) -> str | None:
+        """How the resource's keys differ from SQL: None (equal), ``missing`` (no keys) or
+        ``stale`` (another capacity, sold count or set of live members)."""
+        snapshot = self.index.snapshot(resource_id, now_ms)
+        if snapshot is None:
+            return "missing"
+        state = self.records.for_rebuild(resource_id)
+        if state is None:
+            return "stale"
+        capacity, sold, held = state
+        members = {oid: (units, expiry) for oid, units, expiry in held if expiry > now_ms}
+        same = (snapshot.cap, snapshot.sold, snapshot.members) == (capacity, sold, members)
+        return None if same else "stale"
+
     def rebuild_quietly(self, resource_ids: Iterable[str], now_ms: int) -> None:
         """:meth:`rebuild` after a create found resources unknown; a failure is logged (the
         next create, or reconcile, tries again)."""
@@ -144,3 +160,43 @@ class Holding:
                 "redis hold update failed; the member expires by its score or at reconcile",
                 extra={"order_id": order_id},
             )
+
+
+@dataclass
+class ResourceDrift:
+    """What reconcile found of the resources' index (counts of resources)."""
+
+    checked: int = 0
+    #: Resources SQL has that the index did not know, and those it counted wrongly.
+    missing: int = 0
+    stale: int = 0
+    #: Resources the index had that SQL does not (their keys removed).
+    removed: int = 0
+
+
+def reconcile_resources(holding: Holding, now_ms: int, dry_run: bool, page: int) -> ResourceDrift:
+    """Compare every resource's keys with SQL, a page of resources at a time, and rebuild
+    those that differ (unless ``dry_run``); then remove the keys of resources SQL no longer
+    has. A resource that changes during the comparison may be rebuilt without need: a
+    rebuild is always safe."""
+    drift = ResourceDrift()
+    after: str | None = None
+    while batch := holding.records.list(after, page):
+        for resource in batch:
+            drift.checked += 1
+            kind = holding.drift(resource.id, now_ms)
+            if kind is None:
+                continue
+            setattr(drift, kind, getattr(drift, kind) + 1)
+            if not dry_run:
+                metrics.RESOURCE_DRIFT.labels(kind).inc()
+                holding.rebuild(resource.id, now_ms)
+        after = batch[-1].id
+    with closing(holding.index.scan_resources(chunk=page)) as scanned:
+        for resource_ids in scanned:
+            for resource_id in resource_ids:
+                if holding.records.get(resource_id) is None:
+                    drift.removed += 1
+                    if not dry_run:
+                        holding.index.forget(resource_id)
+    return drift

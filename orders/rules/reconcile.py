@@ -64,6 +64,7 @@ from orders import metrics
 from orders.domain import Clock
 from orders.index.reconcile_batch import KeysChecked, ReconcileBatch
 from orders.index.unpaid import SUSPECT_AFTER_MS, UnpaidIndex
+from orders.rules.holding import Holding, reconcile_resources
 from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_user_id
 
@@ -95,6 +96,12 @@ class ReconcileReport:
     #: Users' own limits written from SQL, and limit keys removed (their SQL row is gone).
     limits_written: int = 0
     limits_removed: int = 0
+    #: Counted resources compared with SQL; of those, rebuilt because the index lacked
+    #: them or counted them wrongly; and resources only the index had, removed.
+    resources: int = 0
+    resources_missing: int = 0
+    resources_stale: int = 0
+    resources_removed: int = 0
     dry_run: bool = False
 
     @property
@@ -110,8 +117,15 @@ class Reconciler:
     """Repairs the index from the records (see the module docstring)."""
 
     def __init__(
-        self, records: OrderRecords, index: UnpaidIndex, clock: Clock, *, max_user_id_length: int
+        self,
+        records: OrderRecords,
+        index: UnpaidIndex,
+        clock: Clock,
+        *,
+        max_user_id_length: int,
+        holding: Holding | None = None,
     ) -> None:
+        self.holding = holding
         self.reads = records.reads
         self.in_flight = records.in_flight
         self.index = index
@@ -150,6 +164,12 @@ class Reconciler:
             self._scan_pass(now_ms, chunk_size, dry_run, report, progress)
             self._sql_pass(now_ms, chunk_size, dry_run, report, progress)
             self._limits_pass(chunk_size, dry_run, report)
+            if self.holding is not None:
+                drift = reconcile_resources(self.holding, now_ms, dry_run, chunk_size)
+                report.resources = drift.checked
+                report.resources_missing = drift.missing
+                report.resources_stale = drift.stale
+                report.resources_removed = drift.removed
         report.foreign_skipped = self.index.foreign_seen - foreign_before
         if whole:
             self.index.epoch.set(str(now_ms), runs)

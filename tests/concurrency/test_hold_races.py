@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, func, select
 
 from orders import HoldRefused, OrdersError, OrderService, UnpaidOrderLimitReached
 from orders.sql.models import holds_table, orders_table, resources_table
@@ -36,15 +36,6 @@ CAPACITIES = {f"r{n}": 1 + n for n in range(10)}  # 1 to 10 units
 ROUNDS = 12
 #: Status of a hold, by the status of its order.
 FOLLOWS = {"unpaid": "held", "paid": "sold", "cancelled": "released", "closed": "released"}
-
-
-def add_resources(engine: Engine) -> None:
-    rows = [
-        {"id": rid, "capacity": cap, "per_user": None, "sold": 0, "updated_at_ms": 0}
-        for rid, cap in CAPACITIES.items()
-    ]
-    with engine.begin() as conn:
-        conn.execute(insert(resources_table), rows)
 
 
 def used(engine: Engine) -> dict[str, int]:
@@ -72,7 +63,8 @@ def test_overlapping_carts_racing_payers_cancels_the_sweeper_and_index_loss_neve
     make_service: Callable[..., OrderService], engine: Engine, redis_client: Any
 ) -> None:
     service = make_service(unpaid_limit=3, ttl_s=0.3, sql_pool_size=THREADS + 8)
-    add_resources(engine)
+    for rid, capacity in CAPACITIES.items():
+        service.set_capacity(rid, capacity)
     stop = threading.Event()
     breaches: list[tuple[str, int]] = []
     outcomes: Counter[str] = Counter()

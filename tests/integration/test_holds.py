@@ -83,7 +83,7 @@ def test_holds_are_taken_up_to_the_capacity_and_the_next_is_refused_with_nothing
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
     service = make_service(unpaid_limit=10)
-    add_resource(engine, "sku:42", 3)
+    service.set_capacity("sku:42", 3)
     first = service.create_unpaid_order("u1", holds={"sku:42": 2})
     assert first.holds == {"sku:42": 2}
     service.create_unpaid_order("u2", holds={"sku:42": 1})
@@ -100,8 +100,8 @@ def test_a_cart_is_taken_whole_or_not_at_all(
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
     service = make_service(unpaid_limit=10)
-    add_resource(engine, "a", 5)
-    add_resource(engine, "b", 1)
+    service.set_capacity("a", 5)
+    service.set_capacity("b", 1)
     service.create_unpaid_order("u1", holds={"b": 1})
 
     refusal = refused(service, "u2", {"a": 2, "b": 1})
@@ -118,8 +118,8 @@ def test_payment_sells_the_units_and_a_cancel_releases_them_naming_them_in_its_e
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
     service = make_service(unpaid_limit=10)
-    add_resource(engine, "a", 4)
-    add_resource(engine, "b", 4)
+    service.set_capacity("a", 4)
+    service.set_capacity("b", 4)
     paid = service.create_unpaid_order("u1", holds={"a": 1, "b": 2})
     cancelled = service.create_unpaid_order("u1", holds={"a": 3})
 
@@ -145,7 +145,7 @@ def test_the_sweep_releases_the_units_of_the_orders_it_closes_in_the_same_batch(
     make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
 ) -> None:
     service = make_service(unpaid_limit=10)
-    add_resource(engine, "seat-pool", 2)
+    service.set_capacity("seat-pool", 2)
     held = [
         service.create_unpaid_order(f"u{i}", ttl_s=60, holds={"seat-pool": 1}) for i in range(2)
     ]
@@ -167,7 +167,7 @@ def test_a_per_user_cap_counts_unpaid_and_paid_orders_of_the_user(
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
     service = make_service(unpaid_limit=10)
-    add_resource(engine, "coupon:SPRING", 100, per_user=2)
+    service.set_capacity("coupon:SPRING", 100, per_user=2)
     first = service.create_unpaid_order("u1", holds={"coupon:SPRING": 1})
     service.mark_paid(first.id)
     service.create_unpaid_order("u1", holds={"coupon:SPRING": 1})
@@ -182,7 +182,7 @@ def test_a_retry_with_the_same_order_id_returns_the_same_holds_and_takes_nothing
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
     service = make_service(unpaid_limit=10)
-    add_resource(engine, "a", 5)
+    service.set_capacity("a", 5)
     first = service.create_unpaid_order("u1", order_id="o-1", holds={"a": 2})
     again = service.create_unpaid_order("u1", order_id="o-1", holds={"a": 2})
 
@@ -211,7 +211,7 @@ def test_a_retry_with_the_same_order_id_returns_the_same_holds_and_takes_nothing
 def test_bad_holds_are_refused_before_anything_is_written(
     service: OrderService, engine: Engine, holds: Any
 ) -> None:
-    add_resource(engine, "a", 5)
+    service.set_capacity("a", 5)
     with pytest.raises(InvalidInput):
         service.create_unpaid_order("u1", holds=holds)
     assert service.list_unpaid("u1") == []
@@ -225,7 +225,7 @@ def test_a_late_payment_takes_its_units_again_only_while_they_are_free(
     make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
 ) -> None:
     service = make_service(unpaid_limit=10, late_payment_window_s=WINDOW_S)
-    add_resource(engine, "a", 2)
+    service.set_capacity("a", 2)
     lucky = service.create_unpaid_order("u1", ttl_s=60, holds={"a": 1})
     unlucky = service.create_unpaid_order("u2", ttl_s=60, holds={"a": 1})
     clock.advance(s=61)
@@ -248,7 +248,7 @@ def test_erasure_and_replace_the_oldest_release_what_the_cancelled_orders_held(
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
     service = make_service(unpaid_limit=1, erasure_key="k" * 32)
-    add_resource(engine, "a", 3)
+    service.set_capacity("a", 3)
     oldest = service.create_unpaid_order("u1", holds={"a": 2})
 
     newer = service.create_unpaid_order("u1", holds={"a": 1}, on_limit="replace_oldest")

@@ -27,7 +27,20 @@ def code_of(name: str) -> str:
 
 
 def test_the_scripts_are_all_found() -> None:
-    assert SCRIPTS == ["abandon", "admit", "heartbeat", "lease", "lease_release", "reconcile"]
+    assert SCRIPTS == [
+        "abandon",
+        "admit",
+        "heartbeat",
+        "lease",
+        "lease_release",
+        "rebuild_part",
+        "rebuild_swap",
+        "reconcile",
+        "release",
+        "reserve",
+        "sell",
+        "set_capacity",
+    ]
 
 
 #: Each script's locals for its keys, where it has more than the user's set.
@@ -38,6 +51,18 @@ KEYS_OF = {
         "admits": "KEYS[2]",
         "limit_key": "KEYS[3]",
         "rate_key": "KEYS[4]",
+    },
+    # A resource's hash and holds set share its slot (orders.index.keys.resource_keys); the
+    # per-cart scripts take a pair per resource of one slot (orders.index.resources).
+    "reserve": {"res": "KEYS[2 * i - 1]", "holds": "KEYS[2 * i]"},
+    "release": {"res": "KEYS[i]", "holds": "KEYS[i + 1]"},
+    "sell": {"res": "KEYS[i]", "holds": "KEYS[i + 1]"},
+    "rebuild_part": {"res": "KEYS[1]", "holds": "KEYS[2]"},
+    "rebuild_swap": {
+        "build": "KEYS[1]",
+        "build_holds": "KEYS[2]",
+        "res": "KEYS[3]",
+        "holds": "KEYS[4]",
     },
 }
 
