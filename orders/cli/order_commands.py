@@ -12,7 +12,7 @@ import click
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.bulk_commands import DEFAULT_BATCH_SIZE, filter_given, filter_options, run_bulk
 from orders.cli.render import order_to_json, print_order, print_orders_table
-from orders.errors import CreateRateLimited, InvalidInput, UnpaidOrderLimitReached
+from orders.errors import CreateRateLimited, HoldRefused, InvalidInput, UnpaidOrderLimitReached
 from orders.validation import ON_LIMIT_CHOICES
 
 
@@ -37,6 +37,13 @@ from orders.validation import ON_LIMIT_CHOICES
     help="An absolute deadline instead of --ttl, ISO 8601 with a time zone "
     "(2026-12-24T18:00:00+01:00).",
 )
+@click.option(
+    "--hold",
+    "holds",
+    multiple=True,
+    metavar="RESOURCE=UNITS",
+    help="Units of a counted resource the order holds (repeat for a cart), e.g. sku:42=2.",
+)
 @json_option
 @click.pass_context
 def create(
@@ -50,10 +57,11 @@ def create(
     on_limit: str | None,
     policy: str | None,
     expires_at: str | None,
+    holds: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Create an unpaid order for USER (refused at the user's limit: exit 4; at the create
-    rate, ORDERS_CREATE_RATE: exit 11)."""
+    rate, ORDERS_CREATE_RATE: exit 11; a hold refused: exit 13)."""
     state = cli_state(ctx)
     try:
         order = state.service().create_unpaid_order(
@@ -67,8 +75,9 @@ def create(
             on_limit=on_limit,
             policy=policy,
             expires_at=None if expires_at is None else parse_deadline(expires_at),
+            holds=parse_holds(holds),
         )
-    except (UnpaidOrderLimitReached, CreateRateLimited) as refused:
+    except (UnpaidOrderLimitReached, CreateRateLimited, HoldRefused) as refused:
         if as_json:
             click.echo(json.dumps(refusal_json(refused)))
         raise
@@ -85,8 +94,35 @@ def parse_deadline(text: str) -> datetime:
         ) from None
 
 
-def refusal_json(refused: UnpaidOrderLimitReached | CreateRateLimited) -> dict[str, object]:
-    """A refused create as ``--json`` prints it: the limit's or the create rate's."""
+def parse_holds(given: tuple[str, ...]) -> dict[str, int] | None:
+    """``--hold RESOURCE=UNITS`` (repeated) as ``holds=`` (the units checked as integers by
+    the service; a resource named twice is refused)."""
+    if not given:
+        return None
+    holds: dict[str, int] = {}
+    for text in given:
+        resource_id, sep, units = text.rpartition("=")
+        if not sep or not units.strip().isdigit():
+            raise InvalidInput("holds", "each --hold must be RESOURCE=UNITS, e.g. sku:42=2")
+        if resource_id in holds:
+            raise InvalidInput("holds", "names a resource twice")
+        holds[resource_id] = int(units)
+    return holds
+
+
+def refusal_json(
+    refused: UnpaidOrderLimitReached | CreateRateLimited | HoldRefused,
+) -> dict[str, object]:
+    """A refused create as ``--json`` prints it: the limit's, the create rate's or a
+    hold's."""
+    if isinstance(refused, HoldRefused):
+        return {
+            "error": "hold_refused",
+            "resource_id": refused.resource_id,
+            "reason": refused.reason,
+            "requested": refused.requested,
+            "free": refused.free,
+        }
     if isinstance(refused, CreateRateLimited):
         detail: dict[str, object] = {"error": "rate_limited", "window_s": refused.window_s}
     else:

@@ -107,6 +107,7 @@ def order_to_json(order: Order) -> dict[str, Any]:
         "time_left_s": order.time_left_s,
         "metadata": dict(order.metadata),
         "policy": order.policy,
+        "holds": dict(order.holds),
     }
 
 
@@ -187,7 +188,10 @@ def print_order(order: Order, as_json: bool) -> None:
         left = ", does not expire"
     amount = f", {amount_text(order)}" if order.amount is not None else ""
     policy = f", policy {order.policy}" if order.policy is not None else ""
-    click.echo(f"{order.id}  user {order.user_id}  {order.status.value}{amount}{policy}{left}")
+    holds = "".join(f", {units} x {rid}" for rid, units in order.holds.items())
+    click.echo(
+        f"{order.id}  user {order.user_id}  {order.status.value}{amount}{policy}{holds}{left}"
+    )
 
 
 def print_orders_table(user: str, found: list[Order]) -> None:

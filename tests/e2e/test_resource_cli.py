@@ -105,3 +105,47 @@ def test_bad_input_is_exit_2_on_one_line_with_nothing_written(
 ) -> None:
     assert_one_error_line(run("resource", *args), 2, words)
     assert resource_rows(engine) == []
+
+
+def test_create_with_holds_shows_them_and_a_refused_hold_is_exit_13_on_one_line(
+    run: Any, engine: Engine
+) -> None:
+    assert run("resource", "set", "sku:1", "--capacity", "3").exit_code == 0
+    assert run("resource", "set", "coupon:X", "--capacity", "1").exit_code == 0
+    made = run("create", "u1", "--hold", "sku:1=2", "--hold", "coupon:X=1", "--json")
+    assert made.exit_code == 0, made.output
+    assert json.loads(made.stdout)["holds"] == {"coupon:X": 1, "sku:1": 2}
+
+    refused = run("create", "u2", "--hold", "sku:1=1", "--hold", "coupon:X=1")
+    assert_one_error_line(refused, 13, "coupon:X: sold_out")
+    as_json = run("create", "u2", "--hold", "coupon:X=1", "--json")
+    assert as_json.exit_code == 13
+    assert json.loads(as_json.stdout) == {
+        "error": "hold_refused",
+        "resource_id": "coupon:X",
+        "reason": "sold_out",
+        "requested": 1,
+        "free": 0,
+    }
+    shown = run("resource", "show", "sku:1", "--json")
+    assert json.loads(shown.stdout)["held"] == 2  # the refused cart took nothing
+
+
+@pytest.mark.parametrize(
+    ("hold", "named"),
+    [
+        ("sku:1", "holds"),
+        ("sku:1=", "holds"),
+        ("sku:1=x", "holds"),
+        ("sku:1=-1", "holds"),
+        ("sku:1=0", "holds"),
+        ("=2", "resource_id"),
+    ],
+)
+def test_a_bad_hold_is_exit_2_on_one_line_before_anything_is_written(
+    run: Any, engine: Engine, hold: str, named: str
+) -> None:
+    assert run("resource", "set", "sku:1", "--capacity", "3").exit_code == 0
+    refused = run("create", "u1", "--hold", hold)
+    assert_one_error_line(refused, 2, f"invalid {named}")
+    assert json.loads(run("resource", "show", "sku:1", "--json").stdout)["held"] == 0
