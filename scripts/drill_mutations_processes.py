@@ -10,6 +10,7 @@ from __future__ import annotations
 from drill_mutations import STORE_MUTATIONS, Mutation, mutation
 from drill_mutations_combined import COMBINED_MUTATIONS
 from drill_mutations_guarded import GUARDED_MUTATIONS
+from drill_mutations_holds import HOLD_MUTATIONS
 
 PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- the sweep ---------------------------------------------------------------------------
@@ -333,4 +334,6 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
 )
 
 #: Every mutation the drill runs, in order.
-MUTATIONS = STORE_MUTATIONS + COMBINED_MUTATIONS + PROCESS_MUTATIONS + GUARDED_MUTATIONS
+MUTATIONS = (
+    STORE_MUTATIONS + COMBINED_MUTATIONS + PROCESS_MUTATIONS + GUARDED_MUTATIONS + HOLD_MUTATIONS
+)

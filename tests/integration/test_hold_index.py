@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from orders import HoldRefused, OrderService
+from orders import HoldRefused, OrderService, UnpaidOrderLimitReached
 from tests.support.clocks import ManualClock
 
 pytestmark = pytest.mark.cluster_too
@@ -114,3 +114,41 @@ def test_reconcile_rebuilds_missing_and_stale_resources_and_removes_unknown_ones
     assert state(service, "gone") is None
     again = service.reconcile()
     assert (again.resources_missing, again.resources_stale, again.resources_removed) == (0, 0, 0)
+
+
+def test_a_create_refused_at_the_user_limit_gives_its_reserved_units_back(
+    make_service: Callable[..., OrderService],
+) -> None:
+    service = make_service(unpaid_limit=1)
+    service.set_capacity("a", 5)
+    service.create_unpaid_order("warm", holds={"a": 1})  # builds the index
+    service.create_unpaid_order("u1", holds={"a": 1})
+
+    with pytest.raises(UnpaidOrderLimitReached):
+        service.create_unpaid_order("u1", holds={"a": 3})  # reserved in Redis, then refused
+
+    assert state(service, "a") == (5, 0, 2)
+
+
+def test_a_rebuild_releases_the_members_of_holds_released_while_it_ran(
+    make_service: Callable[..., OrderService], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = make_service(unpaid_limit=10)
+    service.set_capacity("a", 5)
+    kept = service.create_unpaid_order("u1", holds={"a": 1})
+    gone = service.create_unpaid_order("u2", holds={"a": 2})
+    read = service.holding.records.for_rebuild
+
+    def read_then_cancel(resource_id: str) -> Any:
+        state = read(resource_id)
+        service.resource_index.forget(resource_id)  # the cancel's release finds no keys
+        service.cancel_order(gone.id)  # committed after SQL was read, before the swap
+        return state
+
+    monkeypatch.setattr(service.holding.records, "for_rebuild", read_then_cancel)
+    service.holding.rebuild("a", service.clock())
+
+    snap = service.resource_index.snapshot("a", service.clock())
+    assert snap is not None
+    assert set(snap.members) == {kept.id}
+    assert snap.held == 1

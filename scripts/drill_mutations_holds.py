@@ -1,0 +1,141 @@
+"""The mutation drill's list, fourth part: the breaks of the holds' rules (issue 43), each
+with the test that must catch it (what a mutation is: drill_mutations.py; the runner joins
+the parts in drill_mutations_processes.py)."""
+
+from __future__ import annotations
+
+from drill_mutations import Mutation, mutation
+
+HOLDS = "tests/integration/test_holds.py"
+INDEX = "tests/integration/test_hold_index.py"
+RACE = "tests/concurrency/test_hold_races.py"
+
+HOLD_MUTATIONS: tuple[Mutation, ...] = (
+    mutation(
+        "hold-guard-off-by-one",
+        "orders/sql/holds.py",
+        "        if units > free:",
+        "        if units > free + 1:",
+        "SQL refuses a hold past what is free, whatever Redis lost",
+        f"{INDEX}::test_after_redis_loses_a_resource_sql_refuses_the_oversell_and_the_index_is_rebuilt",
+    ),
+    mutation(
+        "hold-resources-not-locked",
+        "orders/sql/holds.py",
+        '    lock = _LOCK_FOR_UPDATE if conn.dialect.name == "postgresql" else _LOCK_PLAIN',
+        "    lock = _LOCK_PLAIN",
+        "a create locks its cart's resource rows before it sums what is held (PostgreSQL)",
+        RACE,
+        "-k",
+        "postgresql",
+    ),
+    mutation(
+        "hold-per-user-cap-off-by-one",
+        "orders/sql/holds.py",
+        "            if units > left:",
+        "            if units > left + 1:",
+        "a user holds and buys at most per_user units of a resource, paid orders included",
+        f"{HOLDS}::test_a_per_user_cap_counts_unpaid_and_paid_orders_of_the_user",
+    ),
+    mutation(
+        "hold-not-released-by-cancel",
+        "orders/sql/transitions.py",
+        '            "close_reason": bindparam("reason", type_=String),\n'
+        "        },\n    ),\n    RELEASE,\n",
+        '            "close_reason": bindparam("reason", type_=String),\n'
+        "        },\n    ),\n    None,\n",
+        "a cancel releases its order's units in its own statement",
+        f"{HOLDS}::test_payment_sells_the_units_and_a_cancel_releases_them_naming_them_in_its_event",
+    ),
+    mutation(
+        "hold-not-sold-by-payment",
+        "orders/sql/transitions.py",
+        "PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID), SELL)",
+        "PAY = CompareAndSet(EventKind.PAID, _update([UNPAID_PREDICATE], _PAID))",
+        "a payment turns its order's held units into sold ones",
+        f"{HOLDS}::test_payment_sells_the_units_and_a_cancel_releases_them_naming_them_in_its_event",
+    ),
+    mutation(
+        "hold-not-released-by-the-sweep-postgresql",
+        "orders/sql/closing.py",
+        "        holds=RELEASE,",
+        "        holds=None,",
+        "the sweep's batch releases the units of the orders it closes, in its one statement",
+        f"{HOLDS}::test_the_sweep_releases_the_units_of_the_orders_it_closes_in_the_same_batch",
+    ),
+    mutation(
+        "hold-not-released-by-the-sweep-sqlite",
+        "orders/sql/closing.py",
+        '                conn.execute(_SQLITE_RELEASE, {"ids": ids})',
+        "                pass",
+        "the sweep's batch releases the units of the orders it closes, in its transaction",
+        f"{HOLDS}::test_the_sweep_releases_the_units_of_the_orders_it_closes_in_the_same_batch",
+    ),
+    mutation(
+        "hold-late-payment-takes-units-unchecked",
+        "orders/rules/payments.py",
+        "                check_retake(conn, closed.user_id, order_id)",
+        "                pass",
+        "a late payment takes its released units again only while they are free",
+        f"{HOLDS}::test_a_late_payment_takes_its_units_again_only_while_they_are_free",
+    ),
+    mutation(
+        "hold-erasure-keeps-the-user-id",
+        "orders/sql/erasure.py",
+        "        .values(user_id=pseudonym)\n    )\n    limit_removed",
+        "        .values(user_id=user_id)\n    )\n    limit_removed",
+        "an erasure moves the user's holds to the pseudonym",
+        f"{HOLDS}::test_erasure_and_replace_the_oldest_release_what_the_cancelled_orders_held",
+    ),
+    mutation(
+        "hold-redis-refusal-ignored",
+        "orders/rules/holding.py",
+        "        if reserved.refused is not None:",
+        "        if False:",
+        "a sold-out cart is refused by Redis, with no SQL",
+        f"{INDEX}::test_a_sold_out_cart_is_refused_by_redis_without_any_sql",
+    ),
+    mutation(
+        "hold-unknown-resource-not-rebuilt",
+        "orders/rules/admission.py",
+        "            holding.rebuild_quietly(unknown, new.created_at_ms)",
+        "            pass",
+        "a resource Redis did not know is rebuilt from SQL once the create is over",
+        f"{INDEX}::test_a_sold_out_cart_is_refused_by_redis_without_any_sql",
+    ),
+    mutation(
+        "hold-reservation-kept-after-a-refusal",
+        "orders/rules/admission.py",
+        "            holding.release(new)  # if it committed after all (cut off): "
+        "too few taken, safe",
+        "            pass",
+        "a create that does not commit gives its reserved units back in Redis",
+        f"{INDEX}::test_a_create_refused_at_the_user_limit_gives_its_reserved_units_back",
+    ),
+    mutation(
+        "hold-rebuild-without-second-read",
+        "orders/rules/holding.py",
+        "            for order_id in gone:",
+        "            for order_id in ():",
+        "a rebuild releases the members of holds released while it ran",
+        f"{INDEX}::test_a_rebuild_releases_the_members_of_holds_released_while_it_ran",
+    ),
+    mutation(
+        "hold-reconcile-skips-resources",
+        "orders/rules/reconcile.py",
+        "            if self.holding is not None:",
+        "            if False:",
+        "reconcile rebuilds the resources that drifted",
+        f"{INDEX}::test_reconcile_rebuilds_missing_and_stale_resources_and_removes_unknown_ones",
+    ),
+    mutation(
+        "hold-reserve-ignores-expiry",
+        "orders/index/lua/reserve.lua",
+        "      local free = cap - (tonumber(state[2]) or 0) - (tonumber(state[3]) or 0) + gone",
+        "      local free = cap - (tonumber(state[2]) or 0) - (tonumber(state[3]) or 0)",
+        "a member whose order's expiry has passed frees its units at the next reserve",
+        "tests/integration/test_resource_index.py",
+        "-k",
+        "expired_members_free",
+    ),
+)
