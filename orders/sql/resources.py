@@ -122,16 +122,34 @@ class ResourceRecords:
         with self.tx.read() as conn:
             return [_to_resource(row) for row in conn.execute(query)]
 
-    def running_out(self, limit: int) -> builtins.list[Resource]:
+    def running_out(self, limit: int, *, among: int | None = None) -> builtins.list[Resource]:
         """The ``limit`` resources (capacity above 0) with the smallest share of their
-        capacity still free, sold out first; ties by fewest free units, then by id. Reads
-        every resource with its held sum: for the dashboard, not for a request path."""
-        free = RC.capacity - RC.sold - HELD_UNITS.element
+        capacity still free, sold out first; ties by fewest free units, then by id.
+
+        Without ``among`` it reads every resource with its held sum. With it, only the first
+        ``among`` resources by id are ranked: a range of the primary key, each with its held
+        sum from the held holds' partial index, so the cost is bounded whatever the number of
+        resources (the dashboard's bound; :meth:`more_than` says whether some were left out).
+        The share has no index of its own: ``held`` is summed from the holds, not stored."""
+        ranked = _with_held().order_by(RC.id)
+        if among is not None:
+            ranked = ranked.limit(among)
+        rows = ranked.subquery("ranked")
+        free = rows.c.capacity - rows.c.sold - rows.c.held
         clamped = case((free < 0, 0), else_=free)
-        share = cast(clamped, Float) / cast(RC.capacity, Float)
-        query = _with_held().where(RC.capacity > 0).order_by(share, clamped, RC.id).limit(limit)
+        share = cast(clamped, Float) / cast(rows.c.capacity, Float)
+        query = (
+            select(rows).where(rows.c.capacity > 0).order_by(share, clamped, rows.c.id).limit(limit)
+        )
         with self.tx.read() as conn:
             return [_to_resource(row) for row in conn.execute(query)]
+
+    def more_than(self, count: int) -> bool:
+        """Whether SQL has more than ``count`` resources: one step along the primary key
+        past the first ``count`` (the bound of :meth:`running_out`'s ``among``)."""
+        query = select(RC.id).order_by(RC.id).offset(count).limit(1)
+        with self.tx.read() as conn:
+            return conn.execute(query).first() is not None
 
     def for_rebuild(
         self, resource_id: str

@@ -4,6 +4,7 @@ The HTTP-level tests (tests/integration/test_dashboard.py) check the JSON; this 
 what an operator sees: that the page logs in, that its numbers follow creates, payments,
 cancels and the sweep *without a reload* (the server-sent events and the JavaScript that
 renders them), that the refunds owed list a hostile payment reference as text, that the
+resources running out show a hostile resource id as text and mark the sold out, that the
 user search highlights a damaged index entry, and that the token keeps a fresh browser and
 a wrong bearer out.
 
@@ -70,6 +71,8 @@ LOST_COUNTER = """() => {
 FIGURES = ("unpaid", "open_unpaid", "paid", "cancelled", "closed", "backlog")
 #: A payment reference is caller text: the page must show it as text, never run it.
 HOSTILE_REF = "<img src=x onerror=alert(1)>"
+#: So is a resource id (set_capacity accepts it), shown in the resources running out.
+HOSTILE_RESOURCE = "<img src=x onerror=alert(2)>"
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +246,7 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     expect_figures(page, unpaid=0, open_unpaid=0, paid=0, cancelled=0, closed=0, backlog=0)
     expect(page.locator('[data-field="refunds_owed"]')).to_have_text("0")
     expect(page.locator("#refunds tbody tr.empty")).to_have_count(1)
+    expect(page.locator("#resources tbody tr.empty")).to_have_count(1)
     # Durations as the page writes them: seconds are rounded before minutes are split off.
     shown = page.evaluate("[599600, 600000, 125600, 7199600].map(duration)")
     assert shown == ["10 min 0 s", "10 min 0 s", "2 min 6 s", "2.0 h"]
@@ -307,6 +311,22 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
         ]
     )
     expect(page.locator("#refunds img")).to_have_count(0)
+
+    # Counted resources: one sold out under a hostile id, one with units free.
+    service.set_capacity("sku:tea", 10)
+    service.set_capacity(HOSTILE_RESOURCE, 2)
+    service.create_unpaid_order("zoe", order_id="cart-1", holds={HOSTILE_RESOURCE: 2, "sku:tea": 1})
+    service.mark_paid("cart-1", payment_ref="pay-cart")
+    running_out = page.locator("#resources tbody tr")
+    expect(running_out).to_have_count(2, timeout=WAIT_MS)
+    expect(running_out.nth(0).locator("td")).to_have_text(
+        [HOSTILE_RESOURCE, "2", "0", "2", "0 sold out"]
+    )
+    expect(running_out.nth(0)).to_have_class("soldout")
+    expect(running_out.nth(1).locator("td")).to_have_text(["sku:tea", "10", "0", "1", "9"])
+    expect(running_out.nth(1)).not_to_have_class("soldout")
+    expect(page.locator("#resources img")).to_have_count(0)
+    expect(page.locator('[data-field="resources_ranked"]')).to_be_hidden()
 
     # A scheduler and an event consumer, as a running shop has them (the screenshot's panels).
     prefix = service.index.key_prefix

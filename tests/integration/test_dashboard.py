@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from orders.dashboard.snapshot import compare_user, read_overview
+from orders.dashboard.snapshot import RUNNING_OUT, compare_user, read_overview
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, PaymentMismatch
 from orders.index.nodes import RedisClient
 from orders.service import OrderService
@@ -21,6 +21,8 @@ from tests.support.clocks import ManualClock
 TOKEN = "s3cret-dashboard-token"
 #: Caller text the page must show as text: the JSON carries it as it came.
 HOSTILE_REF = "<img src=x onerror=alert(1)>"
+#: A resource id is caller text too (set_capacity accepts it): the JSON carries it as it came.
+HOSTILE_ID = "<img src=x onerror=alert(2)>"
 
 
 def overview_figures(service: OrderService) -> dict[str, Any]:
@@ -235,3 +237,59 @@ def test_the_refunds_part_fails_alone_when_its_table_is_missing(
     assert "error" in overview["refunds"], overview["refunds"]
     assert "error" not in overview["sql"], overview["sql"]
     assert "error" not in overview["consumers"], overview["consumers"]
+
+
+def running_out(service: OrderService) -> list[tuple[str, int, int, int, int, bool]]:
+    resources = read_overview(service)["resources"]
+    assert "error" not in resources, resources
+    assert resources["capped"] is False
+    return [
+        (r["resource_id"], r["capacity"], r["held"], r["sold"], r["free"], r["sold_out"])
+        for r in resources["running_out"]
+    ]
+
+
+def test_the_resources_running_out_are_the_least_free_share_first_and_follow_the_orders(
+    service: OrderService, clock: ManualClock
+) -> None:
+    assert running_out(service) == []
+    service.set_capacity("sku:plenty", 100)
+    service.set_capacity("sku:half", 10)
+    service.set_capacity(HOSTILE_ID, 4)
+    service.set_capacity("coupon:closed", 0)  # no capacity: never listed
+    service.set_capacity("slot:lowered", 5)
+    service.create_unpaid_order("a", order_id="a-1", ttl_s=60, holds={"sku:half": 5, HOSTILE_ID: 3})
+    service.create_unpaid_order("b", order_id="b-1", holds={HOSTILE_ID: 1, "slot:lowered": 3})
+    service.mark_paid("b-1", payment_ref="p")
+    service.set_capacity("slot:lowered", 2)  # below what was sold: sold out, nothing taken back
+
+    assert running_out(service) == [
+        (HOSTILE_ID, 4, 3, 1, 0, True),  # share 0, its id sorts before slot:lowered's
+        ("slot:lowered", 2, 0, 3, 0, True),
+        ("sku:half", 10, 5, 0, 5, False),
+        ("sku:plenty", 100, 0, 0, 100, False),
+    ]
+
+    clock.advance(s=61)
+    assert service.sweep_expired().closed == 1  # a-1's holds are released with its close
+    assert running_out(service) == [
+        ("slot:lowered", 2, 0, 3, 0, True),
+        (HOSTILE_ID, 4, 0, 1, 3, False),
+        ("sku:half", 10, 0, 0, 10, False),  # a whole share: fewer free units first
+        ("sku:plenty", 100, 0, 0, 100, False),
+    ]
+
+
+def test_the_resources_panel_lists_ten_and_ranks_a_bounded_part(service: OrderService) -> None:
+    for n in range(RUNNING_OUT + 2):
+        service.set_capacity(f"sku:{n:02}", 10 + n)
+    service.create_unpaid_order("u", holds={"sku:11": 11})  # the last by id, 10 of 21 free
+    listed = read_overview(service)["resources"]["running_out"]
+    assert [r["resource_id"] for r in listed] == ["sku:11"] + [f"sku:{n:02}" for n in range(9)]
+
+    # The bound: only the first resources by id are ranked, and the records say more exist.
+    records = service.capacities.records
+    assert [r.id for r in records.running_out(2, among=3)] == ["sku:00", "sku:01"]
+    assert [r.id for r in records.running_out(1, among=RUNNING_OUT + 2)] == ["sku:11"]
+    assert records.more_than(RUNNING_OUT + 1) is True
+    assert records.more_than(RUNNING_OUT + 2) is False

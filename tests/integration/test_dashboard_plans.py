@@ -41,8 +41,8 @@ pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=Tr
 #: Per overview: five statements of read_stats, the latest closes, and list_consumers'
 #: positions, failure counts and names, then two per consumer (lag count, oldest unread),
 #: then the refunds owed (their capped count with the oldest, the newest listed), then the
-#: open pause.
-OVERVIEW_STATEMENTS = 6 + 3 + 2 * 1 + 2 + 1
+#: resources running out (the ranked ones, whether more exist), then the open pause.
+OVERVIEW_STATEMENTS = 6 + 3 + 2 * 1 + 2 + 2 + 1
 #: The user's unpaid rows, then the rows of the members SQL did not return.
 COMPARE_STATEMENTS = 2
 #: Plan nodes that read a table through an index, or read no table at all.
@@ -63,6 +63,9 @@ READ_WHOLE = {
 SCAN = re.compile(r"(\w+(?: \w+)*? Scan)(?: Backward)?(?: using (\w+))? on (\w+)")
 UNPAID_INDEX = "WHERE ((status)::text = 'unpaid'::text)"
 PENDING_INDEX = "ix_oes_payment_refusals_pending_refused_at_ms"
+#: The resources running out: a range of the primary key, each held sum from this index.
+RESOURCES_PK = "pk_oes_resources"
+HELD_INDEX = "ix_oes_holds_held_resource_id"
 
 
 def index_reads(plan: str, indexes: dict[str, tuple[str, str]]) -> set[str]:
@@ -124,6 +127,11 @@ def dashboard_statements(
         with pytest.raises(OrderClosed):
             service.mark_paid("cancelled", payment_ref=ref)
     service.mark_refund_handled("cancelled", "refund-handled")
+    for n, capacity in enumerate((3, 5, 0)):
+        service.set_capacity(f"sku:{n}", capacity)
+    service.create_unpaid_order("x", order_id="held", holds={"sku:0": 2, "sku:1": 1})
+    service.create_unpaid_order("x", order_id="sold", holds={"sku:0": 1})
+    service.mark_paid("sold", payment_ref="s")
     service.create_unpaid_order("w", ttl_s=10, order_id="due")
     EventConsumer(
         engine, "stock", Poison("due"), clock=clock, max_attempts=1, start="oldest"
@@ -140,6 +148,8 @@ def dashboard_statements(
     assert "error" not in shown["consumers"], shown
     assert [c["parked"] for c in shown["consumers"]] == [1]
     assert [r["payment_ref"] for r in shown["refunds"]["newest"]] == ["refund-owed"]
+    listed = shown["resources"]["running_out"]
+    assert [(r["resource_id"], r["free"]) for r in listed] == [("sku:0", 0), ("sku:1", 4)]
     assert {r["order_id"]: r["state"] for r in user["rows"]} == {
         "open": "same",
         "ghost": "no_row",
@@ -165,3 +175,4 @@ def test_every_dashboard_statement_reads_through_an_index(
     # the refunds owed, not every refusal ever recorded.
     of_refusals = {name for name, (table, _) in indexes.items() if table == refusals_table.name}
     assert read & of_refusals == {PENDING_INDEX}
+    assert {RESOURCES_PK, HELD_INDEX} <= read

@@ -2,7 +2,8 @@
 // the user search from api/user, both relative to the page, so that it works wherever the
 // dashboard is mounted (/ or /ops/orders/). Every value from the server is written as text
 // (textContent), never as HTML: order and user ids are whatever checkout code chose, and
-// a payment reference whatever the payment callback passed on.
+// a payment reference whatever the payment callback passed on, a resource id whatever
+// set_capacity was given.
 "use strict";
 
 const $ = (selector, root = document) => root.querySelector(selector);
@@ -177,6 +178,16 @@ function render(data) {
       [r.reason], [r.amount === null ? "-" : `${r.amount} ${r.currency || ""}`.trim(), "num"],
       [`${duration(r.age_ms)} ago`],
     ]);
+  }
+  const resources = data.resources;
+  if (!showError("resources", resources)) {
+    fillTable("resources", resources.running_out, (r) => [
+      [r.resource_id, "ref"], [num(r.capacity), "num"], [num(r.held), "num"], [num(r.sold), "num"],
+      r.sold_out ? ["0 sold out", "num bad"] : [num(r.free), "num"],
+    ], (r) => (r.sold_out ? "soldout" : ""));
+    const note = $('[data-field="resources_ranked"]');
+    note.hidden = !resources.capped;
+    note.textContent = resources.capped ? `ranked among the first ${num(resources.ranked_cap)} resources by id only` : "";
   }
   const redis = data.redis;
   if (!showError("redis", redis)) {
