@@ -46,7 +46,7 @@ from sqlalchemy import (
 )
 
 from orders.domain import SWEEPER, Actor, EventKind, OrderStatus
-from orders.sql.holds import RELEASE, hold_changes
+from orders.sql.holds import RELEASE, hold_changes, released_data
 from orders.sql.models import events_table, holds_table, orders_table
 from orders.sql.predicates import NOT_PAUSED, UNPAID_PREDICATE, closable_at, reminder_due_at
 from orders.sql.records import EXPIRED_REASON, OrderRecords
@@ -187,8 +187,7 @@ def _close_statement(*, postgresql: bool) -> Any:
 
 def _released(row: Any) -> Any:
     """A close's event data: the units it released (none: no data)."""
-    released = func.json_build_object(literal_column("'released'"), row.holds)
-    return case((row.holds.is_(None), null()), else_=released)
+    return released_data(row, null())
 
 
 def _expiring_data(row: Any) -> Any:
