@@ -1,5 +1,6 @@
 """A Redis that comes back with older data than it had: restarted from a saved RDB, or a
-replica promoted that had not seen the last writes.
+replica promoted that had not seen the last writes: the users' index and the resources'
+(issue 43) alike.
 
 The index epoch marker is part of Redis's data, so an older copy of the data brings back an
 older, intact-looking marker. What tells a rewind from the outside is the server's run id
@@ -101,7 +102,12 @@ class Scenario:
         self.sweeper.tick()
         self.sweeper.reconcile_if_due()
         assert self.service.index.epoch.get() is not None
-        self.payer = [self.service.create_unpaid_order("payer", ttl_s=600) for _ in range(LIMIT)]
+        # Each of payer's orders holds a unit of a resource of LIMIT units (issue 43).
+        self.service.set_capacity("sku", LIMIT)
+        self.payer = [
+            self.service.create_unpaid_order("payer", ttl_s=600, holds={"sku": 1})
+            for _ in range(LIMIT)
+        ]
         self.keeper = self.service.create_unpaid_order("keeper", ttl_s=600)
 
     def change_after_the_copy(self) -> None:
@@ -109,6 +115,7 @@ class Scenario:
         removed), and a new user's order."""
         for order in self.payer:
             self.service.mark_paid(order.id)
+        self.service.set_capacity("sku", 2 * LIMIT)  # restocked: LIMIT free again
         self.newcomer = self.service.create_unpaid_order("newcomer", ttl_s=600)
 
     def assert_rewound(self) -> None:
@@ -116,6 +123,8 @@ class Scenario:
             "payer": expected(self.payer),  # paid in SQL, still holding both slots
             "newcomer": {},
         }
+        # The resource as it was: both units held, none free, the restock unseen.
+        assert self.resource() == (LIMIT, 0, LIMIT)
 
     def assert_healed_within_two_ticks(self, caplog: pytest.LogCaptureFixture) -> None:
         caplog.set_level(logging.DEBUG, logger=LOGGER_NAME)
@@ -129,10 +138,16 @@ class Scenario:
             "newcomer": expected([self.newcomer]),
         }
         assert rebuild_reasons(caplog) == ["index_rewound"]
+        assert self.resource() == (2 * LIMIT, LIMIT, 0)  # as SQL has it: sold, restocked
         again = [self.service.create_unpaid_order("payer", ttl_s=600) for _ in range(LIMIT)]
         assert open_members(self.service, ["payer"]) == {"payer": expected(again)}
         with pytest.raises(UnpaidOrderLimitReached):
             self.service.create_unpaid_order("payer", ttl_s=600)
+
+    def resource(self) -> tuple[int, int, int] | None:
+        """The index's (capacity, sold, held) of the test's resource."""
+        snap = self.service.resource_index.snapshot("sku", self.service.clock())
+        return None if snap is None else (snap.cap, snap.sold, snap.held)
 
     def close(self) -> None:
         self.sweeper.close()
@@ -230,6 +245,7 @@ def test_a_redis_restarted_during_a_rebuild_is_rebuilt_again_at_the_next_check(
         caplog.clear()
         scenario.sweeper.reconcile_if_due()
         assert rebuild_reasons(caplog) == ["index_rewound"]
+        assert scenario.resource() == (LIMIT, 0, LIMIT)  # as SQL has it: both held
         in_sql = {user: expected(service.list_unpaid(user)) for user in users}
         assert in_sql == {"keeper": expected([scenario.keeper]), "payer": expected(scenario.payer)}
         assert open_members(service, users) == in_sql
