@@ -44,6 +44,10 @@ The figures, each with what it is compared with:
 7. ``redis_memory``: Redis ``used_memory`` per open order, with 1 and 3 orders per user.
 8. ``sql_admission``: the SQL guard alone (``records.insert_guarded``, no Redis) as a peer
    of the Redis path, for refusals and for admissions.
+9. ``holds`` (issue 43): a sold-out hold refused by the index beside the raw EVALSHA, a
+   create with 1 hold and with a 10-resource cart beside one without, and one hot SKU
+   under 64 threads beside creates without holds, a raw hold and the commit time
+   (:mod:`benchmarks.holds`).
 
 (The ``aio`` figure, which set ``AsyncOrderService`` beside ``asyncio.to_thread`` and a
 native ``redis.asyncio``/``AsyncEngine`` floor to choose a design, went with issue 42:
@@ -70,12 +74,13 @@ The report's JSON shape is documented in README.md. The package, one job a modul
 task counts, the report's parts by count), ``loop`` (the async variants' event loop),
 ``workload`` (the bench's namespace, rows, cleanup and machine block), ``driver`` (the raw
 DBAPI floors), ``variants``, ``throughput``, ``callers`` and ``figures`` (what is timed),
-``verdicts`` (a target's pass or miss), ``report`` (the report and its targets), ``tables``
-(printing it), ``compare`` (saved reports, side by side), ``plot`` (matplotlib),
-``threads`` (what a figure left running) and ``cli`` (the command). Beside them, the
-scripts of the published runs: ``bench_durable`` (the lab on durable stores),
-``bench_table`` (its tables), ``bench_combined``, ``profile_create`` and
-``profile_shares`` (flame graphs and their shares), ``prune_bench`` and ``pg_capacity``.
+``holds`` (the holds figure), ``verdicts`` (a target's pass or miss), ``report`` (the
+report and its targets), ``tables`` (printing it), ``compare`` (saved reports, side by
+side), ``plot`` (matplotlib), ``threads`` (what a figure left running) and ``cli`` (the
+command). Beside them, the scripts of the published runs: ``bench_durable`` (the lab on
+durable stores), ``bench_table`` (its tables), ``bench_combined``, ``profile_create``,
+``profile_holds`` and ``profile_shares`` (flame graphs and their shares), ``prune_bench``
+and ``pg_capacity``.
 """
 
 from benchmarks.figures import FIGURES

@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from benchmarks.callers import callers
+from benchmarks.holds import holds
 from benchmarks.measure import (
     Run,
     Variant,
@@ -252,6 +253,7 @@ FIGURES = (
     "close_lag",
     "redis_memory",
     "sql_admission",
+    "holds",
 )
 
 #: Each figure's function, in the order of FIGURES. None: the figure was skipped (see notes).
@@ -265,4 +267,5 @@ MAKERS: dict[str, Callable[[Workload], dict[str, Any] | None]] = {
     "close_lag": close_lag,
     "redis_memory": redis_memory,
     "sql_admission": sql_admission,
+    "holds": holds,
 }

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks import callers, threads
+from benchmarks import callers, holds, threads
 from benchmarks.concurrency import task_counts, thread_counts
 from benchmarks.figures import MAKERS
 from benchmarks.measure import Sizes, python_loop_ms
@@ -54,6 +54,7 @@ def progress_units(sizes: Sizes, figure: str, engine: str) -> float:
         "close_lag": 10,
         "redis_memory": 2 * sizes.memory_reps,
         "sql_admission": 4 * per_measure,
+        "holds": holds.progress_units(sizes.reps),
     }[figure]
 
 
@@ -250,6 +251,8 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     out += _transition_targets(fig)
     if "callers" in fig:
         out += callers.targets(fig["callers"], engine)
+    if "holds" in fig:
+        out += holds.targets(fig["holds"])
     if "sweep" in fig:
         part = fig["sweep"]
         bound = SWEEP_TARGET_CLOSES_S.get(engine, SWEEP_TARGET_CLOSES_S["postgresql"])

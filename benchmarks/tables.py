@@ -9,6 +9,7 @@ from rich.table import Table
 
 from benchmarks.concurrency import part_label
 from benchmarks.figures import FIGURES
+from benchmarks.holds import section as holds_section
 
 
 def _rate(s: Mapping[str, float]) -> tuple[str, str]:
@@ -175,6 +176,7 @@ _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
     "close_lag": _close_lag,
     "redis_memory": _redis_memory,
     "sql_admission": _sql_admission,
+    "holds": holds_section,
 }
 
 
