@@ -223,12 +223,14 @@ CREATE TABLE oes_resources (
     id varchar(128) NOT NULL,
     capacity bigint NOT NULL,
     per_user bigint,
+    held bigint DEFAULT 0 NOT NULL,
     sold bigint DEFAULT 0 NOT NULL,
     updated_at_ms bigint NOT NULL,
     updated_by_kind varchar(16),
     updated_by varchar(128),
     CONSTRAINT pk_oes_resources PRIMARY KEY (id),
     CONSTRAINT ck_oes_resources_capacity CHECK (capacity >= 0),
+    CONSTRAINT ck_oes_resources_held CHECK (held >= 0),
     CONSTRAINT ck_oes_resources_sold CHECK (sold >= 0)
 );
 CREATE TABLE oes_holds (

@@ -66,8 +66,8 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "hold-not-released-by-the-sweep-sqlite",
         "orders/sql/closing.py",
-        '                conn.execute(_SQLITE_RELEASE, {"ids": ids})',
-        "                pass",
+        "                    sqlite_hold_changes(conn, holding, RELEASE)",
+        "                    pass",
         "the sweep's batch releases the units of the orders it closes, in its transaction",
         f"{HOLDS}::test_the_sweep_releases_the_units_of_the_orders_it_closes_in_the_same_batch",
     ),
@@ -119,6 +119,14 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
         "            for order_id in ():",
         "a rebuild releases the members of holds released while it ran",
         f"{INDEX}::test_a_rebuild_releases_the_members_of_holds_released_while_it_ran",
+    ),
+    mutation(
+        "hold-counter-not-released",
+        "orders/sql/holds.py",
+        '    if source == HOLD_HELD:\n        values["held"] = RESOURCE.held - units',
+        "    if source == HOLD_HELD:\n        pass",
+        "a release or a sale takes its units off the resource's held count",
+        f"{HOLDS}::test_payment_sells_the_units_and_a_cancel_releases_them_naming_them_in_its_event",
     ),
     mutation(
         "hold-reconcile-skips-resources",

@@ -35,11 +35,13 @@ def upgrade() -> None:
         sa.Column("id", sa.String(length=128), nullable=False),
         sa.Column("capacity", sa.BigInteger(), nullable=False),
         sa.Column("per_user", sa.BigInteger(), nullable=True),
+        sa.Column("held", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
         sa.Column("sold", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
         sa.Column("updated_at_ms", sa.BigInteger(), nullable=False),
         sa.Column("updated_by_kind", sa.String(length=16), nullable=True),
         sa.Column("updated_by", sa.String(length=128), nullable=True),
         sa.CheckConstraint("capacity >= 0", name=op.f("ck_oes_resources_capacity")),
+        sa.CheckConstraint("held >= 0", name=op.f("ck_oes_resources_held")),
         sa.CheckConstraint("sold >= 0", name=op.f("ck_oes_resources_sold")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_oes_resources")),
     )

@@ -4,7 +4,7 @@ Every SQL statement here is served by an index (the figures ``orders stats`` pri
 latest closes from the closed orders' partial index, one user's unpaid rows from the
 per-user partial index, the consumers' lag from the events' commit-order index, the refunds
 owed from the pending refusals' partial index, the resources running out from a range of
-the resources' primary key with each one's held sum from the held holds' partial index), so
+the resources' primary key), so
 a page costs the same with a thousand orders as with ten million. The Redis side is O(1)
 per server (INFO memory, DBSIZE, the scheduler hash, the lease) or one user's key.
 
@@ -49,9 +49,9 @@ LAG_CAP = 10_000
 OWED_CAP = 10_000
 OWED_LISTED = 10
 #: The resources running out: the ten with the least free share, ranked among the first
-#: RESOURCES_RANKED by id. The share has no index (``held`` is summed from the holds, never
-#: stored), so ranking every resource would cost a read of each on every refresh; past the
-#: bound the panel says it ranked only part (``capped``).
+#: RESOURCES_RANKED by id. The share has no index, so ranking every resource would cost a
+#: read of each on every refresh; past the bound the panel says it ranked only part
+#: (``capped``).
 RUNNING_OUT = 10
 RESOURCES_RANKED = 10_000
 

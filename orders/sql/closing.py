@@ -46,8 +46,8 @@ from sqlalchemy import (
 )
 
 from orders.domain import SWEEPER, Actor, EventKind, OrderStatus
-from orders.sql.holds import RELEASE, hold_changes, released_data
-from orders.sql.models import events_table, holds_table, orders_table
+from orders.sql.holds import RELEASE, hold_changes, released_data, sqlite_hold_changes
+from orders.sql.models import events_table, orders_table
 from orders.sql.predicates import NOT_PAUSED, UNPAID_PREDICATE, closable_at, reminder_due_at
 from orders.sql.records import EXPIRED_REASON, OrderRecords
 from orders.sql.transitions import ACTOR_PARAMS, EVENT_COLUMNS, with_events
@@ -107,7 +107,9 @@ class DueCloser:
             ids = json.dumps([row.id for row in rows])
             conn.execute(record, {"ids": ids, "at_ms": at_ms, **actor.columns()})
             if record is _SQLITE_RECORD_CLOSED:
-                conn.execute(_SQLITE_RELEASE, {"ids": ids})
+                holding = [row.id for row in rows if row.holds]
+                if holding:
+                    sqlite_hold_changes(conn, holding, RELEASE)
             conn.commit()
         return [(row.user_id, row.expires_at_ms, row.id, row.holds) for row in rows]
 
@@ -247,17 +249,7 @@ _SQLITE_RECORD_CLOSED = _sqlite_record(
         else_=func.json_object(literal_column("'released'"), func.json(ORDER.holds)),
     ),
 )
-#: SQLite: the holds of a batch's closed orders are released (PostgreSQL: in the statement).
-_SQLITE_RELEASE = (
-    update(holds_table)
-    .where(
-        holds_table.c.order_id.in_(
-            select(func.json_each(bindparam("ids", type_=String)).table_valued("value").c.value)
-        ),
-        holds_table.c.status == RELEASE[0],
-    )
-    .values(status=RELEASE[1])
-)
+
 _SQLITE_RECORD_EXPIRING = _sqlite_record(
     EventKind.EXPIRING, func.json_object(literal_column("'expires_at_ms'"), ORDER.expires_at_ms)
 )

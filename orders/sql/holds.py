@@ -30,6 +30,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Connection,
     String,
     bindparam,
@@ -58,19 +59,11 @@ HOLD = holds_table.c
 RESOURCE = resources_table.c
 
 _IDS = bindparam("ids", expanding=True, type_=String)
-_LOCK = select(RESOURCE.id, RESOURCE.capacity, RESOURCE.sold, RESOURCE.per_user).where(
-    RESOURCE.id.in_(_IDS)
-)
+_LOCK = select(
+    RESOURCE.id, RESOURCE.capacity, RESOURCE.held, RESOURCE.sold, RESOURCE.per_user
+).where(RESOURCE.id.in_(_IDS))
 _LOCK_FOR_UPDATE = _LOCK.order_by(RESOURCE.id).with_for_update()
 _LOCK_PLAIN = _LOCK.order_by(RESOURCE.id)
-# The status as a literal, never a parameter: only then may the planner use the partial
-# index over held rows.
-_HELD_LITERAL: Any = literal_column(f"'{HOLD_HELD}'")
-_HELD_NOW = (
-    select(HOLD.resource_id, func.sum(HOLD.quantity))
-    .where(HOLD.resource_id.in_(_IDS), HOLD.status == _HELD_LITERAL)
-    .group_by(HOLD.resource_id)
-)
 _TAKEN_BY_USER = (
     select(HOLD.resource_id, func.sum(HOLD.quantity))
     .where(
@@ -81,6 +74,11 @@ _TAKEN_BY_USER = (
     .group_by(HOLD.resource_id)
 )
 _INSERT = insert(holds_table)
+_ADD_HELD = (
+    update(resources_table)
+    .where(RESOURCE.id == bindparam("rid", type_=String))
+    .values(held=RESOURCE.held + bindparam("units", type_=BigInteger))
+)
 
 
 def take(conn: Connection, new: NewOrder) -> None:
@@ -100,6 +98,7 @@ def take(conn: Connection, new: NewOrder) -> None:
             for resource_id, units in new.holds
         ],
     )
+    conn.execute(_ADD_HELD, [{"rid": rid, "units": units} for rid, units in new.holds])
 
 
 def check_retake(conn: Connection, user_id: str, order_id: str) -> None:
@@ -124,12 +123,11 @@ def check(conn: Connection, user_id: str, holds: tuple[tuple[str, int], ...]) ->
     for resource_id in ids:
         if resource_id not in rows:
             raise HoldRefused(resource_id, HoldReason.UNKNOWN_RESOURCE, wanted[resource_id], None)
-    held = _sums(conn, _HELD_NOW, {"ids": ids})
     capped = [rid for rid in ids if rows[rid].per_user is not None]
     taken = _sums(conn, _TAKEN_BY_USER, {"ids": capped, "user_id": user_id}) if capped else {}
     for resource_id, units in holds:
         row = rows[resource_id]
-        free = row.capacity - row.sold - held.get(resource_id, 0)
+        free = row.capacity - row.sold - row.held
         if units > free:
             raise HoldRefused(resource_id, HoldReason.SOLD_OUT, units, free)
         if row.per_user is not None:
@@ -155,11 +153,22 @@ SELL = (HOLD_HELD, HOLD_SOLD)
 RETAKE = (HOLD_RELEASED, HOLD_SOLD)
 
 
+def _counts(source: str, target: str, units: Any) -> dict[str, Any]:
+    """What moving ``units`` from ``source`` to ``target`` does to a resource's counters."""
+    values: dict[str, Any] = {}
+    if source == HOLD_HELD:
+        values["held"] = RESOURCE.held - units
+    if target == HOLD_SOLD:
+        values["sold"] = RESOURCE.sold + units
+    return values
+
+
 def hold_changes(statement: Any, changed: Any, change: tuple[str, str]) -> Any:
     """PostgreSQL: ``statement`` (a SELECT over the CTE ``changed``, the order rows a
     transition returned) with the holds of those orders moved from ``change[0]`` to
-    ``change[1]`` in the same statement; a sale also adds to the resources' ``sold``, their
-    rows locked in id order first (as a create locks them)."""
+    ``change[1]`` in the same statement, and their resources' ``held`` and ``sold`` moved
+    with them, the resource rows locked in id order first (as a create locks them), so a
+    sweep's batch, a payment and a create never wait on each other in a circle."""
     source, target = change
     moved = (
         update(holds_table)
@@ -170,24 +179,27 @@ def hold_changes(statement: Any, changed: Any, change: tuple[str, str]) -> Any:
         .returning(HOLD.resource_id, HOLD.quantity)
         .cte(f"holds_{target}")
     )
-    statement = statement.add_cte(moved)
-    if target != HOLD_SOLD:
-        return statement
+    # Several orders of a batch may hold one resource: one row (and one update) each.
+    per_resource = (
+        select(moved.c.resource_id, func.sum(moved.c.quantity).label("units"))
+        .group_by(moved.c.resource_id)
+        .cte("units_moved")
+    )
     locked = (
         select(RESOURCE.id)
-        .where(RESOURCE.id.in_(select(moved.c.resource_id)))
+        .where(RESOURCE.id.in_(select(per_resource.c.resource_id)))
         .order_by(RESOURCE.id)
         .with_for_update()
         .cte("resources_locked")
     )
     counted = (
         update(resources_table)
-        .where(RESOURCE.id == moved.c.resource_id, RESOURCE.id == locked.c.id)
-        .values(sold=RESOURCE.sold + moved.c.quantity)
+        .where(RESOURCE.id == per_resource.c.resource_id, RESOURCE.id == locked.c.id)
+        .values(_counts(source, target, per_resource.c.units))
         .returning(RESOURCE.id)
-        .cte("resources_sold")
+        .cte("resources_counted")
     )
-    return statement.add_cte(counted)
+    return statement.add_cte(moved).add_cte(counted)
 
 
 def released_data(row: Any, data: Any) -> Any:
@@ -200,19 +212,21 @@ def released_data(row: Any, data: Any) -> Any:
     return case((row.holds.is_(None), data), else_=cast(given.op("||")(released), JSON))
 
 
-def sqlite_hold_changes(conn: Connection, order_id: str, change: tuple[str, str]) -> None:
-    """SQLite: :func:`hold_changes` of one order, in ``conn``'s write transaction."""
+def sqlite_hold_changes(conn: Connection, order_ids: list[str], change: tuple[str, str]) -> None:
+    """SQLite: :func:`hold_changes` of some orders, in ``conn``'s write transaction."""
     source, target = change
     moved = conn.execute(
         update(holds_table)
-        .where(HOLD.order_id == order_id, HOLD.status == source)
+        .where(HOLD.order_id.in_(order_ids), HOLD.status == source)
         .values(status=target)
         .returning(HOLD.resource_id, HOLD.quantity)
     ).all()
-    if target == HOLD_SOLD:
-        for resource_id, units in moved:
-            conn.execute(
-                update(resources_table)
-                .where(RESOURCE.id == resource_id)
-                .values(sold=RESOURCE.sold + units)
-            )
+    units: dict[str, int] = {}
+    for resource_id, quantity in moved:
+        units[resource_id] = units.get(resource_id, 0) + quantity
+    for resource_id, total in sorted(units.items()):
+        conn.execute(
+            update(resources_table)
+            .where(RESOURCE.id == resource_id)
+            .values(_counts(source, target, total))
+        )

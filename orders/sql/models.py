@@ -301,6 +301,9 @@ class ResourceRow(Base):
     id: Mapped[str] = mapped_column(String(RESOURCE_ID_COLUMN_LENGTH), primary_key=True)
     capacity: Mapped[int] = mapped_column(BigInteger)
     per_user: Mapped[int | None] = mapped_column(BigInteger)
+    #: Units of unpaid orders: the sum of its ``held`` rows in ``oes_holds``, kept by the
+    #: same statements that write those rows.
+    held: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     sold: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     updated_at_ms: Mapped[int] = mapped_column(BigInteger)
     # Not named actor_kind/actor: a transition's statement binds parameters of those names,
@@ -310,6 +313,7 @@ class ResourceRow(Base):
 
     __table_args__ = (
         CheckConstraint("capacity >= 0", name="capacity"),
+        CheckConstraint("held >= 0", name="held"),
         CheckConstraint("sold >= 0", name="sold"),
     )
 

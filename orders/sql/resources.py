@@ -1,9 +1,8 @@
 """Counted resources in SQL: ``oes_resources``, read with what ``oes_holds`` holds of each.
 
-A resource's ``sold`` is its column; what unpaid orders hold of it is not stored but summed
-from its ``held`` rows of ``oes_holds`` (the partial index ``ix_oes_holds_held_resource_id``
-covers that sum), so no counter can drift from the holds it counts. Every read here returns
-the row with that sum, read in the same statement.
+A resource's ``held`` and ``sold`` are columns of its row, kept by the very statements that
+write its ``oes_holds`` rows (:mod:`orders.sql.holds`), so reading one costs the row alone
+however many orders hold it.
 
 Each method opens and commits its own transaction (a use case of its own:
 ``service.set_capacity``); a set never touches ``sold`` nor a hold, so lowering a capacity
@@ -17,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
-    ColumnElement,
     Float,
     Row,
     Select,
@@ -25,7 +23,6 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
-    func,
     literal_column,
     select,
 )
@@ -37,16 +34,6 @@ from orders.sql.transactions import Transactions
 
 RC = resources_table.c
 HC = holds_table.c
-
-#: What unpaid orders hold of the resource: the sum of its ``held`` rows. The predicate is
-#: written as the partial index's own (a literal, not a bound parameter), so that
-#: PostgreSQL answers it from the index.
-HELD_UNITS: ColumnElement[int] = (
-    select(func.coalesce(func.sum(HC.quantity), 0))
-    .where(HC.resource_id == RC.id, HC.status == literal_column(f"'{HOLD_HELD}'"))
-    .scalar_subquery()
-    .label("held")
-)
 
 
 _HELD_LITERAL_WHERE = HC.status == literal_column(f"'{HOLD_HELD}'")
@@ -63,7 +50,7 @@ RebuildState = tuple[int, int, list[tuple[str, int, int]]]
 
 
 def _with_held() -> Select[Any]:
-    return select(RC.id, RC.capacity, RC.per_user, RC.sold, RC.updated_at_ms, HELD_UNITS)
+    return select(RC.id, RC.capacity, RC.per_user, RC.sold, RC.updated_at_ms, RC.held)
 
 
 def _to_resource(row: Row[Any]) -> Resource:
@@ -126,11 +113,10 @@ class ResourceRecords:
         """The ``limit`` resources (capacity above 0) with the smallest share of their
         capacity still free, sold out first; ties by fewest free units, then by id.
 
-        Without ``among`` it reads every resource with its held sum. With it, only the first
-        ``among`` resources by id are ranked: a range of the primary key, each with its held
-        sum from the held holds' partial index, so the cost is bounded whatever the number of
-        resources (the dashboard's bound; :meth:`more_than` says whether some were left out).
-        The share has no index of its own: ``held`` is summed from the holds, not stored."""
+        Without ``among`` it reads every resource. With it, only the first ``among``
+        resources by id are ranked: a range of the primary key, so the cost is bounded
+        whatever the number of resources (the dashboard's bound; :meth:`more_than` says
+        whether some were left out): the share has no index of its own."""
         ranked = _with_held().order_by(RC.id)
         if among is not None:
             ranked = ranked.limit(among)

@@ -193,7 +193,7 @@ class CompareAndSet:
         row = conn.execute(self.change, params).one_or_none()
         if row is not None:
             if self.holds is not None and row.holds:
-                sqlite_hold_changes(conn, row.id, self.holds)
+                sqlite_hold_changes(conn, [row.id], self.holds)
                 if self.holds == RELEASE:
                     data = {**(data or {}), "released": row.holds}
             event = event_row(row.id, row.user_id, self.kind, params["now_ms"], data, actor)
