@@ -1,7 +1,8 @@
 """Processes SIGKILLed around holds (issue 43): a create with holds, the payment of an order
 with holds, a sweep batch that closes such orders, each stopped for good at a named point
 between its SQL commit and its Redis writes (``tests/support/workers/hold_crash.py``) and
-killed there, on both engines.
+killed there, on both engines, on one Redis server and on a cluster (where "seat" and "meal"
+sit in two slots on two nodes: a cart is one reserve per node).
 
 After each kill, in SQL (``tests/support/hold_checks.py``): no resource oversold, every
 hold's status follows its order's, each resource's ``sold`` is the sum of its sold holds.
@@ -29,6 +30,8 @@ from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, index_state, sql_problems, sql_state
 from tests.support.processes import ChildProcess, child_env
 
+pytestmark = pytest.mark.cluster_too
+
 MARKER_TIMEOUT_S = 60
 RESOURCES = ["meal", "seat"]
 
@@ -36,8 +39,12 @@ RESOURCES = ["meal", "seat"]
 class Crash:
     """Runs the hold worker in a mode until it stops, then SIGKILLs it by its PID."""
 
-    def __init__(self, database_url: str, redis_url: str, tmp_path: Path) -> None:
-        self.env = child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url)
+    def __init__(self, database_url: str, redis_options: dict[str, Any], tmp_path: Path) -> None:
+        self.env = child_env(
+            ORDERS_DATABASE_URL=database_url,
+            ORDERS_REDIS_URL=redis_options["redis_url"],
+            ORDERS_REDIS_CLUSTER=str(redis_options["redis_cluster"]).lower(),
+        )
         self.tmp_path = tmp_path
 
     def kill_at(self, mode: str, **config: Any) -> None:
@@ -63,8 +70,8 @@ class Crash:
 
 
 @pytest.fixture
-def crash(database_url: str, redis_url: str, tmp_path: Path) -> Crash:
-    return Crash(database_url, redis_url, tmp_path)
+def crash(database_url: str, redis_options: dict[str, Any], tmp_path: Path) -> Crash:
+    return Crash(database_url, redis_options, tmp_path)
 
 
 @pytest.fixture
