@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import pytest
 import redis
 from prometheus_client import REGISTRY
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from sqlalchemy import Engine
 
 from orders import HoldRefused, OrderService
@@ -138,7 +140,9 @@ def test_a_sweep_counts_what_it_released_in_sql_while_redis_is_down(
     service.set_capacity("a", 10)
     for n in range(3):
         service.create_unpaid_order(f"u{n}", ttl_s=60, holds={"a": 1})
-    nowhere = redis.Redis(unix_socket_path="/nonexistent/redis.sock")
+    nowhere = redis.Redis(
+        unix_socket_path="/nonexistent/redis.sock", retry=Retry(NoBackoff(), retries=0)
+    )
     down = OrderService(engine, nowhere, service.settings, clock=clock)
     clock.advance(s=61)
 
