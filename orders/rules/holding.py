@@ -97,11 +97,22 @@ class Holding:
             ids = list(order.holds)
             self.follow(lambda: self.index.move(order.id, ids, order.expires_at_ms), order.id)
 
-    def released_by_sweep(self, closed: Iterable[tuple[str, dict[str, int] | None]]) -> None:
-        """After a sweep batch: the units of the orders it closed (order id, holds)."""
+    @staticmethod
+    def released_by_sweep(
+        closed: Iterable[tuple[str, dict[str, int] | None]],
+    ) -> list[tuple[str, list[str]]]:
+        """After a sweep batch's commit: count the holds of the orders it closed (order id,
+        holds), released in SQL whatever Redis does next, and return them (order id,
+        resource ids) for :meth:`release_swept`."""
         pairs = [(order_id, list(holds)) for order_id, holds in closed if holds]
         if pairs:
             metrics.HOLDS.labels("released").inc(sum(len(ids) for _, ids in pairs))
+        return pairs
+
+    def release_swept(self, pairs: list[tuple[str, list[str]]]) -> None:
+        """Take the swept orders' members out of the resources (StoreUnavailable: they no
+        longer count anyway, their expiry having passed; reconcile drops them)."""
+        if pairs:
             self.index.release_many(pairs)
 
     def rebuild(self, resource_id: str, now_ms: int) -> bool:

@@ -120,11 +120,14 @@ class Sweep:
             observe((closed_at_ms - row[1]) / 1000)
         batch_users = {row[0] for row in rows}
         result.add(len(rows), batch_users, closed_at_ms - min(row[1] for row in rows))
+        holding = self.admitter.holding
+        # Counted from SQL's answer: the holds are released whatever Redis does next.
+        swept = [] if holding is None else holding.released_by_sweep((r[2], r[3]) for r in rows)
         if result.redis_errors == 0:  # after one failure, spare later batches the timeouts
             try:
                 self.admitter.index.drop_expired(batch_users, cutoff)
-                if self.admitter.holding is not None:
-                    self.admitter.holding.released_by_sweep((row[2], row[3]) for row in rows)
+                if holding is not None:
+                    holding.release_swept(swept)
             except StoreUnavailable:
                 result.redis_errors += 1
                 log.debug("sweep: redis cleanup failed; expired members go by score")
