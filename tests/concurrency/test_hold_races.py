@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +27,7 @@ from sqlalchemy import Engine, func, select
 from orders import HoldRefused, OrdersError, OrderService, UnpaidOrderLimitReached
 from orders.sql.models import holds_table, orders_table, resources_table
 from tests.support.clocks import ManualClock
+from tests.support.hold_checks import index_problems, sql_problems
 from tests.support.threads import errors_of_threads
 
 HOLD = holds_table.c
@@ -36,8 +37,6 @@ RESOURCE = resources_table.c
 THREADS = 64
 CAPACITIES = {f"r{n}": 1 + n for n in range(10)}  # 1 to 10 units
 ROUNDS = 20
-#: Status of a hold, by the status of its order.
-FOLLOWS = {"unpaid": "held", "paid": "sold", "cancelled": "released", "closed": "released"}
 
 
 def used(engine: Engine) -> dict[str, int]:
@@ -144,21 +143,5 @@ def test_overlapping_carts_racing_payers_cancels_the_sweeper_and_index_loss_neve
     assert breaches == []
     assert outcomes["created"] > THREADS, outcomes  # units came back and were taken again
     assert sum(n for k, n in outcomes.items() if k.startswith("refused_sold_out")) > 0, outcomes
-    with engine.connect() as conn:
-        rows = conn.execute(
-            select(HOLD.resource_id, HOLD.quantity, HOLD.status, ORDER.status.label("order")).join(
-                orders_table, ORDER.id == HOLD.order_id
-            )
-        ).all()
-        sold = {r.id: r.sold for r in conn.execute(select(RESOURCE.id, RESOURCE.sold))}
-    assert [r for r in rows if FOLLOWS[r.order] != r.status] == []
-    sold_rows: defaultdict[str, int] = defaultdict(int)
-    for row in rows:
-        if row.status == "sold":
-            sold_rows[row.resource_id] += row.quantity
-    assert sold == {rid: sold_rows.get(rid, 0) for rid in CAPACITIES}
-    assert all(units <= CAPACITIES[rid] for rid, units in used(engine).items())
-    for rid, capacity in CAPACITIES.items():
-        snap = service.resource_index.snapshot(rid, service.clock())
-        assert snap is not None, rid
-        assert (snap.cap, snap.sold, snap.held) == (capacity, sold[rid], 0), rid
+    assert sql_problems(engine) == []
+    assert index_problems(service.resource_index, engine, sorted(CAPACITIES), clock()) == []

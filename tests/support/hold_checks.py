@@ -3,8 +3,8 @@
 
 * :func:`sql_problems`: in SQL, no resource oversold (held + sold <= capacity), every
   hold's status follows its order's (unpaid: held; paid: sold; cancelled or closed:
-  released), and each resource's ``sold`` is the sum of its sold holds (nothing sold
-  twice, nothing released twice).
+  released), and each resource's ``held`` and ``sold`` are the sums of its held and sold
+  holds (nothing sold twice, nothing released twice, no counter drifted from its rows).
 * :func:`index_problems`: the Redis index of each resource equal to SQL at ``now_ms``:
   capacity, sold, and the live held members with their units and expiry.
 """
@@ -37,10 +37,13 @@ def sql_problems(engine: Engine) -> list[str]:
                 orders_table, ORDER.id == HOLD.order_id
             )
         ).all()
-        resources = conn.execute(select(RESOURCE.id, RESOURCE.capacity, RESOURCE.sold)).all()
+        resources = conn.execute(
+            select(RESOURCE.id, RESOURCE.capacity, RESOURCE.held, RESOURCE.sold)
+        ).all()
     problems: list[str] = []
     taken: defaultdict[str, int] = defaultdict(int)
     sold: defaultdict[str, int] = defaultdict(int)
+    held: defaultdict[str, int] = defaultdict(int)
     for order_id, resource_id, units, status, order_status in rows:
         if FOLLOWS[order_status] != status:
             problems.append(f"{order_id} is {order_status} but its {resource_id} is {status}")
@@ -48,11 +51,15 @@ def sql_problems(engine: Engine) -> list[str]:
             taken[resource_id] += units
         if status == "sold":
             sold[resource_id] += units
-    for resource_id, capacity, sold_count in resources:
+        if status == "held":
+            held[resource_id] += units
+    for resource_id, capacity, held_count, sold_count in resources:
         if taken[resource_id] > capacity:
             problems.append(f"{resource_id} oversold: {taken[resource_id]} of {capacity}")
         if sold_count != sold[resource_id]:
             problems.append(f"{resource_id} sold {sold_count}, sold holds {sold[resource_id]}")
+        if held_count != held[resource_id]:
+            problems.append(f"{resource_id} held {held_count}, held holds {held[resource_id]}")
     return problems
 
 
