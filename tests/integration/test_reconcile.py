@@ -391,14 +391,16 @@ def test_a_rebuild_costs_round_trips_and_statements_per_page_not_per_user(
     # The SCAN pass runs first and finds an empty keyspace: one SCAN, no SQL. Per page: the
     # scripts' pipeline (+ a SCRIPT LOAD and a re-run once after a flush of the script
     # cache); then the SCAN of the limit keys, which walks the users' keys written by now
-    # (no user has a limit: no write), and the epoch marker. On a cluster, each per node.
+    # (no user has a limit: no write), the SCAN of the resources' keys (none: no write), and
+    # the epoch marker. On a cluster, each per node.
     limit_scans = users // page + 2
-    assert redis_round_trips.count <= redis_nodes * (1 + pages + 2 + limit_scans + 1), (
-        redis_round_trips.count
-    )
+    resource_scans = limit_scans
+    assert redis_round_trips.count <= redis_nodes * (
+        1 + pages + 2 + limit_scans + resource_scans + 1
+    ), redis_round_trips.count
     # Per page: the page and the stale-add check; nothing for the SCAN pass; one page of
-    # the users' own limits.
-    assert sql_statements.count <= 2 * pages + 1, sql_statements.count
+    # the users' own limits; one page of resources (none).
+    assert sql_statements.count <= 2 * pages + 2, sql_statements.count
     assert service.index.members("bulk01999") == {
         "o01999-0": clock() + 60_000 + 19_990,
         "o01999-1": clock() + 60_000 + 19_991,
@@ -477,6 +479,10 @@ def test_a_dry_run_changes_nothing_in_redis_whatever_it_finds(
         "foreign_skipped": 1,
         "limits_written": 0,
         "limits_removed": 0,
+        "resources": 0,
+        "resources_missing": 0,
+        "resources_stale": 0,
+        "resources_removed": 0,
         "dry_run": True,
     }
     assert kept.id in service.index.members("u1")
