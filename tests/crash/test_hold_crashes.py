@@ -14,8 +14,6 @@ buyer, after reconcile at the latest. Every process a test starts, it ends by it
 from __future__ import annotations
 
 import json
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,19 +52,7 @@ class Crash:
             self.env,
             self.tmp_path / f"worker-{mode}.log",
         )
-        try:
-            deadline = time.monotonic() + MARKER_TIMEOUT_S
-            while not marker.exists():
-                error = marker.with_name(marker.name + ".error")
-                if error.exists():
-                    raise worker.fail(error.read_text())
-                if worker.proc.poll() is not None:
-                    raise worker.fail("exited before its stop")
-                assert time.monotonic() < deadline, "the worker did not reach its stop in time"
-                time.sleep(0.005)
-            assert worker.sigkill() == -signal.SIGKILL
-        finally:
-            worker.close(signum=signal.SIGKILL)
+        worker.kill_at_marker(marker, MARKER_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ committed (the server rolls back the dead connection's transaction). So:
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,19 +50,7 @@ def kill_at_the_stop(
         child_env(ORDERS_DATABASE_URL=database_url, ORDERS_REDIS_URL=redis_url),
         tmp_path / "worker.log",
     )
-    try:
-        deadline = time.monotonic() + MARKER_TIMEOUT_S
-        while not marker.exists():
-            error = marker.with_name(marker.name + ".error")
-            if error.exists():
-                raise worker.fail(error.read_text())
-            if worker.proc.poll() is not None:
-                raise worker.fail("exited before its stop")
-            assert time.monotonic() < deadline, "the worker did not reach its stop in time"
-            time.sleep(0.005)
-        assert worker.sigkill() == -signal.SIGKILL
-    finally:
-        worker.close(signum=signal.SIGKILL)
+    worker.kill_at_marker(marker, MARKER_TIMEOUT_S)
 
 
 @pytest.fixture

@@ -271,6 +271,24 @@ class ChildProcess:
 
     # --- the end --------------------------------------------------------------------------------
 
+    def kill_at_marker(self, marker: Path, timeout_s: float) -> None:
+        """Wait for the worker to write ``marker`` (it stopped where its test asked: a
+        ``<marker>.error`` file or its exit fails the test instead), then SIGKILL it by its
+        PID; whatever happens, the process is gone when this returns."""
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not marker.exists():
+                error = marker.with_name(marker.name + ".error")
+                if error.exists():
+                    raise self.fail(error.read_text())
+                if self.proc.poll() is not None:
+                    raise self.fail("exited before its stop")
+                assert time.monotonic() < deadline, "the worker did not reach its stop in time"
+                time.sleep(0.005)
+            assert self.sigkill() == -signal.SIGKILL
+        finally:
+            self.close(signum=signal.SIGKILL)
+
     def sigkill(self) -> int:
         """SIGKILL it by PID and reap it; its exit status (-9 if it was still running)."""
         return stop_process(self.proc, signum=signal.SIGKILL, timeout_s=30)
