@@ -33,7 +33,8 @@ from benchmarks.tables import results_table, targets_table
 from orders.cli.app import in_one_line
 from orders.config import Settings
 from orders.errors import OrdersError
-from orders.sql.models import orders_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import orders_table
 
 
 class _LabCommand(click.Command):

@@ -33,7 +33,8 @@ from orders.index.unpaid import AdmitRequest
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
-from orders.sql.models import orders_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import orders_table
 from orders.sql.predicates import UNPAID_PREDICATE
 
 

@@ -46,7 +46,8 @@ from benchmarks.verdicts import check
 from benchmarks.workload import Workload
 from orders.domain import OrderStatus
 from orders.errors import HoldRefused
-from orders.sql.models import HOLD_HELD, holds_table, resources_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import HOLD_HELD, holds_table, resources_table
 
 #: A capacity no run sells out.
 LARGE = 10**9

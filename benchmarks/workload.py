@@ -28,7 +28,8 @@ from orders.index.keys import glob_escape
 from orders.index.nodes import RedisClient
 from orders.index.unpaid import load_script
 from orders.service import OrderService
-from orders.sql.models import events_table, orders_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import events_table, orders_table
 from orders.sql.predicates import UNPAID_PREDICATE
 
 OC = orders_table.c

@@ -28,7 +28,8 @@ from orders.index.heartbeat import Heartbeats
 from orders.index.lease import SweeperLease
 from orders.index.nodes import primaries
 from orders.service import OrderService
-from orders.sql.models import orders_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import orders_table
 from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.refusals import PaymentRefusal, refunds_owed
 from orders.sql.stats import read_stats, status_is

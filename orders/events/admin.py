@@ -32,7 +32,8 @@ from orders.domain import Actor, ActorKind, Clock, EventKind, system_clock
 from orders.errors import InvalidInput
 from orders.events.retries import CC, PARKED, RC, RETRYING, check_consumer_name
 from orders.events.stream import EC, EventPosition, commit_order, events_after
-from orders.sql.models import events_table, retries_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import events_table, retries_table
 from orders.sql.transitions import record_events
 from orders.validation import check_count, check_row_id
 

@@ -39,7 +39,7 @@ from orders.domain import Clock, EventKind, system_clock
 from orders.errors import InvalidInput
 from orders.events.retries import ConsumerBook, Random, error_text
 from orders.events.stream import EventPosition, OrderEvent, newest_position, read_events
-from orders.sql.models import sql_errors
+from orders.sql.failures import sql_errors
 from orders.sql.transactions import Transactions
 
 log = logging.getLogger("orders.events")  # the package's name: consumers configure it

@@ -31,12 +31,12 @@ from sqlalchemy import (
 from orders.domain import Clock
 from orders.errors import InvalidInput
 from orders.events.stream import EC, EventPosition, OrderEvent, event_of
+from orders.sql.failures import sql_errors
 from orders.sql.models import (
     TEXT_COLUMN_LENGTH,
     cursors_table,
     events_table,
     retries_table,
-    sql_errors,
 )
 from orders.sql.upserts import upsert
 from orders.validation import check_count

@@ -18,7 +18,8 @@ from sqlalchemy import ColumnElement, Engine, func, select, true, tuple_
 
 from orders.domain import Actor, EventKind
 from orders.errors import InvalidInput
-from orders.sql.models import events_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import events_table
 
 EC = events_table.c
 

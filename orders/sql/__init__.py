@@ -1,6 +1,6 @@
 """The record: every order and every transition, in SQL (SQLAlchemy Core, Alembic).
 
-``models`` (tables, predicates, driver-error translation), ``engine`` (building engines),
+``models`` (tables), ``failures`` (driver-error translation), ``engine`` (building engines),
 ``transactions`` (how a use case opens its one transaction on each engine), ``host`` (the
 host's transaction a use case is given as ``connection=``, and following its end), ``transitions``
 (compare-and-set updates with their event in the same statement), ``slots`` (the SQL limit

@@ -42,7 +42,7 @@ from sqlalchemy.orm import Session
 from orders import metrics
 from orders.errors import InvalidInput
 from orders.sql.engine import sqlite_file
-from orders.sql.models import sql_errors
+from orders.sql.failures import sql_errors
 
 log = logging.getLogger(__name__)
 

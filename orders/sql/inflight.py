@@ -30,7 +30,8 @@ from sqlalchemy import ColumnElement, String, bindparam, func, literal_column, s
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import OperationalError
 
-from orders.sql.models import orders_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import orders_table
 from orders.sql.transactions import Transactions
 
 #: The first key of the creates' advisory locks (two int4 keys: a space apart from the

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, String, column, delete, inspect, select, table, text
 
 from orders.errors import SchemaConflict
-from orders.sql.models import Base, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import Base
 from orders.sql.schema_names import LEGACY_VERSION_TABLE, VERSION_TABLE, existing
 
 if TYPE_CHECKING:

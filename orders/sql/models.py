@@ -6,8 +6,6 @@ Redis scores, so the two stores never disagree by a rounding.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -23,12 +21,9 @@ from sqlalchemy import (
     Table,
     text,
 )
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from orders import metrics
 from orders.domain import ACTOR_MAX_LENGTH, EventKind, OrderStatus
-from orders.errors import SchemaNotReady, StoreUnavailable
 from orders.validation import (
     RESOURCE_ID_MAX_LENGTH,
     TEXT_MAX_LENGTH,
@@ -398,32 +393,3 @@ user_limit_history_table = cast(Table, UserLimitChangeRow.__table__)
 pauses_table = cast(Table, PauseRow.__table__)
 resources_table = cast(Table, ResourceRow.__table__)
 holds_table = cast(Table, HoldRow.__table__)
-
-
-@contextmanager
-def sql_errors() -> Iterator[None]:
-    """Translate SQLAlchemy errors into StoreUnavailable, a missing table or column into
-    SchemaNotReady. A constraint that refuses a write is a store failure too: the one place
-    that expects a conflict (a create's insert) catches it inside its own transaction.
-
-    The detail is the driver's own first line, never the statement or its parameters.
-    """
-    try:
-        yield
-    except SQLAlchemyError as exc:
-        metrics.STORE_ERRORS.labels("sql").inc()
-        orig = getattr(exc, "orig", None)
-        reason = str(orig).strip().splitlines()[0][:160] if orig is not None and str(orig) else ""
-        sqlstate = getattr(orig, "sqlstate", None)
-        if "no such table" in reason or sqlstate == "42P01":
-            raise SchemaNotReady("the orders tables are missing") from exc
-        if "no such column" in reason or sqlstate == "42703":
-            raise SchemaNotReady("the orders tables are older than this code") from exc
-        if sqlstate == "55P03":  # lock_timeout: another transaction held a row or table
-            raise StoreUnavailable(
-                "sql", "a lock stayed held past lock_timeout; nothing changed, retry"
-            ) from exc
-        if isinstance(exc, IntegrityError):
-            raise StoreUnavailable("sql", "a constraint refused the write") from exc
-        detail = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
-        raise StoreUnavailable("sql", detail) from exc

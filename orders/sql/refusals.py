@@ -28,7 +28,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, EventKind, Order, Payment, RefusalReason
 from orders.errors import InvalidInput, RefusalPosition
-from orders.sql.models import events_table, refusals_table, sql_errors
+from orders.sql.failures import sql_errors
+from orders.sql.models import events_table, refusals_table
 from orders.sql.records import payment_data
 from orders.validation import amount_to_text, check_count
 

@@ -37,7 +37,8 @@ from sqlalchemy import (
 )
 
 from orders.domain import REPLACED_REASON, Clock, OrderStatus
-from orders.sql.models import orders_table, sql_errors, user_limits_table
+from orders.sql.failures import sql_errors
+from orders.sql.models import orders_table, user_limits_table
 from orders.sql.predicates import UNPAID_PREDICATE, open_at
 from orders.validation import check_count
 

@@ -8,7 +8,7 @@
 * PostgreSQL: READ COMMITTED, the server's default. No use case counts then writes: the
   unpaid limit is a unique index (``orders.sql.slots``), every transition a compare-and-set.
 
-Driver errors leave as :class:`~orders.errors.StoreUnavailable` (``models.sql_errors``).
+Driver errors leave as :class:`~orders.errors.StoreUnavailable` (``failures.sql_errors``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from sqlalchemy import Connection, Engine
 
 from orders.sql.engine import refuse_replaced_sqlite_file
-from orders.sql.models import sql_errors
+from orders.sql.failures import sql_errors
 
 _SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, threading.Lock] = weakref.WeakKeyDictionary()
 _SQLITE_WRITERS_GUARD = threading.Lock()
