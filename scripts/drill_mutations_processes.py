@@ -11,6 +11,7 @@ from drill_mutations import STORE_MUTATIONS, Mutation, mutation
 from drill_mutations_combined import COMBINED_MUTATIONS
 from drill_mutations_guarded import GUARDED_MUTATIONS
 from drill_mutations_holds import HOLD_MUTATIONS
+from drill_mutations_transitions import TRANSITION_MUTATIONS
 
 PROCESS_MUTATIONS: tuple[Mutation, ...] = (
     # --- the sweep ---------------------------------------------------------------------------
@@ -335,5 +336,10 @@ PROCESS_MUTATIONS: tuple[Mutation, ...] = (
 
 #: Every mutation the drill runs, in order.
 MUTATIONS = (
-    STORE_MUTATIONS + COMBINED_MUTATIONS + PROCESS_MUTATIONS + GUARDED_MUTATIONS + HOLD_MUTATIONS
+    STORE_MUTATIONS
+    + TRANSITION_MUTATIONS
+    + COMBINED_MUTATIONS
+    + PROCESS_MUTATIONS
+    + GUARDED_MUTATIONS
+    + HOLD_MUTATIONS
 )
