@@ -129,6 +129,14 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
         f"{HOLDS}::test_payment_sells_the_units_and_a_cancel_releases_them_naming_them_in_its_event",
     ),
     mutation(
+        "hold-counter-not-taken",
+        "orders/sql/holds.py",
+        '    conn.execute(_ADD_HELD, [{"rid": rid, "units": units} for rid, units in new.holds])',
+        "    pass",
+        "a hold adds its units to the resource's held count in its own transaction",
+        f"{INDEX}::test_after_redis_loses_a_resource_sql_refuses_the_oversell_and_the_index_is_rebuilt",
+    ),
+    mutation(
         "hold-reconcile-skips-resources",
         "orders/rules/reconcile.py",
         "            if self.holding is not None:",
