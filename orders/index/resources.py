@@ -95,7 +95,6 @@ class ResourceIndex:
         self.key_prefix = key_prefix
         self._reserve: Script = client.register_script(load_script("reserve"))
         self._release: Script = client.register_script(load_script("release"))
-        self._sell: Script = client.register_script(load_script("sell"))
         self._set_capacity: Script = client.register_script(load_script("set_capacity"))
         self._rebuild_part: Script = client.register_script(load_script("rebuild_part"))
         self._rebuild_swap: Script = client.register_script(load_script("rebuild_swap"))
@@ -190,7 +189,7 @@ class ResourceIndex:
         if not groups:
             return
         try:
-            self._run_per_group(self._release, "release", [(order_id, ids, groups)])
+            self._run_per_group("release", [(order_id, ids, groups)])
         except StoreUnavailable as exc:
             # The holds stay until reconcile rebuilds the resources: pessimistic for a while,
             # never an oversell. The caller's outcome (refused, or the failure) stands.
@@ -225,24 +224,26 @@ class ResourceIndex:
         for order_id, resource_ids in pairs:
             ids = list(resource_ids)
             calls.append((order_id, ids, self.slot_groups(ids)))
-        self._run_per_group(self._release, "release", calls)
+        self._run_per_group("release", calls)
 
     def sell(self, order_id: str, resource_ids: Sequence[str]) -> None:
-        """Move the order's units from held to sold where it is a member (``sell.lua``);
-        elsewhere nothing changes. Idempotent."""
+        """Move the order's units from held to sold where it is a member (``release.lua``
+        with ``sold``); elsewhere nothing changes. Idempotent."""
         ids = list(resource_ids)
-        self._run_per_group(self._sell, "sell", [(order_id, ids, self.slot_groups(ids))])
+        self._run_per_group("sell", [(order_id, ids, self.slot_groups(ids))])
 
     def _run_per_group(
-        self, script: Script, op: str, calls: list[tuple[str, list[str], list[list[int]]]]
+        self, op: str, calls: list[tuple[str, list[str], list[list[int]]]]
     ) -> list[Any]:
-        """``script`` once per (order, slot group), its KEYS the group's keys and its ARGV the
-        order id, all sent at once; the replies in order (an error reply is raised)."""
-        packer = CallPacker(script, [])
+        """``release.lua`` once per (order, slot group), its KEYS the group's keys and its
+        ARGV the order id (and ``sold`` when ``op`` is ``sell``), all sent at once; the
+        replies in order (an error reply is raised)."""
+        packer = CallPacker(self._release, [])
+        flag = [b"sold"] if op == "sell" else []
         for order_id, ids, groups in calls:
             for group in groups:
                 keys = self._keys_of(ids[i] for i in group)
-                packer.add_call([k.encode() for k in keys], [order_id.encode()])
+                packer.add_call([k.encode() for k in keys], [order_id.encode(), *flag])
         if not packer.calls:
             return []
         with redis_errors(op):

@@ -38,7 +38,6 @@ def test_the_scripts_are_all_found() -> None:
         "reconcile",
         "release",
         "reserve",
-        "sell",
         "set_capacity",
     ]
 
@@ -56,7 +55,6 @@ KEYS_OF = {
     # per-cart scripts take a pair per resource of one slot (orders.index.resources).
     "reserve": {"res": "KEYS[2 * i - 1]", "holds": "KEYS[2 * i]"},
     "release": {"res": "KEYS[i]", "holds": "KEYS[i + 1]"},
-    "sell": {"res": "KEYS[i]", "holds": "KEYS[i + 1]"},
     "rebuild_part": {"res": "KEYS[1]", "holds": "KEYS[2]"},
     "rebuild_swap": {
         "build": "KEYS[1]",
