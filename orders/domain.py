@@ -297,6 +297,18 @@ class Resource:
     def free(self) -> int:
         return max(0, self.capacity - self.held - self.sold)
 
+    def as_dict(self) -> dict[str, int | str | None]:
+        """Its fields and ``free``, as JSON takes them (the CLI's ``--json``, the dashboard)."""
+        return {
+            "id": self.id,
+            "capacity": self.capacity,
+            "held": self.held,
+            "sold": self.sold,
+            "free": self.free,
+            "per_user": self.per_user,
+            "updated_at_ms": self.updated_at_ms,
+        }
+
 
 def refusal(order: Order) -> OrdersError:
     """The error for a transition out of ``unpaid`` that found ``order`` already terminal."""

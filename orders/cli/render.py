@@ -68,16 +68,8 @@ def resource_text(shown: Resource) -> str:
 
 def resource_to_json(shown: Resource) -> dict[str, Any]:
     at_ms = shown.updated_at_ms
-    return {
-        "id": shown.id,
-        "capacity": shown.capacity,
-        "held": shown.held,
-        "sold": shown.sold,
-        "free": shown.free,
-        "per_user": shown.per_user,
-        "updated_at": None if at_ms is None else ms_to_datetime(at_ms).isoformat(),
-        "updated_at_ms": at_ms,
-    }
+    updated_at = None if at_ms is None else ms_to_datetime(at_ms).isoformat()
+    return {**shown.as_dict(), "updated_at": updated_at}
 
 
 def amount_text(order: Order | PaymentRefusal) -> str:

@@ -153,16 +153,8 @@ def _refunds(service: OrderService, now_ms: int) -> dict[str, Any]:
 
 
 def _resource_row(resource: Resource) -> dict[str, Any]:
-    free = resource.free
-    return {
-        # Caller text, as it came: the page writes it as text, never as HTML.
-        "resource_id": resource.id,
-        "capacity": resource.capacity,
-        "held": resource.held,
-        "sold": resource.sold,
-        "free": free,
-        "sold_out": free == 0,
-    }
+    # The id is caller text, as it came: the page writes it as text, never as HTML.
+    return {**resource.as_dict(), "sold_out": resource.free == 0}
 
 
 def _resources(service: OrderService) -> dict[str, Any]:

@@ -244,7 +244,7 @@ def running_out(service: OrderService) -> list[tuple[str, int, int, int, int, bo
     assert "error" not in resources, resources
     assert resources["capped"] is False
     return [
-        (r["resource_id"], r["capacity"], r["held"], r["sold"], r["free"], r["sold_out"])
+        (r["id"], r["capacity"], r["held"], r["sold"], r["free"], r["sold_out"])
         for r in resources["running_out"]
     ]
 
@@ -285,7 +285,7 @@ def test_the_resources_panel_lists_ten_and_ranks_a_bounded_part(service: OrderSe
         service.set_capacity(f"sku:{n:02}", 10 + n)
     service.create_unpaid_order("u", holds={"sku:11": 11})  # the last by id, 10 of 21 free
     listed = read_overview(service)["resources"]["running_out"]
-    assert [r["resource_id"] for r in listed] == ["sku:11"] + [f"sku:{n:02}" for n in range(9)]
+    assert [r["id"] for r in listed] == ["sku:11"] + [f"sku:{n:02}" for n in range(9)]
 
     # The bound: only the first resources by id are ranked, and the records say more exist.
     records = service.capacities.records

@@ -182,7 +182,7 @@ function render(data) {
   const resources = data.resources;
   if (!showError("resources", resources)) {
     fillTable("resources", resources.running_out, (r) => [
-      [r.resource_id, "ref"], [num(r.capacity), "num"], [num(r.held), "num"], [num(r.sold), "num"],
+      [r.id, "ref"], [num(r.capacity), "num"], [num(r.held), "num"], [num(r.sold), "num"],
       r.sold_out ? ["0 sold out", "num bad"] : [num(r.free), "num"],
     ], (r) => (r.sold_out ? "soldout" : ""));
     const note = $('[data-field="resources_ranked"]');
