@@ -148,7 +148,7 @@ def dashboard_statements(
     assert [c["parked"] for c in shown["consumers"]] == [1]
     assert [r["payment_ref"] for r in shown["refunds"]["newest"]] == ["refund-owed"]
     listed = shown["resources"]["running_out"]
-    assert [(r["resource_id"], r["free"]) for r in listed] == [("sku:0", 0), ("sku:1", 4)]
+    assert [(r["id"], r["free"]) for r in listed] == [("sku:0", 0), ("sku:1", 4)]
     assert {r["order_id"]: r["state"] for r in user["rows"]} == {
         "open": "same",
         "ghost": "no_row",
