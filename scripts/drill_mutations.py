@@ -129,8 +129,7 @@ STORE_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "slot-of-an-expired-order-not-taken",
         "orders/sql/slots.py",
-        "                CLOSE_EXPIRED.run(conn, "
-        '{"oid": order_id, "now_ms": now_ms}, SLOT_REUSE, actor)',
+        "                CLOSE_ALL_EXPIRED.run_all(conn, params, SLOT_REUSE, actor)",
         "                pass",
         "a create closes the expired, unswept holder of a slot to take it",
         "tests/integration/test_create.py::test_expired_orders_stop_counting_without_any_sweep",

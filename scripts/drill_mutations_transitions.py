@@ -38,12 +38,12 @@ TRANSITION_MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
     ),
     # The close a refused strict payment makes is CLOSE_EXPIRED (closable_at: unpaid, due,
-    # no pause open), the same statement a create uses to take an expired holder's slot.
+    # no pause open); a create's slot reuse closes several at once with CLOSE_ALL_EXPIRED.
     mutation(
         "strict-close-cas-dropped",
         "orders/sql/transitions.py",
-        "        [closable_at(_NOW)],\n",
-        "        [],\n",
+        "_update([closable_at(_NOW)], _CLOSED), RELEASE)",
+        "_update([], _CLOSED), RELEASE)",
         "a refused strict payment closes only an unpaid, due order",
         "tests/integration/test_transitions.py::test_strict_expiry_refuses_a_late_payment_and_closes_the_order",
         "tests/integration/test_transitions.py::test_strict_expiry_repeat_payment_after_expiry_returns_the_paid_order_and_closes_nothing",
@@ -65,10 +65,18 @@ TRANSITION_MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_transitions.py::test_second_payment_with_same_ref_returns_the_order_without_a_second_event",
     ),
     mutation(
+        "slot-reuse-close-cas-dropped",
+        "orders/sql/transitions.py",
+        "_update([closable_at(_NOW)], _CLOSED, ORDER.id.in_(_OIDS))",
+        "_update([], _CLOSED, ORDER.id.in_(_OIDS))",
+        "a create's slot reuse closes only orders still unpaid and due when it runs",
+        "tests/integration/test_create.py::test_a_holder_paid_while_a_create_closes_due_holders_stays_paid",
+    ),
+    mutation(
         "transition-event-dropped",
         "orders/sql/transitions.py",
-        "            conn.execute(_INSERT_EVENT, event)",
-        "            pass",
+        "        insert_event_rows(conn, events)",
+        "        pass",
         "every transition writes its event (outbox)",
         "tests/integration/test_events.py::test_events_come_in_commit_order_and_positions_advance",
     ),

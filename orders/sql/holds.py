@@ -15,12 +15,13 @@ order's insert, with :meth:`HoldLedger.take`:
    in id order) or inserts one ``held`` row per resource. The caller rolls back on refusal:
    neither the order nor any hold is written.
 
-Every later change of a hold rides on its order's compare-and-set (:data:`HOLD_CHANGES`), in
-the same statement on PostgreSQL: paid -> ``sold`` (and the resource's ``sold`` grows);
-cancelled or closed -> ``released``. Only the payment touches ``oes_resources`` (its
-``sold``), locking the rows in id order like a create, so a payment and a create never
-deadlock; a release changes ``oes_holds`` only (what is held is a sum of rows), so the
-sweep's one statement closes 500 orders without taking a resource lock.
+Every later change of a hold rides on its order's compare-and-set (:func:`hold_changes`),
+in the same statement on PostgreSQL: paid -> ``sold``; cancelled or closed -> ``released``;
+the resources' ``held`` and ``sold`` move with them, their rows locked in id order like a
+create's. One transaction moves holds in one statement at most (the slot reuse of a create
+closes all its due orders in one, ``CLOSE_ALL_EXPIRED``): two statements would lock two
+sorted sets one after the other, which is no order at all, and a sweep or a payment could
+wait on them in a circle.
 """
 
 from __future__ import annotations

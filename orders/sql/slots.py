@@ -56,7 +56,7 @@ from orders.sql.inflight import in_flight_lock
 from orders.sql.models import events_table, orders_table, user_limits_table
 from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.transactions import Transactions
-from orders.sql.transitions import CLOSE_EXPIRED, record_events, with_events
+from orders.sql.transitions import CLOSE_ALL_EXPIRED, record_events, with_events
 from orders.validation import amount_to_text
 
 ORDER = orders_table.c
@@ -259,8 +259,9 @@ class SlotGuard:
             own_limit: int | None = conn.scalar(_OWN_LIMIT, user)
             holders = conn.execute(_HOLDERS, user).all()
             due = [h.id for h in holders if h.expires_at_ms <= now_ms]
-            for order_id in due:
-                CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, SLOT_REUSE, actor)
+            if due:  # in one statement: see CLOSE_ALL_EXPIRED
+                params = {"oids": due, "now_ms": now_ms}
+                CLOSE_ALL_EXPIRED.run_all(conn, params, SLOT_REUSE, actor)
             self.tx.commit(conn, host)
         live = {h.id: h.expires_at_ms for h in holders if h.expires_at_ms > now_ms}
         bound = new.limit if own_limit is None else own_limit

@@ -49,6 +49,7 @@ EXPIRED_REASON = "expired"
 
 _NOW = bindparam("now_ms", type_=BigInteger)
 _OID = bindparam("oid", type_=String)
+_OIDS = bindparam("oids", expanding=True, type_=String)
 _EXTRA = bindparam("extra_ms", type_=BigInteger)
 _NEW_EXPIRY = bindparam("expires_at_ms", type_=BigInteger)
 _INSERT_EVENT = insert(events_table)
@@ -62,10 +63,14 @@ ACTOR_PARAMS = (
 )
 
 
-def _update(where: list[ColumnElement[bool]], values: Mapping[str, Any]) -> Any:
+def _update(
+    where: list[ColumnElement[bool]],
+    values: Mapping[str, Any],
+    which: ColumnElement[bool] = ORDER.id == _OID,
+) -> Any:
     return (
         update(orders_table)
-        .where(ORDER.id == _OID, *where)
+        .where(which, *where)
         .values(updated_at_ms=_NOW, **values)
         .returning(*orders_table.c)
     )
@@ -187,18 +192,35 @@ class CompareAndSet:
     ) -> Row[Any] | None:
         """Run it in ``conn``'s transaction; the row after it if it won, else None.
         ``actor``: who caused it, recorded in its event."""
+        rows = self.run_all(conn, params, data, actor)
+        return rows[0] if rows else None
+
+    def run_all(
+        self,
+        conn: Connection,
+        params: Mapping[str, Any],
+        data: dict[str, Any] | None,
+        actor: Actor,
+    ) -> Sequence[Row[Any]]:
+        """:meth:`run` for a transition whose UPDATE may match several orders (``:oids``):
+        the rows it changed."""
         if conn.dialect.name == "postgresql":
             statement_params = {**params, "event_data": data, **actor.columns()}
-            return conn.execute(self.in_one_statement, statement_params).one_or_none()
-        row = conn.execute(self.change, params).one_or_none()
-        if row is not None:
-            if self.holds is not None and row.holds:
-                sqlite_hold_changes(conn, [row.id], self.holds)
-                if self.holds == RELEASE:
-                    data = {**(data or {}), "released": row.holds}
-            event = event_row(row.id, row.user_id, self.kind, params["now_ms"], data, actor)
-            conn.execute(_INSERT_EVENT, event)
-        return row
+            return conn.execute(self.in_one_statement, statement_params).all()
+        rows = conn.execute(self.change, params).all()
+        holding = [row.id for row in rows if row.holds]
+        if self.holds is not None and holding:
+            sqlite_hold_changes(conn, holding, self.holds)
+        events = []
+        for row in rows:
+            row_data = data
+            if self.holds == RELEASE and row.holds:
+                row_data = {**(data or {}), "released": row.holds}
+            events.append(
+                event_row(row.id, row.user_id, self.kind, params["now_ms"], row_data, actor)
+            )
+        insert_event_rows(conn, events)
+        return rows
 
 
 _PAID = {
@@ -241,18 +263,19 @@ CANCEL = CompareAndSet(
     ),
     RELEASE,
 )
+_CLOSED = {
+    "status": OrderStatus.CLOSED.value,
+    "closed_at_ms": _NOW,
+    "close_reason": EXPIRED_REASON,
+}
 #: Unpaid and due, no pause open -> closed (the sweep's rule, for one order).
-CLOSE_EXPIRED = CompareAndSet(
-    EventKind.CLOSED,
-    _update(
-        [closable_at(_NOW)],
-        {
-            "status": OrderStatus.CLOSED.value,
-            "closed_at_ms": _NOW,
-            "close_reason": EXPIRED_REASON,
-        },
-    ),
-    RELEASE,
+CLOSE_EXPIRED = CompareAndSet(EventKind.CLOSED, _update([closable_at(_NOW)], _CLOSED), RELEASE)
+#: The same for several orders (``:oids``) in one statement, so that their resources are
+#: locked in id order at once: closed one statement at a time in one transaction, the
+#: locks of the first close were held while the next waited for an order the sweep had
+#: claimed, and the sweep waited for those locks (a deadlock, seen on PostgreSQL).
+CLOSE_ALL_EXPIRED = CompareAndSet(
+    EventKind.CLOSED, _update([closable_at(_NOW)], _CLOSED, ORDER.id.in_(_OIDS)), RELEASE
 )
 #: An unreminded order's reminder keeps its distance to the expiry when the expiry moves
 #: (the SET sees the row before the update). NULL stays NULL: a reminder already written is

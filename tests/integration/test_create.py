@@ -202,6 +202,34 @@ def test_expired_orders_stop_counting_without_any_sweep(
     assert sorted(events) == sorted((o.id, {"trigger": "slot_reuse"}) for o in old)
 
 
+def test_a_holder_paid_while_a_create_closes_due_holders_stays_paid(
+    make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
+) -> None:
+    """The create read its user's holders as due; a payment of one commits before the
+    create's close runs: the close is a compare-and-set, so the payment stands."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("SQLite's write transaction keeps the payment out until the close is done")
+    service = make_service(unpaid_limit=2)
+    old = [service.create_unpaid_order("u1", ttl_s=5) for _ in range(2)]
+    clock.advance(s=5)
+    paid: list[str] = []
+
+    def pay_before_the_close(*args: Any) -> None:
+        statement, parameters = args[2], args[3]
+        if not paid and "slot_reuse" in str(parameters) and "UPDATE" in statement:
+            paid.append(service.mark_paid(old[0].id).id)
+
+    event.listen(engine, "before_cursor_execute", pay_before_the_close)
+    try:
+        service.create_unpaid_order("u1")
+    finally:
+        event.remove(engine, "before_cursor_execute", pay_before_the_close)
+
+    assert paid == [old[0].id]
+    assert service.get_order(old[0].id).status == OrderStatus.PAID
+    assert service.get_order(old[1].id).status == OrderStatus.CLOSED
+
+
 def test_a_per_call_limit_overrides_the_setting(service: OrderService) -> None:
     service.create_unpaid_order("u1", limit=1)
     with pytest.raises(UnpaidOrderLimitReached) as info:

@@ -5,11 +5,13 @@ orders; a late payment takes its units again only if they are free."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, func, insert, select, text
 
 from orders import (
     HoldRefused,
@@ -20,7 +22,7 @@ from orders import (
     OrderStatus,
 )
 from orders.domain import RefusalReason
-from orders.sql.models import events_table, holds_table, resources_table
+from orders.sql.models import events_table, holds_table, orders_table, resources_table
 from tests.support.clocks import ManualClock
 
 HOLD = holds_table.c
@@ -262,3 +264,60 @@ def test_erasure_and_replace_the_oldest_release_what_the_cancelled_orders_held(
     assert "u1" not in users
     assert len(users) == 1
     assert holds_in_sql(engine, newer.id) == {(newer.id, "a"): (1, "released")}
+
+
+def test_a_create_closing_due_holders_never_deadlocks_with_the_sweep_claiming_one_of_them(
+    make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
+) -> None:
+    """A create at the limit closes its user's due orders (slot reuse) while the sweep has
+    claimed one of them (its row locked) and then waits for their resource's row. Closed one
+    at a time, the create held the resource's lock from the first close while it waited for
+    the claimed order: PostgreSQL found a deadlock and failed one of the two."""
+    if engine.dialect.name != "postgresql":
+        pytest.skip("row locks: SQLite's write transaction holds the whole file")
+    service = make_service(unpaid_limit=2)
+    service.set_capacity("r1", 5)
+    first, second = (service.create_unpaid_order("u1", ttl_s=5, holds={"r1": 1}) for _ in "ab")
+    clock.advance(s=5)
+    sweep = engine.connect()  # plays the sweep: it claimed the second due order
+    sweep.exec_driver_sql("SET lock_timeout = '20s'")
+    sweep.execute(select(orders_table.c.id).where(orders_table.c.id == second.id).with_for_update())
+    outcome: dict[str, Any] = {}
+
+    def create() -> None:
+        try:
+            outcome["order"] = service.create_unpaid_order("u1", holds={"r1": 1})
+        except Exception as exc:  # reported by the assertion below
+            outcome["error"] = exc
+
+    creating = threading.Thread(target=create)
+    creating.start()
+    try:
+        wait_for_a_lock_wait(engine, deadline_s=20)
+        # The create waits for the claimed order; the sweep's next lock must not wait on it.
+        sweep.execute(
+            select(resources_table.c.id).where(resources_table.c.id == "r1").with_for_update()
+        )
+        sweep.rollback()
+    finally:
+        sweep.close()
+        creating.join(30)
+    assert "error" not in outcome, outcome
+    assert holds_in_sql(engine, first.id) == {(first.id, "r1"): (1, "released")}
+    assert holds_in_sql(engine, second.id) == {(second.id, "r1"): (1, "released")}
+    assert counts(engine, "r1") == (1, 0)
+    assert service.resource("r1").held == 1
+
+
+def wait_for_a_lock_wait(engine: Engine, deadline_s: float) -> None:
+    """Until another backend of this database waits for a row lock (the create)."""
+    waiting = text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+    )
+    ends = time.monotonic() + deadline_s
+    with engine.connect() as conn:
+        while conn.scalar(waiting) == 0:
+            assert time.monotonic() < ends, "the create never waited for the claimed order"
+            conn.rollback()
+            time.sleep(0.01)
