@@ -21,6 +21,8 @@ BORN_PREFIXED = {
     "oes_user_limit_history",
     "oes_resources",
     "oes_holds",
+    "oes_units",
+    "oes_waiting",
 }
 
 
