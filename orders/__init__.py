@@ -17,7 +17,7 @@ and redis-py client::
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -98,8 +98,10 @@ __all__ = [
     "resource",
     "resources",
     "set_capacity",
+    "set_units",
     "set_user_limit",
     "sweep_expired",
+    "units",
     "user_limit",
     "user_limit_history",
 ]
@@ -171,7 +173,7 @@ def create_unpaid_order(
     on_limit: str | None = None,
     policy: str | None = None,
     expires_at: datetime | None = None,
-    holds: Mapping[str, int] | None = None,
+    holds: Mapping[str, int | Sequence[str]] | None = None,
 ) -> Order:
     """See :meth:`OrderService.create_unpaid_order`."""
     return default_service().create_unpaid_order(
@@ -288,6 +290,18 @@ def set_capacity(
 ) -> Resource:
     """See :meth:`OrderService.set_capacity`."""
     return default_service().set_capacity(resource_id, capacity, per_user=per_user, actor=actor)
+
+
+def set_units(
+    resource_id: str, units: Sequence[str], *, actor: str | Actor | None = None
+) -> Resource:
+    """See :meth:`OrderService.set_units`."""
+    return default_service().set_units(resource_id, units, actor=actor)
+
+
+def units(resource_id: str) -> dict[str, list[str]]:
+    """See :meth:`OrderService.units`."""
+    return default_service().units(resource_id)
 
 
 def resource(resource_id: str) -> Resource:

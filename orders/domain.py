@@ -160,6 +160,15 @@ class Payment:
         return None
 
 
+#: What an order holds of one resource: a number of units, or the names of its named units.
+Held = int | tuple[str, ...]
+
+
+def unit_counts(holds: Mapping[str, Held]) -> dict[str, int]:
+    """``holds`` as units per resource."""
+    return {rid: held if isinstance(held, int) else len(held) for rid, held in holds.items()}
+
+
 @dataclass(frozen=True, slots=True)
 class Order:
     """An order as the database held it at ``read_at_ms``. A value, never a live ORM row.
@@ -189,9 +198,9 @@ class Order:
     reminded_at_ms: int | None = None
     #: The expiry policy it was created under (None: ``Settings.default_policy``).
     policy: str | None = None
-    #: What it holds of counted resources: resource id -> units (held while unpaid, sold
-    #: once paid, released at its close or cancel).
-    holds: Mapping[str, int] = field(default_factory=dict)
+    #: What it holds of resources: resource id -> units (held while unpaid, sold once
+    #: paid, released at its close or cancel): a count, or the names of named units.
+    holds: Mapping[str, Held] = field(default_factory=dict)
 
     @property
     def created_at(self) -> datetime:
@@ -260,6 +269,13 @@ class NewOrder:
     trace: dict[str, str] | None = None
     #: The units it holds, (resource id, units) sorted by id (``validation.check_holds``).
     holds: tuple[tuple[str, int], ...] = ()
+    #: The named units it asks for by name, (resource id, names sorted) sorted by id
+    #: (``validation.check_hold_names``); its other holds of named resources are picked.
+    names: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def asked(self) -> dict[str, Held]:
+        """Its holds as its row keeps them before any unit is picked: names where given."""
+        return {**dict(self.holds), **dict(self.names)}
 
     def retry_of(self, order: Order) -> Order:
         """``order`` if this create is a retry of it; else OrderConflict."""
@@ -267,7 +283,10 @@ class NewOrder:
             raise OrderConflict(order.id, "this order id belongs to another user")
         if order.amount != self.amount or order.currency != self.currency:
             raise OrderConflict(order.id, "this order id exists with another amount or currency")
-        if dict(order.holds) != dict(self.holds):
+        held = order.holds
+        if unit_counts(held) != dict(self.holds) or any(
+            held[rid] != names for rid, names in self.names
+        ):
             raise OrderConflict(order.id, "this order id exists with other holds")
         return order
 
@@ -278,6 +297,8 @@ class HoldReason(StrEnum):
     SOLD_OUT = "sold_out"
     USER_CAP = "user_cap"
     UNKNOWN_RESOURCE = "unknown_resource"
+    #: A named unit asked for by name is held or sold (the refusal names them).
+    TAKEN = "taken"
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,12 +313,14 @@ class Resource:
     sold: int
     per_user: int | None = None
     updated_at_ms: int | None = None
+    #: Its units are named (``set_units``): its capacity is their count.
+    named: bool = False
 
     @property
     def free(self) -> int:
         return max(0, self.capacity - self.held - self.sold)
 
-    def as_dict(self) -> dict[str, int | str | None]:
+    def as_dict(self) -> dict[str, int | str | bool | None]:
         """Its fields and ``free``, as JSON takes them (the CLI's ``--json``, the dashboard)."""
         return {
             "id": self.id,
@@ -306,6 +329,7 @@ class Resource:
             "sold": self.sold,
             "free": self.free,
             "per_user": self.per_user,
+            "named": self.named,
             "updated_at_ms": self.updated_at_ms,
         }
 

@@ -104,7 +104,8 @@ class HoldRefused(OrdersError):
     """A create's holds were refused and nothing was written: ``resource_id`` is the first
     resource of the cart (in id order) that could not be held, ``reason`` one of
     ``sold_out`` (fewer than ``requested`` units free), ``user_cap`` (the user would hold or
-    have bought more than the resource's ``per_user``) or ``unknown_resource``; ``free`` is
+    have bought more than the resource's ``per_user``), ``unknown_resource`` or ``taken``
+    (named units asked for by name are held or sold: ``units`` names them); ``free`` is
     what could still be held of it (for ``user_cap``: by this user), None when unknown.
     ``source`` says who refused: ``redis`` (the index, no SQL asked) or ``sql``."""
 
@@ -115,9 +116,14 @@ class HoldRefused(OrdersError):
         requested: int,
         free: int | None,
         source: str = "sql",
+        units: tuple[str, ...] = (),
     ) -> None:
         left = "" if free is None else f"; {max(free, 0)} free"
-        super().__init__(f"hold refused on {resource_id}: {reason} ({requested} asked{left})")
+        named = f": {', '.join(units[:10])}{' ...' if len(units) > 10 else ''}" if units else ""
+        super().__init__(
+            f"hold refused on {resource_id}: {reason}{named} ({requested} asked{left})"
+        )
+        self.units = units
         self.resource_id = resource_id
         self.reason = reason
         self.requested = requested

@@ -23,6 +23,7 @@ from orders.validation import (
     check_currency,
     check_currency_needs_amount,
     check_expiry_ms,
+    check_hold_names,
     check_holds,
     check_limit,
     check_metadata,
@@ -70,6 +71,8 @@ class CreateRequest:
     deadline_ms: int | None = None
     #: The units it holds, sorted by resource id (``validation.check_holds``).
     holds: tuple[tuple[str, int], ...] = ()
+    #: The named units asked for by name (``validation.check_hold_names``).
+    names: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @classmethod
     def checked(
@@ -111,6 +114,7 @@ class CreateRequest:
             terms=terms,
             deadline_ms=None if expires_at is None else check_deadline(expires_at),
             holds=check_holds(holds),
+            names=check_hold_names(holds),
         )
 
     def new_order(self, order_id: str, now_ms: int, trace: dict[str, str] | None) -> NewOrder:
@@ -135,4 +139,5 @@ class CreateRequest:
             policy=self.policy,
             trace=trace,
             holds=self.holds,
+            names=self.names,
         )

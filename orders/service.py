@@ -16,7 +16,7 @@ cancel and extend) are :class:`~orders.operations.Operations`, at ``service.oper
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -190,7 +190,7 @@ class OrderService:
         on_limit: str | None = None,
         policy: str | None = None,
         expires_at: datetime | None = None,
-        holds: Mapping[str, int] | None = None,
+        holds: Mapping[str, int | Sequence[str]] | None = None,
     ) -> Order:
         """Admit a new unpaid order for ``user_id`` unless the user is at the limit.
 
@@ -307,6 +307,19 @@ class OrderService:
         refused until enough is released. :class:`InvalidInput` before anything is written.
         """
         return self.capacities.set(resource_id, capacity, per_user, actor)
+
+    def set_units(
+        self, resource_id: str, units: Sequence[str], *, actor: str | Actor | None = None
+    ) -> Resource:
+        """Give the resource ``resource_id`` named units (seats, numbered spaces; up to
+        100,000, in the order a create picks them: the lowest free first) and make its
+        capacity their count; created if new. Units may be added and removed later, but a
+        unit held or sold cannot be removed (:class:`InvalidInput`, nothing written)."""
+        return self.capacities.set_units(resource_id, units, actor)
+
+    def units(self, resource_id: str) -> dict[str, list[str]]:
+        """The named units of the resource by state: ``free``, ``held``, ``sold``."""
+        return self.capacities.units(resource_id)
 
     def resource(self, resource_id: str) -> Resource:
         """The resource's capacity, units held and sold, ``free`` and ``per_user``, as SQL

@@ -76,6 +76,9 @@ RESOURCE_ID_MAX_LENGTH = 128
 #: The most units one hold may ask for, and the most resources one cart may name.
 HOLD_QUANTITY_MAX = 1_000_000
 HOLDS_PER_ORDER_MAX = 100
+#: A resource's named units at most, and the longest name of one.
+UNITS_MAX = 100_000
+UNIT_NAME_MAX_LENGTH = 64
 #: The largest capacity a resource may have.
 CAPACITY_MAX = 10**12
 
@@ -86,8 +89,9 @@ def check_resource_id(value: object) -> str:
 
 
 def check_holds(value: object) -> tuple[tuple[str, int], ...]:
-    """A create's ``holds``: resource id -> units, as (id, units) pairs sorted by id (the
-    order every store takes them in). None or empty: no holds."""
+    """A create's ``holds``: resource id -> units (a count, or a list of unit names), as
+    (id, units) pairs sorted by id (the order every store takes them in). None or empty: no
+    holds. The names themselves: :func:`check_hold_names`."""
     if value is None:
         return ()
     if not isinstance(value, Mapping):
@@ -99,8 +103,40 @@ def check_holds(value: object) -> tuple[tuple[str, int], ...]:
         rid = check_resource_id(resource_id)
         if rid in pairs:
             raise InvalidInput("holds", "names a resource twice")
-        pairs[rid] = check_count("holds", units, 1, HOLD_QUANTITY_MAX)
+        if isinstance(units, list | tuple):
+            pairs[rid] = len(check_unit_names("holds", units, HOLD_QUANTITY_MAX))
+        else:
+            pairs[rid] = check_count("holds", units, 1, HOLD_QUANTITY_MAX)
     return tuple(sorted(pairs.items()))
+
+
+def check_hold_names(value: object) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The named units a create's ``holds`` (checked by :func:`check_holds`) asks for:
+    (resource id, unit names sorted), sorted by resource id."""
+    if not isinstance(value, Mapping):
+        return ()
+    named = [
+        (str(rid), tuple(sorted(check_unit_names("holds", units, HOLD_QUANTITY_MAX))))
+        for rid, units in value.items()
+        if isinstance(units, list | tuple)
+    ]
+    return tuple(sorted(named))
+
+
+def check_unit_names(name: str, value: object, most: int) -> list[str]:
+    """A list of unit names (a seat, a numbered space): 1 to ``most``, each distinct, not
+    empty, at most ``UNIT_NAME_MAX_LENGTH`` characters, without control characters."""
+    if not isinstance(value, list | tuple):
+        raise InvalidInput(name, "must be a list of unit names")
+    if not 1 <= len(value) <= most:
+        raise InvalidInput(name, f"must name 1 to {most} units")
+    names = [_check_text(name, unit, UNIT_NAME_MAX_LENGTH, key_safe=False) for unit in value]
+    seen: set[str] = set()
+    for unit in names:
+        if unit in seen:
+            raise InvalidInput(name, f"names the unit {unit!r} twice")
+        seen.add(unit)
+    return names
 
 
 def check_capacity(capacity: object, per_user: object) -> tuple[int, int | None]:

@@ -9,6 +9,7 @@ from drill_mutations import Mutation, mutation
 HOLDS = "tests/integration/test_holds.py"
 INDEX = "tests/integration/test_hold_index.py"
 RACE = "tests/concurrency/test_hold_races.py"
+UNITS = "tests/integration/test_units.py"
 
 HOLD_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
@@ -153,5 +154,61 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
         "tests/integration/test_resource_index.py",
         "-k",
         "expired_members_free",
+    ),
+    mutation(
+        "unit-taken-not-refused",
+        "orders/sql/units.py",
+        "            if busy:\n                raise HoldRefused",
+        "            if False:\n                raise HoldRefused",
+        "a named unit held or sold is refused to a second order, naming it",
+        f"{UNITS}::test_units_asked_by_name_are_held_by_one_order_and_a_second_ask_is_refused_naming_them",
+    ),
+    mutation(
+        "unit-pick-not-lowest",
+        "orders/sql/units.py",
+        "    .order_by(UNIT.position)\n    .limit(",
+        "    .order_by(UNIT.name.desc())\n    .limit(",
+        "a count of a named resource picks the lowest free units in the resource's order",
+        f"{UNITS}::test_a_count_of_a_named_resource_picks_the_lowest_free_units_in_its_order",
+    ),
+    mutation(
+        "units-kept-at-release-postgresql",
+        "orders/sql/holds.py",
+        "add_cte(counted).add_cte(units)",
+        "add_cte(counted)",
+        "a transition moves its units with its hold in its one statement (PostgreSQL)",
+        f"{UNITS}::test_payment_sells_the_units_and_cancel_and_the_sweep_free_them_naming_them",
+    ),
+    mutation(
+        "units-kept-at-release-sqlite",
+        "orders/sql/holds.py",
+        "    move_units(conn, order_ids, change)\n",
+        "    pass\n",
+        "a transition moves its units with its hold in its transaction (SQLite)",
+        f"{UNITS}::test_payment_sells_the_units_and_cancel_and_the_sweep_free_them_naming_them",
+    ),
+    mutation(
+        "unit-in-use-removed",
+        "orders/sql/units.py",
+        "    if busy:\n        shown",
+        "    if False:\n        shown",
+        "a unit held or sold is never removed from its resource",
+        f"{UNITS}::test_units_can_be_added_reordered_and_removed_but_never_one_held_or_sold",
+    ),
+    mutation(
+        "late-payment-retakes-a-unit-taken",
+        "orders/sql/holds.py",
+        "        if rid in named and units_free_again(conn, order_id, rid) < units:",
+        "        if False:",
+        "a late payment takes its named units again only while nobody else took them",
+        f"{UNITS}::test_a_late_payment_takes_its_units_again_only_while_nobody_else_took_them",
+    ),
+    mutation(
+        "named-capacity-overwritten",
+        "orders/sql/resources.py",
+        "if current is not None and current.named and current.capacity != capacity:",
+        "if False:",
+        "a named resource's capacity is its number of units",
+        f"{UNITS}::test_units_can_be_added_reordered_and_removed_but_never_one_held_or_sold",
     ),
 )

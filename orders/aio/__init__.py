@@ -35,6 +35,8 @@ clear_user_limit = on_default(AsyncOrderService.clear_user_limit)
 user_limit = on_default(AsyncOrderService.user_limit)
 user_limit_history = on_default(AsyncOrderService.user_limit_history)
 set_capacity = on_default(AsyncOrderService.set_capacity)
+set_units = on_default(AsyncOrderService.set_units)
+units = on_default(AsyncOrderService.units)
 resource = on_default(AsyncOrderService.resource)
 resources = on_default(AsyncOrderService.resources)
 
@@ -58,8 +60,10 @@ __all__ = [
     "resource",
     "resources",
     "set_capacity",
+    "set_units",
     "set_user_limit",
     "sweep_expired",
+    "units",
     "user_limit",
     "user_limit_history",
 ]

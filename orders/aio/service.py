@@ -219,6 +219,8 @@ class AsyncOrderService:
     user_limit = Awaited(OrderService.user_limit)
     user_limit_history = Awaited(OrderService.user_limit_history)
     set_capacity = Awaited(OrderService.set_capacity)
+    set_units = Awaited(OrderService.set_units)
+    units = Awaited(OrderService.units)
     resource = Awaited(OrderService.resource)
     resources = Awaited(OrderService.resources)
     # An operator's action, which a host's request handler may also take (no module function).

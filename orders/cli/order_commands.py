@@ -94,19 +94,22 @@ def parse_deadline(text: str) -> datetime:
         ) from None
 
 
-def parse_holds(given: tuple[str, ...]) -> dict[str, int] | None:
-    """``--hold RESOURCE=UNITS`` (repeated) as ``holds=`` (the units checked as integers by
-    the service; a resource named twice is refused)."""
+def parse_holds(given: tuple[str, ...]) -> dict[str, int | list[str]] | None:
+    """``--hold RESOURCE=UNITS`` (repeated) as ``holds=``: UNITS a number, or the names of
+    named units separated by commas (checked by the service; a resource named twice is
+    refused)."""
     if not given:
         return None
-    holds: dict[str, int] = {}
+    holds: dict[str, int | list[str]] = {}
     for text in given:
-        resource_id, sep, units = text.rpartition("=")
-        if not sep or not units.strip().isdigit():
-            raise InvalidInput("holds", "each --hold must be RESOURCE=UNITS, e.g. sku:42=2")
+        resource_id, sep, units = text.partition("=")
+        if not sep or not units.strip():
+            raise InvalidInput(
+                "holds", "each --hold must be RESOURCE=UNITS or RESOURCE=NAME,NAME, e.g. sku:42=2"
+            )
         if resource_id in holds:
             raise InvalidInput("holds", "names a resource twice")
-        holds[resource_id] = int(units)
+        holds[resource_id] = int(units) if units.strip().isdigit() else units.split(",")
     return holds
 
 
@@ -122,6 +125,7 @@ def refusal_json(
             "reason": refused.reason,
             "requested": refused.requested,
             "free": refused.free,
+            "units": list(refused.units),
         }
     if isinstance(refused, CreateRateLimited):
         detail: dict[str, object] = {"error": "rate_limited", "window_s": refused.window_s}

@@ -66,10 +66,18 @@ def resource_text(shown: Resource) -> str:
     )
 
 
-def resource_to_json(shown: Resource) -> dict[str, Any]:
+def resource_to_json(shown: Resource, units: dict[str, list[str]] | None = None) -> dict[str, Any]:
     at_ms = shown.updated_at_ms
     updated_at = None if at_ms is None else ms_to_datetime(at_ms).isoformat()
-    return {**shown.as_dict(), "updated_at": updated_at}
+    named = {} if units is None else {"units": units}
+    return {**shown.as_dict(), "updated_at": updated_at, **named}
+
+
+def units_text(units: dict[str, list[str]]) -> str:
+    """A named resource's units, one line per state: ``free (3): A-1 A-2 A-5``."""
+    return "\n".join(
+        f"  {state} ({len(names)}): {' '.join(names)}" for state, names in units.items()
+    )
 
 
 def amount_text(order: Order | PaymentRefusal) -> str:
@@ -180,7 +188,10 @@ def print_order(order: Order, as_json: bool) -> None:
         left = ", does not expire"
     amount = f", {amount_text(order)}" if order.amount is not None else ""
     policy = f", policy {order.policy}" if order.policy is not None else ""
-    holds = "".join(f", {units} x {rid}" for rid, units in order.holds.items())
+    holds = "".join(
+        f", {units if isinstance(units, int) else ' '.join(units)} x {rid}"
+        for rid, units in order.holds.items()
+    )
     click.echo(
         f"{order.id}  user {order.user_id}  {order.status.value}{amount}{policy}{holds}{left}"
     )

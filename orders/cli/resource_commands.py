@@ -1,13 +1,15 @@
-"""``orders resource``: counted resources (stock, coupons, time slots) set, shown and listed."""
+"""``orders resource``: counted resources (stock, coupons, time slots) and named units
+(seats) set, shown and listed."""
 
 from __future__ import annotations
 
 import json
+from typing import TextIO
 
 import click
 
 from orders.cli.app import cli_state, json_option, main
-from orders.cli.render import resource_text, resource_to_json
+from orders.cli.render import resource_text, resource_to_json, units_text
 from orders.domain import Resource
 from orders.errors import InvalidInput
 
@@ -24,8 +26,15 @@ def whole_number(name: str, text: str) -> int:
         raise InvalidInput(name, "must be an integer") from None
 
 
-def echo_resource(shown: Resource, as_json: bool) -> None:
-    click.echo(json.dumps(resource_to_json(shown)) if as_json else resource_text(shown))
+def echo_resource(
+    shown: Resource, as_json: bool, units: dict[str, list[str]] | None = None
+) -> None:
+    if as_json:
+        click.echo(json.dumps(resource_to_json(shown, units)))
+        return
+    click.echo(resource_text(shown))
+    if units is not None:
+        click.echo(units_text(units))
 
 
 @main.group("resource")
@@ -56,8 +65,37 @@ def set_command(
 @json_option
 @click.pass_context
 def show_command(ctx: click.Context, resource_id: str, as_json: bool) -> None:
-    """Resource ID's capacity, units held, sold and free, and its per-user cap."""
-    echo_resource(cli_state(ctx).service().resource(resource_id), as_json)
+    """Resource ID's capacity, units held, sold and free, and its per-user cap; for named
+    units, which are free, held and sold."""
+    service = cli_state(ctx).service()
+    shown = service.resource(resource_id)
+    echo_resource(shown, as_json, service.units(resource_id) if shown.named else None)
+
+
+@resource_group.command("units")
+@click.argument("resource_id", metavar="ID")
+@click.argument("names", metavar="NAME...", nargs=-1)
+@click.option(
+    "--file", "from_file", type=click.File("r"), help="The names, one per line ('-': stdin)."
+)
+@json_option
+@click.pass_context
+def units_command(
+    ctx: click.Context,
+    resource_id: str,
+    names: tuple[str, ...],
+    from_file: TextIO | None,
+    as_json: bool,
+) -> None:
+    """Give resource ID named units (seats, numbered spaces), in the order a create picks
+    them; its capacity becomes their count. A unit held or sold cannot be removed."""
+    given = list(names)
+    if from_file is not None:
+        given += [line.strip() for line in from_file if line.strip()]
+    state = cli_state(ctx)
+    service = state.service()
+    shown = service.set_units(resource_id, given, actor=state.actor)
+    echo_resource(shown, as_json, service.units(resource_id))
 
 
 @resource_group.command("list")

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from orders.domain import Actor, Clock, Resource
 from orders.errors import StoreUnavailable, UnknownResource
 from orders.sql.resources import ResourceRecords
-from orders.validation import check_capacity, check_count, check_resource_id
+from orders.validation import (
+    UNITS_MAX,
+    check_capacity,
+    check_count,
+    check_resource_id,
+    check_unit_names,
+)
 
 log = logging.getLogger("orders.service")
 
@@ -52,6 +58,22 @@ class Capacities:
         resource = self.records.set(rid, units, cap, self.clock(), cause)
         self.copy(resource)
         return resource
+
+    def set_units(self, resource_id: object, units: object, actor: str | Actor | None) -> Resource:
+        rid = check_resource_id(resource_id)
+        names = check_unit_names("units", units, UNITS_MAX)
+        resource = self.records.set_units(rid, names, self.clock(), Actor.of(actor))
+        self.copy(resource)
+        return resource
+
+    def units(self, resource_id: object) -> dict[str, list[str]]:
+        """The named units of a resource by state (``free``, ``held``, ``sold``), each list
+        in the resource's order."""
+        found = self.read(resource_id)
+        by_state: dict[str, list[str]] = {"free": [], "held": [], "sold": []}
+        for name, state, _ in self.records.units(found.id):
+            by_state[state].append(name)
+        return by_state
 
     def read(self, resource_id: object) -> Resource:
         rid = check_resource_id(resource_id)

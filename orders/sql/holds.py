@@ -47,7 +47,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from orders.domain import HoldReason, NewOrder
-from orders.errors import HoldRefused
+from orders.errors import HoldRefused, InvalidInput
 from orders.sql.models import (
     HOLD_HELD,
     HOLD_RELEASED,
@@ -55,13 +55,19 @@ from orders.sql.models import (
     holds_table,
     resources_table,
 )
+from orders.sql.units import move_units, take_units, unit_changes, units_free_again
 
 HOLD = holds_table.c
 RESOURCE = resources_table.c
 
 _IDS = bindparam("ids", expanding=True, type_=String)
 _LOCK = select(
-    RESOURCE.id, RESOURCE.capacity, RESOURCE.held, RESOURCE.sold, RESOURCE.per_user
+    RESOURCE.id,
+    RESOURCE.capacity,
+    RESOURCE.held,
+    RESOURCE.sold,
+    RESOURCE.per_user,
+    RESOURCE.named,
 ).where(RESOURCE.id.in_(_IDS))
 _LOCK_FOR_UPDATE = _LOCK.order_by(RESOURCE.id).with_for_update()
 _LOCK_PLAIN = _LOCK.order_by(RESOURCE.id)
@@ -82,10 +88,11 @@ _ADD_HELD = (
 )
 
 
-def take(conn: Connection, new: NewOrder) -> None:
+def take(conn: Connection, new: NewOrder) -> dict[str, tuple[str, ...]]:
     """Take every hold of ``new`` in ``conn``'s transaction, or raise HoldRefused and write
-    nothing (the caller rolls the transaction back; see the module docstring)."""
-    check(conn, new.user_id, new.holds)
+    nothing (the caller rolls the transaction back; see the module docstring). Returns the
+    named units held, per named resource (:mod:`orders.sql.units`)."""
+    named = check(conn, new.user_id, new.holds, dict(new.names))
     conn.execute(
         _INSERT,
         [
@@ -100,23 +107,37 @@ def take(conn: Connection, new: NewOrder) -> None:
         ],
     )
     conn.execute(_ADD_HELD, [{"rid": rid, "units": units} for rid, units in new.holds])
+    if not named:
+        return {}
+    return take_units(conn, new.id, [h for h in new.holds if h[0] in named], dict(new.names))
 
 
 def check_retake(conn: Connection, user_id: str, order_id: str) -> None:
     """Before a late payment turns the closed ``order_id`` paid, in its transaction: raise
     HoldRefused unless every unit it released is free again (its resources stay locked
-    until the payment commits)."""
+    until the payment commits; a named unit must be free and not held by anyone since)."""
     released = [
         (rid, units)
         for rid, (units, status) in holds_of(conn, order_id).items()
         if status == HOLD_RELEASED
     ]
-    if released:
-        check(conn, user_id, tuple(sorted(released)))
+    if not released:
+        return
+    named = check(conn, user_id, tuple(sorted(released)), {})
+    for rid, units in released:
+        if rid in named and units_free_again(conn, order_id, rid) < units:
+            raise HoldRefused(rid, HoldReason.TAKEN, units, None)
 
 
-def check(conn: Connection, user_id: str, holds: tuple[tuple[str, int], ...]) -> None:
-    """Lock the resources of ``holds`` (id order) and raise HoldRefused unless all fit."""
+def check(
+    conn: Connection,
+    user_id: str,
+    holds: tuple[tuple[str, int], ...],
+    names: dict[str, tuple[str, ...]],
+) -> set[str]:
+    """Lock the resources of ``holds`` (id order) and raise HoldRefused unless all fit
+    (InvalidInput: units asked for by name of a resource that has none). Returns the
+    named resources among them."""
     wanted = dict(holds)
     ids = list(wanted)
     lock = _LOCK_FOR_UPDATE if conn.dialect.name == "postgresql" else _LOCK_PLAIN
@@ -124,6 +145,9 @@ def check(conn: Connection, user_id: str, holds: tuple[tuple[str, int], ...]) ->
     for resource_id in ids:
         if resource_id not in rows:
             raise HoldRefused(resource_id, HoldReason.UNKNOWN_RESOURCE, wanted[resource_id], None)
+    for resource_id in names:
+        if not rows[resource_id].named:
+            raise InvalidInput("holds", f"{resource_id} has no named units")
     capped = [rid for rid in ids if rows[rid].per_user is not None]
     taken = _sums(conn, _TAKEN_BY_USER, {"ids": capped, "user_id": user_id}) if capped else {}
     for resource_id, units in holds:
@@ -135,6 +159,7 @@ def check(conn: Connection, user_id: str, holds: tuple[tuple[str, int], ...]) ->
             left = row.per_user - taken.get(resource_id, 0)
             if units > left:
                 raise HoldRefused(resource_id, HoldReason.USER_CAP, units, min(left, free))
+    return {rid for rid, row in rows.items() if row.named}
 
 
 def _sums(conn: Connection, query: Any, params: Mapping[str, Any]) -> dict[str, int]:
@@ -200,7 +225,8 @@ def hold_changes(statement: Any, changed: Any, change: tuple[str, str]) -> Any:
         .returning(RESOURCE.id)
         .cte("resources_counted")
     )
-    return statement.add_cte(moved).add_cte(counted)
+    units = unit_changes(select(changed.c.id), locked, change)
+    return statement.add_cte(moved).add_cte(counted).add_cte(units)
 
 
 def released_data(row: Any, data: Any) -> Any:
@@ -216,6 +242,7 @@ def released_data(row: Any, data: Any) -> Any:
 def sqlite_hold_changes(conn: Connection, order_ids: list[str], change: tuple[str, str]) -> None:
     """SQLite: :func:`hold_changes` of some orders, in ``conn``'s write transaction."""
     source, target = change
+    move_units(conn, order_ids, change)
     moved = conn.execute(
         update(holds_table)
         .where(HOLD.order_id.in_(order_ids), HOLD.status == source)

@@ -27,6 +27,7 @@ from orders.domain import ACTOR_MAX_LENGTH, EventKind, OrderStatus
 from orders.validation import (
     RESOURCE_ID_MAX_LENGTH,
     TEXT_MAX_LENGTH,
+    UNIT_NAME_MAX_LENGTH,
     USER_ID_MAX_LENGTH,
     USER_LIMIT_MAX,
 )
@@ -350,7 +351,7 @@ class HoldRow(Base):
 UNIT_FREE = "free"
 UNIT_HELD = "held"
 UNIT_SOLD = "sold"
-UNIT_NAME_COLUMN_LENGTH = 64
+UNIT_NAME_COLUMN_LENGTH = UNIT_NAME_MAX_LENGTH
 
 
 class UnitRow(Base):

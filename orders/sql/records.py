@@ -124,7 +124,9 @@ def to_order(row: Row[Any] | Mapping[str, Any], read_at_ms: int) -> Order:
         remind_at_ms=m["remind_at_ms"],
         reminded_at_ms=m["reminded_at_ms"],
         policy=m["policy"],
-        holds=dict(m["holds"] or {}),
+        holds={
+            rid: tuple(h) if isinstance(h, list) else h for rid, h in (m["holds"] or {}).items()
+        },
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import (
+    Connection,
     Float,
     Row,
     Select,
@@ -29,8 +30,10 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, Resource
+from orders.errors import InvalidInput
 from orders.sql.models import HOLD_HELD, holds_table, orders_table, resources_table
 from orders.sql.transactions import Transactions
+from orders.sql.units import set_units, units_of
 
 RC = resources_table.c
 HC = holds_table.c
@@ -50,7 +53,7 @@ RebuildState = tuple[int, int, list[tuple[str, int, int]]]
 
 
 def _with_held() -> Select[Any]:
-    return select(RC.id, RC.capacity, RC.per_user, RC.sold, RC.updated_at_ms, RC.held)
+    return select(RC.id, RC.capacity, RC.per_user, RC.sold, RC.updated_at_ms, RC.held, RC.named)
 
 
 def _to_resource(row: Row[Any]) -> Resource:
@@ -61,6 +64,7 @@ def _to_resource(row: Row[Any]) -> Resource:
         sold=int(row.sold),
         per_user=None if row.per_user is None else int(row.per_user),
         updated_at_ms=row.updated_at_ms,
+        named=bool(row.named),
     )
 
 
@@ -75,25 +79,72 @@ class ResourceRecords:
     ) -> Resource:
         """Create the resource or change its capacity and ``per_user`` cap, and commit; the
         row as stored, with what is held of it, read in the same transaction."""
-        values: dict[str, Any] = {
-            "id": resource_id,
-            "capacity": capacity,
-            "per_user": per_user,
-            "updated_at_ms": now_ms,
-        }
+        values: dict[str, Any] = {"capacity": capacity, "per_user": per_user}
+        with self.tx.write() as conn:
+            current = conn.execute(self._lock(RC.named, RC.capacity), {"rid": resource_id}).first()
+            if current is not None and current.named and current.capacity != capacity:
+                raise InvalidInput(
+                    "capacity", f"{resource_id} has named units: its capacity is their count"
+                )
+            row = self._upsert(conn, resource_id, values, now_ms, actor)
+            conn.commit()
+        return row
+
+    def set_units(
+        self, resource_id: str, names: Sequence[str], now_ms: int, actor: Actor
+    ) -> Resource:
+        """Make ``names`` the resource's named units (created if new: no ``per_user``) and
+        its capacity their count, and commit (:func:`orders.sql.units.set_units`). A counted
+        resource with units held or sold by count cannot be given names."""
+        with self.tx.write() as conn:
+            current = conn.execute(self._lock(RC.named, RC.held, RC.sold), {"rid": resource_id})
+            row = current.first()
+            if row is not None and not row.named and row.held + row.sold > 0:
+                raise InvalidInput(
+                    "units", f"{resource_id} has units held or sold by count: it cannot be named"
+                )
+            if row is None:  # the units' rows need the resource's first
+                self._upsert(conn, resource_id, {"capacity": 0, "named": True}, now_ms, actor)
+            set_units(conn, resource_id, names)
+            values = {"capacity": len(names), "named": True}
+            resource = self._upsert(conn, resource_id, values, now_ms, actor)
+            conn.commit()
+        return resource
+
+    def units(self, resource_id: str) -> builtins.list[tuple[str, str, str | None]]:
+        """The resource's named units in order: (name, state, holder or last holder)."""
+        with self.tx.read() as conn:
+            return units_of(conn, resource_id)
+
+    def _lock(self, *columns: Any) -> Any:
+        query = select(*columns).where(RC.id == bindparam("rid", type_=String))
+        return query.with_for_update() if self.tx.dialect == "postgresql" else query
+
+    def _upsert(
+        self,
+        conn: Connection,
+        resource_id: str,
+        values: dict[str, Any],
+        now_ms: int,
+        actor: Actor,
+    ) -> Resource:
+        """Insert the resource or change ``values`` of it; the row as stored."""
         who = actor.columns()
-        values.update(updated_by_kind=who["actor_kind"], updated_by=who["actor"])
+        values = {
+            "id": resource_id,
+            **values,
+            "updated_at_ms": now_ms,
+            "updated_by_kind": who["actor_kind"],
+            "updated_by": who["actor"],
+        }
         dialect = postgresql if self.tx.dialect == "postgresql" else sqlite
         upsert = dialect.insert(resources_table).values(values)
         upsert = upsert.on_conflict_do_update(
             index_elements=[RC.id],
             set_={name: upsert.excluded[name] for name in values if name != "id"},
         )
-        with self.tx.write() as conn:
-            conn.execute(upsert)
-            row = conn.execute(_with_held().where(RC.id == resource_id)).one()
-            conn.commit()
-        return _to_resource(row)
+        conn.execute(upsert)
+        return _to_resource(conn.execute(_with_held().where(RC.id == resource_id)).one())
 
     def get(self, resource_id: str) -> Resource | None:
         """The resource, or None when SQL has none of that id."""

@@ -46,6 +46,7 @@ from sqlalchemy import (
     literal_column,
     select,
     union_all,
+    update,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
@@ -79,7 +80,8 @@ def order_row(new: NewOrder) -> dict[str, Any]:
         "metadata": new.metadata or None,
         "remind_at_ms": new.remind_at_ms,
         "policy": new.policy,
-        "holds": dict(new.holds) or None,
+        "holds": {rid: list(h) if isinstance(h, tuple) else h for rid, h in new.asked().items()}
+        or None,
     }
 
 
@@ -204,6 +206,13 @@ _HOLDERS = select(ORDER.id, ORDER.expires_at_ms, ORDER.slot).where(
     ORDER.user_id == bindparam("user_id"), UNPAID_PREDICATE
 )
 _ID_TAKEN = select(ORDER.id).where(ORDER.id == bindparam("oid"))
+#: The order's ``holds`` once its named units are picked (:func:`orders.sql.units.take_units`).
+_NAME_UNITS = (
+    update(orders_table)
+    .where(ORDER.id == bindparam("oid"))
+    .values(holds=bindparam("held", type_=ORDER.holds.type))
+    .returning(*orders_table.c)
+)
 _OWN_LIMIT = own_limit_of(bindparam("user_id"))
 
 
@@ -238,7 +247,12 @@ class SlotGuard:
                         conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor
                     )
                 if new.holds:  # taken in the insert's transaction, or neither is written
-                    take(conn, new)
+                    named = take(conn, new)
+                    if named.keys() - dict(new.names).keys():  # units picked: name them
+                        row = conn.execute(
+                            _NAME_UNITS,
+                            {"oid": new.id, "held": {**dict(new.holds), **named}},
+                        ).one()
                 self.tx.commit(conn, host)
             return row
 

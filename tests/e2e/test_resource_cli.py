@@ -19,6 +19,7 @@ RESOURCE_KEYS = {
     "sold",
     "free",
     "per_user",
+    "named",
     "updated_at",
     "updated_at_ms",
 }
@@ -126,6 +127,7 @@ def test_create_with_holds_shows_them_and_a_refused_hold_is_exit_13_on_one_line(
         "reason": "sold_out",
         "requested": 1,
         "free": 0,
+        "units": [],
     }
     shown = run("resource", "show", "sku:1", "--json")
     assert json.loads(shown.stdout)["held"] == 2  # the refused cart took nothing
@@ -149,3 +151,37 @@ def test_a_bad_hold_is_exit_2_on_one_line_before_anything_is_written(
     refused = run("create", "u1", "--hold", hold)
     assert_one_error_line(refused, 2, f"invalid {named}")
     assert json.loads(run("resource", "show", "sku:1", "--json").stdout)["held"] == 0
+
+
+def test_units_from_the_shell_are_named_held_by_name_and_shown_by_state(
+    run: Any, tmp_path: Any
+) -> None:
+    names = tmp_path / "seats.txt"
+    names.write_text("A-3\nA-4\n")
+    made = run("resource", "units", "ev7", "A-1", "A-2", "--file", str(names))
+    assert made.exit_code == 0, made.output
+    assert made.stdout.splitlines()[0].startswith("ev7: capacity 4, held 0, sold 0, free 4")
+
+    held = run("create", "u1", "--hold", "ev7=A-2,A-3", "--json")
+    assert held.exit_code == 0, held.output
+    assert json.loads(held.stdout)["holds"] == {"ev7": ["A-2", "A-3"]}
+    again = run("create", "u2", "--hold", "ev7=A-3", "--json")
+    assert again.exit_code == 13, again.output
+    assert json.loads(again.stdout)["units"] == ["A-3"]
+
+    shown = run("resource", "show", "ev7", "--json")
+    assert json.loads(shown.stdout)["units"] == {
+        "free": ["A-1", "A-4"],
+        "held": ["A-2", "A-3"],
+        "sold": [],
+    }
+    text = run("resource", "show", "ev7").stdout
+    assert "  held (2): A-2 A-3" in text
+
+
+def test_bad_unit_lists_are_one_line_and_write_nothing(run: Any, engine: Engine) -> None:
+    twice = run("resource", "units", "ev7", "A-1", "A-1")
+    assert_one_error_line(twice, 2, "twice")
+    none = run("resource", "units", "ev7")
+    assert_one_error_line(none, 2, "1 to 100000")
+    assert resource_rows(engine) == []
