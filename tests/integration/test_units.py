@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, event, select
 
 from orders import (
     HoldRefused,
@@ -20,6 +20,7 @@ from orders import (
 from orders.domain import RefusalReason
 from orders.sql.models import units_table
 from tests.support.clocks import ManualClock
+from tests.support.stores import StatementCounter
 
 UNIT = units_table.c
 SEATS = [f"A-{n}" for n in range(1, 11)]
@@ -206,3 +207,19 @@ def test_bad_named_holds_are_refused_and_write_nothing(
     assert all(state == "free" for state, _ in unit_rows(engine).values())
     assert seats.list_unpaid("u1") == []
     assert seats.resource("ev7").held == 0
+
+
+def test_a_sold_out_named_resource_is_refused_by_redis_without_sql(
+    seats: OrderService, engine: Engine
+) -> None:
+    seats.create_unpaid_order("u1", holds={"ev7": SEATS})
+    counter = StatementCounter()
+    event.listen(engine, "before_cursor_execute", counter)
+    try:
+        with pytest.raises(HoldRefused) as refused:
+            seats.create_unpaid_order("u2", holds={"ev7": ["A-4"]})
+    finally:
+        event.remove(engine, "before_cursor_execute", counter)
+
+    assert (refused.value.reason, refused.value.source) == ("sold_out", "redis")
+    assert counter.statements == []
