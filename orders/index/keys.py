@@ -108,25 +108,28 @@ def glob_escape(text: str) -> str:
 #: :mod:`orders.index.resources`).
 RESOURCE_TAG = "[res]"
 RESOURCE_HOLDS_TAG = "[resh]"
+RESOURCE_UNITS_TAG = "[resu]"
 
 
-def resource_keys(key_prefix: str, resource_id: str) -> tuple[str, str]:
-    """The names of a resource's hash and holds set, in one hash slot (the resource id is
-    their hash tag: ``check_resource_id`` keeps ``{}`` out of it); the one place they are
-    built."""
+def resource_keys(key_prefix: str, resource_id: str) -> tuple[str, str, str]:
+    """The names of a resource's hash, holds set and units hash (its named units' holders),
+    in one hash slot (the resource id is their hash tag: ``check_resource_id`` keeps ``{}``
+    out of it); the one place they are built."""
     return (
         f"{key_prefix}{RESOURCE_TAG}{{{resource_id}}}",
         f"{key_prefix}{RESOURCE_HOLDS_TAG}{{{resource_id}}}",
+        f"{key_prefix}{RESOURCE_UNITS_TAG}{{{resource_id}}}",
     )
 
 
-def resource_build_keys(key_prefix: str, resource_id: str, token: str) -> tuple[str, str]:
-    """The temporary hash and holds set a rebuild of the resource writes before renaming
-    them over :func:`resource_keys` (same slot; ``token`` names the one rebuild, so a crashed
-    one's leftovers, which expire, never mix with the next one's)."""
+def resource_build_keys(key_prefix: str, resource_id: str, token: str) -> tuple[str, str, str]:
+    """The temporary keys a rebuild of the resource writes before renaming them over
+    :func:`resource_keys` (same slot; ``token`` names the one rebuild, so a crashed one's
+    leftovers, which expire, never mix with the next one's)."""
     return (
         f"{key_prefix}[resb:{token}]{{{resource_id}}}",
         f"{key_prefix}[reshb:{token}]{{{resource_id}}}",
+        f"{key_prefix}[resub:{token}]{{{resource_id}}}",
     )
 
 

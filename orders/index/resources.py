@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -67,6 +67,9 @@ class Reservation:
     free: int | None
     #: The cart's resources the index does not know: nothing was written for them.
     unknown: tuple[str, ...] = ()
+    #: The units of ``refused`` asked for by name that another order holds or bought (then
+    #: ``free`` is None): the refusal is ``taken``, not ``sold_out``.
+    taken: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +82,8 @@ class ResourceSnapshot:
     held: int
     #: order id -> (units, expiry ms), live members only.
     members: dict[str, tuple[int, int]]
+    #: named unit -> its live holder's order id, or ``!`` and its buyer's.
+    units: dict[str, str]
 
     @property
     def free(self) -> int:
@@ -98,9 +103,10 @@ class ResourceIndex:
         self._set_capacity: Script = client.register_script(load_script("set_capacity"))
         self._rebuild_part: Script = client.register_script(load_script("rebuild_part"))
         self._rebuild_swap: Script = client.register_script(load_script("rebuild_swap"))
+        self._rebuild_units: Script = client.register_script(load_script("rebuild_units"))
 
-    def keys(self, resource_id: str) -> tuple[str, str]:
-        """The resource's hash and holds set (:func:`resource_keys`)."""
+    def keys(self, resource_id: str) -> tuple[str, str, str]:
+        """The resource's hash, holds set and units hash (:func:`resource_keys`)."""
         return resource_keys(self.key_prefix, resource_id)
 
     def slot_groups(self, resource_ids: Sequence[str]) -> list[list[int]]:
@@ -124,9 +130,11 @@ class ResourceIndex:
         expires_at_ms: int,
         now_ms: int,
         holds: Sequence[tuple[str, int]],
+        names: Mapping[str, Sequence[str]] | None = None,
     ) -> Reservation:
         """Make the order a member of each known resource of ``holds`` (resource id, units),
-        all or none (see ``reserve.lua``). A refusal writes nothing; a server that refuses
+        all or none (see ``reserve.lua``), unless a unit of ``names`` (resource id -> the
+        units asked for by name) is taken. A refusal writes nothing; a server that refuses
         the call (out of memory, an ACL) raises :class:`ServerRefused`, nothing written."""
         ids = [resource_id for resource_id, _ in holds]
         if len(set(ids)) < len(ids):
@@ -139,24 +147,24 @@ class ResourceIndex:
         if not groups:
             return Reservation(None, None)
         head: list[str | int] = [order_id, expires_at_ms, now_ms]
+        asks = _asks(holds, names or {})
         if len(groups) <= 1:
             keys = self._keys_of(ids)
             with redis_errors("reserve", refused=ServerRefused):
                 try:
                     # EVALSHA itself, as UnpaidIndex.admit: the hot path of a create.
-                    reply = self.client.evalsha(
-                        self._reserve.sha, len(keys), *keys, *head, *(u for _, u in holds)
-                    )
+                    reply = self.client.evalsha(self._reserve.sha, len(keys), *keys, *head, *asks)
                 except NoScriptError:
-                    reply = self._reserve(keys=keys, args=[*head, *(u for _, u in holds)])
+                    reply = self._reserve(keys=keys, args=[*head, *asks])
             return self._reservation(ids, [(list(range(len(ids))), list(reply))])
-        return self._reserve_per_slot(order_id, head, holds, groups)
+        return self._reserve_per_slot(order_id, head, holds, asks, groups)
 
     def _reserve_per_slot(
         self,
         order_id: str,
         head: list[str | int],
         holds: Sequence[tuple[str, int]],
+        asks: list[bytes],
         groups: list[list[int]],
     ) -> Reservation:
         """One ``reserve.lua`` call per slot group, sent at once; the groups that reserved
@@ -164,7 +172,7 @@ class ResourceIndex:
         packer = CallPacker(self._reserve, [str(arg).encode() for arg in head])
         for group in groups:
             keys = self._keys_of(holds[i][0] for i in group)
-            packer.add_call([k.encode() for k in keys], [b"%d" % holds[i][1] for i in group])
+            packer.add_call([k.encode() for k in keys], [asks[i] for i in group])
         ids = [resource_id for resource_id, _ in holds]
         try:
             with redis_errors("reserve", refused=ServerRefused):
@@ -201,16 +209,38 @@ class ResourceIndex:
         of the resource first in the cart's order, every group's unknowns."""
         refused: int | None = None
         free: int | None = None
+        taken: tuple[str, ...] = ()
         unknown: list[int] = []
         for group, reply in replies:
+            code = int(reply[0])
+            if code == -2:
+                position = group[int(reply[1]) - 1]
+                if refused is None or position < refused:
+                    refused, free = position, None
+                    taken = tuple(text_of(name) for name in reply[3 : 3 + int(reply[2])])
+                continue
             unknown += [group[int(p) - 1] for p in reply[3:]]
-            if int(reply[0]) == -1 and (refused is None or group[int(reply[1]) - 1] < refused):
-                refused, free = group[int(reply[1]) - 1], max(int(reply[2]), 0)
+            if code == -1 and (refused is None or group[int(reply[1]) - 1] < refused):
+                refused, free, taken = group[int(reply[1]) - 1], max(int(reply[2]), 0), ()
         return Reservation(
             ids[refused] if refused is not None else None,
             free,
             tuple(ids[p] for p in sorted(unknown)),
+            taken,
         )
+
+    def hold_units(self, order_id: str, names: Mapping[str, Sequence[str]]) -> None:
+        """After a create's commit: its named units (resource id -> names) are held by it,
+        so that the next ask for one is refused here (``reserve.lua``)."""
+        listed = {rid: "\n".join(units) for rid, units in names.items() if units}
+        if not listed:
+            return
+        with redis_errors("hold_units"):
+            pipe = self.client.pipeline(transaction=False)
+            for rid, units in names.items():
+                pairs = [field for unit in units for field in (unit, order_id)]
+                pipe.hset(self.keys(rid)[2], items=[*pairs, "#" + order_id, listed[rid]])
+            pipe.execute()
 
     # -- release, sell, move ------------------------------------------------------------
 
@@ -277,11 +307,13 @@ class ResourceIndex:
         sold: int,
         held: Sequence[tuple[str, int, int]],
         now_ms: int,
+        named: Sequence[tuple[str, str, str | None]] = (),
     ) -> None:
         """Replace the resource's keys with exactly this state: ``held`` is (order id, units,
-        expiry ms) per member, those expired at ``now_ms`` left out. Written under temporary
-        keys, :data:`REBUILD_CHUNK` members a call, then swapped in by one script: a reader
-        sees the old state or the new, never half."""
+        expiry ms) per member, those expired at ``now_ms`` left out; ``named`` the named
+        units (name, state, order id), those of live members and those sold written.
+        Written under temporary keys, :data:`REBUILD_CHUNK` members a call, then swapped in
+        by one script: a reader sees the old state or the new, never half."""
         live = {order_id: (units, expiry) for order_id, units, expiry in held if expiry > now_ms}
         members = [(o, u, e) for o, (u, e) in live.items()]
         build = resource_build_keys(self.key_prefix, resource_id, uuid.uuid4().hex)
@@ -292,7 +324,11 @@ class ResourceIndex:
                 args = [ttl, *first]
                 for order_id, units, expiry in members[start : start + REBUILD_CHUNK]:
                     args += [order_id.encode(), b"%d" % units, b"%d" % expiry]
-                self._rebuild_part(keys=list(build), args=args)
+                self._rebuild_part(keys=list(build[:2]), args=args)
+            fields = _unit_fields(named, live)
+            for start in range(0, len(fields), 2 * REBUILD_CHUNK):
+                part = fields[start : start + 2 * REBUILD_CHUNK]
+                self._rebuild_units(keys=[build[2]], args=[ttl, *part])
             swapped = self._rebuild_swap(keys=[*build, *self.keys(resource_id)])
         if not swapped:
             raise StoreUnavailable("redis", "rebuild failed: its temporary keys were lost")
@@ -307,12 +343,13 @@ class ResourceIndex:
     def snapshot(self, resource_id: str, now_ms: int) -> ResourceSnapshot | None:
         """The resource as a reserve at ``now_ms`` would count it, or None when unknown (no
         hash, or a hash and a holds set that disagree)."""
-        res, holds = self.keys(resource_id)
+        res, holds, units_key = self.keys(resource_id)
         with redis_errors("snapshot"):
             pipe = self.client.pipeline(transaction=False)
             pipe.hgetall(res)
             pipe.zrange(holds, 0, -1, withscores=True, score_cast_func=text_of)
-            fields, scored = pipe.execute()
+            pipe.hgetall(units_key)
+            fields, scored, unit_fields = pipe.execute()
         state = {text_of(k): int(v) for k, v in fields.items()}
         units = {k[2:]: v for k, v in state.items() if k.startswith("o:")}
         if "cap" not in state or len(units) != len(scored):
@@ -320,8 +357,14 @@ class ResourceIndex:
         expiry = {text_of(member): int(Decimal(score)) for member, score in scored}
         members = {o: (u, expiry[o]) for o, u in units.items() if expiry.get(o, 0) > now_ms}
         expired = sum(u for o, u in units.items() if o not in members)
+        holders = {text_of(k): text_of(v) for k, v in unit_fields.items()}
+        named = {
+            unit: holder
+            for unit, holder in holders.items()
+            if not unit.startswith("#") and (holder.startswith("!") or holder in members)
+        }
         return ResourceSnapshot(
-            state["cap"], state.get("sold", 0), state.get("held", 0) - expired, members
+            state["cap"], state.get("sold", 0), state.get("held", 0) - expired, members, named
         )
 
     def scan_resources(self, *, chunk: int = 500) -> Generator[list[str]]:
@@ -340,3 +383,32 @@ class ResourceIndex:
     def _foreign(self, key: bytes | str, what: str) -> None:
         metrics.FOREIGN_KEYS.inc()
         log.debug("skipping foreign data under the key prefix (%s): key %r", what, key[:80])
+
+
+def _asks(holds: Sequence[tuple[str, int]], names: Mapping[str, Sequence[str]]) -> list[bytes]:
+    """``reserve.lua``'s ARGV of each resource: its units, then the names asked for."""
+    asks = []
+    for rid, count in holds:
+        asked = names.get(rid, ())
+        asks.append(b"\n".join([b"%d" % count, *(name.encode() for name in asked)]))
+    return asks
+
+
+def _unit_fields(
+    units: Sequence[tuple[str, str, str | None]], live: Mapping[str, object]
+) -> list[str]:
+    """The units hash of a rebuild as ``rebuild_units.lua``'s (field, value) pairs: each
+    unit held by a live member and each sold, and the list of each holder's units."""
+    fields: list[str] = []
+    listed: dict[str, list[str]] = {}
+    for name, state, order_id in units:
+        if order_id is None:
+            continue
+        if state == "sold":
+            fields += [name, "!" + order_id]
+        elif state == "held" and order_id in live:
+            fields += [name, order_id]
+            listed.setdefault(order_id, []).append(name)
+    for order_id, names in listed.items():
+        fields += ["#" + order_id, "\n".join(names)]
+    return fields

@@ -178,12 +178,17 @@ class Admitter:
         except BaseException:
             holding.release(new)  # if it committed after all (cut off): too few taken, safe
             raise
+        finally:
+            # Refused by SQL too: else every later refusal of a sold-out resource would ask
+            # SQL until reconcile.
+            if unknown:
+                holding.rebuild_quietly(unknown, new.created_at_ms)
         if not created and not order.is_open:  # a retry of an order paid or closed since
             holding.release(new)
-        elif host is not None and created:
-            follow(host, on_rollback=lambda: holding.release(new))
-        if unknown:
-            holding.rebuild_quietly(unknown, new.created_at_ms)
+        else:
+            holding.held(order)
+            if host is not None and created:
+                follow(host, on_rollback=lambda: holding.release(new))
         return order, created
 
     def complete(

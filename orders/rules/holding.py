@@ -32,7 +32,7 @@ from contextlib import closing
 from dataclasses import dataclass
 
 from orders import metrics
-from orders.domain import NewOrder, Order, OrderStatus
+from orders.domain import HoldReason, NewOrder, Order, OrderStatus
 from orders.errors import HoldRefused, StoreUnavailable
 from orders.index.resources import ResourceIndex
 from orders.sql.resources import ResourceRecords
@@ -58,7 +58,7 @@ class Holding:
         is over)."""
         try:
             reserved = self.index.reserve(
-                new.id, new.expires_at_ms, new.created_at_ms, list(new.holds)
+                new.id, new.expires_at_ms, new.created_at_ms, list(new.holds), dict(new.names)
             )
         except StoreUnavailable:
             if not self.create_without_redis:
@@ -70,8 +70,18 @@ class Holding:
             return ()
         if reserved.refused is not None:
             units = dict(new.holds)[reserved.refused]
-            raise HoldRefused(reserved.refused, "sold_out", units, reserved.free, source="redis")
+            reason = HoldReason.TAKEN if reserved.taken else HoldReason.SOLD_OUT
+            raise HoldRefused(
+                reserved.refused, reason, units, reserved.free, "redis", reserved.taken
+            )
         return reserved.unknown
+
+    def held(self, order: Order) -> None:
+        """After a create's commit: the index learns which named units it holds (picked or
+        asked for), so that the next ask for one is refused without SQL."""
+        named = {rid: held for rid, held in order.holds.items() if isinstance(held, tuple)}
+        if named:
+            self.follow(lambda: self.index.hold_units(order.id, named), order.id)
 
     def release(self, new: NewOrder) -> None:
         """Take a create's reservation back (it did not commit); a failure only delays it."""
@@ -127,8 +137,8 @@ class Holding:
             if state is None:
                 self.index.forget(resource_id)
                 return False
-            capacity, sold, held = state
-            self.index.rebuild(resource_id, capacity, sold, held, now_ms)
+            capacity, sold, held, named = state
+            self.index.rebuild(resource_id, capacity, sold, held, now_ms, named)
             written = [order_id for order_id, _, expiry in held if expiry > now_ms]
             gone = set(written) - self.records.still_held(resource_id, written)
             for order_id in gone:
@@ -147,9 +157,20 @@ class Holding:
         state = self.records.for_rebuild(resource_id)
         if state is None:
             return "stale"
-        capacity, sold, held = state
+        capacity, sold, held, named = state
         members = {oid: (units, expiry) for oid, units, expiry in held if expiry > now_ms}
-        same = (snapshot.cap, snapshot.sold, snapshot.members) == (capacity, sold, members)
+        holders = {
+            unit: ("!" + oid if unit_state == "sold" else oid)
+            for unit, unit_state, oid in named
+            if oid is not None
+            and (unit_state == "sold" or (unit_state == "held" and oid in members))
+        }
+        same = (snapshot.cap, snapshot.sold, snapshot.members, snapshot.units) == (
+            capacity,
+            sold,
+            members,
+            holders,
+        )
         return None if same else "stale"
 
     def rebuild_quietly(self, resource_ids: Iterable[str], now_ms: int) -> None:

@@ -48,8 +48,9 @@ _HELD_MEMBERS = (
 )
 
 
-#: (capacity, sold, [(order id, units, expiry ms) of each held hold]).
-RebuildState = tuple[int, int, list[tuple[str, int, int]]]
+#: (capacity, sold, [(order id, units, expiry ms) of each held hold], [(unit, state, order
+#: id) of each named unit: none for a counted resource]).
+RebuildState = tuple[int, int, list[tuple[str, int, int]], list[tuple[str, str, str | None]]]
 
 
 def _with_held() -> Select[Any]:
@@ -188,23 +189,24 @@ class ResourceRecords:
         with self.tx.read() as conn:
             return conn.execute(query).first() is not None
 
-    def for_rebuild(
-        self, resource_id: str
-    ) -> tuple[int, int, builtins.list[tuple[str, int, int]]] | None:
-        """What the index of one resource is rebuilt from: its capacity, units sold, and
-        (order id, units, expiry) per held hold; None when SQL has no such resource.
+    def for_rebuild(self, resource_id: str) -> RebuildState | None:
+        """What the index of one resource is rebuilt from (:data:`RebuildState`); None when
+        SQL has no such resource.
 
-        Read in this order, in two statements: a payment between them moves units from held
-        to sold, which the second then no longer lists, so the index counts them in neither
-        (too optimistic, which is safe) and never in both."""
+        Read in this order, in separate statements: a payment between them moves units from
+        held to sold, which the later reads then no longer list as held, so the index counts
+        them in neither (too optimistic, which is safe) and never in both; a named unit read
+        last is at worst shown sold or free sooner than its count."""
         with self.tx.read() as conn:
             row = conn.execute(
-                select(RC.capacity, RC.sold).where(RC.id == resource_id)
+                select(RC.capacity, RC.sold, RC.named).where(RC.id == resource_id)
             ).one_or_none()
             if row is None:
                 return None
             held = conn.execute(_HELD_MEMBERS, {"rid": resource_id}).all()
-        return row.capacity, row.sold, [(oid, int(units), int(exp)) for oid, units, exp in held]
+            named = units_of(conn, resource_id) if row.named else []
+        members = [(oid, int(units), int(exp)) for oid, units, exp in held]
+        return row.capacity, row.sold, members, named
 
     def still_held(self, resource_id: str, order_ids: Sequence[str]) -> builtins.set[str]:
         """Of ``order_ids``, those whose hold of the resource is still ``held``."""

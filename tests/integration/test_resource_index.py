@@ -37,7 +37,7 @@ def index(redis_client: RedisClient) -> ResourceIndex:
 
 def raw(index: ResourceIndex, resource_id: str) -> tuple[dict[bytes, bytes], list[Any]]:
     """The resource's two keys as stored, expired members and all."""
-    res, holds = index.keys(resource_id)
+    res, holds, _ = index.keys(resource_id)
     return index.client.hgetall(res), index.client.zrange(holds, 0, -1, withscores=True)
 
 
@@ -238,7 +238,7 @@ def test_rebuild_replaces_state_and_skips_expired(index: ResourceIndex) -> None:
     fields, _ = raw(index, "sku:1")
     assert fields[b"held"] == b"2500"
     assert b"o:o-expired" not in fields
-    assert [index.client.pttl(key) for key in index.keys("sku:1")] == [-1, -1]
+    assert [index.client.pttl(key) for key in index.keys("sku:1")[:2]] == [-1, -1]
     assert key_count(index.client) == 2  # no temporary key left behind
 
 
@@ -402,3 +402,41 @@ def test_a_cart_one_cluster_node_refuses_is_taken_back_from_the_others(
     finally:
         full.config_set("maxmemory", 0)
         index.client.close()
+
+
+def test_named_units_are_refused_while_their_holder_is_live_and_freed_by_its_release(
+    index: ResourceIndex,
+) -> None:
+    build(index, "ev7", 4)
+    assert index.reserve("o1", LATER, NOW, [("ev7", 2)], {"ev7": ["A-1", "A-2"]}).refused is None
+    index.hold_units("o1", {"ev7": ["A-1", "A-2"]})
+
+    refused = index.reserve("o2", LATER, NOW, [("ev7", 2)], {"ev7": ["A-3", "A-2"]})
+    retry = index.reserve("o1", LATER, NOW, [("ev7", 2)], {"ev7": ["A-1", "A-2"]})
+    expired = index.reserve("o3", LATER + 10, LATER, [("ev7", 1)], {"ev7": ["A-1"]})
+
+    assert (refused.refused, refused.free, refused.taken) == ("ev7", None, ("A-2",))
+    assert retry.refused is None  # its own units
+    assert expired.refused is None  # o1's member expired at LATER: it holds nothing
+    index.sell("o1", ["ev7"])
+    bought = index.reserve("o4", LATER + 10, NOW, [("ev7", 1)], {"ev7": ["A-1"]})
+    assert bought.taken == ("A-1",)
+    index.release("o3", ["ev7"])  # o3 holds no unit: A-1 stays o1's
+    assert index.client.hget(index.keys("ev7")[2], "A-1") == b"!o1"
+
+
+def test_a_rebuild_writes_the_units_of_live_members_and_those_sold(index: ResourceIndex) -> None:
+    named = [
+        ("A-1", "held", "o1"),
+        ("A-2", "sold", "o0"),
+        ("A-3", "held", "o-gone"),
+        ("A-4", "free", None),
+    ]
+
+    index.rebuild("ev7", 4, 1, [("o1", 1, LATER), ("o-gone", 1, NOW)], NOW, named)
+
+    snap = index.snapshot("ev7", NOW)
+    assert snap is not None
+    assert snap.units == {"A-1": "o1", "A-2": "!o0"}
+    index.release("o1", ["ev7"])
+    assert index.client.hgetall(index.keys("ev7")[2]) == {b"A-2": b"!o0"}

@@ -6,6 +6,7 @@ list of units changes without ever dropping a unit in use."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, event, select
@@ -20,7 +21,7 @@ from orders import (
 from orders.domain import RefusalReason
 from orders.sql.models import units_table
 from tests.support.clocks import ManualClock
-from tests.support.stores import StatementCounter
+from tests.support.stores import StatementCounter, flush_db
 
 UNIT = units_table.c
 SEATS = [f"A-{n}" for n in range(1, 11)]
@@ -209,17 +210,46 @@ def test_bad_named_holds_are_refused_and_write_nothing(
     assert seats.resource("ev7").held == 0
 
 
-def test_a_sold_out_named_resource_is_refused_by_redis_without_sql(
+def test_a_unit_taken_or_a_sold_out_resource_is_refused_by_redis_without_sql(
     seats: OrderService, engine: Engine
 ) -> None:
-    seats.create_unpaid_order("u1", holds={"ev7": SEATS})
+    first = seats.create_unpaid_order("u1", holds={"ev7": SEATS[:-1]})
+    seats.mark_paid(first.id)
+    seats.create_unpaid_order("u2", holds={"ev7": 1})  # picks the last, A-10
     counter = StatementCounter()
     event.listen(engine, "before_cursor_execute", counter)
     try:
-        with pytest.raises(HoldRefused) as refused:
-            seats.create_unpaid_order("u2", holds={"ev7": ["A-4"]})
+        with pytest.raises(HoldRefused) as bought:
+            seats.create_unpaid_order("u3", holds={"ev7": ["A-4"]})
+        with pytest.raises(HoldRefused) as held:
+            seats.create_unpaid_order("u3", holds={"ev7": ["A-10"]})
+        with pytest.raises(HoldRefused) as sold_out:
+            seats.create_unpaid_order("u3", holds={"ev7": 1})
     finally:
         event.remove(engine, "before_cursor_execute", counter)
 
-    assert (refused.value.reason, refused.value.source) == ("sold_out", "redis")
+    assert (bought.value.reason, bought.value.source, bought.value.units) == (
+        "taken",
+        "redis",
+        ("A-4",),
+    )
+    assert (held.value.reason, held.value.source, held.value.units) == ("taken", "redis", ("A-10",))
+    assert (sold_out.value.reason, sold_out.value.source) == ("sold_out", "redis")
     assert counter.statements == []
+
+
+def test_a_unit_freed_by_a_cancel_or_lost_from_redis_is_not_refused_by_redis(
+    seats: OrderService, engine: Engine, redis_client: Any
+) -> None:
+    order = seats.create_unpaid_order("u1", holds={"ev7": ["A-1"]})
+    seats.cancel_order(order.id)
+    assert seats.create_unpaid_order("u2", holds={"ev7": ["A-1"]}).holds == {"ev7": ("A-1",)}
+
+    flush_db(redis_client)  # the index forgets who holds A-1: SQL still refuses it
+    with pytest.raises(HoldRefused) as refused:
+        seats.create_unpaid_order("u3", holds={"ev7": ["A-1"]})
+    assert (refused.value.reason, refused.value.source) == ("taken", "sql")
+    with pytest.raises(HoldRefused) as again:  # the resource was rebuilt from SQL meanwhile
+        seats.create_unpaid_order("u3", holds={"ev7": ["A-1"]})
+    assert (again.value.reason, again.value.source) == ("taken", "redis")
+    assert seats.reconcile().resources_stale == 0

@@ -35,6 +35,7 @@ def test_the_scripts_are_all_found() -> None:
         "lease_release",
         "rebuild_part",
         "rebuild_swap",
+        "rebuild_units",
         "reconcile",
         "release",
         "reserve",
@@ -53,14 +54,21 @@ KEYS_OF = {
     },
     # A resource's hash and holds set share its slot (orders.index.keys.resource_keys); the
     # per-cart scripts take a pair per resource of one slot (orders.index.resources).
-    "reserve": {"res": "KEYS[2 * i - 1]", "holds": "KEYS[2 * i]"},
-    "release": {"res": "KEYS[i]", "holds": "KEYS[i + 1]"},
+    "reserve": {
+        "res": "KEYS[3 * i - 2]",
+        "holds": "KEYS[3 * i - 1]",
+        "units_key": "KEYS[3 * i]",
+    },
+    "release": {"res": "KEYS[i]", "holds": "KEYS[i + 1]", "units_key": "KEYS[i + 2]"},
     "rebuild_part": {"res": "KEYS[1]", "holds": "KEYS[2]"},
+    "rebuild_units": {"units_key": "KEYS[1]"},
     "rebuild_swap": {
         "build": "KEYS[1]",
         "build_holds": "KEYS[2]",
-        "res": "KEYS[3]",
-        "holds": "KEYS[4]",
+        "build_units": "KEYS[3]",
+        "res": "KEYS[4]",
+        "holds": "KEYS[5]",
+        "units_key": "KEYS[6]",
     },
 }
 

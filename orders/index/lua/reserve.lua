@@ -1,12 +1,15 @@
 -- reserve: take an order's units of each resource of one hash slot, all or none, atomically.
 --
 -- KEYS     for each resource, in the caller's order: its hash (cap, sold, held, and
---          'o:' .. order id -> units for each member) then its holds set (member = order id,
---          score = expiry in integer ms); all in one hash slot (the resource id is the tag)
+--          'o:' .. order id -> units for each member), its holds set (member = order id,
+--          score = expiry in integer ms) and its units hash (a named unit -> the order id
+--          holding it, or '!' .. the order id that bought it); all in one hash slot (the
+--          resource id is the tag)
 -- ARGV[1]  order id
 -- ARGV[2]  its expiry, integer ms since the epoch (after ARGV[3])
 -- ARGV[3]  now, integer ms since the epoch (the caller's clock, never the server's)
--- ARGV[3 + i]  the units asked of the i-th resource
+-- ARGV[3 + i]  the units asked of the i-th resource: a number, or the number followed by
+--          the names asked for, each after a newline (a name has no control character)
 --
 -- Returns {code, position, free, unknown...}: code 1 when every known resource has the
 -- order as a member (added now, or already: a retry is not counted twice; position and
@@ -14,7 +17,11 @@
 -- order) has only `free` units for more asked: then nothing is written anywhere. The
 -- positions after the third element are the unknown resources: no hash, or a hash and a set
 -- that disagree (one key lost: HLEN - 3 fields against ZCARD members); nothing is written
--- for them, and the caller lets SQL decide.
+-- for them, and the caller lets SQL decide. Code -2: a unit asked for by name at
+-- `position` is bought, or held by a live member other than this order; the third element
+-- is how many, the names follow; nothing is written. A holder that is no longer a live
+-- member (expired, released, or its keys rebuilt) holds nothing: the index never refuses
+-- on a stale name, and SQL has the last word on every unit.
 --
 -- A member whose expiry is at or before now no longer counts. It is dropped (its units
 -- leave `held`) only when the script also writes, and after its first write: on a server at
@@ -24,7 +31,7 @@
 local order_id = ARGV[1]
 local field = 'o:' .. order_id
 local now = tonumber(ARGV[3])
-local count = #KEYS / 2
+local count = #KEYS / 3
 
 -- The units of the members listed, a thousand at a time (unpack has a stack limit).
 local function units_of(res, members)
@@ -42,12 +49,27 @@ local function units_of(res, members)
   return total
 end
 
+-- The names of ARGV[3 + i] held or bought by another order (none for a plain number).
+local function taken_of(units_key, holds, spec)
+  local taken = {}
+  for name in string.gmatch(spec, '\n([^\n]+)') do
+    local holder = redis.call('HGET', units_key, name)
+    if holder and holder ~= order_id then
+      if string.sub(holder, 1, 1) == '!' or (tonumber(redis.call('ZSCORE', holds, holder)) or 0) > now then
+        taken[#taken + 1] = name
+      end
+    end
+  end
+  return taken
+end
+
 local unknown = {}
 local plans = {}
 local refused, refused_free = 0, 0
 for i = 1, count do
-  local res = KEYS[2 * i - 1]
-  local holds = KEYS[2 * i]
+  local res = KEYS[3 * i - 2]
+  local holds = KEYS[3 * i - 1]
+  local units_key = KEYS[3 * i]
   local state = redis.call('HMGET', res, 'cap', 'sold', 'held', field)
   local cap = tonumber(state[1])
   if not cap or redis.call('HLEN', res) - 3 ~= redis.call('ZCARD', holds) then
@@ -60,10 +82,17 @@ for i = 1, count do
       local expired = redis.call('ZRANGEBYSCORE', holds, '-inf', ARGV[3])
       local gone = units_of(res, expired)
       local free = cap - (tonumber(state[2]) or 0) - (tonumber(state[3]) or 0) + gone
-      if refused == 0 and free < tonumber(ARGV[3 + i]) then
-        refused, refused_free = i, free
+      local asked = tonumber(string.match(ARGV[3 + i], '^%d+'))
+      if refused == 0 then
+        local taken = taken_of(units_key, holds, ARGV[3 + i])
+        if #taken > 0 then
+          return {-2, i, #taken, unpack(taken)}
+        end
+        if free < asked then
+          refused, refused_free = i, free
+        end
       end
-      plans[#plans + 1] = {res, holds, ARGV[3 + i], expired, gone}
+      plans[#plans + 1] = {res, holds, asked, expired, gone}
     end
   end
 end
