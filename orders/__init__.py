@@ -23,7 +23,16 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
-from orders.domain import Actor, ActorKind, Order, OrderStatus, Payment, Resource, SweepResult
+from orders.domain import (
+    Actor,
+    ActorKind,
+    Order,
+    OrderStatus,
+    Payment,
+    Resource,
+    SweepResult,
+    WaitingEntry,
+)
 from orders.errors import (
     CreateRateLimited,
     HoldRefused,
@@ -42,6 +51,7 @@ from orders.errors import (
     UnknownResource,
     UnknownUser,
     UnpaidOrderLimitReached,
+    WaitingEntryNotFound,
 )
 from orders.policies import ExpiryPolicy
 
@@ -82,6 +92,8 @@ __all__ = [
     "UnknownResource",
     "UnknownUser",
     "UnpaidOrderLimitReached",
+    "WaitingEntry",
+    "WaitingEntryNotFound",
     "cancel_order",
     "clear_user_limit",
     "configure",
