@@ -102,6 +102,7 @@ __all__ = [
     "extend_order",
     "get_order",
     "iter_events",
+    "leave_waiting",
     "list_unpaid",
     "mark_paid",
     "mark_refund_handled",
@@ -114,6 +115,8 @@ __all__ = [
     "sweep_expired",
     "user_limit",
     "user_limit_history",
+    "wait_for",
+    "waiting",
 ]
 
 
@@ -310,3 +313,25 @@ def resource(resource_id: str) -> Resource:
 def resources(*, after: str | None = None, limit: int = 100) -> list[Resource]:
     """See :meth:`OrderService.resources`."""
     return default_service().resources(after=after, limit=limit)
+
+
+def wait_for(
+    user_id: str | int,
+    resource_id: str,
+    quantity: int = 1,
+    *,
+    until: datetime | None = None,
+    actor: str | Actor | None = None,
+) -> WaitingEntry:
+    """See :meth:`OrderService.wait_for`."""
+    return default_service().wait_for(user_id, resource_id, quantity, until=until, actor=actor)
+
+
+def waiting(resource_id: str) -> list[WaitingEntry]:
+    """See :meth:`OrderService.waiting`."""
+    return default_service().waiting(resource_id)
+
+
+def leave_waiting(entry_id: int) -> WaitingEntry:
+    """See :meth:`OrderService.leave_waiting`."""
+    return default_service().leave_waiting(entry_id)

@@ -37,6 +37,9 @@ user_limit_history = on_default(AsyncOrderService.user_limit_history)
 set_capacity = on_default(AsyncOrderService.set_capacity)
 resource = on_default(AsyncOrderService.resource)
 resources = on_default(AsyncOrderService.resources)
+wait_for = on_default(AsyncOrderService.wait_for)
+waiting = on_default(AsyncOrderService.waiting)
+leave_waiting = on_default(AsyncOrderService.leave_waiting)
 
 __all__ = [
     "AsyncOrderService",
@@ -50,6 +53,7 @@ __all__ = [
     "extend_order",
     "get_order",
     "iter_events",
+    "leave_waiting",
     "list_unpaid",
     "mark_paid",
     "mark_refund_handled",
@@ -62,4 +66,6 @@ __all__ = [
     "sweep_expired",
     "user_limit",
     "user_limit_history",
+    "wait_for",
+    "waiting",
 ]

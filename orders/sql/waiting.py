@@ -23,6 +23,7 @@ from sqlalchemy import Connection, Row, Select, delete, exists, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, WaitingEntry, WaitingStatus
+from orders.errors import StoreUnavailable
 from orders.sql.models import (
     WAITING,
     orders_table,
@@ -116,7 +117,8 @@ class WaitingRecords:
                 row = conn.execute(_ENTRY.where(W.id == added)).one()
                 conn.commit()
                 return _to_entry(row), True
-        raise AssertionError("unreachable: an add either inserts or finds an entry")
+        # Each attempt's entry left the queue between its insert and its read: give up.
+        raise StoreUnavailable("sql", "the user's waiting entry kept changing; retry")
 
     def get(self, entry_id: int) -> WaitingEntry | None:
         with self.tx.read() as conn:
