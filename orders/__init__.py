@@ -117,6 +117,7 @@ __all__ = [
     "user_limit_history",
     "wait_for",
     "waiting",
+    "waiting_entry",
 ]
 
 
@@ -330,6 +331,11 @@ def wait_for(
 def waiting(resource_id: str) -> list[WaitingEntry]:
     """See :meth:`OrderService.waiting`."""
     return default_service().waiting(resource_id)
+
+
+def waiting_entry(entry_id: int) -> WaitingEntry:
+    """See :meth:`OrderService.waiting_entry`."""
+    return default_service().waiting_entry(entry_id)
 
 
 def leave_waiting(entry_id: int) -> WaitingEntry:

@@ -39,6 +39,7 @@ resource = on_default(AsyncOrderService.resource)
 resources = on_default(AsyncOrderService.resources)
 wait_for = on_default(AsyncOrderService.wait_for)
 waiting = on_default(AsyncOrderService.waiting)
+waiting_entry = on_default(AsyncOrderService.waiting_entry)
 leave_waiting = on_default(AsyncOrderService.leave_waiting)
 
 __all__ = [
@@ -68,4 +69,5 @@ __all__ = [
     "user_limit_history",
     "wait_for",
     "waiting",
+    "waiting_entry",
 ]
