@@ -23,7 +23,16 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
-from orders.domain import Actor, ActorKind, Order, OrderStatus, Payment, Resource, SweepResult
+from orders.domain import (
+    Actor,
+    ActorKind,
+    Order,
+    OrderStatus,
+    Payment,
+    Resource,
+    SweepResult,
+    WaitingEntry,
+)
 from orders.errors import (
     CreateRateLimited,
     HoldRefused,
@@ -42,6 +51,7 @@ from orders.errors import (
     UnknownResource,
     UnknownUser,
     UnpaidOrderLimitReached,
+    WaitingEntryNotFound,
 )
 from orders.policies import ExpiryPolicy
 
@@ -82,6 +92,8 @@ __all__ = [
     "UnknownResource",
     "UnknownUser",
     "UnpaidOrderLimitReached",
+    "WaitingEntry",
+    "WaitingEntryNotFound",
     "cancel_order",
     "clear_user_limit",
     "configure",
@@ -90,6 +102,7 @@ __all__ = [
     "extend_order",
     "get_order",
     "iter_events",
+    "leave_waiting",
     "list_unpaid",
     "mark_paid",
     "mark_refund_handled",
@@ -104,6 +117,9 @@ __all__ = [
     "units",
     "user_limit",
     "user_limit_history",
+    "wait_for",
+    "waiting",
+    "waiting_entry",
 ]
 
 
@@ -312,3 +328,30 @@ def resource(resource_id: str) -> Resource:
 def resources(*, after: str | None = None, limit: int = 100) -> list[Resource]:
     """See :meth:`OrderService.resources`."""
     return default_service().resources(after=after, limit=limit)
+
+
+def wait_for(
+    user_id: str | int,
+    resource_id: str,
+    quantity: int = 1,
+    *,
+    until: datetime | None = None,
+    actor: str | Actor | None = None,
+) -> WaitingEntry:
+    """See :meth:`OrderService.wait_for`."""
+    return default_service().wait_for(user_id, resource_id, quantity, until=until, actor=actor)
+
+
+def waiting(resource_id: str) -> list[WaitingEntry]:
+    """See :meth:`OrderService.waiting`."""
+    return default_service().waiting(resource_id)
+
+
+def waiting_entry(entry_id: int) -> WaitingEntry:
+    """See :meth:`OrderService.waiting_entry`."""
+    return default_service().waiting_entry(entry_id)
+
+
+def leave_waiting(entry_id: int) -> WaitingEntry:
+    """See :meth:`OrderService.leave_waiting`."""
+    return default_service().leave_waiting(entry_id)

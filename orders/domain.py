@@ -69,6 +69,8 @@ class ActorKind(StrEnum):
     SWEEPER = "sweeper"
     #: The host's pre-close check, extending an order the sweep was about to close.
     PRE_CLOSE_CHECK = "pre_close_check"
+    #: A waiting list serving its next entry (the name is the entry's id).
+    WAITING_LIST = "waiting_list"
 
 
 #: The longest free-text actor name an event holds.
@@ -404,3 +406,65 @@ class OrderIdGenerator:
         # 26 characters of 5 bits hold the 128 bits (the top two are 0), 10 bits at a time.
         pairs = _CROCKFORD_PAIRS
         return "".join([pairs[(value >> shift) & 1023] for shift in range(120, -1, -10)])
+
+
+# --- waiting lists -----------------------------------------------------------------------
+
+
+class WaitingStatus(StrEnum):
+    """Where a waiting-list entry is: in the queue, or out of it and why."""
+
+    WAITING = "waiting"
+    #: An unpaid order was made for it (``WaitingEntry.order_id``).
+    SERVED = "served"
+    LEFT = "left"
+    #: Its ``until`` passed before it could be served.
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingEntry:
+    """One user waiting for ``quantity`` units of one resource, as SQL held it; entries
+    are served first come, first served (by ``id``)."""
+
+    id: int
+    resource_id: str
+    user_id: str
+    quantity: int
+    created_at_ms: int
+    status: WaitingStatus
+    #: After this instant it is dropped, not served (None: it waits as long as it takes).
+    until_ms: int | None = None
+    #: The order made for it (status ``served``).
+    order_id: str | None = None
+    #: When it left the queue (served, left or expired).
+    ended_at_ms: int | None = None
+
+    @property
+    def created_at(self) -> datetime:
+        return ms_to_datetime(self.created_at_ms)
+
+    @property
+    def until(self) -> datetime | None:
+        return None if self.until_ms is None else ms_to_datetime(self.until_ms)
+
+    @property
+    def ended_at(self) -> datetime | None:
+        return None if self.ended_at_ms is None else ms_to_datetime(self.ended_at_ms)
+
+    def as_dict(self) -> dict[str, int | str | None]:
+        """Its fields, with the instants also as ISO 8601 text, as JSON takes them."""
+        return {
+            "id": self.id,
+            "resource_id": self.resource_id,
+            "user_id": self.user_id,
+            "quantity": self.quantity,
+            "status": self.status.value,
+            "order_id": self.order_id,
+            "created_at_ms": self.created_at_ms,
+            "created_at": self.created_at.isoformat(),
+            "until_ms": self.until_ms,
+            "until": None if self.until is None else self.until.isoformat(),
+            "ended_at_ms": self.ended_at_ms,
+            "ended_at": None if self.ended_at is None else self.ended_at.isoformat(),
+        }

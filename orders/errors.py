@@ -15,6 +15,7 @@ The tree, so a caller can catch as broadly or as narrowly as it likes::
      ├── RefundOwed                erasure refused: a refund of the user's is still owed
      ├── UnknownUser               erasure of a user the service never held
      ├── UnknownResource           no counted resource with that id (set_capacity first)
+     ├── WaitingEntryNotFound      no waiting-list entry with that id
      ├── SchemaConflict            a name our schema needs is taken by something else
      └── StoreUnavailable          Redis or SQL failed; the operation did not happen
           ├── SchemaNotReady       the database has no (or an old) schema
@@ -288,3 +289,11 @@ class RedisServerTooOld(StoreUnavailable):
         self.binary = binary
         self.version = version
         self.minimum = minimum
+
+
+class WaitingEntryNotFound(OrdersError, LookupError):
+    """SQL has no waiting-list entry ``entry_id`` (``service.wait_for`` makes one)."""
+
+    def __init__(self, entry_id: int) -> None:
+        super().__init__("no waiting-list entry with that id")
+        self.entry_id = entry_id

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     COMBINED_BATCH_SIZE: Histogram
     HOLDS: Counter
     RESOURCE_DRIFT: Counter
+    WAITING: Counter
 
 #: Every metric this module defines, by the name it is read as (``metrics.CREATES``).
 METRIC_NAMES = frozenset(
@@ -80,6 +81,7 @@ METRIC_NAMES = frozenset(
         "COMBINED_BATCH_SIZE",
         "HOLDS",
         "RESOURCE_DRIFT",
+        "WAITING",
     }
 )
 
@@ -96,6 +98,9 @@ HOLD_OUTCOMES = (
 #: The ``kind`` label values of ``orders_resource_drift_total``: the Redis copy of a
 #: resource was missing, or stale (other than SQL).
 DRIFT_KINDS = ("missing", "stale")
+#: The ``outcome`` label values of ``orders_waiting_total``: waiting-list entries added,
+#: served (an order made for them), left, expired (past their ``until``).
+WAITING_OUTCOMES = ("added", "served", "left", "expired")
 
 _registering = threading.Lock()
 _defined: dict[str, Any] = {}
@@ -211,6 +216,11 @@ def _define() -> dict[str, Any]:
             "orders_resource_drift_total",
             "resources whose Redis copy reconcile found wrong and rebuilt from SQL, by kind",
             ["kind"],  # DRIFT_KINDS
+        ),
+        "WAITING": Counter(
+            "orders_waiting_total",
+            "waiting-list entries, by outcome",
+            ["outcome"],  # WAITING_OUTCOMES
         ),
     }
 

@@ -35,6 +35,7 @@ from orders.domain import (
     OrderStatus,
     Resource,
     SweepResult,
+    WaitingEntry,
     refusal,
     system_clock,
 )
@@ -60,6 +61,7 @@ from orders.rules.retention import Pruner
 from orders.rules.sweep import PreCloseCheck, Sweep
 from orders.rules.transition import Transitioner, combines_on
 from orders.rules.user_limits import UserLimits
+from orders.rules.waiting import WaitingList
 from orders.sql.host import host_connection
 from orders.sql.pauses import Pauses
 from orders.sql.records import OrderRecords
@@ -68,7 +70,9 @@ from orders.sql.resources import ResourceRecords
 from orders.sql.retention import Retention
 from orders.sql.slot_batch import SlotBatch
 from orders.sql.user_limits import LimitChange, UserLimit
+from orders.sql.waiting import WaitingRecords
 from orders.validation import (
+    ON_LIMIT_REFUSE,
     TEXT_MAX_LENGTH,
     check_optional_text,
     check_order_id,
@@ -159,6 +163,19 @@ class OrderService:
         #: The operator's actions over many orders: the pause, retention, bulk actions.
         self.operations = Operations(self.pausing, self.pruner, bulk, s)
         self.new_order_id = OrderIdGenerator(self.now_ms)
+        #: Waiting lists, served where units come free: a cancel or close, a sweep batch
+        #: (and its recovery pass), a capacity raised (:mod:`orders.rules.waiting`).
+        self.waiting_list = WaitingList(
+            WaitingRecords(self.records.tx),
+            self.holding.records,
+            lambda user, oid, holds, meta, who: self.create_unpaid_order(
+                user, order_id=oid, holds=holds, metadata=meta, actor=who, on_limit=ON_LIMIT_REFUSE
+            ),
+            self.now_ms,
+            s.max_user_id_length,
+        )
+        self.admitter.followups.freed = self.sweep.freed = self.waiting_list.after_release
+        self.sweep.after_sweep = self.waiting_list.recover_quietly
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
         self.refused_payment_handlers: list[Callable[[OrderEvent], None]] = []
 
@@ -305,8 +322,12 @@ class OrderService:
         (:mod:`orders.rules.resources`). Returns it as stored, with what is held and sold.
         A capacity lowered below what is held and sold takes nothing back; new holds are
         refused until enough is released. :class:`InvalidInput` before anything is written.
+        Units it frees serve the resource's waiting list at once (:meth:`wait_for`).
         """
-        return self.capacities.set(resource_id, capacity, per_user, actor)
+        resource = self.capacities.set(resource_id, capacity, per_user, actor)
+        if resource.free and self.waiting_list.after_release([resource.id]):
+            return self.capacities.read(resource.id)  # what the served entries now hold
+        return resource
 
     def set_units(
         self, resource_id: str, units: Sequence[str], *, actor: str | Actor | None = None
@@ -330,6 +351,42 @@ class OrderService:
         """Up to ``limit`` resources (1 to 10,000) by id, after the id ``after`` (the last
         of the previous page)."""
         return self.capacities.page(after, limit)
+
+    # --- waiting lists ---------------------------------------------------------------------
+
+    def wait_for(
+        self,
+        user_id: str | int,
+        resource_id: str,
+        quantity: int = 1,
+        *,
+        until: datetime | None = None,
+        actor: str | Actor | None = None,
+    ) -> WaitingEntry:
+        """Queue the user for ``quantity`` units of the resource, until ``until`` (an aware
+        datetime ahead of now; None: no end); the user's entry already waiting there is
+        returned instead of a second. Served first come, first served the moment units
+        come free, by an unpaid order made for the user through the normal create path
+        (its limit and caps; order id ``waiting-<entry id>``, its ``created`` event's
+        actor ``waiting_list``): see :mod:`orders.rules.waiting`. Units free now serve the
+        queue at once, so the entry returned may be ``served`` already. Bad input is
+        :class:`InvalidInput` (``quantity`` below 1 or above the capacity or per-user cap,
+        ``until`` naive or past), an unknown resource :class:`UnknownResource`; nothing
+        is written then."""
+        return self.waiting_list.wait_for(user_id, resource_id, quantity, until, actor)
+
+    def waiting(self, resource_id: str) -> list[WaitingEntry]:
+        """The entries waiting for the resource, first come first."""
+        return self.waiting_list.waiting(resource_id)
+
+    def waiting_entry(self, entry_id: int) -> WaitingEntry:
+        """One entry, in the queue or out of it; :class:`WaitingEntryNotFound` for none."""
+        return self.waiting_list.get(entry_id)
+
+    def leave_waiting(self, entry_id: int) -> WaitingEntry:
+        """Take the entry out of its queue (status ``left``); one already out of it (served,
+        expired, left) is returned as it is. :class:`WaitingEntryNotFound` for none."""
+        return self.waiting_list.leave(entry_id)
 
     # --- transitions ---------------------------------------------------------------------
 
@@ -559,5 +616,9 @@ class OrderService:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         on_progress: Callable[[int], None] | None = None,
     ) -> ReconcileReport:
-        """Make the Redis index equal to SQL (see :mod:`orders.rules.reconcile`)."""
-        return self.reconciler.reconcile(user_id, dry_run, chunk_size, on_progress)
+        """Make the Redis index equal to SQL (see :mod:`orders.rules.reconcile`); a full run
+        then serves the waiting lists a crash may have left unserved."""
+        report = self.reconciler.reconcile(user_id, dry_run, chunk_size, on_progress)
+        if user_id is None and not dry_run:
+            self.waiting_list.recover_quietly(force=True)
+        return report

@@ -39,6 +39,10 @@ set_units = on_default(AsyncOrderService.set_units)
 units = on_default(AsyncOrderService.units)
 resource = on_default(AsyncOrderService.resource)
 resources = on_default(AsyncOrderService.resources)
+wait_for = on_default(AsyncOrderService.wait_for)
+waiting = on_default(AsyncOrderService.waiting)
+waiting_entry = on_default(AsyncOrderService.waiting_entry)
+leave_waiting = on_default(AsyncOrderService.leave_waiting)
 
 __all__ = [
     "AsyncOrderService",
@@ -52,6 +56,7 @@ __all__ = [
     "extend_order",
     "get_order",
     "iter_events",
+    "leave_waiting",
     "list_unpaid",
     "mark_paid",
     "mark_refund_handled",
@@ -66,4 +71,7 @@ __all__ = [
     "units",
     "user_limit",
     "user_limit_history",
+    "wait_for",
+    "waiting",
+    "waiting_entry",
 ]

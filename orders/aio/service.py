@@ -223,6 +223,10 @@ class AsyncOrderService:
     units = Awaited(OrderService.units)
     resource = Awaited(OrderService.resource)
     resources = Awaited(OrderService.resources)
+    wait_for = Awaited(OrderService.wait_for)
+    waiting = Awaited(OrderService.waiting)
+    waiting_entry = Awaited(OrderService.waiting_entry)
+    leave_waiting = Awaited(OrderService.leave_waiting)
     # An operator's action, which a host's request handler may also take (no module function).
     erase_user = Awaited(OrderService.erase_user)
 

@@ -2,8 +2,9 @@
 
 ``app`` holds the group, its global options and the error mapping; the commands register
 themselves on it from ``order_commands``, ``ops_commands``, ``store_commands``,
-``event_commands``, ``payment_commands``, ``limit_commands``, ``resource_commands`` and
-``upkeep_commands``; ``render`` prints. The benchmark command is loaded only when it is run.
+``event_commands``, ``payment_commands``, ``limit_commands``, ``resource_commands``,
+``waiting_commands`` and ``upkeep_commands``; ``render`` prints. The benchmark command is
+loaded only when it is run.
 """
 
 from orders.cli import (
@@ -15,6 +16,7 @@ from orders.cli import (
     resource_commands,
     store_commands,
     upkeep_commands,
+    waiting_commands,
 )
 from orders.cli.app import EXIT_CODES, exit_code, main
 
@@ -30,4 +32,5 @@ __all__ = [
     "resource_commands",
     "store_commands",
     "upkeep_commands",
+    "waiting_commands",
 ]

@@ -41,6 +41,7 @@ EXIT_CODES: dict[type[errors.OrdersError], int] = {
     errors.RefundOwed: 12,
     errors.UnknownUser: 3,  # not found, as an order
     errors.UnknownResource: 3,  # likewise
+    errors.WaitingEntryNotFound: 3,  # likewise
     errors.HoldRefused: 13,
 }
 

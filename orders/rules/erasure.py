@@ -11,15 +11,18 @@ again:
 
 1. Refuse (:class:`~orders.errors.RefundOwed`, nothing written) while a refused payment of
    the user's orders has no refund marked handled: its reference is needed for the refund.
-2. Cancel every unpaid order of the user, each by ``cancel_order``'s compare-and-set (as the
+2. Delete the user's waiting-list entries (a cancel below frees units, which would serve
+   them), then cancel every unpaid order of the user, each by ``cancel_order``'s
+   compare-and-set (as the
    bulk cancel does, reason ``erased``): a payment that commits first wins, and that order
    is kept, paid, like the other paid ones.
 3. In one SQL transaction (:mod:`orders.sql.erasure`): the pseudonym in place of the user
    id in the orders, their events and refused payments; the orders' metadata and payment
    references cleared, and the references in event data and refusals; the user's own limit
-   and its history deleted; one ``erased`` event with the pseudonym and the counts (on the
-   user's latest order: a user who had only an own limit gets none, and a second erasure of
-   it is then UnknownUser). Step 1's check is made again inside it, after the orders' rows
+   and its history deleted, and any waiting-list entry added since step 2; one ``erased``
+   event with the pseudonym and the counts (on the user's latest order: a user who had only
+   an own limit or waiting-list entries gets none, and a second erasure of it is then
+   UnknownUser). Step 1's check is made again inside it, after the orders' rows
    are taken, so a refusal that committed meanwhile rolls it back (RefundOwed).
 4. After the commit, the user's Redis keys are deleted. If Redis fails, StoreUnavailable is
    raised: SQL is done; running the erasure again deletes them.
@@ -56,6 +59,7 @@ from orders.sql.erasure import (
 )
 from orders.sql.matching import OrderFilter
 from orders.sql.records import OrderRecords
+from orders.sql.waiting import forget_user
 from orders.validation import check_user_id
 
 #: The name an erasure's events give when the caller names no actor.
@@ -115,6 +119,10 @@ class Eraser:
             return self.result(alias, before, already=True, uid=uid)
         if not held:
             raise UnknownUser(uid)
+        # Out of every waiting list before the cancels free units, which would serve them.
+        with tx.write() as conn:
+            forget_user(conn, uid)
+            tx.commit(conn, None)
         self.bulk.cancel(BulkRun(OrderFilter(user_id=uid), who), ERASED_REASON)
         with tx.write() as conn:
             rows = erase_rows(conn, uid, alias, self.now_ms(), who)

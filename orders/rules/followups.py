@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
-from orders.domain import Order
+from orders.domain import Order, OrderStatus
 from orders.errors import OrdersError, StoreUnavailable
 from orders.index.unpaid import UnpaidIndex
 from orders.rules.holding import Holding
@@ -31,6 +31,9 @@ class Followups:
         self.records = records
         #: The resources' index, where the service keeps one (:mod:`orders.rules.holding`).
         self.holding = holding
+        #: Told the resources whose units a cancel or close released, once Redis followed
+        #: (the waiting lists' serve: :mod:`orders.rules.waiting`); None: nobody is told.
+        self.freed: Callable[[list[str]], object] | None = None
 
     def settle(self, order_id: str, now_ms: int, *, user_id: str | None = None) -> None:
         """Make the order's member agree with its row, after a call that was cut off half-way
@@ -68,6 +71,9 @@ class Followups:
         self.release_after_commit(order.user_id, order.id)
         if self.holding is not None:
             self.holding.after_transition(order)
+        released = order.status in (OrderStatus.CANCELLED, OrderStatus.CLOSED)
+        if self.freed is not None and order.holds and released:
+            self.freed(sorted(order.holds))
 
     def rescore(self, wanted: Mapping[str, Mapping[str, int]], now_ms: int) -> None:
         """Move the members given (user -> order -> expiry) to those scores, in one round

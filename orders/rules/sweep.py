@@ -42,6 +42,11 @@ class Sweep:
         self.clock = clock
         self.pre_close: PreCloseCheck | None = None
         self.hooks = HookRunner("orders-hook")
+        #: Told the resources a batch's closes released, after the batch's Redis work
+        #: (the waiting lists' serve: :mod:`orders.rules.waiting`); None: nobody is told.
+        self.freed: Callable[[list[str]], object] | None = None
+        #: Run once per sweep, after its closes (the waiting lists' recovery pass).
+        self.after_sweep: Callable[[], object] | None = None
 
     def cutoff(self, now_ms: int | None) -> int:
         clock_now = self.clock()
@@ -76,6 +81,8 @@ class Sweep:
                 break
         if result.closed:
             metrics.SWEEP_SECONDS.observe(time.monotonic() - started)
+        if self.after_sweep is not None:
+            self.after_sweep()
         if self.settings.reminds:
             self._remind(cutoff, size, max_batches, should_stop, result, actor)
         return result.done()
@@ -131,6 +138,8 @@ class Sweep:
             except StoreUnavailable:
                 result.redis_errors += 1
                 log.debug("sweep: redis cleanup failed; expired members go by score")
+        if swept and self.freed is not None:  # serve the released units before the next batch
+            self.freed(sorted({rid for _, ids in swept for rid in ids}))
         return len(rows)
 
     def _run_pre_close(self, check: PreCloseCheck, cutoff: int, size: int) -> None:

@@ -43,6 +43,7 @@ from orders.sql.models import (
 )
 from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.refusals import PENDING
+from orders.sql.waiting import forget_user, has_entries
 
 ORDER = orders_table.c
 EVENT = events_table.c
@@ -97,11 +98,12 @@ def pending_refunds(conn: Connection, user_id: str) -> int:
 
 
 def holds_rows(conn: Connection, user_id: str) -> bool:
-    """Whether any order, an own limit or its history is still under ``user_id``."""
+    """Whether any order, an own limit or its history, or a waiting-list entry is still
+    under ``user_id``."""
     for key in (ORDER.user_id, LIMIT.user_id, HISTORY.user_id):
         if conn.execute(select(key).where(key == user_id).limit(1)).first() is not None:
             return True
-    return False
+    return has_entries(conn, user_id)
 
 
 def erasure_on_record(conn: Connection, pseudonym: str) -> ErasedRows | None:
@@ -121,8 +123,9 @@ def erase_rows(
 ) -> ErasedRows:
     """Put ``pseudonym`` in place of ``user_id`` in the user's orders (but unpaid ones), their
     events and refused payments; clear the orders' metadata and payment references and the
-    references in event data and refusals; delete the user's own limit and its history;
-    write one ``erased`` event. In the caller's transaction, which commits it all or nothing.
+    references in event data and refusals; delete the user's own limit and its history and
+    waiting-list entries; write one ``erased`` event. In the caller's transaction, which
+    commits it all or nothing.
 
     Raises RefundOwed when a refused payment of the user's is pending once the orders'
     rows are taken (on PostgreSQL they are then held, so a refusal that committed since the
@@ -168,6 +171,7 @@ def erase_rows(
     )
     limit_removed = conn.execute(delete(user_limits_table).where(LIMIT.user_id == user_id))
     conn.execute(delete(user_limit_history_table).where(HISTORY.user_id == user_id))
+    forget_user(conn, user_id)  # waiting-list entries: they name the user, nothing more
     cancelled = conn.scalar(
         select(func.count()).where(
             ORDER.user_id == pseudonym,

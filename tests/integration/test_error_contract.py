@@ -44,7 +44,7 @@ from orders.aio import AsyncOrderService
 from orders.bootstrap import build_engine, build_redis
 from orders.cli import main
 from orders.config import Settings
-from orders.errors import UnknownResource
+from orders.errors import UnknownResource, WaitingEntryNotFound
 from orders.events import admin as event_admin
 from orders.events.consumer import EventConsumer
 from orders.operations import Operations
@@ -252,6 +252,12 @@ USE_CASES: dict[str, Row] = {
     # No resource of that id: UnknownResource, unless SQL fails first.
     "resource": Row(lambda c: c.api.resource(f"r:{c.user}"), UnknownResource),
     "resources": Row(lambda c: c.api.resources(limit=5)),
+    # No resource or entry of that id: UnknownResource / WaitingEntryNotFound, unless SQL
+    # fails first (the serve, which would go to Redis, comes after the entry's insert).
+    "wait_for": Row(lambda c: c.api.wait_for(c.user, f"r:{c.user}"), UnknownResource),
+    "waiting": Row(lambda c: c.api.waiting(f"r:{c.user}"), UnknownResource),
+    "waiting_entry": Row(lambda c: c.api.waiting_entry(2**62), WaitingEntryNotFound),
+    "leave_waiting": Row(lambda c: c.api.leave_waiting(2**62), WaitingEntryNotFound),
     "count_due": Row(lambda c: c.api.count_due()),
     "earliest_unpaid_expiry_ms": Row(lambda c: c.api.earliest_unpaid_expiry_ms()),
     "earliest_reminder_ms": Row(lambda c: c.api.earliest_reminder_ms()),
@@ -622,6 +628,10 @@ COMMANDS: dict[str, Cmd] = {
     # No resource of that id: exit 3 (not found), unless SQL fails first.
     "resource show": cmd("resource", "show", "r:{user}", redis=3),
     "resource list": cmd("resource", "list", "--limit", "5"),
+    # No resource or entry of that id: exit 3 (not found), unless SQL fails first.
+    "waiting show": cmd("waiting", "show", "r:{user}", redis=3),
+    "waiting add": cmd("waiting", "add", "{user}", "r:{user}", redis=3),
+    "waiting leave": cmd("waiting", "leave", str(2**62), redis=3),
     # A pause that succeeded would stay open in the module's shared database (and hold
     # every sweep in it), so the row takes the refusal path: a blank reason, exit 2 once
     # the service is built. tests/e2e/test_cli.py and test_pauses.py run the real pause.

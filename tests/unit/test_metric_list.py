@@ -37,6 +37,7 @@ def test_each_metric_is_in_the_operators_table(name: str) -> None:
     [
         ("HOLDS", "outcome", metrics.HOLD_OUTCOMES),
         ("RESOURCE_DRIFT", "kind", metrics.DRIFT_KINDS),
+        ("WAITING", "outcome", metrics.WAITING_OUTCOMES),
     ],
 )
 def test_resource_metrics_have_one_label_of_listed_values_and_no_resource_label(
