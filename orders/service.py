@@ -58,6 +58,7 @@ from orders.rules.payments import LatePaymentCheck, Payments
 from orders.rules.reconcile import DEFAULT_CHUNK_SIZE, Reconciler, ReconcileReport
 from orders.rules.resources import Capacities
 from orders.rules.retention import Pruner
+from orders.rules.serving import ServingThreads
 from orders.rules.sweep import PreCloseCheck, Sweep
 from orders.rules.transition import Transitioner, combines_on
 from orders.rules.user_limits import UserLimits
@@ -174,8 +175,14 @@ class OrderService:
             self.now_ms,
             s.max_user_id_length,
         )
-        self.admitter.followups.freed = self.sweep.freed = self.waiting_list.after_release
-        self.sweep.after_sweep = self.waiting_list.recover_quietly
+        #: The sweep's share of serving, off its thread (:mod:`orders.rules.serving`): a
+        #: cancel serves in its own call.
+        self.serving = ServingThreads(self.waiting_list.after_release)
+        self.admitter.followups.freed = self.waiting_list.after_release
+        self.sweep.freed = self.serving.submit
+        self.sweep.after_sweep = lambda: self.serving.submit(
+            self.waiting_list.recovery_due_quietly()
+        )
         self.closed_handlers: list[Callable[[OrderEvent], None]] = []
         self.refused_payment_handlers: list[Callable[[OrderEvent], None]] = []
 
@@ -185,6 +192,7 @@ class OrderService:
 
     def close(self) -> None:
         """Release the stores' connections and the hook threads; the service is done."""
+        self.serving.close()
         self.sweep.close()
         self.payments.close()
         self.engine.dispose()
@@ -324,10 +332,7 @@ class OrderService:
         refused until enough is released. :class:`InvalidInput` before anything is written.
         Units it frees serve the resource's waiting list at once (:meth:`wait_for`).
         """
-        resource = self.capacities.set(resource_id, capacity, per_user, actor)
-        if resource.free and self.waiting_list.after_release([resource.id]):
-            return self.capacities.read(resource.id)  # what the served entries now hold
-        return resource
+        return self._serve_freed(self.capacities.set(resource_id, capacity, per_user, actor))
 
     def set_units(
         self, resource_id: str, units: Sequence[str], *, actor: str | Actor | None = None
@@ -335,8 +340,16 @@ class OrderService:
         """Give the resource ``resource_id`` named units (seats, numbered spaces; up to
         100,000, in the order a create picks them: the lowest free first) and make its
         capacity their count; created if new. Units may be added and removed later, but a
-        unit held or sold cannot be removed (:class:`InvalidInput`, nothing written)."""
-        return self.capacities.set_units(resource_id, units, actor)
+        unit held or sold cannot be removed (:class:`InvalidInput`, nothing written). Units
+        added serve the resource's waiting list at once (:meth:`wait_for`)."""
+        return self._serve_freed(self.capacities.set_units(resource_id, units, actor))
+
+    def _serve_freed(self, resource: Resource) -> Resource:
+        """After a capacity or unit change: its free units serve the waiting list; the
+        resource as it is then."""
+        if resource.free and self.waiting_list.after_release([resource.id]):
+            return self.capacities.read(resource.id)  # what the served entries now hold
+        return resource
 
     def units(self, resource_id: str) -> dict[str, list[str]]:
         """The named units of the resource by state: ``free``, ``held``, ``sold``."""

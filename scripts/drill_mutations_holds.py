@@ -245,4 +245,12 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
         "a resource Redis lost is rebuilt by the next create even when SQL refuses it",
         f"{UNITS}::test_a_unit_freed_by_a_cancel_or_lost_from_redis_is_not_refused_by_redis",
     ),
+    mutation(
+        "sweep-serves-on-its-own-thread",
+        "orders/service.py",
+        "        self.sweep.freed = self.serving.submit",
+        "        self.sweep.freed = self.waiting_list.after_release",
+        "serving a waiting list never holds up the sweep's next closes",
+        "tests/integration/test_waiting.py::test_a_slow_serve_never_holds_up_the_sweeps_closes",
+    ),
 )

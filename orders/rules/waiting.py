@@ -172,14 +172,25 @@ class WaitingList:
     def recover(self, now_ms: int, *, force: bool = True) -> int:
         """Serve every resource with an entry waiting and a unit free, or an entry past its
         ``until``; without ``force``, at most once per ``RECOVERY_INTERVAL_MS``."""
+        return sum(self._serve_one(rid, now_ms) for rid in self.to_recover(now_ms, force=force))
+
+    def to_recover(self, now_ms: int, *, force: bool = False) -> list[str]:
+        """The resources :meth:`recover` would serve (none within ``RECOVERY_INTERVAL_MS``
+        of the last pass, unless ``force``): for the sweep, which hands them to the
+        serving threads (:mod:`orders.rules.serving`)."""
         with self._recovery_guard:
             if not force and now_ms - self._last_recovery_ms < RECOVERY_INTERVAL_MS:
-                return 0
+                return []
             self._last_recovery_ms = now_ms
-        return sum(
-            self._serve_one(rid, now_ms)
-            for rid in self.records.to_serve(now_ms, RECOVERY_RESOURCES)
-        )
+        return self.records.to_serve(now_ms, RECOVERY_RESOURCES)
+
+    def recovery_due_quietly(self) -> list[str]:
+        """:meth:`to_recover` for the sweep: a failure is logged, never raised."""
+        try:
+            return self.to_recover(self.clock())
+        except OrdersError:
+            log.warning("the waiting lists' recovery pass failed; the next one tries again")
+            return []
 
     def after_release(self, resource_ids: Iterable[str]) -> int:
         """:meth:`serve` for a trigger (a cancel, a close, a sweep batch, a capacity

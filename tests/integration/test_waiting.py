@@ -4,6 +4,7 @@ unpaid order made through the normal create path, exactly once per entry."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
@@ -90,6 +91,7 @@ def test_the_sweeps_close_serves_the_queue_first_come_first_served(
     clock.advance(s=61)
 
     assert service.sweep_expired().closed == 2
+    assert service.serving.drain()  # the sweep's serving threads
 
     assert [service.waiting_entry(e.id).status for e in (anna, ben)] == [WaitingStatus.SERVED] * 2
     assert [e.id for e in service.waiting("ev:1")] == [cara.id]
@@ -97,6 +99,7 @@ def test_the_sweeps_close_serves_the_queue_first_come_first_served(
     # The served orders expire like any other, which serves the next entry.
     clock.advance(s=61)
     service.sweep_expired()
+    assert service.serving.drain()  # the sweep's serving threads
     assert service.waiting_entry(cara.id).status is WaitingStatus.SERVED
     assert service.list_unpaid("cara")[0].id == order_id_for(cara.id)
 
@@ -160,6 +163,7 @@ def test_a_user_at_the_limit_keeps_the_place_and_is_served_once_there_is_room(
     service.cancel_order(busy.id)  # frees anna's slot, not a unit: the sweep's pass serves
     clock.advance(s=1)
     service.sweep_expired()
+    assert service.serving.drain()  # the sweep's serving threads
     assert service.waiting_entry(anna.id).status is WaitingStatus.SERVED
 
 
@@ -312,11 +316,13 @@ def test_a_release_whose_serve_was_lost_is_served_by_the_next_sweep_and_by_recon
     assert len(service.waiting("ev:1")) == 2
 
     service.sweep_expired()  # nothing due; its recovery pass serves anna and ben
+    assert service.serving.drain()  # the sweep's serving threads
     assert [service.waiting_entry(e.id).status for e in (anna, ben)] == [WaitingStatus.SERVED] * 2
 
     cara = service.wait_for("cara", "ev:1")
     service.cancel_order(order_id_for(anna.id))
     service.sweep_expired()  # within RECOVERY_INTERVAL_MS of the last pass: not yet
+    assert service.serving.drain()  # the sweep's serving threads
     assert service.waiting_entry(cara.id).status is WaitingStatus.WAITING
     service.reconcile()
     assert service.waiting_entry(cara.id).status is WaitingStatus.SERVED
@@ -338,3 +344,37 @@ def test_erasure_removes_the_users_entries_before_its_cancels_serve_them(
     assert [row[2] for row in waiting_rows(engine)] == ["ben"]
     assert service.waiting_entry(ben.id).status is WaitingStatus.SERVED
     assert service.list_unpaid("anna") == []
+
+
+def test_a_slow_serve_never_holds_up_the_sweeps_closes(
+    make_service: Callable[..., OrderService], clock: ManualClock
+) -> None:
+    """Serving an entry is a whole create: the sweep hands the released resources to the
+    serving threads and closes its next batches meanwhile."""
+    service = make_service(unpaid_limit=10, sweep_batch_size=2)
+    service.set_capacity("ev:1", 1)
+    held = service.create_unpaid_order("holder", ttl_s=5, holds={"ev:1": 1})
+    others = [service.create_unpaid_order(f"u{n}", ttl_s=6) for n in range(5)]
+    entry = service.wait_for("anna", "ev:1")
+    create = service.waiting_list.create
+    serving = threading.Event()
+    go_on = threading.Event()
+
+    def slow_create(*args: Any) -> Any:
+        serving.set()
+        assert go_on.wait(30)
+        return create(*args)
+
+    service.waiting_list.create = slow_create
+    clock.advance(s=6)
+    try:
+        result = service.sweep_expired()  # three batches: the first frees ev:1
+        assert serving.wait(30)
+        assert result.closed == 6  # every batch closed while the serve was still waiting
+        assert all(service.get_order(o.id).status is OrderStatus.CLOSED for o in others)
+        assert service.waiting_entry(entry.id).status is WaitingStatus.WAITING
+    finally:
+        go_on.set()
+    assert service.serving.drain()
+    assert service.waiting_entry(entry.id).status is WaitingStatus.SERVED
+    assert service.get_order(held.id).status is OrderStatus.CLOSED
