@@ -10,6 +10,7 @@ HOLDS = "tests/integration/test_holds.py"
 INDEX = "tests/integration/test_hold_index.py"
 RACE = "tests/concurrency/test_hold_races.py"
 UNITS = "tests/integration/test_units.py"
+WAITING = "tests/integration/test_waiting.py"
 
 HOLD_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
@@ -252,5 +253,45 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
         "        self.sweep.freed = self.waiting_list.after_release",
         "serving a waiting list never holds up the sweep's next closes",
         "tests/integration/test_waiting.py::test_a_slow_serve_never_holds_up_the_sweeps_closes",
+    ),
+    mutation(
+        "waiting-queue-not-first-come",
+        "orders/sql/waiting.py",
+        "            .order_by(W.id)\n",
+        "            .order_by(W.id.desc())\n",
+        "a waiting list is served first come, first served",
+        f"{WAITING}::test_the_sweeps_close_serves_the_queue_first_come_first_served",
+    ),
+    mutation(
+        "waiting-order-id-not-the-entrys",
+        "orders/rules/waiting.py",
+        '    return f"waiting-{entry_id}"',
+        '    return f"waiting-{entry_id}-{id(object())}"',
+        "an entry is served with one order id, so at most once whatever crashes",
+        f"{WAITING}::test_an_entry_is_served_once_when_its_mark_fails_after_the_order_was_made",
+    ),
+    mutation(
+        "waiting-served-order-not-marked",
+        "orders/rules/waiting.py",
+        "                if order_id_for(entry.id) in offered:",
+        "                if False:",
+        "an entry whose order a crash left unmarked is marked, not served again",
+        f"{WAITING}::test_an_entry_is_served_once_when_its_mark_fails_after_the_order_was_made",
+    ),
+    mutation(
+        "waiting-not-served-at-a-cancel",
+        "orders/rules/followups.py",
+        "            self.freed(sorted(order.holds))",
+        "            pass",
+        "a cancel serves the waiting list of what it released",
+        f"{WAITING}::test_a_cancel_serves_the_first_entry_with_an_order_naming_it",
+    ),
+    mutation(
+        "waiting-recovery-finds-nothing",
+        "orders/rules/waiting.py",
+        "        return self.records.to_serve(now_ms, RECOVERY_RESOURCES)",
+        "        return []",
+        "a release whose serve was lost is served by the next sweep or reconcile",
+        f"{WAITING}::test_a_release_whose_serve_was_lost_is_served_by_the_next_sweep_and_by_reconcile",
     ),
 )
