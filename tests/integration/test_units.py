@@ -6,6 +6,7 @@ list of units changes without ever dropping a unit in use."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -253,3 +254,23 @@ def test_a_unit_freed_by_a_cancel_or_lost_from_redis_is_not_refused_by_redis(
         seats.create_unpaid_order("u3", holds={"ev7": ["A-1"]})
     assert (again.value.reason, again.value.source) == ("taken", "redis")
     assert seats.reconcile().resources_stale == 0
+
+
+def test_the_readmes_seat_map_example(make_service: Callable[..., OrderService]) -> None:
+    service = make_service()
+    service.set_units("ev7", ["A-1", "A-2"])
+    order = service.create_unpaid_order("anna", holds={"ev7": ["A-2"]})
+    assert service.create_unpaid_order("ben", holds={"ev7": 1}).holds == {"ev7": ("A-1",)}
+    with pytest.raises(HoldRefused) as refused:
+        service.create_unpaid_order("dora", holds={"ev7": ["A-2"]})
+    assert (refused.value.reason, refused.value.units, refused.value.source) == (
+        "taken",
+        ("A-2",),
+        "redis",
+    )
+    entry = service.wait_for("carl", "ev7", until=datetime(2030, 1, 5, tzinfo=UTC))
+
+    service.cancel_order(order.id)
+
+    served = service.get_order(f"waiting-{entry.id}")
+    assert (served.user_id, served.holds) == ("carl", {"ev7": ("A-2",)})
