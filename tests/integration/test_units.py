@@ -25,6 +25,8 @@ from tests.support.clocks import ManualClock
 from tests.support.stores import StatementCounter, flush_db
 
 UNIT = units_table.c
+#: Every test here also runs on orders.aio's service (tests/support/aio.py).
+pytestmark = pytest.mark.both_apis
 SEATS = [f"A-{n}" for n in range(1, 11)]
 
 

@@ -56,6 +56,7 @@ def sold_out(service: OrderService, resource_id: str, capacity: int) -> list[str
     ]
 
 
+@pytest.mark.both_apis
 def test_a_cancel_serves_the_first_entry_with_an_order_naming_it(
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
@@ -104,6 +105,7 @@ def test_the_sweeps_close_serves_the_queue_first_come_first_served(
     assert service.list_unpaid("cara")[0].id == order_id_for(cara.id)
 
 
+@pytest.mark.both_apis
 def test_a_capacity_raised_serves_the_queue_and_returns_what_is_held_then(
     make_service: Callable[..., OrderService],
 ) -> None:
@@ -190,6 +192,7 @@ def test_an_entry_past_until_is_dropped_not_served(
     assert service.list_unpaid("anna") == []
 
 
+@pytest.mark.both_apis
 def test_the_same_user_twice_gets_the_entry_already_waiting(
     make_service: Callable[..., OrderService], engine: Engine
 ) -> None:
@@ -203,6 +206,7 @@ def test_the_same_user_twice_gets_the_entry_already_waiting(
     assert len(waiting_rows(engine)) == 1
 
 
+@pytest.mark.both_apis
 def test_bad_input_is_a_typed_error_with_nothing_written(
     make_service: Callable[..., OrderService], engine: Engine, clock: ManualClock
 ) -> None:
@@ -235,6 +239,7 @@ def test_bad_input_is_a_typed_error_with_nothing_written(
     assert waiting_rows(engine) == []
 
 
+@pytest.mark.both_apis
 def test_leaving_takes_the_entry_out_of_the_queue_once(
     make_service: Callable[..., OrderService], clock: ManualClock
 ) -> None:

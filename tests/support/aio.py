@@ -291,6 +291,15 @@ USE_CASES = frozenset(
         "clear_user_limit",
         "user_limit",
         "erase_user",
+        "set_capacity",
+        "resource",
+        "resources",
+        "set_units",
+        "units",
+        "wait_for",
+        "waiting",
+        "waiting_entry",
+        "leave_waiting",
     }
 )
 
