@@ -1,11 +1,12 @@
 -- oes_orders and oes_order_events, hash-partitioned by user_id (PostgreSQL 11 or later;
 -- tried on 15).
 --
--- The same columns, checks, partial indexes and names as migrations 0001-0013, for a fresh
+-- The same columns, checks, partial indexes and names as migrations 0001-0014, for a fresh
 -- database; oes_event_cursors, oes_event_retries, oes_payment_refusals, oes_user_limits,
--- oes_user_limit_history, oes_pauses, oes_resources and oes_alembic_version stay as the
--- migrations make them (small, not partitioned); oes_holds too, its foreign key to the
--- orders being (order_id, user_id) as the events' is. The service's statements run on it unchanged:
+-- oes_user_limit_history, oes_pauses, oes_resources, oes_units, oes_waiting and
+-- oes_alembic_version stay as the migrations make them (small, not partitioned); oes_holds
+-- too, its foreign key to the orders being (order_id, user_id) as the events' is. The
+-- service's statements run on it unchanged:
 -- tests/integration/test_partitioning.py applies this file to a throwaway PostgreSQL and
 -- runs create, pay, cancel, the sweep and the SQL guard against it. docs/capacity.md says
 -- what it costs and what would change.
@@ -228,6 +229,7 @@ CREATE TABLE oes_resources (
     updated_at_ms bigint NOT NULL,
     updated_by_kind varchar(16),
     updated_by varchar(128),
+    named boolean DEFAULT false NOT NULL,
     CONSTRAINT pk_oes_resources PRIMARY KEY (id),
     CONSTRAINT ck_oes_resources_capacity CHECK (capacity >= 0),
     CONSTRAINT ck_oes_resources_held CHECK (held >= 0),
@@ -250,8 +252,43 @@ CREATE TABLE oes_holds (
 CREATE INDEX ix_oes_holds_held_resource_id ON oes_holds (resource_id, quantity)
     WHERE status = 'held';
 CREATE INDEX ix_oes_holds_resource_id_user_id ON oes_holds (resource_id, user_id);
+CREATE TABLE oes_units (
+    resource_id varchar(128) NOT NULL,
+    name varchar(64) NOT NULL,
+    position bigint NOT NULL,
+    state varchar(8) NOT NULL,
+    order_id varchar(128),
+    CONSTRAINT pk_oes_units PRIMARY KEY (resource_id, name),
+    CONSTRAINT ck_oes_units_state CHECK (state IN ('free', 'held', 'sold')),
+    CONSTRAINT fk_oes_units_resource_id_oes_resources FOREIGN KEY (resource_id)
+        REFERENCES oes_resources (id)
+);
+CREATE INDEX ix_oes_units_resource_id_state_position ON oes_units (resource_id, state, position);
+CREATE INDEX ix_oes_units_order_id ON oes_units (order_id);
+CREATE TABLE oes_waiting (
+    id bigserial NOT NULL,
+    resource_id varchar(128) NOT NULL,
+    user_id varchar(512) NOT NULL,
+    quantity bigint NOT NULL,
+    until_ms bigint,
+    created_at_ms bigint NOT NULL,
+    status varchar(16) NOT NULL,
+    order_id varchar(128),
+    ended_at_ms bigint,
+    added_by_kind varchar(16),
+    added_by varchar(128),
+    CONSTRAINT pk_oes_waiting PRIMARY KEY (id),
+    CONSTRAINT ck_oes_waiting_status CHECK (status IN ('waiting', 'served', 'left', 'expired')),
+    CONSTRAINT ck_oes_waiting_quantity CHECK (quantity > 0),
+    CONSTRAINT fk_oes_waiting_resource_id_oes_resources FOREIGN KEY (resource_id)
+        REFERENCES oes_resources (id)
+);
+CREATE UNIQUE INDEX ix_oes_waiting_resource_id_user_id ON oes_waiting (resource_id, user_id)
+    WHERE status = 'waiting';
+CREATE INDEX ix_oes_waiting_queue ON oes_waiting (resource_id, id) WHERE status = 'waiting';
+CREATE INDEX ix_oes_waiting_user_id ON oes_waiting (user_id);
 CREATE TABLE oes_alembic_version (
     version_num varchar(32) NOT NULL,
     CONSTRAINT oes_alembic_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO oes_alembic_version (version_num) VALUES ('0013');
+INSERT INTO oes_alembic_version (version_num) VALUES ('0014');

@@ -252,6 +252,10 @@ USE_CASES: dict[str, Row] = {
     # No resource of that id: UnknownResource, unless SQL fails first.
     "resource": Row(lambda c: c.api.resource(f"r:{c.user}"), UnknownResource),
     "resources": Row(lambda c: c.api.resources(limit=5)),
+    # SQL is the record; the Redis index's copy of the capacity follows (its failure logged).
+    "set_units": Row(lambda c: c.api.set_units(f"u:{c.user}", ["A-1", "A-2"])),
+    # No resource of that id: UnknownResource, unless SQL fails first.
+    "units": Row(lambda c: c.api.units(f"r:{c.user}"), UnknownResource),
     # No resource or entry of that id: UnknownResource / WaitingEntryNotFound, unless SQL
     # fails first (the serve, which would go to Redis, comes after the entry's insert).
     "wait_for": Row(lambda c: c.api.wait_for(c.user, f"r:{c.user}"), UnknownResource),
@@ -628,6 +632,7 @@ COMMANDS: dict[str, Cmd] = {
     # No resource of that id: exit 3 (not found), unless SQL fails first.
     "resource show": cmd("resource", "show", "r:{user}", redis=3),
     "resource list": cmd("resource", "list", "--limit", "5"),
+    "resource units": cmd("resource", "units", "u:{user}", "A-1", "A-2"),
     # No resource or entry of that id: exit 3 (not found), unless SQL fails first.
     "waiting show": cmd("waiting", "show", "r:{user}", redis=3),
     "waiting add": cmd("waiting", "add", "{user}", "r:{user}", redis=3),
