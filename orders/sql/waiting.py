@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Row, Select, delete, exists, select, update
+from sqlalchemy import Connection, Row, Select, delete, exists, literal_column, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, WaitingEntry, WaitingStatus
@@ -46,7 +46,12 @@ _ENTRY: Select[Any] = select(
     W.order_id,
     W.ended_at_ms,
 )
-_WAITING = W.status == WAITING
+#: The status as a literal, never a bound parameter: a statement the driver has prepared
+#: runs on a generic plan, where PostgreSQL matches a partial index (the queue's, and the
+#: ON CONFLICT target of :meth:`WaitingRecords.add`) only to a WHERE that spells the
+#: index's own predicate. With a parameter, the add failed after a few runs on one
+#: connection ("no unique or exclusion constraint matching the ON CONFLICT").
+_WAITING = W.status == literal_column(f"'{WAITING}'")
 #: A read after an insert that did nothing may miss the winner when it has already left
 #: the queue again: the add then tries once more (and once more only).
 ADD_ATTEMPTS = 3
