@@ -3,9 +3,9 @@
 Every SQL statement here is served by an index (the figures ``orders stats`` prints, the
 latest closes from the closed orders' partial index, one user's unpaid rows from the
 per-user partial index, the consumers' lag from the events' commit-order index, the refunds
-owed from the pending refusals' partial index, the resources running out from a range of
-the resources' primary key), so
-a page costs the same with a thousand orders as with ten million. The Redis side is O(1)
+owed from the pending refusals' partial index, the resources running out and the longest
+waiting lists from bounded ranges of their indexes: :mod:`orders.dashboard.stock`), so a
+page costs the same with a thousand orders as with ten million. The Redis side is O(1)
 per server (INFO memory, DBSIZE, the scheduler hash, the lease) or one user's key.
 
 Each part of the overview is read on its own: a store that is down blanks the parts it
@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, select
 
-from orders.domain import OrderStatus, Resource
+from orders.dashboard.stock import read_resources, read_waiting
+from orders.domain import OrderStatus
 from orders.errors import StoreUnavailable
 from orders.events.admin import list_consumers
 from orders.index.errors import redis_errors
@@ -49,12 +50,6 @@ LAG_CAP = 10_000
 #: The refunds owed are counted up to here, for the same reason, and the latest are listed.
 OWED_CAP = 10_000
 OWED_LISTED = 10
-#: The resources running out: the ten with the least free share, ranked among the first
-#: RESOURCES_RANKED by id. The share has no index, so ranking every resource would cost a
-#: read of each on every refresh; past the bound the panel says it ranked only part
-#: (``capped``).
-RUNNING_OUT = 10
-RESOURCES_RANKED = 10_000
 
 
 def recent_closes(conn: Connection, limit: int = RECENT_CLOSES) -> list[dict[str, Any]]:
@@ -152,21 +147,6 @@ def _refunds(service: OrderService, now_ms: int) -> dict[str, Any]:
     }
 
 
-def _resource_row(resource: Resource) -> dict[str, Any]:
-    # The id is caller text, as it came: the page writes it as text, never as HTML.
-    return {**resource.as_dict(), "sold_out": resource.free == 0}
-
-
-def _resources(service: OrderService) -> dict[str, Any]:
-    records = service.capacities.records
-    found = records.running_out(RUNNING_OUT, among=RESOURCES_RANKED)
-    return {
-        "running_out": [_resource_row(resource) for resource in found],
-        "ranked_cap": RESOURCES_RANKED,
-        "capped": records.more_than(RESOURCES_RANKED),
-    }
-
-
 def _redis(service: OrderService) -> dict[str, Any]:
     memory = keys = 0
     servers = primaries(service.index.client)
@@ -186,7 +166,8 @@ def read_overview(service: OrderService) -> dict[str, Any]:
         "scheduling": _part(lambda: _schedulers(service, now_ms)),
         "consumers": _part(lambda: _consumers(service)),
         "refunds": _part(lambda: _refunds(service, now_ms)),
-        "resources": _part(lambda: _resources(service)),
+        "resources": _part(lambda: read_resources(service)),
+        "waiting": _part(lambda: read_waiting(service, now_ms)),
         "redis": _part(lambda: _redis(service)),
         "pause": _part(lambda: _pause(service)),
     }

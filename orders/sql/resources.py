@@ -33,7 +33,7 @@ from orders.domain import Actor, Resource
 from orders.errors import InvalidInput
 from orders.sql.models import HOLD_HELD, holds_table, orders_table, resources_table
 from orders.sql.transactions import Transactions
-from orders.sql.units import set_units, units_of
+from orders.sql.units import lowest_free, set_units, units_of
 
 RC = resources_table.c
 HC = holds_table.c
@@ -116,6 +116,12 @@ class ResourceRecords:
         """The resource's named units in order: (name, state, holder or last holder)."""
         with self.tx.read() as conn:
             return units_of(conn, resource_id)
+
+    def first_free(self, resource_id: str, count: int) -> builtins.list[str]:
+        """Up to ``count`` free units of a named resource, lowest first (none for a counted
+        one): a bounded read whatever the number of its units."""
+        with self.tx.read() as conn:
+            return lowest_free(conn, resource_id, count)
 
     def _lock(self, *columns: Any) -> Any:
         query = select(*columns).where(RC.id == bindparam("rid", type_=String))

@@ -175,5 +175,11 @@ def units_of(conn: Connection, resource_id: str) -> list[tuple[str, str, str | N
     return [(row.name, row.state, row.order_id) for row in conn.execute(query)]
 
 
+def lowest_free(conn: Connection, resource_id: str, count: int) -> list[str]:
+    """Up to ``count`` free units of the resource, the lowest in its order first: the
+    first rows of one range of the units' (resource, state, position) index."""
+    return list(conn.scalars(_LOWEST_FREE, {"rid": resource_id, "n": count}))
+
+
 def _chunks(rows: Sequence[Any]) -> list[list[Any]]:
     return [list(rows[i : i + CHUNK]) for i in range(0, len(rows), CHUNK)]

@@ -17,9 +17,21 @@ Each method opens its own short transaction (a statement, on PostgreSQL in autoc
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Row, Select, delete, exists, select, update
+from sqlalchemy import (
+    Connection,
+    Row,
+    Select,
+    case,
+    delete,
+    exists,
+    func,
+    literal_column,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from orders.domain import Actor, WaitingEntry, WaitingStatus
@@ -46,7 +58,12 @@ _ENTRY: Select[Any] = select(
     W.order_id,
     W.ended_at_ms,
 )
-_WAITING = W.status == WAITING
+#: The status as a literal, never a bound parameter: a statement the driver has prepared
+#: runs on a generic plan, where PostgreSQL matches a partial index (the queue's, and the
+#: ON CONFLICT target of :meth:`WaitingRecords.add`) only to a WHERE that spells the
+#: index's own predicate. With a parameter, the add failed after a few runs on one
+#: connection ("no unique or exclusion constraint matching the ON CONFLICT").
+_WAITING = W.status == literal_column(f"'{WAITING}'")
 #: A read after an insert that did nothing may miss the winner when it has already left
 #: the queue again: the add then tries once more (and once more only).
 ADD_ATTEMPTS = 3
@@ -64,6 +81,28 @@ def _to_entry(row: Row[Any]) -> WaitingEntry:
         order_id=row.order_id,
         ended_at_ms=None if row.ended_at_ms is None else int(row.ended_at_ms),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """One resource's waiting list in short (:meth:`WaitingRecords.longest_queues`)."""
+
+    resource_id: str
+    #: Entries waiting.
+    entries: int
+    #: The units they ask for, in all.
+    units: int
+    #: When the oldest of them was queued.
+    oldest_created_at_ms: int
+    #: The resource's units free now (held and sold taken off; never below 0).
+    free: int
+
+
+@dataclass(frozen=True, slots=True)
+class LongestQueues:
+    queues: list[Queue]
+    #: More entries wait than were read: the queues are ranked among the first ones only.
+    capped: bool
 
 
 class WaitingRecords:
@@ -160,6 +199,61 @@ class WaitingRecords:
         )
         with self.tx.read() as conn:
             return list(conn.scalars(query))
+
+    def longest_queues(self, limit: int, *, among: int) -> LongestQueues:
+        """The ``limit`` resources with the most entries waiting, most first (ties by id),
+        with the units asked, the oldest entry's time and the units free now.
+
+        Bounded by ``among``, not by the queues' size: one statement reads the first
+        ``among`` waiting entries along the queues' partial index (resource, then arrival),
+        one more step along it to tell whether any were left out (``capped``), and the
+        resource rows of the ``limit`` shown by primary key. Past the bound, the resources
+        after the first ``among`` entries are not ranked and the last one read is counted
+        in part."""
+        read = (
+            select(W.resource_id, W.quantity, W.created_at_ms)
+            .where(_WAITING)
+            .order_by(W.resource_id, W.id)
+            .limit(among)
+            .subquery("read")
+        )
+        entries = func.count().label("entries")
+        ranked = (
+            select(
+                read.c.resource_id,
+                entries,
+                func.sum(read.c.quantity).label("units"),
+                func.min(read.c.created_at_ms).label("oldest_ms"),
+            )
+            .group_by(read.c.resource_id)
+            .order_by(entries.desc(), read.c.resource_id)
+            .limit(limit)
+            .subquery("ranked")
+        )
+        left_out = select(W.id).where(_WAITING).order_by(W.resource_id, W.id).offset(among)
+        free = RC.capacity - RC.held - RC.sold
+        query = (
+            select(
+                ranked,
+                case((free < 0, 0), else_=free).label("free"),
+                left_out.limit(1).exists().label("capped"),
+            )
+            .join(resources_table, RC.id == ranked.c.resource_id)
+            .order_by(ranked.c.entries.desc(), ranked.c.resource_id)
+        )
+        with self.tx.read() as conn:
+            rows = conn.execute(query).all()
+        queues = [
+            Queue(
+                resource_id=row.resource_id,
+                entries=int(row.entries),
+                units=int(row.units),
+                oldest_created_at_ms=int(row.oldest_ms),
+                free=int(row.free),
+            )
+            for row in rows
+        ]
+        return LongestQueues(queues, capped=any(bool(row.capped) for row in rows))
 
     def orders_present(self, order_ids: Sequence[str]) -> set[str]:
         """Of ``order_ids``, those SQL has an order of (whatever its status)."""

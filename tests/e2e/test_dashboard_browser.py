@@ -4,9 +4,10 @@ The HTTP-level tests (tests/integration/test_dashboard.py) check the JSON; this 
 what an operator sees: that the page logs in, that its numbers follow creates, payments,
 cancels and the sweep *without a reload* (the server-sent events and the JavaScript that
 renders them), that the refunds owed list a hostile payment reference as text, that the
-resources running out show a hostile resource id as text and mark the sold out, that the
-user search highlights a damaged index entry, and that the token keeps a fresh browser and
-a wrong bearer out.
+resources running out show a hostile resource id as text and mark the sold out, that a
+named resource shows its free seats with their first names and the waiting lists their
+longest queues (hostile unit names and ids as text), that the user search highlights a
+damaged index entry, and that the token keeps a fresh browser and a wrong bearer out.
 
 The browser is the system's Chromium (``ORDERS_CHROMIUM``, else ``chromium`` on PATH):
 Playwright never downloads one here. It runs with a temporary profile (Playwright's
@@ -73,6 +74,8 @@ FIGURES = ("unpaid", "open_unpaid", "paid", "cancelled", "closed", "backlog")
 HOSTILE_REF = "<img src=x onerror=alert(1)>"
 #: So is a resource id (set_capacity accepts it), shown in the resources running out.
 HOSTILE_RESOURCE = "<img src=x onerror=alert(2)>"
+#: And a unit name (set_units accepts it), shown among a resource's first free seats.
+HOSTILE_SEAT = "<img src=x onerror=alert(4)>"
 
 
 @pytest.fixture(scope="module")
@@ -320,10 +323,10 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
     running_out = page.locator("#resources tbody tr")
     expect(running_out).to_have_count(2, timeout=WAIT_MS)
     expect(running_out.nth(0).locator("td")).to_have_text(
-        [HOSTILE_RESOURCE, "2", "0", "2", "0 sold out"]
+        [HOSTILE_RESOURCE, "2", "0", "2", "0 sold out", ""]
     )
     expect(running_out.nth(0)).to_have_class("soldout")
-    expect(running_out.nth(1).locator("td")).to_have_text(["sku:tea", "10", "0", "1", "9"])
+    expect(running_out.nth(1).locator("td")).to_have_text(["sku:tea", "10", "0", "1", "9", ""])
     expect(running_out.nth(1)).not_to_have_class("soldout")
     expect(page.locator("#resources img")).to_have_count(0)
     expect(page.locator('[data-field="resources_ranked"]')).to_be_hidden()
@@ -373,6 +376,66 @@ def test_the_page_follows_the_shop_live_and_compares_a_user(
 
     assert page.evaluate("window.__loaded") == loaded, "the page was reloaded"
     assert page.evaluate("window.__lost") == 0, "the event stream dropped"
+    assert dialogs == [], "caller text ran as script"
+    assert not console.errors, "\n".join(console.errors)
+
+
+def test_the_page_shows_seats_running_out_and_the_longest_waiting_lists(
+    service: OrderService,
+    clock: ManualClock,
+    dashboard: Served,
+    new_context: Callable[[], BrowserContext],
+    console: Console,
+) -> None:
+    page = new_context().new_page()
+    log_in(page, dashboard.url, console)
+    expect(page.locator("#waiting tbody tr.empty")).to_have_text("nobody is waiting")
+    dialogs: list[str] = []
+
+    def on_dialog(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    page.on("dialog", on_dialog)
+
+    # A hall of twelve seats (one named with hostile text), a sold-out box of two, and tea.
+    hall = [HOSTILE_SEAT, *(f"A-{n:02}" for n in range(2, 13))]
+    service.set_units("hall", hall)
+    service.set_units(HOSTILE_RESOURCE, ["B-1", "B-2"])
+    service.set_capacity("sku:tea", 1)
+    service.create_unpaid_order("ann", holds={"hall": ["A-03"], HOSTILE_RESOURCE: 2})
+    service.create_unpaid_order("bob", holds={"sku:tea": 1})
+    rows = page.locator("#resources tbody tr")
+    expect(rows).to_have_count(3, timeout=WAIT_MS)
+    expect(rows.nth(0).locator("td")).to_have_text(
+        [HOSTILE_RESOURCE, "2", "2", "0", "0 sold out", ""]
+    )
+    expect(rows.nth(1).locator("td")).to_have_text(["sku:tea", "1", "1", "0", "0 sold out", ""])
+    free_hall = [name for name in hall if name != "A-03"]
+    expect(rows.nth(2).locator("td")).to_have_text(
+        ["hall", "12", "1", "0", "11 seats", ", ".join(free_hall[:10]) + ", …"]
+    )
+
+    # Queues: three for the box (one asks both seats), one for tea, a second later.
+    service.wait_for("cid", HOSTILE_RESOURCE, quantity=2)
+    service.wait_for("dee", HOSTILE_RESOURCE)
+    clock.advance(s=1)
+    service.wait_for("eve", "sku:tea")
+    service.wait_for("fay", HOSTILE_RESOURCE)
+    clock.advance(ms=500)
+    queues = page.locator("#waiting tbody tr")
+    expect(queues).to_have_count(2, timeout=WAIT_MS)
+    expect(queues.nth(0).locator("td")).to_have_text([HOSTILE_RESOURCE, "3", "4", "1.50 s", "0"])
+    expect(queues.nth(1).locator("td")).to_have_text(["sku:tea", "1", "1", "500 ms", "0"])
+    expect(page.locator('[data-field="waiting_ranked"]')).to_be_hidden()
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT.with_name("dashboard-waiting.png")), full_page=True)
+
+    # Tea comes free: eve is served at once and her queue leaves the panel.
+    service.set_capacity("sku:tea", 2)
+    expect(queues).to_have_count(1, timeout=WAIT_MS)
+    expect(queues.nth(0).locator("td").first).to_have_text(HOSTILE_RESOURCE)
+    expect(page.locator("#resources img, #waiting img")).to_have_count(0)
     assert dialogs == [], "caller text ran as script"
     assert not console.errors, "\n".join(console.errors)
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from orders.dashboard.snapshot import RUNNING_OUT, compare_user, read_overview
+from orders.dashboard.snapshot import compare_user, read_overview
+from orders.dashboard.stock import RUNNING_OUT
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, PaymentMismatch
 from orders.index.nodes import RedisClient
 from orders.service import OrderService

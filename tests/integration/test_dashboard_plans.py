@@ -41,8 +41,9 @@ pytestmark = pytest.mark.parametrize("database_url", ["postgresql"], indirect=Tr
 #: Per overview: five statements of read_stats, the latest closes, and list_consumers'
 #: positions, failure counts and names, then two per consumer (lag count, oldest unread),
 #: then the refunds owed (their capped count with the oldest, the newest listed), then the
-#: resources running out (the ranked ones, whether more exist), then the open pause.
-OVERVIEW_STATEMENTS = 6 + 3 + 2 * 1 + 2 + 2 + 1
+#: resources running out (the ranked ones, the first free units of the one named resource
+#: shown, whether more exist), the longest waiting lists, then the open pause.
+OVERVIEW_STATEMENTS = 6 + 3 + 2 * 1 + 2 + 3 + 1 + 1
 #: The user's unpaid rows, then the rows of the members SQL did not return.
 COMPARE_STATEMENTS = 2
 #: Plan nodes that read a table through an index, or read no table at all.
@@ -63,8 +64,12 @@ READ_WHOLE = {
 SCAN = re.compile(r"(\w+(?: \w+)*? Scan)(?: Backward)?(?: using (\w+))? on (\w+)")
 UNPAID_INDEX = "WHERE ((status)::text = 'unpaid'::text)"
 PENDING_INDEX = "ix_oes_payment_refusals_pending_refused_at_ms"
-#: The resources running out: a range of the primary key.
+#: The resources running out: a range of the primary key; a named one's first free units: a
+#: range of the units' (resource, state, position) index; the waiting lists: the first
+#: entries of the queues' partial index.
 RESOURCES_PK = "pk_oes_resources"
+FREE_UNITS_INDEX = "ix_oes_units_resource_id_state_position"
+QUEUE_INDEX = "ix_oes_waiting_queue"
 
 
 def index_reads(plan: str, indexes: dict[str, tuple[str, str]]) -> set[str]:
@@ -131,6 +136,9 @@ def dashboard_statements(
     service.create_unpaid_order("x", order_id="held", holds={"sku:0": 2, "sku:1": 1})
     service.create_unpaid_order("x", order_id="sold", holds={"sku:0": 1})
     service.mark_paid("sold", payment_ref="s")
+    service.set_units("seat:0", ["A-1", "A-2", "A-3"])
+    service.create_unpaid_order("y", order_id="seat", holds={"seat:0": ["A-2"]})
+    service.wait_for("z", "sku:0")
     service.create_unpaid_order("w", ttl_s=10, order_id="due")
     EventConsumer(
         engine, "stock", Poison("due"), clock=clock, max_attempts=1, start="oldest"
@@ -148,7 +156,9 @@ def dashboard_statements(
     assert [c["parked"] for c in shown["consumers"]] == [1]
     assert [r["payment_ref"] for r in shown["refunds"]["newest"]] == ["refund-owed"]
     listed = shown["resources"]["running_out"]
-    assert [(r["id"], r["free"]) for r in listed] == [("sku:0", 0), ("sku:1", 4)]
+    assert [(r["id"], r["free"]) for r in listed] == [("sku:0", 0), ("seat:0", 2), ("sku:1", 4)]
+    assert listed[1]["first_free"] == ["A-1", "A-3"]
+    assert [(q["resource_id"], q["entries"]) for q in shown["waiting"]["longest"]] == [("sku:0", 1)]
     assert {r["order_id"]: r["state"] for r in user["rows"]} == {
         "open": "same",
         "ghost": "no_row",
@@ -174,4 +184,4 @@ def test_every_dashboard_statement_reads_through_an_index(
     # the refunds owed, not every refusal ever recorded.
     of_refusals = {name for name, (table, _) in indexes.items() if table == refusals_table.name}
     assert read & of_refusals == {PENDING_INDEX}
-    assert RESOURCES_PK in read
+    assert {RESOURCES_PK, FREE_UNITS_INDEX, QUEUE_INDEX} <= read

@@ -383,3 +383,17 @@ def test_a_slow_serve_never_holds_up_the_sweeps_closes(
     assert service.serving.drain()
     assert service.waiting_entry(entry.id).status is WaitingStatus.SERVED
     assert service.get_order(held.id).status is OrderStatus.CLOSED
+
+
+def test_many_adds_keep_matching_the_queue_index_once_the_driver_prepares_them(
+    service: OrderService,
+) -> None:
+    # psycopg prepares a statement after a few runs on a connection and PostgreSQL then
+    # plans it generically: the add's ON CONFLICT target must spell the partial index's
+    # predicate, not a parameter, or it stops matching the index and the add fails.
+    for n in range(4):
+        service.set_capacity(f"ev:{n}", 1)
+        service.create_unpaid_order(f"holder-{n}", holds={f"ev:{n}": 1})
+    entries = [service.wait_for(f"u{user}", f"ev:{n}") for n in range(4) for user in range(10)]
+    assert len({entry.id for entry in entries}) == 40
+    assert [len(service.waiting(f"ev:{n}")) for n in range(4)] == [10] * 4

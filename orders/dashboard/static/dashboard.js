@@ -3,7 +3,7 @@
 // dashboard is mounted (/ or /ops/orders/). Every value from the server is written as text
 // (textContent), never as HTML: order and user ids are whatever checkout code chose, and
 // a payment reference whatever the payment callback passed on, a resource id whatever
-// set_capacity was given.
+// set_capacity was given, a unit name whatever set_units was given.
 "use strict";
 
 const $ = (selector, root = document) => root.querySelector(selector);
@@ -179,16 +179,8 @@ function render(data) {
       [`${duration(r.age_ms)} ago`],
     ]);
   }
-  const resources = data.resources;
-  if (!showError("resources", resources)) {
-    fillTable("resources", resources.running_out, (r) => [
-      [r.id, "ref"], [num(r.capacity), "num"], [num(r.held), "num"], [num(r.sold), "num"],
-      r.sold_out ? ["0 sold out", "num bad"] : [num(r.free), "num"],
-    ], (r) => (r.sold_out ? "soldout" : ""));
-    const note = $('[data-field="resources_ranked"]');
-    note.hidden = !resources.capped;
-    note.textContent = resources.capped ? `ranked among the first ${num(resources.ranked_cap)} resources by id only` : "";
-  }
+  renderResources(data.resources);
+  renderWaiting(data.waiting);
   const redis = data.redis;
   if (!showError("redis", redis)) {
     field("redis_memory", bytes(redis.used_memory_bytes));
@@ -197,6 +189,42 @@ function render(data) {
   }
 }
 
+// A named resource's free count says "seats", and its first free names follow (a few:
+// the server sends FREE_NAMES at most); a counted resource has no names.
+function freeCell(r) {
+  if (r.sold_out) return ["0 sold out", "num bad"];
+  return [r.named ? `${num(r.free)} seats` : num(r.free), "num"];
+}
+
+function firstFree(r) {
+  if (!r.named || r.first_free.length === 0) return [""];
+  const more = r.free > r.first_free.length ? ", …" : "";
+  return [`${r.first_free.join(", ")}${more}`, "ref"];
+}
+
+function rankedNote(name, part, what) {
+  const note = $(`[data-field="${name}"]`);
+  note.hidden = !part.capped;
+  note.textContent = part.capped ? `ranked among the first ${num(part.ranked_cap)} ${what} only` : "";
+}
+
+function renderResources(resources) {
+  if (showError("resources", resources)) return;
+  fillTable("resources", resources.running_out, (r) => [
+    [r.id, "ref"], [num(r.capacity), "num"], [num(r.held), "num"], [num(r.sold), "num"],
+    freeCell(r), firstFree(r),
+  ], (r) => (r.sold_out ? "soldout" : ""));
+  rankedNote("resources_ranked", resources, "resources by id");
+}
+
+function renderWaiting(waiting) {
+  if (showError("waiting", waiting)) return;
+  fillTable("waiting", waiting.longest, (q) => [
+    [q.resource_id, "ref"], [num(q.entries), "num"], [num(q.units), "num"],
+    [duration(q.oldest_age_ms), "num"], [num(q.free), "num"],
+  ]);
+  rankedNote("waiting_ranked", waiting, "waiting entries by resource");
+}
 
 async function lookUp(userId) {
   const summary = $("#user-summary");
