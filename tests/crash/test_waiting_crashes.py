@@ -33,7 +33,6 @@ from sqlalchemy import Engine, func, select
 
 from orders import Order, OrderService, WaitingEntry
 from orders.config import Settings
-from orders.rules.waiting import order_id_for
 from orders.sql.models import events_table, holds_table, orders_table, units_table
 from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, sql_problems
@@ -97,7 +96,8 @@ class SoldOut:
 
     @property
     def offer_id(self) -> str:
-        return order_id_for(self.first.id)
+        """The one order id the entry is ever served with (the issue's contract)."""
+        return f"waiting-{self.first.id}"
 
 
 def sold_out_with_two_waiting(service: OrderService) -> SoldOut:

@@ -38,7 +38,6 @@ from pathlib import Path
 
 from orders.bootstrap import build_service
 from orders.config import Settings
-from orders.rules.waiting import order_id_for
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
 from tests.support.doubles import pausing_after_admit
@@ -46,8 +45,8 @@ from tests.support.workers.hold_crash import stop_before_commit_of_holds
 
 #: How long the worker lets the serving threads run before it reports that no stop came.
 SERVING_TIMEOUT_S = 60.0
-#: The prefix of every order id a waiting-list entry is served with.
-OFFER_PREFIX = order_id_for(0).removesuffix("0")
+#: The prefix of every order id a waiting-list entry is served with (``waiting-<id>``).
+OFFER_PREFIX = "waiting-"
 
 
 def _write_atomically(path: Path, text: str) -> None:
