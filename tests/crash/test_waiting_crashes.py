@@ -1,5 +1,6 @@
 """Processes SIGKILLed between a release and its waiting list's offer, and inside the offer
-(issue 44: "exactly once, whatever crashes"), on both engines.
+(issue 44: "exactly once, whatever crashes"), on both engines, on one Redis server and on a
+cluster.
 
 The stores before each crash: the event "ev7" has four named seats, all taken (an order
 "due" holds A-1 and A-2 and has expired, "kept" holds A-3 for ten minutes more, "paid"
@@ -37,6 +38,8 @@ from orders.sql.models import events_table, holds_table, orders_table, units_tab
 from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, sql_problems
 from tests.support.processes import ChildProcess, child_env
+
+pytestmark = pytest.mark.cluster_too
 
 MARKER_TIMEOUT_S = 60
 EVENT = "ev7"
