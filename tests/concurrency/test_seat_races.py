@@ -130,7 +130,7 @@ def test_seat_pairs_racing_payers_cancels_the_sweeper_and_a_waiting_list_hold_ea
         # and seen at its commit, so two adds at once may be seen in the other order, and a
         # serve in between rightly serves the later id first (it is the one in the queue).
         for k in range(EARLY_WAITERS, WAITERS):
-            if stop.wait(0.02):
+            if stop.wait(0.05):
                 return
             entry = service.wait_for(f"waiter-{k}", RID)
             with lock:

@@ -22,6 +22,7 @@ Named units and waiting lists (issue 44), over one resource:
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -281,14 +282,16 @@ def waiting_problems(engine: Engine, resource_id: str) -> list[str]:
     problems: list[str] = []
     for order_id, user_id, metadata in orders:
         named = (metadata or {}).get("waiting_entry")
-        by_id = int(order_id[8:]) if order_id.startswith("waiting-") else None
-        if named is None and by_id is None:
+        own = re.fullmatch(r"waiting-(\d+)", order_id)
+        by_id = int(own[1]) if own else None
+        if named is None and by_id is None and not order_id.startswith("waiting-"):
             continue
         if named != by_id:
             problems.append(f"{order_id} names entry {named}")
-        entry = entries.get(by_id if by_id is not None else int(str(named)))
+        key = by_id if by_id is not None else named
+        entry = None if key is None else entries.get(int(str(key)))
         if entry is None:
-            problems.append(f"{order_id}: no such entry")
+            problems.append(f"{order_id}: no entry {key}")
             continue
         made[entry.id].append(order_id)
         if user_id != entry.user_id:
