@@ -39,11 +39,12 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import Engine, delete, event, func, select
 
 from benchmarks.measure import chunks, percentile, quiet
 from benchmarks.verdicts import check
 from benchmarks.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
+from orders.bootstrap import build_engine
 from orders.domain import ActorKind, EventKind, OrderStatus
 from orders.rules.serving import WORKERS
 from orders.rules.waiting import order_id_for
@@ -148,16 +149,47 @@ def _wait_all_served(w: Workload, plan: Plan, clock: BenchClock, last_ms: int) -
                 return
 
 
+def setup_engine(w: Workload) -> Engine:
+    """The setup's engine: on PostgreSQL one whose connections never prepare statements.
+
+    ``wait_for``'s INSERT ... ON CONFLICT names its partial unique index by a predicate
+    with a bound value (``orders/sql/waiting.py``); once psycopg prepares the statement
+    (its 5th run on a connection) and PostgreSQL plans it generically, the index is no
+    longer inferred and the INSERT fails ("no unique or exclusion constraint matching the
+    ON CONFLICT specification"). Unprepared, each run is planned with its values. The run
+    itself uses the bench's own engine, untouched (serving never runs that statement).
+    """
+    if w.engine.dialect.name != "postgresql":
+        return w.engine
+    url = w.engine.url.render_as_string(hide_password=False)
+    made = build_engine(w.service.settings, url)
+
+    def unprepared(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.prepare_threshold = None
+
+    event.listen(made, "connect", unprepared)
+    return made
+
+
 def run_variant(w: Workload, variant: str) -> dict[str, Any]:
     sz = w.sizes
     n = max(1, round(sz.lag_rate * sz.lag_seconds))
     gap_ms = 1000 / sz.lag_rate
     clock = BenchClock(SWEEP_NOW_MS - 60_000)
     settings = replace(w.service.settings, key_prefix=w.key_tag + f"wait-{variant}-")
-    service = OrderService(w.engine, w.client, settings, clock=clock)
     expiries = [SWEEP_NOW_MS + LEAD_MS + round(i * gap_ms) for i in range(n)]
     w.status(f"waiting, {variant}: setting up {n:,} units, holders and entries")
-    plan = set_up(w, service, variant, expiries)
+    engine = setup_engine(w)
+    setup = OrderService(engine, w.client, settings, clock=clock)
+    try:
+        plan = set_up(w, setup, variant, expiries)
+    finally:
+        setup.serving.close()
+        setup.sweep.close()
+        setup.payments.close()
+        if engine is not w.engine:
+            engine.dispose()
+    service = OrderService(w.engine, w.client, settings, clock=clock)
     sweeper = Sweeper(service, reconcile_at_start=False)
     service.index.epoch.set("orders-bench")  # as the close-lag figure: no startup rebuild
     scheduler = build_scheduler(sweeper, blocking=False)
