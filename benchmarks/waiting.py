@@ -303,11 +303,11 @@ def waiting(w: Workload) -> dict[str, Any] | None:
         "seconds": sz.lag_seconds,
         "sweeper": "orders.scheduler Sweeper in build_scheduler (APScheduler), in process",
         "serving_threads": WORKERS,
-        "variants": {},
+        "kinds": {},
     }
     for variant in VARIANTS:
         part = run_variant(w, variant)
-        out["variants"][variant] = part
+        out["kinds"][variant] = part
         if part["served"] != part["entries"]:
             w.notes.append(f"waiting, {variant}: {part['served']:,} of {part['entries']:,} served")
         w.step(5)
@@ -322,7 +322,7 @@ def targets(fig: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every entry served exactly once, and the p99 from deadline to new order within the
     issue's goal (beside the close lag of the same run)."""
     out = []
-    for name, part in fig["variants"].items():
+    for name, part in fig["kinds"].items():
         once = min(part["served"], part["orders_made"], part["created_events"],
                    part["distinct_units"], part["served_right_order"])  # fmt: skip
         out.append(check(f"waiting_{name}_served_once", f"waiting ({name}): served exactly once",
@@ -337,7 +337,7 @@ def targets(fig: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def section(rows: Any, fig: Mapping[str, Any]) -> None:
     """The results table's rows (``benchmarks.tables``)."""
-    for name, part in fig["variants"].items():
+    for name, part in fig["kinds"].items():
         label = f"waiting, {name}"
         lat, lag = part["latency_ms"], part["close_lag_ms"]
         rows.add(label, f"deadline to new order, {part['served']:,} of {part['entries']:,}, ms",

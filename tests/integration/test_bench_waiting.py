@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
+from benchmarks.compare import headline
 from benchmarks.measure import Sizes
 from benchmarks.report import run_bench
 from benchmarks.waiting import VARIANTS
@@ -41,8 +42,8 @@ def test_the_waiting_figure_serves_every_entry_once_and_leaves_nothing_behind(
 
     fig = report["figures"]["waiting"]
     assert (fig["rate_s"], fig["seconds"]) == (50.0, 0.4)
-    assert list(fig["variants"]) == list(VARIANTS)
-    counted, named = fig["variants"]["counted"], fig["variants"]["named"]
+    assert list(fig["kinds"]) == list(VARIANTS)
+    counted, named = fig["kinds"]["counted"], fig["kinds"]["named"]
     assert (counted["resources"], named["resources"]) == (20, 1)
     for part in (counted, named):
         assert part["units"] == part["entries"] == 20
@@ -60,6 +61,7 @@ def test_the_waiting_figure_serves_every_entry_once_and_leaves_nothing_behind(
     ]  # fmt: skip
     assert [t["verdict"] for t in report["targets"][::2]] == ["pass", "pass"]
     assert [note for note in report["notes"] if "not make each commit durable" not in note] == []
+    assert "waiting_named_p99_ms" in headline(report)  # --report and --compare read it
     assert report["threads_left"] == {"waiting": []}
     assert report["left_behind"] == {"rows": 0, "events": 0, "keys": 0}
     assert count(engine, orders_table) == 0
