@@ -48,6 +48,10 @@ The figures, each with what it is compared with:
    create with 1 hold and with a 10-resource cart beside one without, and one hot SKU
    under 64 threads beside creates without holds, a raw hold and the commit time
    (:mod:`benchmarks.holds`).
+10. ``waiting`` (issue 44): from an order's deadline to the waiting user's new order while
+   orders expire at ``--lag-rate`` per second, on many counted resources and on one named
+   one, beside the close lag of the same run, every entry checked served exactly once
+   (:mod:`benchmarks.waiting`).
 
 (The ``aio`` figure, which set ``AsyncOrderService`` beside ``asyncio.to_thread`` and a
 native ``redis.asyncio``/``AsyncEngine`` floor to choose a design, went with issue 42:
@@ -70,17 +74,17 @@ only other trace is planner statistics: the sweep figure runs ``ANALYZE`` (Postg
 ``VACUUM (ANALYZE)``) on ``orders`` after each bulk load.
 
 The report's JSON shape is documented in README.md. The package, one job a module:
-``measure`` (runs on threads or tasks, percentiles, sizes), ``concurrency`` (thread and
-task counts, the report's parts by count), ``loop`` (the async variants' event loop),
+``measure`` (runs on threads or tasks, percentiles, sizes), ``concurrency`` (thread and task
+counts, the report's parts by count), ``loop`` (the async variants' event loop),
 ``workload`` (the bench's namespace, rows, cleanup and machine block), ``driver`` (the raw
 DBAPI floors), ``variants``, ``throughput``, ``callers`` and ``figures`` (what is timed),
-``holds`` (the holds figure), ``verdicts`` (a target's pass or miss), ``report`` (the
-report and its targets), ``tables`` (printing it), ``compare`` (saved reports, side by
-side), ``plot`` (matplotlib), ``threads`` (what a figure left running) and ``cli`` (the
-command). Beside them, the scripts of the published runs: ``bench_durable`` (the lab on
-durable stores), ``bench_table`` (its tables), ``bench_combined``, ``profile_create``,
-``profile_holds`` and ``profile_shares`` (flame graphs and their shares), ``prune_bench``
-and ``pg_capacity``.
+``holds`` and ``waiting`` (the issue 43 and 44 figures), ``verdicts`` (a target's pass or
+miss), ``report`` (the report and its targets), ``tables`` (printing it), ``compare`` (saved
+reports, side by side), ``plot`` (matplotlib), ``threads`` (what a figure left running) and
+``cli`` (the command). Beside them, the scripts of the published runs: ``bench_durable``
+(the lab on durable stores), ``bench_table`` (its tables), ``bench_combined``,
+``profile_create``, ``profile_holds`` and ``profile_shares`` (flame graphs and their
+shares), ``prune_bench`` and ``pg_capacity``.
 """
 
 from benchmarks.figures import FIGURES

@@ -122,7 +122,7 @@ def _parse_batches(text: str) -> tuple[int, ...]:
 @click.option(
     "--lag-rate",
     type=click.FloatRange(1, 100_000, min_open=False),
-    help="Expiries per second of the close-lag figure. [default: 1000; quick 200]",
+    help="Expiries per second of the close-lag and waiting figures. [default: 1000; quick 200]",
 )
 @click.option(
     "--lag-seconds",

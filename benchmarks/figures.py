@@ -27,6 +27,7 @@ from benchmarks.measure import (
     spread,
 )
 from benchmarks.throughput import cancel, create, mark_paid, refusal, sql_admission
+from benchmarks.waiting import waiting
 from benchmarks.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
 from orders.domain import OrderStatus
 from orders.index.unpaid import AdmitRequest
@@ -255,6 +256,7 @@ FIGURES = (
     "redis_memory",
     "sql_admission",
     "holds",
+    "waiting",
 )
 
 #: Each figure's function, in the order of FIGURES. None: the figure was skipped (see notes).
@@ -269,4 +271,5 @@ MAKERS: dict[str, Callable[[Workload], dict[str, Any] | None]] = {
     "redis_memory": redis_memory,
     "sql_admission": sql_admission,
     "holds": holds,
+    "waiting": waiting,
 }

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks import callers, holds, threads
+from benchmarks import callers, holds, threads, waiting
 from benchmarks.concurrency import task_counts, thread_counts
 from benchmarks.figures import MAKERS
 from benchmarks.measure import Sizes, python_loop_ms
@@ -55,6 +55,7 @@ def progress_units(sizes: Sizes, figure: str, engine: str) -> float:
         "redis_memory": 2 * sizes.memory_reps,
         "sql_admission": 4 * per_measure,
         "holds": holds.progress_units(sizes.reps),
+        "waiting": waiting.progress_units(),
     }[figure]
 
 
@@ -240,6 +241,50 @@ def _transition_targets(fig: Mapping[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _sweep_targets(part: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
+    t, out = TARGETS, []
+    bound = SWEEP_TARGET_CLOSES_S.get(engine, SWEEP_TARGET_CLOSES_S["postgresql"])
+    out.append(
+        check(
+            "sweep_closes_s",
+            f"sweep, best batch ({part['best_batch']})",
+            part["best_closes_s"],
+            ">=",
+            bound,
+            "closes/s",
+        )
+    )
+    out.append(
+        check(
+            "sweep_cost_10x",
+            "sweep on a 10x table, cost",
+            part["cost_10x"],
+            "<=",
+            t["sweep_cost_10x"],
+            "x",
+            f"phases 1x 10x 1x; 1x drifted {part['drift_1x']:.2f} x",
+        )
+    )
+    return out
+
+
+def _memory_targets(part: Mapping[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for k, bound in REDIS_TARGET_BYTES.items():
+        per = part[f"per_user_{k}"]["bytes_per_order"]["median"]
+        out.append(
+            check(
+                f"redis_bytes_per_order_{k}",
+                f"redis bytes per open order, {k} per user",
+                per,
+                "<=",
+                bound,
+                "B",
+            )
+        )
+    return out
+
+
 def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Each target: the measured figure it is stated in, its bound, and pass or miss."""
     fig, engine, t = report["figures"], report["engine"], TARGETS
@@ -253,43 +298,12 @@ def targets(report: Mapping[str, Any]) -> list[dict[str, Any]]:
         out += callers.targets(fig["callers"], engine)
     if "holds" in fig:
         out += holds.targets(fig["holds"])
+    if "waiting" in fig:
+        out += waiting.targets(fig["waiting"])
     if "sweep" in fig:
-        part = fig["sweep"]
-        bound = SWEEP_TARGET_CLOSES_S.get(engine, SWEEP_TARGET_CLOSES_S["postgresql"])
-        out.append(
-            check(
-                "sweep_closes_s",
-                f"sweep, best batch ({part['best_batch']})",
-                part["best_closes_s"],
-                ">=",
-                bound,
-                "closes/s",
-            )
-        )
-        out.append(
-            check(
-                "sweep_cost_10x",
-                "sweep on a 10x table, cost",
-                part["cost_10x"],
-                "<=",
-                t["sweep_cost_10x"],
-                "x",
-                f"phases 1x 10x 1x; 1x drifted {part['drift_1x']:.2f} x",
-            )
-        )
+        out += _sweep_targets(fig["sweep"], engine)
     if "redis_memory" in fig:
-        for k, bound in REDIS_TARGET_BYTES.items():
-            per = fig["redis_memory"][f"per_user_{k}"]["bytes_per_order"]["median"]
-            out.append(
-                check(
-                    f"redis_bytes_per_order_{k}",
-                    f"redis bytes per open order, {k} per user",
-                    per,
-                    "<=",
-                    bound,
-                    "B",
-                )
-            )
+        out += _memory_targets(fig["redis_memory"])
     if "close_lag" in fig:
         part = fig["close_lag"]
         missing = part["orders"] - part["closed"]

@@ -10,6 +10,7 @@ from rich.table import Table
 from benchmarks.concurrency import part_label
 from benchmarks.figures import FIGURES
 from benchmarks.holds import section as holds_section
+from benchmarks.waiting import section as waiting_section
 
 
 def _rate(s: Mapping[str, float]) -> tuple[str, str]:
@@ -177,6 +178,7 @@ _SECTIONS: dict[str, Callable[[_Rows, Mapping[str, Any]], None]] = {
     "redis_memory": _redis_memory,
     "sql_admission": _sql_admission,
     "holds": holds_section,
+    "waiting": waiting_section,
 }
 
 
