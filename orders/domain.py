@@ -411,6 +411,16 @@ class OrderIdGenerator:
 # --- waiting lists -----------------------------------------------------------------------
 
 
+#: The order id of a waiting-list entry's order is this and the entry's id: the one order it
+#: is ever served with (exactly once: a create is idempotent on its order id).
+WAITING_ORDER_PREFIX = "waiting-"
+
+
+def waiting_order_id(entry_id: int) -> str:
+    """The one order id the waiting-list entry ``entry_id`` is ever served with."""
+    return f"{WAITING_ORDER_PREFIX}{entry_id}"
+
+
 class WaitingStatus(StrEnum):
     """Where a waiting-list entry is: in the queue, or out of it and why."""
 

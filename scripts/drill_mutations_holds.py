@@ -264,9 +264,9 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "waiting-order-id-not-the-entrys",
-        "orders/rules/waiting.py",
-        '    return f"waiting-{entry_id}"',
-        '    return f"waiting-{entry_id}-{id(object())}"',
+        "orders/domain.py",
+        '    return f"{WAITING_ORDER_PREFIX}{entry_id}"',
+        '    return f"{WAITING_ORDER_PREFIX}{entry_id}-{id(object())}"',
         "an entry is served with one order id, so at most once whatever crashes",
         f"{WAITING}::test_an_entry_is_served_once_when_its_mark_fails_after_the_order_was_made",
     ),
@@ -293,5 +293,15 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
         "        return []",
         "a release whose serve was lost is served by the next sweep or reconcile",
         f"{WAITING}::test_a_release_whose_serve_was_lost_is_served_by_the_next_sweep_and_by_reconcile",
+    ),
+    mutation(
+        "waiting-recovery-misses-an-unmarked-offer",
+        "orders/sql/waiting.py",
+        "(W.until_ms <= now_ms) | offered)",
+        "(W.until_ms <= now_ms))",
+        "an entry whose order a crash left unmarked is marked by the next sweep or reconcile",
+        "tests/crash/test_waiting_crashes.py",
+        "-k",
+        "after_its_order_committed and sqlite-server",
     ),
 )

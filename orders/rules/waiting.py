@@ -44,7 +44,7 @@ from datetime import datetime
 from typing import Any
 
 from orders import metrics
-from orders.domain import Actor, ActorKind, Clock, Order, WaitingEntry
+from orders.domain import Actor, ActorKind, Clock, Order, WaitingEntry, waiting_order_id
 from orders.errors import (
     CreateRateLimited,
     HoldRefused,
@@ -78,9 +78,8 @@ METADATA_KEY = "waiting_entry"
 _USER_REFUSALS = (UnpaidOrderLimitReached, CreateRateLimited)
 
 
-def order_id_for(entry_id: int) -> str:
-    """The one order id an entry is ever served with (module docstring: exactly once)."""
-    return f"waiting-{entry_id}"
+#: The one order id an entry is ever served with (module docstring: exactly once).
+order_id_for = waiting_order_id
 
 
 @dataclass(eq=False)

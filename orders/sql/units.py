@@ -79,7 +79,9 @@ def take_units(
             names = tuple(conn.scalars(_LOWEST_FREE, {"rid": rid, "n": count}))
             if len(names) < count:  # the counters said free: only a drifted table gets here
                 raise HoldRefused(rid, HoldReason.SOLD_OUT, count, len(names))
-        conn.execute(_HOLD, {"rid": rid, "names": list(names), "oid": order_id})
+        held = conn.execute(_HOLD, {"rid": rid, "names": list(names), "oid": order_id})
+        if held.rowcount != len(names):  # read free above, under the resource's lock
+            raise HoldRefused(rid, HoldReason.TAKEN, count, None, units=names)
         taken[rid] = names
     return taken
 

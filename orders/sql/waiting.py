@@ -24,17 +24,20 @@ from sqlalchemy import (
     Connection,
     Row,
     Select,
+    String,
     case,
+    cast,
     delete,
     exists,
     func,
+    literal,
     literal_column,
     select,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from orders.domain import Actor, WaitingEntry, WaitingStatus
+from orders.domain import WAITING_ORDER_PREFIX, Actor, WaitingEntry, WaitingStatus
 from orders.errors import StoreUnavailable
 from orders.sql.models import (
     WAITING,
@@ -185,14 +188,20 @@ class WaitingRecords:
             return sorted(conn.scalars(query))
 
     def to_serve(self, now_ms: int, limit: int) -> list[str]:
-        """Up to ``limit`` resources with an entry waiting and either a unit free now or an
-        entry past its ``until``: what a crash between a release and its serve left
-        behind (the recovery pass), in one query driven by the queues' partial index."""
+        """Up to ``limit`` resources with an entry waiting and either a unit free now, an
+        entry past its ``until``, or an entry whose order exists already: what a crash
+        between a release and its serve, or between an entry's order and its mark, left
+        behind (the recovery pass; the last case is usual for a sold-out resource, whose
+        last units the unmarked order took), in one query driven by the queues' partial
+        index (and the orders' primary key)."""
         free = RC.capacity - RC.held - RC.sold
+        offered = exists().where(
+            orders_table.c.id == literal(WAITING_ORDER_PREFIX) + cast(W.id, String)
+        )
         query = (
             select(W.resource_id)
             .join(resources_table, RC.id == W.resource_id)
-            .where(_WAITING, (free > 0) | (W.until_ms <= now_ms))
+            .where(_WAITING, (free > 0) | (W.until_ms <= now_ms) | offered)
             .distinct()
             .order_by(W.resource_id)
             .limit(limit)
