@@ -179,7 +179,7 @@ class OrderService:
         #: cancel serves in its own call.
         self.serving = ServingThreads(self.waiting_list.after_release)
         self.admitter.followups.freed = self.waiting_list.after_release
-        self.sweep.freed = self.serving.submit
+        self.sweep.freed = lambda ids: self.serving.submit(self.waiting_list.queued_quietly(ids))
         self.sweep.after_sweep = lambda: self.serving.submit(
             self.waiting_list.recovery_due_quietly()
         )

@@ -249,8 +249,8 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "sweep-serves-on-its-own-thread",
         "orders/service.py",
-        "        self.sweep.freed = self.serving.submit",
-        "        self.sweep.freed = self.waiting_list.after_release",
+        "self.sweep.freed = lambda ids: self.serving.submit(self.waiting_list.queued_quietly(ids))",
+        "self.sweep.freed = self.waiting_list.after_release",
         "serving a waiting list never holds up the sweep's next closes",
         "tests/integration/test_waiting.py::test_a_slow_serve_never_holds_up_the_sweeps_closes",
     ),

@@ -494,6 +494,7 @@ def make_service(
     """
     loop: LoopThread | None = None
     built: list[AsyncOrderService] = []
+    made: list[OrderService] = []
 
     def make(**overrides: Any) -> OrderService:
         nonlocal loop
@@ -502,6 +503,7 @@ def make_service(
             {}, database_url=database_url, **{**redis_options, **overrides}
         )
         sync = OrderService(engine, redis_client, settings, clock=clock)
+        made.append(sync)
         if api == "sync":
             return sync
         loop = loop or LoopThread()
@@ -513,6 +515,8 @@ def make_service(
 
     with no_slow_callbacks() if api == "async" else contextlib.nullcontext():
         yield make
+        for service in made:  # its serving threads (the engine is the fixture's)
+            service.serving.close()
         if loop is not None:
             for service in built:
                 loop.call(service.aclose())

@@ -183,6 +183,16 @@ class WaitingList:
             self._last_recovery_ms = now_ms
         return self.records.to_serve(now_ms, RECOVERY_RESOURCES)
 
+    def queued_quietly(self, resource_ids: Iterable[str]) -> list[str]:
+        """Of ``resource_ids``, those with an entry waiting (one query): what a sweep batch
+        hands to the serving threads, which start only once there is one. A failure is
+        logged and leaves them to recovery."""
+        try:
+            return self.records.with_waiting(resource_ids)
+        except OrdersError:
+            log.warning("reading the waiting lists failed; the next recovery pass serves them")
+            return []
+
     def recovery_due_quietly(self) -> list[str]:
         """:meth:`to_recover` for the sweep: a failure is logged, never raised."""
         try:
