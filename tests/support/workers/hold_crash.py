@@ -78,10 +78,11 @@ class StoppingResourceIndex(ResourceIndex):
         sold: int,
         held: Sequence[tuple[str, int, int]],
         now_ms: int,
+        named: Sequence[tuple[str, str, str | None]] = (),
     ) -> None:
         if self.at == "rebuild":
             self.stop()
-        super().rebuild(resource_id, capacity, sold, held, now_ms)
+        super().rebuild(resource_id, capacity, sold, held, now_ms, named)
 
 
 #: The index write each mode stops before.

@@ -43,7 +43,7 @@ from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.slots import SLOT_REUSE
-from orders.sql.transitions import CLOSE_EXPIRED, CompareAndSet
+from orders.sql.transitions import CLOSE_ALL_EXPIRED, CompareAndSet
 from tests.support.clocks import now_ms
 from tests.support.tally import Tally, run_threads
 from tests.support.workers.protocol import close_service, stop_on_stdin
@@ -66,9 +66,9 @@ def skewed_clock(offset_ms: int) -> Clock:
 def record_slot_reuse_closes(tally: Tally) -> None:
     """Note each order this process's creates close to take its slot (instrumentation only:
     the wrapped call is the same, its result passed on). The SQL guard closes them with
-    ``CLOSE_EXPIRED`` itself (``orders.sql.slots``), so the hook is on the transition, for
+    ``CLOSE_ALL_EXPIRED`` itself (``orders.sql.slots``), so the hook is on the transition, for
     this whole process (a worker holds one service)."""
-    run = CompareAndSet.run
+    run_all = CompareAndSet.run_all
 
     def recording(
         self: CompareAndSet,
@@ -77,12 +77,13 @@ def record_slot_reuse_closes(tally: Tally) -> None:
         data: dict[str, Any] | None,
         actor: Any,
     ) -> Any:
-        row = run(self, conn, params, data, actor)
-        if row is not None and self is CLOSE_EXPIRED and data == SLOT_REUSE:
-            tally.append("slot_reuse_closed", params["oid"])
-        return row
+        rows = run_all(self, conn, params, data, actor)
+        if self is CLOSE_ALL_EXPIRED and data == SLOT_REUSE:
+            for row in rows:
+                tally.append("slot_reuse_closed", row.id)
+        return rows
 
-    CompareAndSet.run = recording  # type: ignore[method-assign]
+    CompareAndSet.run_all = recording  # type: ignore[method-assign]
 
 
 def checkout(service: OrderService, cfg: dict[str, Any], _stop: threading.Event) -> Tally:
