@@ -83,9 +83,17 @@ class CallPool:
         # Not abandoned on cancel: anyio then delivers the cancellation once it returns.
         return await anyio.to_thread.run_sync(job, limiter=self._limiter)
 
-    def shutdown(self) -> None:
-        """Let the threads end once idle (calls already handed over still finish)."""
-        self._executor.shutdown(wait=False)
+    async def aclose(self) -> None:
+        """End the pool's threads once the calls already handed over finish, waiting for
+        them in a thread of the loop's own so that the loop is not held meanwhile."""
+        self._executor.shutdown(wait=False)  # no new calls from here on
+        join = functools.partial(self._executor.shutdown, wait=True)
+        if on_asyncio():
+            await asyncio.to_thread(join)
+            return
+        import anyio.to_thread  # noqa: PLC0415 (only off asyncio)
+
+        await anyio.to_thread.run_sync(join)
 
 
 def on_asyncio() -> bool:

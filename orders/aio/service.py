@@ -180,7 +180,7 @@ class AsyncOrderService:
             await self.calls.call(self.redis_client.close)
         else:
             await self.redis_client.aclose()
-        self.calls.shutdown()
+        await self.calls.aclose()
 
     @staticmethod
     def _close_core(core: OrderService) -> None:

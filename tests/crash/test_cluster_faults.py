@@ -65,10 +65,13 @@ def kill_a_primary(cluster: LocalCluster) -> str:
 def reshard(cluster: LocalCluster) -> str:
     source = cluster.primary_of(busy_key())
     target = next(node for node in cluster.primaries() if node.port != source.port)
-    slots = cluster.slot_count(source)
-    cluster.reshard(source, target, slots=slots)  # all of them: the busy keys move too
+    # All but its last slot (the busy keys' slot is below it, asserted): emptied, a 7.0
+    # primary turns replica of the node that took its last slot, and that switch fails
+    # redis-cli's last step at random ("UNBLOCKED ... master -> replica?").
+    slots = cluster.slot_count(source) - 1
+    cluster.reshard(source, target, slots=slots)
     assert cluster.primary_of(busy_key()).port == target.port
-    return f"all {slots} slots of :{source.port} moved to :{target.port}"
+    return f"{slots} slots of :{source.port} moved to :{target.port}"
 
 
 def restart_a_primary_empty(cluster: LocalCluster) -> str:

@@ -144,8 +144,12 @@ def test_aclose_closes_every_redis_connection_the_service_opened(
                 sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
         return sockets
 
+    def pool_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("orders-aio")}
+
     async def main() -> tuple[int, int, int]:
         before = open_descriptors()
+        threads_before = pool_threads()
         service = await new_async_service(settings)
         core = await service.core()
         # Forty Redis calls in flight at once: the forty threads meet, then each holds a
@@ -159,6 +163,8 @@ def test_aclose_closes_every_redis_connection_the_service_opened(
         await asyncio.gather(*(service.calls.call(held_call) for _ in range(40)))
         during = open_descriptors()
         await service.aclose()
+        left = pool_threads() - threads_before
+        assert not left, f"{len(left)} of the service's threads still alive after aclose()"
         return before, during, open_descriptors()
 
     before, during, after = run_checked(main())

@@ -225,7 +225,10 @@ class LocalCluster:
             "--cluster-yes",
             "--cluster-pipeline", "10",
         ]  # fmt: skip
-        subprocess.run(reshard, check=True, capture_output=True, timeout=120)
+        done = subprocess.run(reshard, check=False, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:  # say why: redis-cli prints its reason on stdout
+            tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+            raise RuntimeError(f"reshard exited {done.returncode}: " + " | ".join(tail))
 
     def slot_count(self, primary: ClusterNode) -> int:
         """How many slots ``primary`` serves now."""
