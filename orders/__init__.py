@@ -23,16 +23,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from orders.config import Settings
-from orders.domain import (
-    Actor,
-    ActorKind,
-    Order,
-    OrderStatus,
-    Payment,
-    Resource,
-    SweepResult,
-    WaitingEntry,
-)
+from orders.domain import Actor, ActorKind, Order, OrderStatus, Payment, SweepResult
 from orders.errors import (
     CreateRateLimited,
     HoldRefused,
@@ -53,6 +44,7 @@ from orders.errors import (
     UnpaidOrderLimitReached,
     WaitingEntryNotFound,
 )
+from orders.inventory import Resource, WaitingEntry
 from orders.policies import ExpiryPolicy
 
 if TYPE_CHECKING:

@@ -33,9 +33,7 @@ from orders.domain import (
     Order,
     OrderIdGenerator,
     OrderStatus,
-    Resource,
     SweepResult,
-    WaitingEntry,
     refusal,
     system_clock,
 )
@@ -44,6 +42,7 @@ from orders.events.stream import EventPosition, OrderEvent, read_events
 from orders.index.nodes import RedisClient
 from orders.index.resources import ResourceIndex
 from orders.index.unpaid import UnpaidIndex
+from orders.inventory import Resource, WaitingEntry
 from orders.operations import Operations
 from orders.requests import CreateRequest, checked_payment
 from orders.rules.admission import Admitter

@@ -264,7 +264,7 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
     ),
     mutation(
         "waiting-order-id-not-the-entrys",
-        "orders/domain.py",
+        "orders/inventory.py",
         '    return f"{WAITING_ORDER_PREFIX}{entry_id}"',
         '    return f"{WAITING_ORDER_PREFIX}{entry_id}-{id(object())}"',
         "an entry is served with one order id, so at most once whatever crashes",

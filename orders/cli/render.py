@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from orders.domain import Order, Resource, ms_to_datetime
+from orders.domain import Order, ms_to_datetime
+from orders.inventory import Resource
 from orders.policies import NEVER_EXPIRES_MS
 
 if TYPE_CHECKING:

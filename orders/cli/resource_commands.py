@@ -10,8 +10,8 @@ import click
 
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import resource_text, resource_to_json, units_text
-from orders.domain import Resource
 from orders.errors import InvalidInput
+from orders.inventory import Resource
 
 #: "-1" is the N of ``--capacity -1`` (refused as a capacity by the service's rule).
 NUMBER_ARGUMENTS = {"ignore_unknown_options": True}

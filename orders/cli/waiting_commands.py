@@ -10,8 +10,8 @@ import click
 from orders.cli.app import cli_state, json_option, main
 from orders.cli.render import utc_text
 from orders.cli.resource_commands import NUMBER_ARGUMENTS, whole_number
-from orders.domain import WaitingEntry
 from orders.errors import InvalidInput
+from orders.inventory import WaitingEntry
 
 
 def parse_until(text: str) -> datetime:

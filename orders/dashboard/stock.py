@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orders.domain import Resource
+from orders.inventory import Resource
 from orders.service import OrderService
 
 #: The resources running out: the ten with the least free share, ranked among the first

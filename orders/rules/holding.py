@@ -32,9 +32,10 @@ from contextlib import closing
 from dataclasses import dataclass
 
 from orders import metrics
-from orders.domain import HoldReason, NewOrder, Order, OrderStatus
+from orders.domain import NewOrder, Order, OrderStatus
 from orders.errors import HoldRefused, StoreUnavailable
 from orders.index.resources import ResourceIndex
+from orders.inventory import HoldReason
 from orders.sql.resources import ResourceRecords
 
 log = logging.getLogger(__name__)

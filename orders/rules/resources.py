@@ -16,8 +16,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orders.domain import Actor, Clock, Resource
+from orders.domain import Actor, Clock
 from orders.errors import StoreUnavailable, UnknownResource
+from orders.inventory import Resource
 from orders.sql.resources import ResourceRecords
 from orders.validation import (
     UNITS_MAX,

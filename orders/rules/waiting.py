@@ -44,7 +44,7 @@ from datetime import datetime
 from typing import Any
 
 from orders import metrics
-from orders.domain import Actor, ActorKind, Clock, Order, WaitingEntry, waiting_order_id
+from orders.domain import Actor, ActorKind, Clock, Order
 from orders.errors import (
     CreateRateLimited,
     HoldRefused,
@@ -55,6 +55,7 @@ from orders.errors import (
     UnpaidOrderLimitReached,
     WaitingEntryNotFound,
 )
+from orders.inventory import WaitingEntry, waiting_order_id
 from orders.policies import check_deadline
 from orders.sql.resources import ResourceRecords
 from orders.sql.waiting import WaitingRecords

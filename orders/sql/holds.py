@@ -46,8 +46,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from orders.domain import HoldReason, NewOrder
+from orders.domain import NewOrder
 from orders.errors import HoldRefused, InvalidInput
+from orders.inventory import HoldReason
 from orders.sql.models import (
     HOLD_HELD,
     HOLD_RELEASED,

@@ -29,8 +29,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from orders.domain import Actor, Resource
+from orders.domain import Actor
 from orders.errors import InvalidInput
+from orders.inventory import Resource
 from orders.sql.models import HOLD_HELD, holds_table, orders_table, resources_table
 from orders.sql.transactions import Transactions
 from orders.sql.units import lowest_free, set_units, units_of

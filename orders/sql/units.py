@@ -20,8 +20,8 @@ from typing import Any
 
 from sqlalchemy import Connection, String, bindparam, delete, func, insert, select, update
 
-from orders.domain import HoldReason
 from orders.errors import HoldRefused, InvalidInput
+from orders.inventory import HoldReason
 from orders.sql.models import (
     HOLD_HELD,
     HOLD_RELEASED,

@@ -37,8 +37,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from orders.domain import WAITING_ORDER_PREFIX, Actor, WaitingEntry, WaitingStatus
+from orders.domain import Actor
 from orders.errors import StoreUnavailable
+from orders.inventory import WAITING_ORDER_PREFIX, WaitingEntry, WaitingStatus
 from orders.sql.models import (
     WAITING,
     orders_table,

@@ -20,7 +20,8 @@ from orders import (
     UnknownResource,
     WaitingEntryNotFound,
 )
-from orders.domain import ActorKind, WaitingStatus, ms_to_datetime
+from orders.domain import ActorKind, ms_to_datetime
+from orders.inventory import WaitingStatus
 from orders.rules.waiting import order_id_for
 from orders.sql.models import events_table, orders_table, waiting_table
 from tests.support.clocks import ManualClock
