@@ -161,8 +161,8 @@ HOLD_MUTATIONS: tuple[Mutation, ...] = (
         "orders/sql/units.py",
         "            if busy:\n                raise HoldRefused",
         "            if False:\n                raise HoldRefused",
-        "a named unit held or sold is refused to a second order, naming it",
-        f"{UNITS}::test_units_asked_by_name_are_held_by_one_order_and_a_second_ask_is_refused_naming_them",
+        "a named unit held or sold is refused to a second order by SQL too (Redis lost it)",
+        f"{UNITS}::test_a_unit_freed_by_a_cancel_or_lost_from_redis_is_not_refused_by_redis",
     ),
     mutation(
         "unit-pick-not-lowest",

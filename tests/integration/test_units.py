@@ -248,13 +248,19 @@ def test_a_unit_freed_by_a_cancel_or_lost_from_redis_is_not_refused_by_redis(
     seats.cancel_order(order.id)
     assert seats.create_unpaid_order("u2", holds={"ev7": ["A-1"]}).holds == {"ev7": ("A-1",)}
 
-    flush_db(redis_client)  # the index forgets who holds A-1: SQL still refuses it
-    with pytest.raises(HoldRefused) as refused:
-        seats.create_unpaid_order("u3", holds={"ev7": ["A-1"]})
+    flush_db(redis_client)  # the index forgets who holds A-1: SQL still refuses it,
+    with pytest.raises(HoldRefused) as refused:  # naming the one unit taken
+        seats.create_unpaid_order("u3", holds={"ev7": ["A-2", "A-1"]})
     assert (refused.value.reason, refused.value.source) == ("taken", "sql")
+    assert refused.value.units == ("A-1",)
+    assert unit_rows(engine)["A-2"] == ("free", None)
     with pytest.raises(HoldRefused) as again:  # the resource was rebuilt from SQL meanwhile
-        seats.create_unpaid_order("u3", holds={"ev7": ["A-1"]})
-    assert (again.value.reason, again.value.source) == ("taken", "redis")
+        seats.create_unpaid_order("u3", holds={"ev7": ["A-2", "A-1"]})
+    assert (again.value.reason, again.value.source, again.value.units) == (
+        "taken",
+        "redis",
+        ("A-1",),
+    )
     assert seats.reconcile().resources_stale == 0
 
 
