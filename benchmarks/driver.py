@@ -25,7 +25,8 @@ from sqlalchemy import Engine
 from sqlalchemy.engine.interfaces import DBAPIConnection
 
 from orders.domain import EventKind, OrderStatus
-from orders.sql.models import UNPAID_SQL, events_table, orders_table
+from orders.sql.base import UNPAID_SQL
+from orders.sql.models import events_table, orders_table
 
 #: A positional placeholder per DBAPI paramstyle (PEP 249) of the drivers the project ships.
 _PLACEHOLDERS = {"qmark": "?", "format": "%s", "pyformat": "%s"}

@@ -47,7 +47,7 @@ from benchmarks.workload import Workload
 from orders.domain import OrderStatus
 from orders.errors import HoldRefused
 from orders.sql.failures import sql_errors
-from orders.sql.models import HOLD_HELD, holds_table, resources_table
+from orders.sql.inventory_tables import HOLD_HELD, holds_table, resources_table
 
 #: A capacity no run sells out.
 LARGE = 10**9

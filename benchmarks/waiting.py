@@ -52,13 +52,8 @@ from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from orders.sql.failures import sql_errors
-from orders.sql.models import (
-    events_table,
-    holds_table,
-    resources_table,
-    units_table,
-    waiting_table,
-)
+from orders.sql.inventory_tables import holds_table, resources_table, units_table, waiting_table
+from orders.sql.models import events_table
 
 VARIANTS = ("counted", "named")
 #: Threads making the (untimed) setup through the service.

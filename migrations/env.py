@@ -16,11 +16,11 @@ from orders.config import Settings
 from orders.embedded.server import database_url
 from orders.sql.engine import build_engine
 from orders.sql.migrate import adopt_legacy_revision, is_ours, migration_lock
-from orders.sql.models import Base
+from orders.sql.models import SCHEMA
 from orders.sql.schema_names import VERSION_TABLE
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = SCHEMA
 
 
 def _configure(connection: Connection) -> None:

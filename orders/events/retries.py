@@ -31,13 +31,9 @@ from sqlalchemy import (
 from orders.domain import Clock
 from orders.errors import InvalidInput
 from orders.events.stream import EC, EventPosition, OrderEvent, event_of
+from orders.sql.base import TEXT_COLUMN_LENGTH
 from orders.sql.failures import sql_errors
-from orders.sql.models import (
-    TEXT_COLUMN_LENGTH,
-    cursors_table,
-    events_table,
-    retries_table,
-)
+from orders.sql.models import cursors_table, events_table, retries_table
 from orders.sql.upserts import upsert
 from orders.validation import check_count
 

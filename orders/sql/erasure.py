@@ -33,9 +33,9 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from orders.domain import ERASED_REASON, Actor, EventKind, OrderStatus
 from orders.errors import RefundOwed
+from orders.sql.inventory_tables import holds_table
 from orders.sql.models import (
     events_table,
-    holds_table,
     orders_table,
     refusals_table,
     user_limit_history_table,

@@ -49,7 +49,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from orders.domain import NewOrder
 from orders.errors import HoldRefused, InvalidInput
 from orders.inventory import HoldReason
-from orders.sql.models import (
+from orders.sql.inventory_tables import (
     HOLD_HELD,
     HOLD_RELEASED,
     HOLD_SOLD,

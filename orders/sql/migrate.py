@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine, String, column, delete, inspect, sele
 
 from orders.errors import SchemaConflict
 from orders.sql.failures import sql_errors
-from orders.sql.models import Base
+from orders.sql.models import SCHEMA
 from orders.sql.schema_names import LEGACY_VERSION_TABLE, VERSION_TABLE, existing
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ def adopt_legacy_revision(connection: Connection) -> None:
 def schema_objects() -> dict[str, str]:
     """The names our newest schema gives its tables, then its indexes (and primary keys,
     which PostgreSQL backs with an index of that name), each with its kind."""
-    tables = Base.metadata.sorted_tables
+    tables = SCHEMA.sorted_tables
     names = {schema_table.name: "table" for schema_table in tables}
     for schema_table in tables:
         names.update({str(index.name): "index" for index in schema_table.indexes})
@@ -195,7 +195,7 @@ def refuse_unrecorded_schema(engine: Engine) -> None:
 def is_ours(name: str | None, type_: str, _parents: object) -> bool:
     """Alembic's ``include_name`` hook: a comparison of the schema against the models
     (``alembic check``, the tests) looks at our tables only, never at a host's."""
-    return type_ != "table" or name in Base.metadata.tables
+    return type_ != "table" or name in SCHEMA.tables
 
 
 def script_revisions() -> set[str]:

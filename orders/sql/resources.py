@@ -32,7 +32,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from orders.domain import Actor
 from orders.errors import InvalidInput
 from orders.inventory import Resource
-from orders.sql.models import HOLD_HELD, holds_table, orders_table, resources_table
+from orders.sql.inventory_tables import HOLD_HELD, holds_table, resources_table
+from orders.sql.models import orders_table
 from orders.sql.transactions import Transactions
 from orders.sql.units import lowest_free, set_units, units_of
 

@@ -22,7 +22,7 @@ from sqlalchemy import Connection, String, bindparam, delete, func, insert, sele
 
 from orders.errors import HoldRefused, InvalidInput
 from orders.inventory import HoldReason
-from orders.sql.models import (
+from orders.sql.inventory_tables import (
     HOLD_HELD,
     HOLD_RELEASED,
     HOLD_SOLD,

@@ -40,12 +40,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from orders.domain import Actor
 from orders.errors import StoreUnavailable
 from orders.inventory import WAITING_ORDER_PREFIX, WaitingEntry, WaitingStatus
-from orders.sql.models import (
-    WAITING,
-    orders_table,
-    resources_table,
-    waiting_table,
-)
+from orders.sql.inventory_tables import WAITING, resources_table, waiting_table
+from orders.sql.models import orders_table
 from orders.sql.transactions import Transactions
 
 W = waiting_table.c

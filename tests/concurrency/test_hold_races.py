@@ -25,7 +25,8 @@ import pytest
 from sqlalchemy import Engine, func, select
 
 from orders import HoldRefused, OrdersError, OrderService, UnpaidOrderLimitReached
-from orders.sql.models import holds_table, orders_table, resources_table
+from orders.sql.inventory_tables import holds_table, resources_table
+from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, sql_problems
 from tests.support.threads import errors_of_threads

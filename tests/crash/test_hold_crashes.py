@@ -23,7 +23,8 @@ from sqlalchemy import Engine, select
 
 from orders import HoldRefused, OrderService
 from orders.config import Settings
-from orders.sql.models import events_table, holds_table, orders_table
+from orders.sql.inventory_tables import holds_table
+from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, index_state, sql_problems, sql_state
 from tests.support.processes import ChildProcess, child_env

@@ -34,7 +34,8 @@ from sqlalchemy import Engine, func, select
 
 from orders import Order, OrderService, WaitingEntry
 from orders.config import Settings
-from orders.sql.models import events_table, holds_table, orders_table, units_table
+from orders.sql.inventory_tables import holds_table, units_table
+from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, sql_problems
 from tests.support.processes import ChildProcess, child_env

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
-from orders.sql.models import resources_table
+from orders.sql.inventory_tables import resources_table
 
 #: The keys of ``orders resource show --json`` (and of each row of ``list --json``).
 RESOURCE_KEYS = {

@@ -8,7 +8,7 @@ from typing import Any
 
 from sqlalchemy import Engine, select
 
-from orders.sql.models import waiting_table
+from orders.sql.inventory_tables import waiting_table
 
 #: The keys of an entry in ``--json``.
 ENTRY_KEYS = {

@@ -14,7 +14,8 @@ from benchmarks.holds import HOT_CALLERS
 from benchmarks.measure import Sizes
 from benchmarks.report import run_bench
 from orders import OrderService
-from orders.sql.models import holds_table, orders_table, resources_table
+from orders.sql.inventory_tables import holds_table, resources_table
+from orders.sql.models import orders_table
 
 TINY = Sizes(ops=12, reps=1, warmup=4)
 

@@ -16,12 +16,8 @@ from benchmarks.measure import Sizes
 from benchmarks.report import run_bench
 from benchmarks.waiting import VARIANTS
 from orders import OrderService
-from orders.sql.models import (
-    orders_table,
-    resources_table,
-    units_table,
-    waiting_table,
-)
+from orders.sql.inventory_tables import resources_table, units_table, waiting_table
+from orders.sql.models import orders_table
 
 #: 20 units expiring at 50 a second: under half a second of expiries per variant.
 TINY = Sizes(ops=10, reps=1, warmup=2, lag_rate=50.0, lag_seconds=0.4)

@@ -22,7 +22,8 @@ from orders import (
     OrderStatus,
 )
 from orders.domain import RefusalReason
-from orders.sql.models import events_table, holds_table, orders_table, resources_table
+from orders.sql.inventory_tables import holds_table, resources_table
+from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 
 HOLD = holds_table.c

@@ -18,7 +18,13 @@ import orders.aio
 from orders import InvalidInput, OrderService, Resource, StoreUnavailable
 from orders.domain import Actor, ActorKind
 from orders.errors import UnknownResource
-from orders.sql.models import HOLD_HELD, HOLD_RELEASED, HOLD_SOLD, holds_table, resources_table
+from orders.sql.inventory_tables import (
+    HOLD_HELD,
+    HOLD_RELEASED,
+    HOLD_SOLD,
+    holds_table,
+    resources_table,
+)
 from orders.sql.resources import ResourceRecords
 from tests.support.aio import run_checked
 from tests.support.clocks import ManualClock

@@ -19,7 +19,7 @@ from sqlalchemy import Engine, inspect, text
 from orders.bootstrap import ensure_schema
 from orders.errors import SchemaConflict
 from orders.sql import migrate
-from orders.sql.models import Base, events_table, orders_table
+from orders.sql.models import SCHEMA, events_table, orders_table
 from orders.sql.schema_names import LEGACY_VERSION_TABLE, VERSION_TABLE, prefixed
 from tests.support.processes import child_env, run_orders
 from tests.support.schemas import (
@@ -32,7 +32,7 @@ from tests.support.schemas import (
 )
 from tests.support.stores import schema_differences
 
-OUR_TABLES = [*Base.metadata.tables, VERSION_TABLE]
+OUR_TABLES = [*SCHEMA.tables, VERSION_TABLE]
 
 
 def our_state(engine: Engine) -> dict[str, list[tuple[object, ...]]]:
@@ -130,7 +130,7 @@ def test_a_host_and_orders_upgrade_and_downgrade_independently_in_either_order(
     # Ours down to nothing and up again: the host's untouched.
     migrate.downgrade(empty_engine, "base")
     assert host.state(empty_engine) == HOST_STATE
-    assert not set(Base.metadata.tables) & table_names(empty_engine)
+    assert not set(SCHEMA.tables) & table_names(empty_engine)
     migrate.upgrade(empty_engine)
     assert host.state(empty_engine) == HOST_STATE
     assert schema_differences(empty_engine) == []
@@ -226,5 +226,5 @@ def test_a_service_on_our_tables_without_our_revision_says_the_conflict_not_run_
         ensure_schema(engine)
 
     assert refused.value.kind == "table"
-    assert refused.value.name in Base.metadata.tables
+    assert refused.value.name in SCHEMA.tables
     assert "orders db upgrade" not in str(refused.value)

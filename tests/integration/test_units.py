@@ -20,7 +20,7 @@ from orders import (
     OrderStatus,
 )
 from orders.domain import RefusalReason
-from orders.sql.models import units_table
+from orders.sql.inventory_tables import units_table
 from tests.support.clocks import ManualClock
 from tests.support.stores import StatementCounter, flush_db
 

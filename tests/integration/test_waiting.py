@@ -23,7 +23,8 @@ from orders import (
 from orders.domain import ActorKind, ms_to_datetime
 from orders.inventory import WaitingStatus
 from orders.rules.waiting import order_id_for
-from orders.sql.models import events_table, orders_table, waiting_table
+from orders.sql.inventory_tables import waiting_table
+from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 
 W = waiting_table.c

@@ -29,13 +29,8 @@ from dataclasses import dataclass
 from sqlalchemy import Engine, String, cast, literal, null, select, union_all
 
 from orders.index.resources import ResourceIndex
-from orders.sql.models import (
-    holds_table,
-    orders_table,
-    resources_table,
-    units_table,
-    waiting_table,
-)
+from orders.sql.inventory_tables import holds_table, resources_table, units_table, waiting_table
+from orders.sql.models import orders_table
 
 HOLD = holds_table.c
 ORDER = orders_table.c

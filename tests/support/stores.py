@@ -15,7 +15,7 @@ from orders.index.nodes import RedisClient, primaries
 from orders.service import OrderService
 from orders.sql import migrate
 from orders.sql.migrate import is_ours, migration_context
-from orders.sql.models import Base, events_table, orders_table
+from orders.sql.models import SCHEMA, events_table, orders_table
 
 #: The SQL engines every database test runs on (``database_url``'s parameters).
 ENGINES = ["sqlite", "postgresql"]
@@ -136,7 +136,7 @@ def schema_differences(engine: Engine) -> list[object]:
     if any, are not looked at)."""
     with engine.connect() as conn:
         context = migration_context(conn, include_name=is_ours)
-        return list(compare_metadata(context, Base.metadata))
+        return list(compare_metadata(context, SCHEMA))
 
 
 def upgrade_to_head(engine: Engine) -> None:

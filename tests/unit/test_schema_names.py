@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import Table
 
-from orders.sql.models import Base
+from orders.sql.models import SCHEMA
 from orders.sql.schema_names import LEGACY_TABLES, PREFIX, prefixed, unprefixed
 
 
@@ -28,12 +28,12 @@ BORN_PREFIXED = {
 
 def test_every_table_of_the_models_is_a_former_table_with_the_prefix_or_born_with_it() -> None:
     former = {PREFIX + name for name in LEGACY_TABLES}
-    assert set(Base.metadata.tables) == former | BORN_PREFIXED
+    assert set(SCHEMA.tables) == former | BORN_PREFIXED
     assert all(name.startswith(PREFIX) for name in BORN_PREFIXED)
 
 
 def test_every_name_of_the_models_is_the_prefixed_form_of_its_former_name() -> None:
-    for table in Base.metadata.tables.values():
+    for table in SCHEMA.tables.values():
         for name in names_of(table):
             if table.name in BORN_PREFIXED:
                 assert PREFIX in name, name

@@ -42,7 +42,7 @@ from orders.bootstrap import build_service
 from orders.config import Settings
 from orders.index.resources import ResourceIndex
 from orders.service import OrderService
-from orders.sql.models import holds_table
+from orders.sql.inventory_tables import holds_table
 from tests.support.clocks import ManualClock
 from tests.support.doubles import pausing_after_admit
 
