@@ -29,7 +29,7 @@ from orders.sql.inventory_tables import holds_table, resources_table
 from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, sql_problems
-from tests.support.threads import errors_of_threads
+from tests.support.threads import errors_of_threads, sweep_until, tick_until
 
 HOLD = holds_table.c
 ORDER = orders_table.c
@@ -84,13 +84,10 @@ def test_overlapping_carts_racing_payers_cancels_the_sweeper_and_index_loss_neve
             time.sleep(0.002)
 
     def sweeper() -> None:
-        while not stop.is_set():
-            service.sweep_expired()
-            time.sleep(0.005)
+        sweep_until(service, stop)
 
-    def ticker() -> None:  # the injected clock moves: orders expire while the race runs
-        while not stop.wait(0.002):
-            clock.advance(ms=5)
+    def ticker() -> None:
+        tick_until(clock, stop)
 
     def loser() -> None:
         rng = random.Random(99)

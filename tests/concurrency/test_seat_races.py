@@ -40,7 +40,7 @@ from tests.support.hold_checks import (
     unit_problems,
     waiting_problems,
 )
-from tests.support.threads import errors_of_threads
+from tests.support.threads import errors_of_threads, sweep_until, tick_until
 
 THREADS = 64
 RID = "ev-seats"
@@ -117,13 +117,10 @@ def test_seat_pairs_racing_payers_cancels_the_sweeper_and_a_waiting_list_hold_ea
             time.sleep(0.003)
 
     def sweeper() -> None:
-        while not stop.is_set():
-            service.sweep_expired()
-            time.sleep(0.005)
+        sweep_until(service, stop)
 
-    def ticker() -> None:  # the injected clock moves: orders expire while the race runs
-        while not stop.wait(0.002):
-            clock.advance(ms=5)
+    def ticker() -> None:
+        tick_until(clock, stop)
 
     def queue_users() -> None:
         # One thread, one add at a time: on PostgreSQL an entry's id is drawn at its insert

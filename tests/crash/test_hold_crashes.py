@@ -13,7 +13,6 @@ buyer, after reconcile at the latest. Every process a test starts, it ends by it
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from orders.sql.inventory_tables import holds_table
 from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, index_state, sql_problems, sql_state
-from tests.support.processes import ChildProcess, child_env
+from tests.support.processes import WorkerCrash
 
 pytestmark = pytest.mark.cluster_too
 
@@ -35,30 +34,11 @@ MARKER_TIMEOUT_S = 60
 RESOURCES = ["meal", "seat"]
 
 
-class Crash:
-    """Runs the hold worker in a mode until it stops, then SIGKILLs it by its PID."""
-
-    def __init__(self, database_url: str, redis_options: dict[str, Any], tmp_path: Path) -> None:
-        self.env = child_env(
-            ORDERS_DATABASE_URL=database_url,
-            ORDERS_REDIS_URL=redis_options["redis_url"],
-            ORDERS_REDIS_CLUSTER=str(redis_options["redis_cluster"]).lower(),
-        )
-        self.tmp_path = tmp_path
-
-    def kill_at(self, mode: str, **config: Any) -> None:
-        marker = self.tmp_path / f"stopped-{mode}"
-        worker = ChildProcess(
-            ["-m", "tests.support.workers.hold_crash", str(marker), mode, json.dumps(config)],
-            self.env,
-            self.tmp_path / f"worker-{mode}.log",
-        )
-        worker.kill_at_marker(marker, MARKER_TIMEOUT_S)
-
-
 @pytest.fixture
-def crash(database_url: str, redis_options: dict[str, Any], tmp_path: Path) -> Crash:
-    return Crash(database_url, redis_options, tmp_path)
+def crash(database_url: str, redis_options: dict[str, Any], tmp_path: Path) -> WorkerCrash:
+    return WorkerCrash(
+        "tests.support.workers.hold_crash", database_url, redis_options, tmp_path, MARKER_TIMEOUT_S
+    )
 
 
 @pytest.fixture
@@ -117,7 +97,7 @@ def two_resources_indexed(service: OrderService, engine: Engine) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["create-reserved", "create-uncommitted"])
 def test_a_create_killed_after_its_redis_reservation_sells_nothing_and_frees_its_units(
-    service: OrderService, engine: Engine, crash: Crash, mode: str
+    service: OrderService, engine: Engine, crash: WorkerCrash, mode: str
 ) -> None:
     two_resources_indexed(service, engine)
     cart = {"seat": 2, "meal": 1}  # the last units of both
@@ -146,7 +126,7 @@ def test_a_create_killed_after_its_redis_reservation_sells_nothing_and_frees_its
 
 @pytest.mark.timeout(120)
 def test_a_create_killed_after_its_commit_before_redis_rebuilt_a_lost_resource_never_oversells(
-    service: OrderService, engine: Engine, crash: Crash
+    service: OrderService, engine: Engine, crash: WorkerCrash
 ) -> None:
     two_resources_indexed(service, engine)
     service.resource_index.forget("meal")  # lost: the create's SQL decides for it
@@ -177,7 +157,7 @@ def test_a_create_killed_after_its_commit_before_redis_rebuilt_a_lost_resource_n
 
 @pytest.mark.timeout(120)
 def test_a_payment_killed_between_its_commit_and_the_redis_sale_keeps_both_stores_right(
-    service: OrderService, engine: Engine, crash: Crash
+    service: OrderService, engine: Engine, crash: WorkerCrash
 ) -> None:
     clock = service.clock
     assert isinstance(clock, ManualClock)
@@ -212,7 +192,7 @@ def test_a_payment_killed_between_its_commit_and_the_redis_sale_keeps_both_store
 
 @pytest.mark.timeout(120)
 def test_a_sweep_killed_between_its_commit_and_the_redis_release_frees_the_units_at_once(
-    service: OrderService, engine: Engine, crash: Crash
+    service: OrderService, engine: Engine, crash: WorkerCrash
 ) -> None:
     clock = service.clock
     assert isinstance(clock, ManualClock)

@@ -22,7 +22,6 @@ members and the units hash. More sweeps and reconciles change nothing.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from orders.sql.inventory_tables import holds_table, units_table
 from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 from tests.support.hold_checks import index_problems, sql_problems
-from tests.support.processes import ChildProcess, child_env
+from tests.support.processes import WorkerCrash
 
 pytestmark = pytest.mark.cluster_too
 
@@ -49,31 +48,15 @@ SEATS = ["A-1", "A-2", "A-3", "A-4"]
 FINISHES = ["sweep", "reconcile"]
 
 
-class Crash:
-    """Runs the waiting-list worker in a mode until it stops, then SIGKILLs it by its PID."""
-
-    def __init__(self, database_url: str, redis_options: dict[str, Any], tmp_path: Path) -> None:
-        self.env = child_env(
-            ORDERS_DATABASE_URL=database_url,
-            ORDERS_REDIS_URL=redis_options["redis_url"],
-            ORDERS_REDIS_CLUSTER=str(redis_options["redis_cluster"]).lower(),
-        )
-        self.tmp_path = tmp_path
-
-    def kill_at(self, mode: str, now_ms: int) -> None:
-        marker = self.tmp_path / f"stopped-{mode}"
-        config = json.dumps({"now_ms": now_ms})
-        worker = ChildProcess(
-            ["-m", "tests.support.workers.waiting_crash", str(marker), mode, config],
-            self.env,
-            self.tmp_path / f"worker-{mode}.log",
-        )
-        worker.kill_at_marker(marker, MARKER_TIMEOUT_S)
-
-
 @pytest.fixture
-def crash(database_url: str, redis_options: dict[str, Any], tmp_path: Path) -> Crash:
-    return Crash(database_url, redis_options, tmp_path)
+def crash(database_url: str, redis_options: dict[str, Any], tmp_path: Path) -> WorkerCrash:
+    return WorkerCrash(
+        "tests.support.workers.waiting_crash",
+        database_url,
+        redis_options,
+        tmp_path,
+        MARKER_TIMEOUT_S,
+    )
 
 
 @pytest.fixture
@@ -262,11 +245,11 @@ def again_changes_nothing(service: OrderService, engine: Engine, before: SoldOut
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", FINISHES)
 def test_a_sweep_killed_between_its_close_and_the_offer_serves_the_entry_once_after(
-    service: OrderService, engine: Engine, crash: Crash, how: str
+    service: OrderService, engine: Engine, crash: WorkerCrash, how: str
 ) -> None:
     before = sold_out_with_two_waiting(service)
 
-    crash.kill_at("sweep-closed", service.clock())
+    crash.kill_at("sweep-closed", now_ms=service.clock())
 
     offer_not_made(engine, before)
     assert waiting_status(service, before) == ("waiting", "waiting")
@@ -278,11 +261,11 @@ def test_a_sweep_killed_between_its_close_and_the_offer_serves_the_entry_once_af
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", FINISHES)
 def test_an_offer_killed_after_its_order_committed_marks_the_entry_served_once_after(
-    service: OrderService, engine: Engine, crash: Crash, how: str
+    service: OrderService, engine: Engine, crash: WorkerCrash, how: str
 ) -> None:
     before = sold_out_with_two_waiting(service)
 
-    crash.kill_at("offer-committed", service.clock())
+    crash.kill_at("offer-committed", now_ms=service.clock())
 
     # The order is made and holds the seats; the entry still waits (not marked).
     assert orders_of(engine, "w1") == [
@@ -300,11 +283,11 @@ def test_an_offer_killed_after_its_order_committed_marks_the_entry_served_once_a
 @pytest.mark.parametrize("how", FINISHES)
 @pytest.mark.parametrize("mode", ["offer-admitted", "offer-uncommitted"])
 def test_an_offer_killed_inside_its_create_makes_the_order_once_after(
-    service: OrderService, engine: Engine, crash: Crash, mode: str, how: str
+    service: OrderService, engine: Engine, crash: WorkerCrash, mode: str, how: str
 ) -> None:
     before = sold_out_with_two_waiting(service)
 
-    crash.kill_at(mode, service.clock())
+    crash.kill_at(mode, now_ms=service.clock())
 
     # SQL never committed the offer (the server rolls back the dead connection's work);
     # Redis has its reservation and admission.

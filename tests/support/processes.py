@@ -306,6 +306,37 @@ class ChildProcess:
             self._stderr.close()
 
 
+class WorkerCrash:
+    """Runs a crash worker (``python -m MODULE MARKER MODE CONFIG``) on the test's stores
+    until it writes its marker at the step ``MODE`` names, then SIGKILLs it by its PID."""
+
+    def __init__(
+        self,
+        module: str,
+        database_url: str,
+        redis_options: dict[str, Any],
+        tmp_path: Path,
+        marker_timeout_s: float = 60,
+    ) -> None:
+        self.module = module
+        self.env = child_env(
+            ORDERS_DATABASE_URL=database_url,
+            ORDERS_REDIS_URL=redis_options["redis_url"],
+            ORDERS_REDIS_CLUSTER=str(redis_options["redis_cluster"]).lower(),
+        )
+        self.tmp_path = tmp_path
+        self.marker_timeout_s = marker_timeout_s
+
+    def kill_at(self, mode: str, **config: Any) -> None:
+        marker = self.tmp_path / f"stopped-{mode}"
+        worker = ChildProcess(
+            ["-m", self.module, str(marker), mode, json.dumps(config)],
+            self.env,
+            self.tmp_path / f"worker-{mode}.log",
+        )
+        worker.kill_at_marker(marker, self.marker_timeout_s)
+
+
 @contextmanager
 def started(
     specs: list[tuple[str, dict[str, Any]]],

@@ -6,6 +6,8 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from orders.errors import OrdersError
+from orders.service import OrderService
+from tests.support.clocks import ManualClock
 
 
 def errors_of_threads(
@@ -50,3 +52,16 @@ def outcomes_of_race(calls: Sequence[Callable[[], object]], timeout_s: float = 6
     unfinished = [n for n, outcome in enumerate(outcomes) if outcome is unset]
     assert not unfinished, f"calls {unfinished} of the race did not end in {timeout_s} s"
     return outcomes
+
+
+def sweep_until(service: OrderService, stop: threading.Event) -> None:
+    """A race's sweeper thread: sweeps every few ms until ``stop``."""
+    while not stop.wait(0.005):
+        service.sweep_expired()
+
+
+def tick_until(clock: ManualClock, stop: threading.Event) -> None:
+    """A race's clock thread: the injected clock moves 5 ms every 2 ms until ``stop``, so
+    orders expire while the race runs."""
+    while not stop.wait(0.002):
+        clock.advance(ms=5)
