@@ -194,6 +194,7 @@ class OrderService:
         self.serving.close()
         self.sweep.close()
         self.payments.close()
+        self.admitter.confirmations.close()
         self.engine.dispose()
         self.index.client.close()
 
@@ -499,8 +500,9 @@ class OrderService:
         policy (the default policy's without one), nor does an order whose policy does not
         expire (both :class:`InvalidInput`).
         """
-        with tracing.span("orders.extend_order", order_id=str(order_id)) as traced:
-            order = self.extender.extend(order_id, extra_s, Actor.of(actor), self.clock())
+        oid = check_order_id(order_id, self.settings.max_order_id_length)  # before the span
+        with tracing.span("orders.extend_order", order_id=oid) as traced:
+            order = self.extender.extend(oid, extra_s, Actor.of(actor), self.clock())
             traced.set(user_id=order.user_id, outcome="extended")
             return order
 

@@ -25,6 +25,30 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
         "each created event of a combined batch carries its own create's time",
         "tests/concurrency/test_combined_creates.py::test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order",
     ),
+    mutation(
+        "combined-create-not-confirmed",
+        "orders/rules/combining.py",
+        "            self.admitter.confirmations.committed(new.user_id, new.id)",
+        "            pass",
+        "a create committed in a batch is confirmed, so no later refusal asks SQL about it",
+        "tests/concurrency/test_combined_creates.py::test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order",
+    ),
+    mutation(
+        "create-not-confirmed",
+        "orders/rules/admission.py",
+        "            self.confirmations.committed(new.user_id, new.id)",
+        "            pass",
+        "a create committed alone is confirmed, so a refusal a minute later asks no SQL",
+        "tests/integration/test_confirmations.py::test_a_refusal_of_orders_a_minute_old_costs_one_round_trip_once_they_are_confirmed",
+    ),
+    mutation(
+        "nested-call-waits-for-itself",
+        "orders/rules/batching.py",
+        "        return self._owner == threading.get_ident()",
+        "        return False",
+        "a call made from inside the call in flight, on its thread, never waits for itself",
+        "tests/unit/test_batch_queue.py",
+    ),
     # --- combined transitions: one transaction, each caller its own outcome -------------------
     mutation(
         "combined-transitions-decide-nothing",

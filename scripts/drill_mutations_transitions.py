@@ -219,7 +219,7 @@ TRANSITION_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "suspects-never-confirmed",
         "orders/rules/abandoning.py",
-        "self.index.confirm(user_id, fates.committed)",
+        "self.index.confirm([(user_id, order_id) for order_id in fates.committed])",
         "pass",
         "a refusal asks SQL about a committed order once, then costs one round trip again",
         "tests/integration/test_create.py::test_a_refusal_asks_sql_once_about_admissions_seconds_old_then_costs_one_redis_call_again[redis7.0-postgresql-sync-server]",

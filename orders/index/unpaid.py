@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from decimal import Decimal
 from importlib import resources
@@ -237,11 +237,18 @@ class UnpaidIndex:
         with redis_errors("abandon"):
             return bool(self._abandon(keys=keys, args=[order_id, started_ms, self.window_ms]))
 
-    def confirm(self, user_id: str, order_ids: list[str]) -> None:
-        """Drop the admission entries of orders SQL has a row of: a refusal names them no
-        more (one command; reconcile and abandons go by the row)."""
+    def confirm(self, committed: Sequence[tuple[str, str]]) -> None:
+        """Drop the admission entries of orders SQL has a row of, (user id, order id): a
+        refusal names them no more (one ``HDEL`` per user, pipelined; reconcile and
+        abandons go by the row)."""
+        by_user: dict[str, list[str]] = {}
+        for user_id, order_id in committed:
+            by_user.setdefault(user_id, []).append(order_id)
         with redis_errors("confirm"):
-            self.client.hdel(self.admits_key(user_id), *order_ids)
+            pipe = self.client.pipeline(transaction=False)
+            for user_id, order_ids in by_user.items():
+                pipe.hdel(self.admits_key(user_id), *order_ids)
+            pipe.execute()
 
     def admission_starts(self, members: list[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """When the create that admitted each (user id, order id) started, for those the

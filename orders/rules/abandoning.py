@@ -99,7 +99,7 @@ class Abandoner:
             if fates is None:
                 return False
             if fates.committed:
-                self.index.confirm(user_id, fates.committed)
+                self.index.confirm([(user_id, order_id) for order_id in fates.committed])
             removed = [
                 self.index.abandon(user_id, order_id, started_ms=started_ms)
                 for order_id, started_ms in suspects

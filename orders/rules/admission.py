@@ -7,10 +7,12 @@ and the pre-close check's extension of an expired order (which no longer held a 
    (or at the create rate, ``Settings.create_rate``, asked first) or adds the member,
    atomically: a refusal costs one round trip and no SQL (unless it names members whose
    create started a few seconds ago unconfirmed: SQL is asked about those, and a slot
-   freed by a create that died is taken, :meth:`Abandoner.clear_dead`). The rate counts creates, not
-   open orders, so only a create is counted: a retry that finds its member is not, nor is
-   the pre-close check's reopen. It lives in Redis alone: a Redis that lost its data has
-   forgotten the creates it counted.
+   freed by a create that died is taken, :meth:`Abandoner.clear_dead`; a create that
+   committed is confirmed off its caller's thread, :mod:`orders.rules.confirming`, so
+   only the creates that died or whose process did are asked about). The rate counts
+   creates, not open orders, so only a create is counted: a retry that finds its member is
+   not, nor is the pre-close check's reopen. It lives in Redis alone: a Redis that lost its
+   data has forgotten the creates it counted.
 2. SQL inserts the order and its event into a free slot of the user (``orders.sql.slots``):
    a unique index, not a count, so Redis may have lost members and the limit still holds.
 3. If SQL refuses or fails, the member this call added is removed again (compensation).
@@ -49,6 +51,7 @@ from orders.errors import (
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
 from orders.rules.abandoning import Abandoner
+from orders.rules.confirming import Confirmations
 from orders.rules.followups import Followups
 from orders.rules.holding import Holding
 from orders.sql.host import follow
@@ -88,6 +91,9 @@ class Admitter:
         #: The create rate (``Settings.create_rate``), counted by creates only.
         self.rate = rate
         self.abandoner = Abandoner(index, records)
+        #: Committed creates' admission entries, dropped off this thread
+        #: (:mod:`orders.rules.confirming`): a later refusal names them no more.
+        self.confirmations = Confirmations(index)
         #: The Redis writes after a commit (also the transitions' and extensions').
         self.followups = Followups(index, records, holding)
         #: The resources' index (:mod:`orders.rules.holding`), asked before the user's.
@@ -216,7 +222,9 @@ class Admitter:
             if interrupted(stop):  # anywhere past the script: SQL may or may not have it
                 self.followups.settle(new.id, now_ms, user_id=new.user_id)
             raise
-        if host is not None and ours and created:
+        if host is None and created:
+            self.confirmations.committed(new.user_id, new.id)
+        elif host is not None and ours and created:
             # The compensation, should the host's transaction not keep the row.
             follow(
                 host,

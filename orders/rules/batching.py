@@ -7,6 +7,10 @@ everything queued (up to ``max_batch``), and the others wait for it. So a caller
 while the process is already busy with that kind of call: for the call or batch in flight
 (and, past ``max_batch`` queued, the batches ahead of its own), then its own batch.
 
+A call made from inside the one in flight, on its thread (a host's hook that pays or
+cancels another order, a nested use case), runs alone at once: it would otherwise wait for
+the call that waits for it (:meth:`BatchQueue.holds_lane`).
+
 What a batch does is its user's (:mod:`orders.rules.combining` for creates,
 :mod:`orders.rules.transition_batches` for transitions); this module only decides who
 runs, who waits, and who leads.
@@ -68,6 +72,13 @@ class BatchQueue(Generic[M]):
         self._lock = threading.Lock()
         self._busy = False
         self._queue: list[M] = []
+        #: The thread of the call or batch in flight (None between them).
+        self._owner: int | None = None
+
+    def holds_lane(self) -> bool:
+        """Whether this thread runs the call or batch in flight: a call it makes from
+        there goes alone, past the queue (module docstring)."""
+        return self._owner == threading.get_ident()
 
     @property
     def queued(self) -> int:
@@ -81,6 +92,7 @@ class BatchQueue(Generic[M]):
         with self._lock:
             if not self._busy:
                 self._busy = True
+                self._owner = threading.get_ident()
                 self.stats.alone += 1
                 metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(1)
                 return True
@@ -107,6 +119,7 @@ class BatchQueue(Generic[M]):
     def lead(self, batch: list[M], run: Callable[[list[M]], None]) -> None:
         """Run the batch the first member leads (``run``, unless it is alone in it), then
         let its followers go on and hand the next batch over, whatever ``run`` raised."""
+        self._owner = threading.get_ident()
         try:
             self.stats.count(len(batch))
             metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(len(batch))
@@ -120,6 +133,7 @@ class BatchQueue(Generic[M]):
     def hand_over(self) -> None:
         """The call or batch in flight is over: the first queued caller leads the next."""
         with self._lock:
+            self._owner = None
             if not self._queue:
                 self._busy = False
                 return

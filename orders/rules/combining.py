@@ -88,9 +88,10 @@ class CreateCombiner:
         return self.queue.queued
 
     def create(self, new: NewOrder, host: Connection | None = None) -> tuple[Order, bool]:
-        """:meth:`Admitter.create`, combined with concurrent ones; never with ``host``: a
-        create in the host's transaction commits with the host."""
-        if host is not None:
+        """:meth:`Admitter.create`, combined with concurrent ones; never with ``host`` (a
+        create in the host's transaction commits with the host), nor from inside the call in
+        flight (:meth:`BatchQueue.holds_lane`)."""
+        if host is not None or self.queue.holds_lane():
             return self.admitter.create(new, host)
         member = Member(new)
         if self.queue.enter(member):
@@ -199,6 +200,7 @@ class CreateCombiner:
                 self.admitter.followups.settle(new.id, new.created_at_ms, user_id=new.user_id)
             raise member.error
         if member.row is not None:
+            self.admitter.confirmations.committed(new.user_id, new.id)
             return to_order(member.row, new.created_at_ms), True
         if member.admitted is not None:
             return self.admitter.complete(new, member.admitted)

@@ -105,7 +105,7 @@ class Transitioner:
         self, order_id: str, now_ms: int, attempt: Attempt, host: Connection | None
     ) -> tuple[Order, bool]:
         """The compare-and-set, alone or in a shared transaction."""
-        if self.queue is None or host is not None:
+        if self.queue is None or host is not None or self.queue.holds_lane():
             return self.records.transition_or_current(order_id, now_ms, attempt, host)
         pending = Pending(order_id, now_ms, attempt)
         if self.queue.enter(pending):

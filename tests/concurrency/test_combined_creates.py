@@ -114,6 +114,10 @@ def test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order(
         assert_one_created_event_each(engine, order.user_id, {order.id})
         assert service.index.members(order.user_id) == {order.id: order.expires_at_ms}
         assert service.get_order(order.id).metadata == order.metadata
+    # Every create committed, in a batch or alone, is confirmed: no refusal asks SQL of it.
+    assert service.admitter.confirmations.send() == len(returned) + 1
+    admits = [service.index.admits_key(order.user_id) for order in returned.values()]
+    assert not any(redis_client.exists(key) for key in admits)
     # Each created event names its own caller and time (the batch writes them together).
     with engine.connect() as conn:
         created = conn.execute(
@@ -285,8 +289,12 @@ def test_a_create_alone_runs_at_once_and_some_creates_are_never_combined(
     assert snapshot(stats) == (1, 0, 0, 0)  # neither went through the combiner
     assert set(orders_of(engine, "hosted"))
     assert set(orders_of(engine, "replacing"))
-    off = OrderService(engine, redis_client, Settings(database_url=database_url, **redis_options))
-    assert off.combiner is None  # the default: off
+    default = OrderService(
+        engine, redis_client, Settings(database_url=database_url, **redis_options)
+    )
+    assert default.combiner is not None  # on by default (issue 45)
+    off = Settings(database_url=database_url, combine_creates=False, **redis_options)
+    assert OrderService(engine, redis_client, off).combiner is None
 
 
 @pytest.mark.timeout(120)

@@ -160,6 +160,7 @@ NAMED_WRONG_TYPES: list[object] = [
     object(),
     Fraction(1, 3),
     1j,
+    10**5000,  # str() of it raises ValueError (CPython's 4,300-digit bound)
 ]
 
 NAMED_NUMBERS: list[object] = [
