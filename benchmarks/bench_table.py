@@ -87,11 +87,15 @@ def main(sqlite_path: str, postgresql_path: str) -> None:
 CALLER_ROWS = (
     ("create", "threads", "create"),
     ("create, asyncio tasks", "tasks", "create_async"),
-    ("create, combined (ORDERS_COMBINE_CREATES)", "threads", "create_combined"),
+    ("create, nothing combined (ORDERS_COMBINE_CREATES=false)", "threads", "create_single"),
     ("floor: EVALSHA + raw insert of order and event", "threads", "floor"),
     ("mark_paid", "threads", "mark_paid"),
     ("mark_paid, asyncio tasks", "tasks", "mark_paid_async"),
-    ("mark_paid, combined (ORDERS_COMBINE_TRANSITIONS)", "threads", "mark_paid_combined"),
+    (
+        "mark_paid, nothing combined (ORDERS_COMBINE_TRANSITIONS=false)",
+        "threads",
+        "mark_paid_single",
+    ),
     ("floor: raw UPDATE + event", "threads", "raw"),
     ("refusal at the limit", "threads", "refusal"),
     ("refusal, asyncio tasks", "tasks", "refusal_async"),

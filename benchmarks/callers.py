@@ -6,11 +6,12 @@ threads: the raw floor of a create (one EVALSHA, then the raw driver writing the
 its event in one commit), the raw ``UPDATE`` plus event of a payment, the raw EVALSHA that
 refuses. Every variant of every count takes its turn in one interleaved measure, so the
 ratios at 64 callers and at 1 are taken on the same machine in the same minutes. The
-1-thread create also runs beside the naive create (ZCARD, ZADD, INSERT), and the creates
-on 8 and 64 threads beside the same creates by a service that combines concurrent creates
-(``create_combined``: ``Settings.combine_creates``, off by default), and on SQLite the
-payments on 8 and 64 threads beside the same payments combined (``mark_paid_combined``:
-``Settings.combine_transitions``).
+1-thread create also runs beside the naive create (ZCARD, ZADD, INSERT). The service
+combines concurrent creates by default (``Settings.combine_creates``) and, on SQLite,
+concurrent payments (``Settings.combine_transitions``); so at every count the creates also
+run by a service that combines nothing (``create_single``), and on SQLite the payments too
+(``mark_paid_single``): combining is to measure no worse than the single path at 1 and 8
+callers and better at 64 (issue 45).
 
 A floor on N threads holds at most as many connections as the service's pool may open
 (``Workload.connections``): 64 threads share them, as the service's 64 callers share its
@@ -39,8 +40,8 @@ from orders.rules.transition import combines_on
 #: The concurrent callers of every use case: threads, and tasks on one event loop.
 CALLERS = (1, 8, 64)
 
-#: The thread counts the combining service's creates also run at.
-COMBINED = CALLERS[1:]
+#: The thread counts the single-path service's creates also run at.
+SINGLE = CALLERS
 
 #: A use case's variant on ``threads`` threads, or on the asyncio API as ``tasks`` tasks.
 UseCaseMaker = Callable[[Workload, int, int | None], Variant]
@@ -80,27 +81,25 @@ def _chosen(w: Workload) -> dict[str, Variant]:
             chosen[f"{floor_name}@{n}"] = make_floor(w, n)
             chosen[f"{use}_async@{n}tasks"] = make(w, 1, n)
     chosen["naive@1"] = floors.naive(w)
-    for n in COMBINED:
-        chosen[f"create_combined@{n}"] = variants.create(w, n, combined=True)
+    for n in SINGLE:
+        chosen[f"create_single@{n}"] = variants.create(w, n, single=True)
         if combines_transitions(w):
-            chosen[f"mark_paid_combined@{n}"] = variants.transition(
-                w, EventKind.PAID, n, combined=True
-            )
+            chosen[f"mark_paid_single@{n}"] = variants.transition(w, EventKind.PAID, n, single=True)
     return chosen
 
 
 def combines_transitions(w: Workload) -> bool:
-    """Whether the combining service shares transitions' transactions (SQLite only)."""
-    return w.combined.transitions.queue is not None
+    """Whether the service shares transitions' transactions (SQLite, by default)."""
+    return w.service.transitions.queue is not None
 
 
 def _threads_part(w: Workload, n: int, runs: Mapping[str, list[Run]]) -> dict[str, Any]:
     part: dict[str, Any] = {"threads": n, "ops_per_rep": w.sizes.ops, "variants": {}}
     names = [name for use, (_m, floor_name, _f) in USE_CASES.items() for name in (use, floor_name)]
     names += ["naive"] if n == 1 else []
-    names += ["create_combined"] if n in COMBINED else []
-    paid_combined = n in COMBINED and combines_transitions(w)
-    names += ["mark_paid_combined"] if paid_combined else []
+    names += ["create_single"] if n in SINGLE else []
+    paid_single = n in SINGLE and combines_transitions(w)
+    names += ["mark_paid_single"] if paid_single else []
     part["variants"] = {name: describe(runs[f"{name}@{n}"]) for name in names}
     for use, (_make, floor_name, _floor) in USE_CASES.items():
         part[f"{use}_vs_{floor_name}"] = spread(
@@ -108,14 +107,14 @@ def _threads_part(w: Workload, n: int, runs: Mapping[str, list[Run]]) -> dict[st
         )
     if n == 1:
         part["create_vs_naive"] = spread(ratios(runs["create@1"], runs["naive@1"]))
-    if n in COMBINED:
-        mine = runs[f"create_combined@{n}"]
-        part["create_combined_vs_floor"] = spread(ratios(mine, runs[f"floor@{n}"]))
-        part["create_combined_vs_create"] = spread(ratios(mine, runs[f"create@{n}"]))
-    if paid_combined:
-        paid = runs[f"mark_paid_combined@{n}"]
-        part["mark_paid_combined_vs_raw"] = spread(ratios(paid, runs[f"raw@{n}"]))
-        part["mark_paid_combined_vs_mark_paid"] = spread(ratios(paid, runs[f"mark_paid@{n}"]))
+    if n in SINGLE:  # the default (combining) against the single path
+        single = runs[f"create_single@{n}"]
+        part["create_single_vs_floor"] = spread(ratios(single, runs[f"floor@{n}"]))
+        part["create_vs_create_single"] = spread(ratios(runs[f"create@{n}"], single))
+    if paid_single:
+        single = runs[f"mark_paid_single@{n}"]
+        part["mark_paid_single_vs_raw"] = spread(ratios(single, runs[f"raw@{n}"]))
+        part["mark_paid_vs_mark_paid_single"] = spread(ratios(runs[f"mark_paid@{n}"], single))
     return part
 
 
@@ -153,12 +152,12 @@ def callers(w: Workload) -> dict[str, Any]:
         "floor_threads": floor_threads,
         "threads_vs_floor": spread(ratios(runs[f"create@{most}"], against)),
         "tasks_vs_floor": spread(ratios(runs[f"create_async@{most}tasks"], against)),
-        "combined_vs_floor": spread(ratios(runs[f"create_combined@{most}"], against)),
+        "single_vs_floor": spread(ratios(runs[f"create_single@{most}"], against)),
     }
-    combiner = w.combined.combiner
+    combiner = w.service.combiner
     if combiner is not None:  # what the combining service did, over all its runs
         out["combiner"] = asdict(combiner.stats)
-    queue = w.combined.transitions.queue
+    queue = w.service.transitions.queue
     if queue is not None:
         out["transition_combiner"] = asdict(queue.stats)
     return out
@@ -166,9 +165,9 @@ def callers(w: Workload) -> dict[str, Any]:
 
 def progress_units(reps: int, engine: str) -> int:
     """Timed runs of the figure (a unit of the progress bar each), warm-up included; on
-    SQLite the combined payments too."""
-    combined = len(COMBINED) * (2 if combines_on(engine) else 1)
-    return (len(CALLERS) * len(USE_CASES) * 3 + 1 + combined) * (1 + reps)
+    SQLite the single path's payments too."""
+    single = len(SINGLE) * (2 if combines_on(engine) else 1)
+    return (len(CALLERS) * len(USE_CASES) * 3 + 1 + single) * (1 + reps)
 
 
 def targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
@@ -190,7 +189,6 @@ def targets(fig: Mapping[str, Any], engine: str) -> list[dict[str, Any]]:
     for way, part, name in (
         ("threads", fig[f"threads_{most['callers']}"], "create"),
         ("tasks", fig[f"tasks_{most['callers']}"], "create_async"),
-        ("combined", fig[f"threads_{most['callers']}"], "create_combined"),
     ):
         p99 = part["variants"][name]["p99_ms"]
         shown = f"{most['callers']} concurrent creates ({way})"

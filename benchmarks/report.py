@@ -89,6 +89,10 @@ def run_bench(
             "orders before the bench's own sweeps do; stop it for clean sweep figures"
         )
     work.notes += _pool_notes(service, sizes, figures)
+    # The service's confirmations thread lives as long as the service (its one pipelined
+    # round trip a second is part of every figure's cost): started before any figure, so
+    # none is charged with leaving it.
+    service.admitter.confirmations.start()
     try:
         for name in figures:
             figure_started = time.monotonic()

@@ -124,7 +124,7 @@ def _callers(rows: _Rows, fig: Mapping[str, Any]) -> None:
         rows.table.add_section()
     most = fig["concurrent_creates"]
     against = part_label(f"threads_{most['floor_threads']}")
-    for way in ("threads", "tasks", "combined"):
+    for way in ("threads", "tasks", "single"):
         shown = f"create, {most['callers']} {way} / floor ({against})"
         rows.ratio("callers, concurrent", shown, most[f"{way}_vs_floor"])
     rows.table.add_section()

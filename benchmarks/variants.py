@@ -76,11 +76,11 @@ def _use_case(
 
 
 def create(
-    w: Workload, threads: int = 1, *, tasks: int | None = None, combined: bool = False
+    w: Workload, threads: int = 1, *, tasks: int | None = None, single: bool = False
 ) -> Variant:
     """``create_unpaid_order`` of a new user per op, on ``threads`` threads or (``tasks``)
-    on the asyncio API; ``combined``: on threads, by the service that combines concurrent
-    creates (``Workload.combined``)."""
+    on the asyncio API; ``single``: on threads, by the service that combines nothing
+    (``Workload.single``)."""
 
     def variant(n: int) -> Run:
         users = w.users("c" if tasks is None else "a", n)
@@ -90,7 +90,7 @@ def create(
             n,
             threads=threads,
             tasks=tasks,
-            service=w.combined if combined else None,
+            service=w.single if single else None,
         )
 
     return variant
@@ -128,11 +128,11 @@ def transition(
     threads: int = 1,
     *,
     tasks: int | None = None,
-    combined: bool = False,
+    single: bool = False,
 ) -> Variant:
     """``mark_paid`` or ``cancel_order`` end to end, on open orders with their members, on
-    ``threads`` threads or (``tasks``) on the asyncio API; ``combined``: on threads, by the
-    service that combines concurrent transitions (``Workload.combined``; SQLite)."""
+    ``threads`` threads or (``tasks``) on the asyncio API; ``single``: on threads, by the
+    service that combines nothing (``Workload.single``; on SQLite the default combines)."""
     act = _ACTS[kind]
 
     def variant(n: int) -> Run:
@@ -143,7 +143,7 @@ def transition(
             n,
             threads=threads,
             tasks=tasks,
-            service=w.combined if combined else None,
+            service=w.single if single else None,
         )
 
     return variant

@@ -74,18 +74,18 @@ class Workload:
         self._full_users: list[str] | None = None
         #: The async variants' event loop and service (built when the first is made).
         self.loop = BenchLoop(service.settings, service.clock)
-        self._combined: OrderService | None = None
+        self._single: OrderService | None = None
 
     @property
-    def combined(self) -> OrderService:
-        """The service with concurrent creates and transitions combined
-        (``combine_creates``, ``combine_transitions``), on the same engine, Redis client
-        and clock (built on first use)."""
-        if self._combined is None:
+    def single(self) -> OrderService:
+        """The service with nothing combined (``combine_creates`` and
+        ``combine_transitions`` off, the defaults before issue 45): every call by the single
+        path, on the same engine, Redis client and clock (built on first use)."""
+        if self._single is None:
             s = self.service
-            settings = replace(s.settings, combine_creates=True, combine_transitions=True)
-            self._combined = OrderService(s.engine, s.index.client, settings, clock=s.clock)
-        return self._combined
+            settings = replace(s.settings, combine_creates=False, combine_transitions=False)
+            self._single = OrderService(s.engine, s.index.client, settings, clock=s.clock)
+        return self._single
 
     def connections(self, threads: int) -> int:
         """How many connections a floor on ``threads`` threads may hold: one a thread, up
@@ -292,10 +292,11 @@ class Workload:
         """Close the async variants' service and event loop, and with them their threads
         (after each figure; the next async variant builds them again), and the combining
         service's hook threads (not its engine and client: they are the bench's own)."""
-        combined, self._combined = self._combined, None
-        if combined is not None:
-            combined.sweep.close()
-            combined.payments.close()
+        single, self._single = self._single, None
+        if single is not None:
+            single.sweep.close()
+            single.payments.close()
+            single.admitter.confirmations.close()
         self.loop.close()
 
     def bench_keys(self) -> list[str]:

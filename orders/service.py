@@ -138,7 +138,13 @@ class OrderService:
         self.sweep = Sweep(self.records, self.admitter, s, self.now_ms)
         #: Combines concurrent creates (``Settings.combine_creates``), or None.
         self.combiner = (
-            CreateCombiner(self.admitter, SlotBatch(self.records.tx)) if s.combine_creates else None
+            CreateCombiner(
+                self.admitter,
+                SlotBatch(self.records.tx),
+                redis_socket_timeout_s=s.redis_socket_timeout_s,
+            )
+            if s.combine_creates
+            else None
         )
         self.creating = Creating(self.transitions, self.sweep, self.combiner)
         self.reconciler = Reconciler(

@@ -49,6 +49,14 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
         "a call made from inside the call in flight, on its thread, never waits for itself",
         "tests/unit/test_batch_queue.py",
     ),
+    mutation(
+        "stuck-call-holds-up-the-queue",
+        "orders/rules/batching.py",
+        "            if self._stuck():\n                self._go_past(member)",
+        "            if False:\n                self._go_past(member)",
+        "a caller arriving while the call in flight is stuck goes alone instead of queueing",
+        "tests/unit/test_batch_queue.py",
+    ),
     # --- combined transitions: one transaction, each caller its own outcome -------------------
     mutation(
         "combined-transitions-decide-nothing",

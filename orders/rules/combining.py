@@ -47,7 +47,7 @@ from orders.index.admit_batch import admit_all
 from orders.index.errors import ServerRefused
 from orders.index.unpaid import Admission, AdmitResult
 from orders.rules.admission import Admitter, interrupted
-from orders.rules.batching import BatchQueue, CombinerStats, Seat
+from orders.rules.batching import PATIENCE_S, BatchQueue, CombinerStats, Seat
 from orders.sql.records import to_order
 from orders.sql.slot_batch import SlotBatch
 
@@ -76,10 +76,23 @@ class Member:
 class CreateCombiner:
     """Combines concurrent creates (module docstring)."""
 
-    def __init__(self, admitter: Admitter, batch: SlotBatch, *, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self,
+        admitter: Admitter,
+        batch: SlotBatch,
+        *,
+        max_batch: int = MAX_BATCH,
+        redis_socket_timeout_s: float = 0.5,
+    ) -> None:
         self.admitter = admitter
         self.slot_batch = batch
-        self.queue: BatchQueue[Member] = BatchQueue(lambda member: member.seat, max_batch, "create")
+        # A create in flight waits on Redis for two socket timeouts at most (one retry),
+        # then fails, and the creates behind it take the outage policy at once: the
+        # queue's patience starts after that, so that only a wait on SQL is gone past.
+        patience_s = 2 * redis_socket_timeout_s + PATIENCE_S
+        self.queue: BatchQueue[Member] = BatchQueue(
+            lambda member: member.seat, max_batch, "create", patience_s
+        )
         self.stats: CombinerStats = self.queue.stats
 
     @property

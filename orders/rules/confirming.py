@@ -59,8 +59,8 @@ class Confirmations:
     def committed(self, user_id: str, order_id: str) -> None:
         """The create of ``order_id`` committed: its admission entry goes with the next send."""
         self._queued.append((user_id, order_id))
-        if self._pid != os.getpid() and self.every_s is not None and not self._stop.is_set():
-            self._start()
+        if self._pid != os.getpid():
+            self.start()
 
     def send(self) -> int:
         """Send what is queued now, :data:`SEND_MAX` a round trip per node; how many were
@@ -96,9 +96,11 @@ class Confirmations:
         if thread is not None:
             thread.join(30)
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the thread now (it starts with the first create queued otherwise); not
+        after :meth:`close`, nor when :attr:`every_s` is None."""
         with self._lock:
-            if self._pid == os.getpid():
+            if self._pid == os.getpid() or self.every_s is None or self._stop.is_set():
                 return
             self._pid = os.getpid()
             self._thread = threading.Thread(target=self._run, name=CONFIRM_THREAD, daemon=True)

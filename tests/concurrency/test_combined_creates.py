@@ -106,7 +106,7 @@ def test_creates_for_distinct_users_share_batches_and_each_gets_its_own_order(
     assert stats.batches > 0, f"no batch formed: {stats}"
     assert stats.largest > 1, f"no batch of several formed: {stats}"
     # Every call is counted once: alone, alone after a wait, or in a batch.
-    assert stats.alone + stats.waited_alone + stats.combined == len(returned) + 1
+    assert stats.calls == len(returned) + 1
     for order in returned.values():
         rows = orders_of(engine, order.user_id)
         assert set(rows) == {order.id}

@@ -54,3 +54,24 @@ def test_the_leader_of_a_batch_holds_the_lane_while_it_runs() -> None:
     assert second.seat.ready.is_set()
     assert not queue.holds_lane()
     assert queue.enter(Call())  # the lane is free again
+
+
+def test_callers_behind_a_stuck_call_go_alone_and_later_ones_do_not_queue() -> None:
+    queue: BatchQueue[Call] = BatchQueue(lambda call: call.seat, 8, "test", patience_s=0.05)
+    assert queue.enter(Call())  # runs alone, and never ends: stuck (a lock, a hung pool)
+    behind = Call()
+    assert not queue.enter(behind)  # the call in flight is young: it queues
+    assert queue.queued == 1
+
+    assert queue.wait(behind) is None  # past the patience: its turn to go alone
+    assert behind.seat.batch is None
+    assert queue.queued == 0
+    later = Call()
+    assert not queue.enter(later)  # still stuck: not queued, ready at once
+    assert later.seat.ready.is_set()
+    assert later.seat.batch is None
+    assert queue.queued == 0
+    assert (queue.stats.alone, queue.stats.went_past, queue.stats.calls) == (1, 2, 3)
+
+    queue.hand_over()  # the stuck call ends: the lane is free again
+    assert queue.enter(Call())
