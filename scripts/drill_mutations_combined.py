@@ -57,6 +57,14 @@ COMBINED_MUTATIONS: tuple[Mutation, ...] = (
         "a caller arriving while the call in flight is stuck goes alone instead of queueing",
         "tests/unit/test_batch_queue.py",
     ),
+    mutation(
+        "aio-call-held-on-the-loop",
+        "orders/aio/calls.py",
+        "                return await settled(loop.run_in_executor(self._executor, job))",
+        "                return job()",
+        "300 asyncio creates at once run in the service's threads: the loop is never held 20 ms",
+        "tests/concurrency/test_aio_burst.py",
+    ),
     # --- combined transitions: one transaction, each caller its own outcome -------------------
     mutation(
         "combined-transitions-decide-nothing",
