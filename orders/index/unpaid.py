@@ -35,6 +35,7 @@ from orders import metrics
 from orders.config import Settings
 from orders.config.values import CreateRate
 from orders.errors import InvalidInput
+from orders.index.direct import packed, pool_of, run_packed
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
 from orders.index.keys import RATE_TAG, admits_key, companion_key, glob_escape, text_of, user_of
@@ -167,6 +168,9 @@ class UnpaidIndex:
             client, key_prefix=key_prefix, user_key=self.key, foreign=self.foreign
         )
         self._admit: Script = client.register_script(load_script("admit"))
+        #: Where an admission is sent packed by hiredis (None: through the client's call;
+        #: :mod:`orders.index.direct`).
+        self._admit_pool = pool_of(client)
         self._abandon: Script = client.register_script(load_script("abandon"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
         # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
@@ -207,7 +211,12 @@ class UnpaidIndex:
             try:
                 # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
                 # costs a few microseconds more; it still loads the script on NOSCRIPT).
-                reply: list[Any] = self.client.evalsha(self._admit.sha, len(keys), *keys, *args)
+                reply: list[Any]
+                if self._admit_pool is not None:
+                    command = ("EVALSHA", self._admit.sha, len(keys), *keys, *args)
+                    reply = run_packed(self._admit_pool, packed(command))
+                else:
+                    reply = self.client.evalsha(self._admit.sha, len(keys), *keys, *args)
             except NoScriptError:
                 reply = self._admit(keys=keys, args=args)
         return admit_result(reply)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from orders import metrics
 
@@ -74,6 +74,8 @@ class BatchQueue(Generic[M]):
         self._queue: list[M] = []
         #: The thread of the call or batch in flight (None between them).
         self._owner: int | None = None
+        #: The batch-size histogram's child of ``kind``, looked up once (first use).
+        self._sizes: Any = None
 
     def holds_lane(self) -> bool:
         """Whether this thread runs the call or batch in flight: a call it makes from
@@ -86,18 +88,36 @@ class BatchQueue(Generic[M]):
         with self._lock:
             return len(self._queue)
 
+    def alone(self) -> bool:
+        """True: nothing was in flight, run alone now (then :meth:`hand_over`), with no
+        member made. False: something is; :meth:`enter` the member (which may find the
+        way free by then)."""
+        with self._lock:
+            return self._run_alone()
+
     def enter(self, member: M) -> bool:
         """True: nothing was in flight, run alone now (then :meth:`hand_over`). False: the
         member queued; :meth:`wait` for it."""
         with self._lock:
-            if not self._busy:
-                self._busy = True
-                self._owner = threading.get_ident()
-                self.stats.alone += 1
-                metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(1)
+            if self._run_alone():
                 return True
             self._queue.append(member)
             return False
+
+    def _run_alone(self) -> bool:
+        """Under the lock: take the lane for a call alone, if nothing is in flight."""
+        if self._busy:
+            return False
+        self._busy = True
+        self._owner = threading.get_ident()
+        self.stats.alone += 1
+        self._batch_sizes().observe(1)
+        return True
+
+    def _batch_sizes(self) -> Any:
+        if self._sizes is None:
+            self._sizes = metrics.COMBINED_BATCH_SIZE.labels(self.kind)
+        return self._sizes
 
     def wait(self, member: M) -> BaseException | None:
         """Wait for the member's batch (or its turn to lead); an interrupt that came
@@ -122,7 +142,7 @@ class BatchQueue(Generic[M]):
         self._owner = threading.get_ident()
         try:
             self.stats.count(len(batch))
-            metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(len(batch))
+            self._batch_sizes().observe(len(batch))
             if len(batch) > 1:
                 run(batch)
         finally:
