@@ -38,7 +38,17 @@ from orders.errors import InvalidInput
 from orders.index.direct import packed, pool_of, run_packed
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
-from orders.index.keys import RATE_TAG, admits_key, companion_key, glob_escape, text_of, user_of
+from orders.index.keys import (
+    ADMITS_TAG,
+    LIMIT_TAG,
+    RATE_TAG,
+    admits_key,
+    companion_key,
+    companion_keys,
+    glob_escape,
+    text_of,
+    user_of,
+)
 from orders.index.limits import LimitCopies
 from orders.index.nodes import RedisClient
 from orders.index.pipeline import CallPacker, run_per_key, scan_named
@@ -53,6 +63,9 @@ log = logging.getLogger("orders.index")  # the package's name: operators configu
 #: milliseconds; one still there after this waits on a starved pool or a connect, and losing
 #: its member then costs nothing of the limit (SQL's slot guard decides, and writes it back).
 SUSPECT_AFTER_MS = 5_000
+
+#: ``admit.lua``'s KEYS after the user's set: its admissions hash, own limit, rate set.
+_ADMIT_TAGS = (ADMITS_TAG, LIMIT_TAG, RATE_TAG)
 
 #: How many distinct foreign keys one process logs (each once); past it, only counted.
 _FOREIGN_LOG_CAP = 1000
@@ -108,7 +121,10 @@ def _score(value: bytes | str | float) -> int:
     # Redis prints integer-valued doubles in full; Decimal also copes with exponent form.
     if isinstance(value, float):
         return int(value)
-    return int(Decimal(text_of(value)))
+    try:
+        return int(value)  # digits (the common reply): no Decimal
+    except ValueError:
+        return int(Decimal(text_of(value)))
 
 
 def admit_result(reply: list[Any]) -> AdmitResult:
@@ -116,7 +132,11 @@ def admit_result(reply: list[Any]) -> AdmitResult:
     code, count, score = reply[:3]
     applied = int(reply[3]) if len(reply) > 3 else None
     pairs = reply[4:]
-    suspects = tuple((text_of(o), int(s)) for o, s in zip(pairs[::2], pairs[1::2], strict=True))
+    suspects = (
+        tuple((text_of(o), int(s)) for o, s in zip(pairs[::2], pairs[1::2], strict=True))
+        if pairs
+        else ()
+    )
     return AdmitResult(Admission(int(code)), int(count), _score(score), applied, suspects)
 
 
@@ -190,12 +210,8 @@ class UnpaidIndex:
 
     def admit_keys(self, user_id: str) -> list[str]:
         """``admit.lua``'s KEYS, in its header's order (all in the user's hash slot)."""
-        return [
-            self.key(user_id),
-            self.admits_key(user_id),
-            self.limits.key(user_id),
-            self.rate_key(user_id),
-        ]
+        key = self.key(user_id)
+        return [key, *companion_keys(key, self.key_prefix, _ADMIT_TAGS)]
 
     def admit(self, request: AdmitRequest) -> AdmitResult:
         """Add the order unless the user is at the limit (expired members do not count)
