@@ -76,6 +76,9 @@ def run(
         if mode != "create"
         else []
     )
+    # The setup's admissions are confirmed now, not by the thread a second later: a refusal
+    # that named them as suspects (over 5 s old) would time the SQL question, not a refusal.
+    service.admitter.confirmations.send()
     calls: dict[str, Callable[[int, str], object]] = {
         "create": lambda _i, user: service.create_unpaid_order(user, limit=1),
         "refuse": lambda _i, user: service.create_unpaid_order(user, limit=1),

@@ -93,6 +93,8 @@ class Actor:
                 raise InvalidInput("actor", "must have an ActorKind")
             name = check_optional_text("actor", given.name, ACTOR_MAX_LENGTH)
             return given if name == given.name else cls(given.kind, name)
+        if given is None:
+            return _UNNAMED[default]  # frozen: one per kind serves every call
         return cls(default, check_optional_text("actor", given, ACTOR_MAX_LENGTH))
 
     @classmethod
@@ -106,6 +108,10 @@ class Actor:
 
     def __str__(self) -> str:
         return self.kind.value if self.name is None else f"{self.kind.value}:{self.name}"
+
+
+#: The actor of each kind with no name (what ``Actor.of(None, kind)`` returns).
+_UNNAMED = {kind: Actor(kind) for kind in ActorKind}
 
 
 APPLICATION = Actor(ActorKind.APPLICATION)

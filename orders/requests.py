@@ -93,7 +93,10 @@ class CreateRequest:
         holds: object = None,
     ) -> CreateRequest:
         s = settings
-        amt, cur = checked_money(amount, currency)
+        # Neither amount nor currency (most creates): nothing to check.
+        amt, cur = (
+            (None, None) if amount is None and currency is None else checked_money(amount, currency)
+        )
         name = None if policy is None else check_policy_name(policy)
         terms = s.policy(name)
         if expires_at is not None and ttl_s is not None:
@@ -113,8 +116,8 @@ class CreateRequest:
             policy=name,
             terms=terms,
             deadline_ms=None if expires_at is None else check_deadline(expires_at),
-            holds=check_holds(holds),
-            names=check_hold_names(holds),
+            holds=() if holds is None else check_holds(holds),
+            names=() if holds is None else check_hold_names(holds),
         )
 
     def new_order(self, order_id: str, now_ms: int, trace: dict[str, str] | None) -> NewOrder:

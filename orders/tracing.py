@@ -19,7 +19,7 @@ later in a trace of its own.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from orders.errors import OrdersError
@@ -51,13 +51,36 @@ class Span:
             self.span.set_attributes({f"orders.{k}": v for k, v in attributes.items()})
 
 
-@contextmanager
-def span(name: str, links: list[Any] | None = None, **attributes: str | int) -> Iterator[Span]:
+class _Untraced:
+    """The block of a span not recorded: nothing to start or end (one shared instance)."""
+
+    span = Span(None)
+
+    def __enter__(self) -> Span:
+        return self.span
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+
+_UNTRACED = _Untraced()
+
+
+def span(
+    name: str, links: list[Any] | None = None, **attributes: str | int
+) -> AbstractContextManager[Span]:
     """A span named ``name`` around the block, current within it; ``attributes`` set
-    as ``orders.<name>``. An exception ends it as an error named by its class."""
+    as ``orders.<name>``. An exception ends it as an error named by its class. Without
+    a recording provider, a shared block that does nothing (no generator per call)."""
     if not recorded():
-        yield Span(None)
-        return
+        return _UNTRACED
+    return _recorded_span(name, links, attributes)
+
+
+@contextmanager
+def _recorded_span(
+    name: str, links: list[Any] | None, attributes: dict[str, str | int]
+) -> Iterator[Span]:
     with TRACER.start_as_current_span(
         name, links=links, record_exception=False, set_status_on_exception=False
     ) as current:

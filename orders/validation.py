@@ -45,6 +45,10 @@ def _check_text(name: str, value: object, max_length: int, *, key_safe: bool) ->
 
 
 def _check_characters(name: str, value: str, *, key_safe: bool) -> None:
+    # Printable ASCII is in none of the categories refused below: only an unsafe character
+    # is left to find, and the loop finds it (most ids are plain ASCII: the loop is skipped).
+    if value.isascii() and value.isprintable() and (not key_safe or KEY_UNSAFE.isdisjoint(value)):
+        return
     for ch in value:
         if unicodedata.category(ch) in ("Cc", "Cs", "Cn", "Zl", "Zp"):
             raise InvalidInput(name, "must not contain control or unassigned characters")

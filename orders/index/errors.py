@@ -5,8 +5,6 @@ dashboard's Redis reads: one place decides what a caller is told."""
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import redis
 from redis.exceptions import OutOfMemoryError
@@ -22,24 +20,34 @@ class ServerRefused(StoreUnavailable):
     :class:`StoreUnavailable` for its caller."""
 
 
-@contextmanager
-def redis_errors(
-    action: str, *, refused: type[StoreUnavailable] = StoreUnavailable
-) -> Iterator[None]:
+class redis_errors:
     """redis-py's exceptions as :class:`StoreUnavailable`; an error Redis answered with is
-    raised as ``refused`` (:class:`ServerRefused` where the caller needs to tell)."""
-    try:
-        yield
-    except redis.ResponseError as exc:
-        metrics.STORE_ERRORS.labels("redis").inc()
-        if out_of_memory(exc):
-            raise refused(
-                "redis", f"{action} failed: out of memory (maxmemory reached, noeviction)"
-            ) from exc
-        raise refused("redis", f"{action} failed: {type(exc).__name__}") from exc
-    except redis.RedisError as exc:
-        metrics.STORE_ERRORS.labels("redis").inc()
-        raise StoreUnavailable("redis", f"{action} failed: {failure(exc)}") from exc
+    raised as ``refused`` (:class:`ServerRefused` where the caller needs to tell). A class,
+    not a generator: it wraps every Redis call, the admission's among them."""
+
+    __slots__ = ("action", "refused")
+
+    def __init__(self, action: str, *, refused: type[StoreUnavailable] = StoreUnavailable) -> None:
+        self.action = action
+        self.refused = refused
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        action = self.action
+        if isinstance(exc, redis.ResponseError):
+            metrics.STORE_ERRORS.labels("redis").inc()
+            if out_of_memory(exc):
+                raise self.refused(
+                    "redis", f"{action} failed: out of memory (maxmemory reached, noeviction)"
+                ) from exc
+            raise self.refused("redis", f"{action} failed: {type(exc).__name__}") from exc
+        if isinstance(exc, redis.RedisError):
+            metrics.STORE_ERRORS.labels("redis").inc()
+            raise StoreUnavailable("redis", f"{action} failed: {failure(exc)}") from exc
 
 
 def no_cluster_node(where: object, exc: BaseException) -> StoreUnavailable:

@@ -61,12 +61,19 @@ def companion_key(user_key: str, key_prefix: str, tag: str) -> str:
     ACL that grants ``~<prefix>*`` covers it) followed by ``[``, which names the service's
     own keys and which :meth:`UnpaidIndex.scan_users` leaves out of its pattern.
     """
+    return companion_keys(user_key, key_prefix, (tag,))[0]
+
+
+def companion_keys(user_key: str, key_prefix: str, tags: tuple[str, ...]) -> list[str]:
+    """:func:`companion_key` of each of ``tags``, the user key's slot read once (an
+    admission names three)."""
     slot_tag = hash_tag_of(user_key)
     if slot_tag is None:
         if "}" in user_key:
             raise InvalidInput("key_prefix", "must not contain { or }")
         slot_tag = user_key
-    return f"{key_prefix}{tag}{{{slot_tag}}}{'' if slot_tag == user_key else user_key}"
+    rest = "" if slot_tag == user_key else user_key
+    return [f"{key_prefix}{tag}{{{slot_tag}}}{rest}" for tag in tags]
 
 
 def admits_key(user_key: str, key_prefix: str) -> str:

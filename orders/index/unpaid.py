@@ -35,9 +35,20 @@ from orders import metrics
 from orders.config import Settings
 from orders.config.values import CreateRate
 from orders.errors import InvalidInput
+from orders.index.direct import packed, pool_of, run_packed
 from orders.index.epoch import EpochMarker
 from orders.index.errors import ServerRefused, redis_errors
-from orders.index.keys import RATE_TAG, admits_key, companion_key, glob_escape, text_of, user_of
+from orders.index.keys import (
+    ADMITS_TAG,
+    LIMIT_TAG,
+    RATE_TAG,
+    admits_key,
+    companion_key,
+    companion_keys,
+    glob_escape,
+    text_of,
+    user_of,
+)
 from orders.index.limits import LimitCopies
 from orders.index.nodes import RedisClient
 from orders.index.pipeline import CallPacker, run_per_key, scan_named
@@ -52,6 +63,9 @@ log = logging.getLogger("orders.index")  # the package's name: operators configu
 #: milliseconds; one still there after this waits on a starved pool or a connect, and losing
 #: its member then costs nothing of the limit (SQL's slot guard decides, and writes it back).
 SUSPECT_AFTER_MS = 5_000
+
+#: ``admit.lua``'s KEYS after the user's set: its admissions hash, own limit, rate set.
+_ADMIT_TAGS = (ADMITS_TAG, LIMIT_TAG, RATE_TAG)
 
 #: How many distinct foreign keys one process logs (each once); past it, only counted.
 _FOREIGN_LOG_CAP = 1000
@@ -107,7 +121,10 @@ def _score(value: bytes | str | float) -> int:
     # Redis prints integer-valued doubles in full; Decimal also copes with exponent form.
     if isinstance(value, float):
         return int(value)
-    return int(Decimal(text_of(value)))
+    try:
+        return int(value)  # digits (the common reply): no Decimal
+    except ValueError:
+        return int(Decimal(text_of(value)))
 
 
 def admit_result(reply: list[Any]) -> AdmitResult:
@@ -115,7 +132,11 @@ def admit_result(reply: list[Any]) -> AdmitResult:
     code, count, score = reply[:3]
     applied = int(reply[3]) if len(reply) > 3 else None
     pairs = reply[4:]
-    suspects = tuple((text_of(o), int(s)) for o, s in zip(pairs[::2], pairs[1::2], strict=True))
+    suspects = (
+        tuple((text_of(o), int(s)) for o, s in zip(pairs[::2], pairs[1::2], strict=True))
+        if pairs
+        else ()
+    )
     return AdmitResult(Admission(int(code)), int(count), _score(score), applied, suspects)
 
 
@@ -167,6 +188,9 @@ class UnpaidIndex:
             client, key_prefix=key_prefix, user_key=self.key, foreign=self.foreign
         )
         self._admit: Script = client.register_script(load_script("admit"))
+        #: Where an admission is sent packed by hiredis (None: through the client's call;
+        #: :mod:`orders.index.direct`).
+        self._admit_pool = pool_of(client)
         self._abandon: Script = client.register_script(load_script("abandon"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
         # pipelined scripts would also send SCRIPT EXISTS, a round trip and an ACL grant more.
@@ -186,12 +210,8 @@ class UnpaidIndex:
 
     def admit_keys(self, user_id: str) -> list[str]:
         """``admit.lua``'s KEYS, in its header's order (all in the user's hash slot)."""
-        return [
-            self.key(user_id),
-            self.admits_key(user_id),
-            self.limits.key(user_id),
-            self.rate_key(user_id),
-        ]
+        key = self.key(user_id)
+        return [key, *companion_keys(key, self.key_prefix, _ADMIT_TAGS)]
 
     def admit(self, request: AdmitRequest) -> AdmitResult:
         """Add the order unless the user is at the limit (expired members do not count)
@@ -207,7 +227,12 @@ class UnpaidIndex:
             try:
                 # EVALSHA itself: the hot path of every create (redis-py's Script wrapper
                 # costs a few microseconds more; it still loads the script on NOSCRIPT).
-                reply: list[Any] = self.client.evalsha(self._admit.sha, len(keys), *keys, *args)
+                reply: list[Any]
+                if self._admit_pool is not None:
+                    command = ("EVALSHA", self._admit.sha, len(keys), *keys, *args)
+                    reply = run_packed(self._admit_pool, packed(command))
+                else:
+                    reply = self.client.evalsha(self._admit.sha, len(keys), *keys, *args)
             except NoScriptError:
                 reply = self._admit(keys=keys, args=args)
         return admit_result(reply)

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from orders import metrics
 
@@ -99,6 +99,8 @@ class BatchQueue(Generic[M]):
         #: The thread of the call or batch in flight (None between them), and its start.
         self._owner: int | None = None
         self._since = 0.0
+        #: The batch-size histogram's child of ``kind``, looked up once (first use).
+        self._sizes: Any = None
 
     def holds_lane(self) -> bool:
         """Whether this thread runs the call or batch in flight: a call it makes from
@@ -111,23 +113,41 @@ class BatchQueue(Generic[M]):
         with self._lock:
             return len(self._queue)
 
+    def alone(self) -> bool:
+        """True: nothing was in flight, run alone now (then :meth:`hand_over`), with no
+        member made. False: something is; :meth:`enter` the member (which may find the
+        way free by then)."""
+        with self._lock:
+            return self._run_alone()
+
     def enter(self, member: M) -> bool:
         """True: nothing was in flight, run alone now (then :meth:`hand_over`). False:
         :meth:`wait` for the member's turn (at once, when the call in flight is stuck: it
         then goes alone)."""
         with self._lock:
-            if not self._busy:
-                self._busy = True
-                self._owner = threading.get_ident()
-                self._since = time.monotonic()
-                self.stats.alone += 1
-                metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(1)
+            if self._run_alone():
                 return True
             if self._stuck():
                 self._go_past(member)
             else:
                 self._queue.append(member)
             return False
+
+    def _run_alone(self) -> bool:
+        """Under the lock: take the lane for a call alone, if nothing is in flight."""
+        if self._busy:
+            return False
+        self._busy = True
+        self._owner = threading.get_ident()
+        self._since = time.monotonic()
+        self.stats.alone += 1
+        self._batch_sizes().observe(1)
+        return True
+
+    def _batch_sizes(self) -> Any:
+        if self._sizes is None:
+            self._sizes = metrics.COMBINED_BATCH_SIZE.labels(self.kind)
+        return self._sizes
 
     def wait(self, member: M) -> BaseException | None:
         """Wait for the member's batch (or its turn to lead, or to go alone past a stuck
@@ -165,7 +185,7 @@ class BatchQueue(Generic[M]):
         """Let the member go alone at once, past a stuck call (lock held): its seat is
         ready with no batch, which its caller takes as its turn to run alone."""
         self.stats.went_past += 1
-        metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(1)
+        self._batch_sizes().observe(1)
         self.seat_of(member).ready.set()
 
     def lead(self, batch: list[M], run: Callable[[list[M]], None]) -> None:
@@ -174,7 +194,7 @@ class BatchQueue(Generic[M]):
         self._owner = threading.get_ident()
         try:
             self.stats.count(len(batch))
-            metrics.COMBINED_BATCH_SIZE.labels(self.kind).observe(len(batch))
+            self._batch_sizes().observe(len(batch))
             if len(batch) > 1:
                 run(batch)
         finally:

@@ -106,12 +106,17 @@ class CreateCombiner:
         flight (:meth:`BatchQueue.holds_lane`)."""
         if host is not None or self.queue.holds_lane():
             return self.admitter.create(new, host)
-        member = Member(new)
-        if self.queue.enter(member):
-            try:
-                return self.admitter.create(new)
-            finally:
-                self.queue.hand_over()
+        if not self.queue.alone():  # a member is made only for a create that may wait
+            member = Member(new)
+            if not self.queue.enter(member):
+                return self._wait(member)
+        try:
+            return self.admitter.create(new)
+        finally:
+            self.queue.hand_over()
+
+    def _wait(self, member: Member) -> tuple[Order, bool]:
+        """A queued create: its batch's outcome, or the single path after it."""
         stop = self.queue.wait(member)
         if member.seat.batch is not None:
             self._lead(member.seat.batch)

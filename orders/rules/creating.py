@@ -29,6 +29,7 @@ admission could not find the room.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from sqlalchemy import Connection
 
@@ -54,27 +55,36 @@ class Creating:
         self.transitions = transitions
         self.sweep = sweep
         self.combiner = combiner
+        self._counts: dict[str, Any] = {}
 
     def create(self, new: NewOrder, on_limit: str, host: Connection | None) -> tuple[Order, bool]:
         """The order, and whether this call created it (False: a retry found it)."""
         try:
             order, created = self._create(new, on_limit, host)
         except UnpaidOrderLimitReached as refused:
-            metrics.CREATES.labels(f"refused_{refused.source}").inc()
+            self.count(f"refused_{refused.source}")
             raise
         except CreateRateLimited:
-            metrics.CREATES.labels("refused_rate").inc()
+            self.count("refused_rate")
             raise
         except HoldRefused as refused:
             metrics.HOLDS.labels(f"refused_{refused.reason}").inc()
             raise
         except OrderConflict:
-            metrics.CREATES.labels("conflict").inc()
+            self.count("conflict")
             raise
-        metrics.CREATES.labels("admitted" if created else "retry").inc()
+        self.count("admitted" if created else "retry")
         if created and new.holds:
             metrics.HOLDS.labels("taken").inc(len(new.holds))
         return order, created
+
+    def count(self, result: str) -> None:
+        """One create more in ``orders_creates_total`` under ``result`` (each label's child
+        looked up once: a refusal is cheap, and so is counting it)."""
+        child = self._counts.get(result)
+        if child is None:
+            child = self._counts[result] = metrics.CREATES.labels(result)
+        child.inc()
 
     def _create(self, new: NewOrder, on_limit: str, host: Connection | None) -> tuple[Order, bool]:
         if on_limit != ON_LIMIT_REPLACE_OLDEST:
