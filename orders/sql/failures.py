@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from orders import metrics
 from orders.errors import SchemaNotReady, StoreUnavailable
@@ -39,3 +41,26 @@ def sql_errors() -> Iterator[None]:
             raise StoreUnavailable("sql", "a constraint refused the write") from exc
         detail = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
         raise StoreUnavailable("sql", detail) from exc
+
+
+@contextmanager
+def driver_errors(conn: Connection) -> Iterator[None]:
+    """Around a statement sent straight to ``conn``'s driver (:mod:`orders.sql.direct`):
+    the driver's error raised as SQLAlchemy raises it (a DBAPIError of the matching kind,
+    the driver's error as its ``orig``; the connection invalidated when the driver lost
+    the server, or when an interrupt cut the statement off), for :func:`sql_errors`."""
+    dialect = conn.dialect
+    error: Any = dialect.loaded_dbapi.Error
+    try:
+        yield
+    except error as exc:
+        gone = dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)
+        if gone:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(
+            None, None, exc, error, connection_invalidated=gone, dialect=dialect
+        ) from exc
+    except BaseException as stop:
+        if not isinstance(stop, Exception):  # cut off mid-statement: its state is unknown
+            conn.invalidate()
+        raise
