@@ -13,7 +13,7 @@ processing SQLAlchemy would apply (SQLite's JSON as text, for one).
 
 What differs: SQLAlchemy's cursor events (``before_cursor_execute``...) do not see these
 statements; the service's own span covers the call. Driver errors leave as SQLAlchemy's
-would (:func:`orders.sql.failures.driver_errors`), so ``sql_errors()`` translates them
+would (:func:`orders.sql.failures.driver_error`), so ``sql_errors()`` translates them
 as before. Only sqlite3 and psycopg (3) are driven so; any other driver, and a statement
 with an expanding ``IN`` list, go through SQLAlchemy as usual.
 """
@@ -23,12 +23,12 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import Connection
 from sqlalchemy.engine import Dialect
 
-from orders.sql.failures import driver_errors
+from orders.sql.failures import driver_error
 
 #: The drivers whose connections take the statements here, by dialect.
 DRIVERS = {"sqlite": "pysqlite", "postgresql": "psycopg"}
@@ -79,8 +79,10 @@ class Compiled:
         """Execute in ``conn``'s transaction (or autocommit); the rows returned, each a dict
         of its columns by name."""
         driver = _begun(conn)
-        with driver_errors(conn):
+        try:
             values = driver.execute(self.sql, self.parameters(params)).fetchall()
+        except BaseException as exc:
+            raise_as_sqlalchemy(conn, exc)
         rows = []
         for returned in values:
             row = list(returned)
@@ -92,8 +94,19 @@ class Compiled:
     def execute(self, conn: Connection, params: Mapping[str, Any]) -> None:
         """Execute a statement that returns nothing, in ``conn``'s transaction."""
         driver = _begun(conn)
-        with driver_errors(conn):
+        try:
             driver.execute(self.sql, self.parameters(params))
+        except BaseException as exc:
+            raise_as_sqlalchemy(conn, exc)
+
+
+def raise_as_sqlalchemy(conn: Connection, exc: BaseException) -> NoReturn:
+    """Raise ``exc``, from a statement on ``conn``'s driver, as SQLAlchemy would
+    (:func:`orders.sql.failures.driver_error`)."""
+    wrapped = driver_error(conn, exc)
+    if wrapped is None:
+        raise exc
+    raise wrapped from exc
 
 
 def _begun(conn: Connection) -> Any:

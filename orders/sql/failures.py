@@ -43,24 +43,22 @@ def sql_errors() -> Iterator[None]:
         raise StoreUnavailable("sql", detail) from exc
 
 
-@contextmanager
-def driver_errors(conn: Connection) -> Iterator[None]:
-    """Around a statement sent straight to ``conn``'s driver (:mod:`orders.sql.direct`):
-    the driver's error raised as SQLAlchemy raises it (a DBAPIError of the matching kind,
-    the driver's error as its ``orig``; the connection invalidated when the driver lost
-    the server, or when an interrupt cut the statement off), for :func:`sql_errors`."""
+def driver_error(conn: Connection, exc: BaseException) -> BaseException | None:
+    """What to raise for ``exc``, raised by a statement sent straight to ``conn``'s driver
+    (:mod:`orders.sql.direct`), as SQLAlchemy would: a driver error becomes a DBAPIError
+    of the matching kind (the driver's error its ``orig``), for :func:`sql_errors`; the
+    connection is invalidated when the driver lost the server, or when an interrupt cut
+    the statement off. None: raise ``exc`` as it is."""
     dialect = conn.dialect
     error: Any = dialect.loaded_dbapi.Error
-    try:
-        yield
-    except error as exc:
+    if isinstance(exc, error):
         gone = dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)
         if gone:
             conn.invalidate(exc)
-        raise DBAPIError.instance(
+        wrapped: BaseException = DBAPIError.instance(
             None, None, exc, error, connection_invalidated=gone, dialect=dialect
-        ) from exc
-    except BaseException as stop:
-        if not isinstance(stop, Exception):  # cut off mid-statement: its state is unknown
-            conn.invalidate()
-        raise
+        )
+        return wrapped
+    if not isinstance(exc, Exception):  # cut off mid-statement: its state is unknown
+        conn.invalidate()
+    return None

@@ -18,12 +18,13 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from orders.sql.direct import drives
+from orders.sql.direct import drives, raise_as_sqlalchemy
 from orders.sql.engine import refuse_replaced_sqlite_file
-from orders.sql.failures import driver_errors, sql_errors
+from orders.sql.failures import sql_errors
 
 _SQLITE_WRITERS: weakref.WeakKeyDictionary[Engine, threading.Lock] = weakref.WeakKeyDictionary()
 _SQLITE_WRITERS_GUARD = threading.Lock()
@@ -46,8 +47,11 @@ def begin_immediate(conn: Connection) -> None:
     (:mod:`orders.sql.direct`: SQLAlchemy's execution of it cost more than SQLite's)."""
     conn.begin()
     if drives(conn.dialect):
-        with driver_errors(conn):
-            conn.connection.driver_connection.execute("BEGIN IMMEDIATE")  # type: ignore[union-attr]
+        driver: Any = conn.connection.driver_connection
+        try:
+            driver.execute("BEGIN IMMEDIATE")
+        except BaseException as exc:
+            raise_as_sqlalchemy(conn, exc)
     else:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 

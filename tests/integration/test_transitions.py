@@ -304,6 +304,38 @@ def test_successful_payment_costs_one_sql_transaction_and_one_redis_command(
     assert service.index.members("u1") == {}
 
 
+REFUSE_EVENTS = {
+    "sqlite": [
+        f"CREATE TRIGGER refuse_events BEFORE INSERT ON {events_table.name} "
+        "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+    ],
+    "postgresql": [
+        "CREATE FUNCTION refuse_events() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$",
+        f"CREATE TRIGGER refuse_events BEFORE INSERT ON {events_table.name} "
+        "FOR EACH ROW EXECUTE FUNCTION refuse_events()",
+    ],
+}
+
+
+@pytest.mark.parametrize("call", ["mark_paid", "cancel_order"])
+def test_a_transition_the_database_refuses_raises_store_unavailable_and_changes_nothing(
+    service: OrderService, engine: Engine, call: str
+) -> None:
+    """The transition goes straight to the driver: its error still leaves typed."""
+    order = service.create_unpaid_order("u1")
+    with engine.begin() as conn:
+        for statement in REFUSE_EVENTS[engine.dialect.name]:
+            conn.exec_driver_sql(statement)
+
+    with pytest.raises(StoreUnavailable) as caught:
+        getattr(service, call)(order.id)
+
+    assert caught.value.store == "sql"
+    assert sql_row(engine, order.id).status == "unpaid"
+    assert service.index.members("u1") == {order.id: order.expires_at_ms}
+
+
 # --- Redis unreachable -------------------------------------------------------------------------
 
 
