@@ -14,8 +14,9 @@ processing SQLAlchemy would apply (SQLite's JSON as text, for one).
 What differs: SQLAlchemy's cursor events (``before_cursor_execute``...) do not see these
 statements; the service's own span covers the call. Driver errors leave as SQLAlchemy's
 would (:func:`orders.sql.failures.driver_error`), so ``sql_errors()`` translates them
-as before. Only sqlite3 and psycopg (3) are driven so; any other driver, and a statement
-with an expanding ``IN`` list, go through SQLAlchemy as usual.
+as before. Only sqlite3 and psycopg's synchronous connections are driven so; any other driver (an
+async one: a host's AsyncConnection), and a statement with an expanding ``IN`` list, go
+through SQLAlchemy as usual.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ DRIVERS = {"sqlite": "pysqlite", "postgresql": "psycopg"}
 
 
 def drives(dialect: Dialect) -> bool:
-    """Whether statements on ``dialect`` go straight to its driver (module docstring)."""
-    return DRIVERS.get(dialect.name) == dialect.driver
+    """Whether statements on ``dialect`` go straight to its driver (module docstring):
+    not on an async driver's (a host's AsyncConnection), whose calls are awaitables."""
+    return DRIVERS.get(dialect.name) == dialect.driver and not dialect.is_async
 
 
 class Compiled:
