@@ -29,9 +29,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from enum import Enum
-from typing import Any
 
-from sqlalchemy import Connection, Row
+from sqlalchemy import Connection
 
 from orders import metrics
 from orders.config import Settings
@@ -49,6 +48,7 @@ from orders.rules.transition import Transitioner
 from orders.sql.holds import check_retake
 from orders.sql.records import EXPIRED_REASON, to_order
 from orders.sql.refusals import record_refusal, record_unknown_order
+from orders.sql.transitions import Changed
 
 log = logging.getLogger("orders.service")
 
@@ -116,7 +116,7 @@ class Payments:
     ) -> Order:
         strict = self.settings.strict_expiry
 
-        def attempt(conn: Connection) -> Row[Any] | None:
+        def attempt(conn: Connection) -> Changed | None:
             if payment.amount is not None:
                 current = self.records.current(conn, order_id, now_ms)
                 if current is not None and payment.mismatch(current) is not None:
@@ -152,7 +152,7 @@ class Payments:
 
     def _close_for(
         self, conn: Connection, order_id: str, payment: Payment, actor: Actor, now_ms: int
-    ) -> Row[Any] | None:
+    ) -> Changed | None:
         """strict_expiry: close the expired order a payment came too late for; its close
         event names the payment's reference."""
         data = {"trigger": "late_payment", "payment_ref": payment.ref}
@@ -198,7 +198,7 @@ class Payments:
         order_id = closed.id
         window_ms = self._late_window_ms(closed)
 
-        def attempt(conn: Connection) -> Row[Any] | None:
+        def attempt(conn: Connection) -> Changed | None:
             return self.records.pay(
                 conn, order_id, now_ms, payment, actor, late_window_ms=window_ms
             )

@@ -26,9 +26,8 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from sqlalchemy import Connection, Row
+from sqlalchemy import Connection
 
 from orders.config import Settings
 from orders.domain import Actor, Order
@@ -37,6 +36,7 @@ from orders.rules.admission import Admitter, interrupted
 from orders.rules.batching import BatchQueue, Seat
 from orders.sql.host import follow
 from orders.sql.records import BatchCommit, OrderRecords, to_order
+from orders.sql.transitions import Changed
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def combines_on(dialect: str) -> bool:
 
 #: One transition's SQL: the compare-and-sets to try in the transaction; the row after
 #: the one that won, or None.
-Attempt = Callable[[Connection], Row[Any] | None]
+Attempt = Callable[[Connection], Changed | None]
 
 
 @dataclass(slots=True, eq=False)
@@ -63,7 +63,7 @@ class Pending:
     attempt: Attempt
     seat: Seat[Pending] = field(default_factory=Seat)
     #: The row after its attempt (None: no such order) and whether it won, once decided.
-    outcome: tuple[Row[Any] | None, bool] | None = None
+    outcome: tuple[Changed | None, bool] | None = None
     #: Its batch's leader was cut off too close to the commit to tell whether it was
     #: made (not expected: see ``OrderRecords.transition_all``).
     unknown: bool = False
@@ -173,7 +173,7 @@ def extend_attempt(
     within the maximum lifetime of the order's policy; it loses for a policy that does not
     expire."""
 
-    def attempt(conn: Connection) -> Row[Any] | None:
+    def attempt(conn: Connection) -> Changed | None:
         # The order's policy never changes: reading it first cannot race.
         found = records.current(conn, order_id, now_ms)
         policy = settings.order_policy(None if found is None else found.policy)

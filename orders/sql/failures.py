@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from orders import metrics
 from orders.errors import SchemaNotReady, StoreUnavailable
@@ -39,3 +41,24 @@ def sql_errors() -> Iterator[None]:
             raise StoreUnavailable("sql", "a constraint refused the write") from exc
         detail = f"{type(exc).__name__}: {reason}" if reason else type(exc).__name__
         raise StoreUnavailable("sql", detail) from exc
+
+
+def driver_error(conn: Connection, exc: BaseException) -> BaseException | None:
+    """What to raise for ``exc``, raised by a statement sent straight to ``conn``'s driver
+    (:mod:`orders.sql.direct`), as SQLAlchemy would: a driver error becomes a DBAPIError
+    of the matching kind (the driver's error its ``orig``), for :func:`sql_errors`; the
+    connection is invalidated when the driver lost the server, or when an interrupt cut
+    the statement off. None: raise ``exc`` as it is."""
+    dialect = conn.dialect
+    error: Any = dialect.loaded_dbapi.Error
+    if isinstance(exc, error):
+        gone = dialect.is_disconnect(exc, conn.connection.dbapi_connection, None)
+        if gone:
+            conn.invalidate(exc)
+        wrapped: BaseException = DBAPIError.instance(
+            None, None, exc, error, connection_invalidated=gone, dialect=dialect
+        )
+        return wrapped
+    if not isinstance(exc, Exception):  # cut off mid-statement: its state is unknown
+        conn.invalidate()
+    return None

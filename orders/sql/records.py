@@ -53,6 +53,7 @@ from orders.sql.transitions import (
     PAY_LATE,
     PAY_STRICT,
     REOPEN_EXPIRED,
+    Changed,
 )
 from orders.validation import amount_to_text
 
@@ -75,7 +76,7 @@ class BatchCommit:
     """What :meth:`OrderRecords.transition_all` did: the outcome of each attempt, and
     whether their transaction committed (None: cut off too close to the commit to tell)."""
 
-    outcomes: list[tuple[Row[Any] | None, bool]] = field(default_factory=list)
+    outcomes: list[tuple[Changed | None, bool]] = field(default_factory=list)
     committed: bool | None = False
 
 
@@ -91,6 +92,11 @@ _SELECT_ORDER = select(*orders_table.c).where(ORDER.id == bindparam("oid"))
 _SELECT_ORDER_FOR_UPDATE = _SELECT_ORDER.with_for_update()
 
 
+def _current(conn: Connection, order_id: str) -> Changed | None:
+    """The order's row as ``conn``'s transaction sees it (a transition lost), or None."""
+    return conn.execute(_SELECT_ORDER, {"oid": order_id}).mappings().one_or_none()
+
+
 def payment_data(payment: Payment) -> dict[str, Any]:
     """What a payment's event records of it: the reference, and the amount and currency
     when the payment stated them."""
@@ -102,7 +108,7 @@ def payment_data(payment: Payment) -> dict[str, Any]:
     return data
 
 
-def to_order(row: Row[Any] | Mapping[str, Any], read_at_ms: int) -> Order:
+def to_order(row: Row[Any] | Mapping[Any, Any], read_at_ms: int) -> Order:
     """The order a row of ``oes_orders`` describes (a Row, or a mapping of its columns)."""
     m: Any = row if isinstance(row, Mapping) else _Columns(row)
     amount = m["amount"]
@@ -222,7 +228,7 @@ class OrderRecords:
         self,
         order_id: str,
         now_ms: int,
-        attempt: Callable[[Connection], Row[Any] | None],
+        attempt: Callable[[Connection], Changed | None],
         host: Connection | None = None,
     ) -> tuple[Order, bool]:
         """Run ``attempt`` (compare-and-sets) in one transaction and commit (with ``host``:
@@ -233,7 +239,7 @@ class OrderRecords:
         """
         with self.tx.statements(host) as conn:
             row = attempt(conn)
-            current = row or conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
+            current = row if row is not None else _current(conn, order_id)
             self.tx.commit(conn, host)
         if current is None:
             raise OrderNotFound(order_id)
@@ -241,7 +247,7 @@ class OrderRecords:
 
     def transition_all(
         self,
-        attempts: Sequence[tuple[str, Callable[[Connection], Row[Any] | None]]],
+        attempts: Sequence[tuple[str, Callable[[Connection], Changed | None]]],
         into: BatchCommit,
     ) -> None:
         """:meth:`transition_or_current` of several orders (order id, attempt), one after
@@ -256,7 +262,7 @@ class OrderRecords:
         with self.tx.write() as conn:
             for order_id, attempt in attempts:
                 row = attempt(conn)
-                current = row or conn.execute(_SELECT_ORDER, {"oid": order_id}).one_or_none()
+                current = row if row is not None else _current(conn, order_id)
                 into.outcomes.append((current, row is not None))
             driver = conn.connection.dbapi_connection
             into.committed = None  # from here until the driver answers: not known
@@ -277,7 +283,7 @@ class OrderRecords:
         *,
         strict: bool = False,
         late_window_ms: int | None = None,
-    ) -> Row[Any] | None:
+    ) -> Changed | None:
         """Unpaid -> paid; under ``strict``, only while the expiry is still ahead. With
         ``late_window_ms``: closed by expiry at most that long before ``now_ms`` -> paid
         (late)."""
@@ -297,7 +303,7 @@ class OrderRecords:
         actor: Actor,
         *,
         replaced_by: str | None = None,
-    ) -> Row[Any] | None:
+    ) -> Changed | None:
         """Unpaid -> cancelled; ``replaced_by``: the new order it made room for (its event
         names it)."""
         params = {"oid": order_id, "now_ms": now_ms, "reason": reason or "cancelled"}
@@ -314,7 +320,7 @@ class OrderRecords:
         extra_ms: int,
         max_life_ms: int,
         actor: Actor,
-    ) -> Row[Any] | None:
+    ) -> Changed | None:
         """Move an open order's expiry ``extra_ms`` later, within its maximum lifetime."""
         params = {
             "oid": order_id,
@@ -332,7 +338,7 @@ class OrderRecords:
         now_ms: int,
         extra_ms: int,
         actor: Actor,
-    ) -> Row[Any] | None:
+    ) -> Changed | None:
         """Give an unpaid order never extended before a new expiry (the pre-close check)."""
         params = {"oid": order_id, "now_ms": now_ms, "expires_at_ms": expires_at_ms}
         data = {"extra_ms": extra_ms, "trigger": "pre_close_check"}
@@ -340,7 +346,7 @@ class OrderRecords:
 
     def close_expired(
         self, conn: Connection, order_id: str, now_ms: int, data: dict[str, Any], actor: Actor
-    ) -> Row[Any] | None:
+    ) -> Changed | None:
         """Close one expired unpaid order in the caller's transaction (strict expiry)."""
         return CLOSE_EXPIRED.run(conn, {"oid": order_id, "now_ms": now_ms}, data, actor)
 

@@ -8,7 +8,10 @@ RETURNING in a CTE): one round trip, and in autocommit one transaction on its ow
 
 The statements are built at import with bind parameters for everything a call varies:
 building them per call (SQLAlchemy's coercions and cache keys) cost about as much client
-CPU as running them.
+CPU as running them. A transition of one order, and its event's INSERT on SQLite, go
+straight to the driver (:mod:`orders.sql.direct`: compiled once per dialect from these
+constructs), so SQLAlchemy's cursor events do not see them; the service's span covers the
+call. A transition of several orders (``:oids``) goes through SQLAlchemy.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from sqlalchemy import (
     BigInteger,
     ColumnElement,
     Connection,
-    Row,
     String,
     bindparam,
     insert,
@@ -33,6 +35,7 @@ from sqlalchemy import (
 )
 
 from orders.domain import Actor, EventKind, OrderStatus
+from orders.sql.direct import PerDialect
 from orders.sql.holds import (
     RELEASE,
     RETAKE,
@@ -45,6 +48,9 @@ from orders.sql.models import events_table, orders_table
 from orders.sql.predicates import PAUSED, UNPAID_PREDICATE, closable_at, open_at
 
 ORDER = orders_table.c
+#: An order's row after a transition: its columns by name (a dict from the driver, or
+#: SQLAlchemy's RowMapping).
+Changed = Mapping[Any, Any]
 EXPIRED_REASON = "expired"
 
 _NOW = bindparam("now_ms", type_=BigInteger)
@@ -52,10 +58,13 @@ _OID = bindparam("oid", type_=String)
 _OIDS = bindparam("oids", expanding=True, type_=String)
 _EXTRA = bindparam("extra_ms", type_=BigInteger)
 _NEW_EXPIRY = bindparam("expires_at_ms", type_=BigInteger)
-_INSERT_EVENT = insert(events_table)
 #: The columns an event takes from its order and its cause, in the order the INSERT ...
 #: SELECTs name them.
 EVENT_COLUMNS = ("order_id", "user_id", "kind", "at_ms", "actor_kind", "actor")
+_INSERT_EVENT = insert(events_table).values(
+    {name: bindparam(name, type_=events_table.c[name].type) for name in (*EVENT_COLUMNS, "data")}
+)
+_INSERT_EVENT_DIRECT = PerDialect(_INSERT_EVENT)
 #: Who caused a transition, as bind parameters of the statements that record its event.
 ACTOR_PARAMS = (
     bindparam("actor_kind", type_=String),
@@ -162,8 +171,12 @@ def event_row(
 def insert_event_rows(conn: Connection, rows: Sequence[Mapping[str, Any]]) -> None:
     """Write events given whole (every column of :data:`EVENT_COLUMNS` and ``data``), in
     the caller's transaction."""
-    if len(rows) == 1:
-        conn.execute(_INSERT_EVENT, rows[0])  # one row: no executemany machinery
+    if len(rows) == 1:  # one row: no executemany machinery
+        direct = _INSERT_EVENT_DIRECT.on(conn)
+        if direct is not None:
+            direct.execute(conn, rows[0])
+        else:
+            conn.execute(_INSERT_EVENT, rows[0])
     elif rows:
         conn.execute(_INSERT_EVENT, list(rows))
 
@@ -178,10 +191,15 @@ class CompareAndSet:
     change: Any
     holds: tuple[str, str] | None = None
     in_one_statement: Any = field(init=False)
+    #: Both, straight to the driver (module docstring).
+    direct_change: PerDialect = field(init=False)
+    direct_in_one_statement: PerDialect = field(init=False)
 
     def __post_init__(self) -> None:
         statement = _with_event(self.change, self.kind, self.holds)
         object.__setattr__(self, "in_one_statement", statement)
+        object.__setattr__(self, "direct_change", PerDialect(self.change))
+        object.__setattr__(self, "direct_in_one_statement", PerDialect(statement))
 
     def run(
         self,
@@ -189,7 +207,7 @@ class CompareAndSet:
         params: Mapping[str, Any],
         data: dict[str, Any] | None,
         actor: Actor,
-    ) -> Row[Any] | None:
+    ) -> Changed | None:
         """Run it in ``conn``'s transaction; the row after it if it won, else None.
         ``actor``: who caused it, recorded in its event."""
         rows = self.run_all(conn, params, data, actor)
@@ -201,26 +219,33 @@ class CompareAndSet:
         params: Mapping[str, Any],
         data: dict[str, Any] | None,
         actor: Actor,
-    ) -> Sequence[Row[Any]]:
+    ) -> Sequence[Changed]:
         """:meth:`run` for a transition whose UPDATE may match several orders (``:oids``):
         the rows it changed."""
         if conn.dialect.name == "postgresql":
             statement_params = {**params, "event_data": data, **actor.columns()}
-            return conn.execute(self.in_one_statement, statement_params).all()
-        rows = conn.execute(self.change, params).all()
-        holding = [row.id for row in rows if row.holds]
+            return _rows(conn, self.direct_in_one_statement, statement_params)
+        rows = _rows(conn, self.direct_change, params)
+        holding = [row["id"] for row in rows if row["holds"]]
         if self.holds is not None and holding:
             sqlite_hold_changes(conn, holding, self.holds)
         events = []
         for row in rows:
             row_data = data
-            if self.holds == RELEASE and row.holds:
-                row_data = {**(data or {}), "released": row.holds}
-            events.append(
-                event_row(row.id, row.user_id, self.kind, params["now_ms"], row_data, actor)
-            )
+            if self.holds == RELEASE and row["holds"]:
+                row_data = {**(data or {}), "released": row["holds"]}
+            at_ms = params["now_ms"]
+            events.append(event_row(row["id"], row["user_id"], self.kind, at_ms, row_data, actor))
         insert_event_rows(conn, events)
         return rows
+
+
+def _rows(conn: Connection, statement: PerDialect, params: Mapping[str, Any]) -> Sequence[Changed]:
+    """The rows ``statement`` returns, by the driver when it takes it, else by SQLAlchemy."""
+    direct = statement.on(conn)
+    if direct is not None:
+        return direct.run(conn, params)
+    return conn.execute(statement.statement, params).mappings().all()
 
 
 _PAID = {

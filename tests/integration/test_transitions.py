@@ -28,7 +28,7 @@ from orders.errors import (
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table, refusals_table
 from tests.support.clocks import ManualClock
-from tests.support.stores import redis_commands
+from tests.support.stores import DriverStatements, redis_commands
 
 #: The contract holds on one Redis server and on a Redis Cluster alike.
 pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too, pytest.mark.both_apis]
@@ -266,34 +266,30 @@ def test_successful_payment_costs_one_sql_transaction_and_one_redis_command(
     service: OrderService,
     engine: Engine,
     redis_client: redis.Redis,
-    sql_statements: Any,
     redis_nodes: int,
 ) -> None:
     order = service.create_unpaid_order("u1")
     commits: list[object] = []
-    autocommit: list[bool] = []
 
     def on_commit(conn: object) -> None:
         commits.append(conn)
 
-    def on_execute(conn: Any, *_args: object) -> None:
-        autocommit.append(bool(getattr(conn.connection.dbapi_connection, "autocommit", False)))
-
     event.listen(engine, "commit", on_commit)
-    event.listen(engine, "before_cursor_execute", on_execute)
+    # At the driver: the transition goes straight to it, unseen by cursor events.
     try:
-        sql_statements.statements.clear()
-        before = redis_commands(redis_client)
-        service.mark_paid(order.id, payment_ref="psp-1")
-        after = redis_commands(redis_client)
+        with DriverStatements() as sent:
+            before = redis_commands(redis_client)
+            service.mark_paid(order.id, payment_ref="psp-1")
+            after = redis_commands(redis_client)
     finally:
         event.remove(engine, "commit", on_commit)
-        event.remove(engine, "before_cursor_execute", on_execute)
 
-    statements = sql_statements.statements
+    statements = sent.statements
     writes = [s.split()[0] for s in statements]
     if engine.dialect.name == "sqlite":
-        assert writes == ["BEGIN", "UPDATE", "INSERT"]  # BEGIN IMMEDIATE takes the write lock
+        # BEGIN IMMEDIATE takes the write lock.
+        assert writes == ["BEGIN", "UPDATE", "INSERT", "COMMIT"]
+        assert statements[0] == "BEGIN IMMEDIATE"
         assert len(commits) == 1
     else:
         # One statement in autocommit: the compare-and-set and its event, one transaction.
@@ -302,10 +298,42 @@ def test_successful_payment_costs_one_sql_transaction_and_one_redis_command(
             f"WITH changed AS (UPDATE {orders_table.name}"
         )
         assert f"INSERT INTO {events_table.name}" in statements[0]
-        assert autocommit == [True]  # SQLAlchemy's commit() then sends nothing
+        assert sent.autocommit == [True]  # SQLAlchemy's commit() then sends nothing
     # One ZREM, plus the second INFO call itself (on each node).
     assert after - before == 1 + redis_nodes
     assert service.index.members("u1") == {}
+
+
+REFUSE_EVENTS = {
+    "sqlite": [
+        f"CREATE TRIGGER refuse_events BEFORE INSERT ON {events_table.name} "
+        "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+    ],
+    "postgresql": [
+        "CREATE FUNCTION refuse_events() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$",
+        f"CREATE TRIGGER refuse_events BEFORE INSERT ON {events_table.name} "
+        "FOR EACH ROW EXECUTE FUNCTION refuse_events()",
+    ],
+}
+
+
+@pytest.mark.parametrize("call", ["mark_paid", "cancel_order"])
+def test_a_transition_the_database_refuses_raises_store_unavailable_and_changes_nothing(
+    service: OrderService, engine: Engine, call: str
+) -> None:
+    """The transition goes straight to the driver: its error still leaves typed."""
+    order = service.create_unpaid_order("u1")
+    with engine.begin() as conn:
+        for statement in REFUSE_EVENTS[engine.dialect.name]:
+            conn.exec_driver_sql(statement)
+
+    with pytest.raises(StoreUnavailable) as caught:
+        getattr(service, call)(order.id)
+
+    assert caught.value.store == "sql"
+    assert sql_row(engine, order.id).status == "unpaid"
+    assert service.index.members("u1") == {order.id: order.expires_at_ms}
 
 
 # --- Redis unreachable -------------------------------------------------------------------------

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import psycopg
 from alembic.autogenerate import compare_metadata
-from sqlalchemy import Engine, func, insert, inspect, select, text
+from sqlalchemy import Engine, event, func, insert, inspect, select, text
+from sqlalchemy.pool import Pool
 
 from orders.domain import Order
 from orders.index.keys import ADMITS_TAG
@@ -157,6 +160,48 @@ def upgrade_over(engine: Engine, revision: str, *inserts: str) -> None:
 
 def table_columns(engine: Engine, table: str) -> set[str]:
     return {c["name"] for c in inspect(engine).get_columns(table)}
+
+
+class DriverStatements:
+    """Every statement the driver connections of this process run while installed,
+    SQLAlchemy's and those sent straight to the driver (``orders.sql.direct``) alike, on
+    every engine (the asyncio API's threads have one of their own): on SQLite from
+    sqlite3's trace callback (BEGIN and COMMIT included, the values inlined), on
+    PostgreSQL from psycopg cursors that note each query (and in ``autocommit`` whether
+    its connection was in autocommit)."""
+
+    def __init__(self) -> None:
+        self.statements: list[str] = []
+        self.autocommit: list[bool] = []
+
+    def __enter__(self) -> DriverStatements:
+        event.listen(Pool, "checkout", self._checkout)
+        event.listen(Pool, "checkin", self._checkin)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        event.remove(Pool, "checkout", self._checkout)
+        event.remove(Pool, "checkin", self._checkin)
+
+    def _checkout(self, dbapi_connection: Any, *_: Any) -> None:
+        if isinstance(dbapi_connection, sqlite3.Connection):
+            dbapi_connection.set_trace_callback(self.statements.append)
+            return
+        noted = self
+
+        class Noting(psycopg.Cursor[Any]):
+            def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+                noted.statements.append(str(query))
+                noted.autocommit.append(self.connection.autocommit)
+                return super().execute(query, *args, **kwargs)
+
+        dbapi_connection.cursor_factory = Noting
+
+    def _checkin(self, dbapi_connection: Any, *_: Any) -> None:
+        if isinstance(dbapi_connection, sqlite3.Connection):
+            dbapi_connection.set_trace_callback(None)
+        elif dbapi_connection is not None:
+            dbapi_connection.cursor_factory = psycopg.Cursor
 
 
 class StatementCounter:
