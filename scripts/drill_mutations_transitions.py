@@ -118,8 +118,8 @@ TRANSITION_MUTATIONS: tuple[Mutation, ...] = (
     mutation(
         "created-event-outside-the-transaction",
         "orders/sql/slots.py",
-        "                row = conn.execute(self._insert, params).one_or_none()",
-        "                row = conn.execute(self._insert, params).one_or_none(); conn.commit()",
+        "            row = self._insert_row(conn, new)",
+        "            row = self._insert_row(conn, new); conn.commit()",
         "the order row and its event commit together",
         "tests/crash/test_crashes.py",
         "-k",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from sqlalchemy import Connection
@@ -144,3 +144,11 @@ class PerDialect:
             compiled = None
         with self._lock:
             return self._compiled.setdefault(dialect, compiled)
+
+    def rows(self, conn: Connection, params: Mapping[str, Any]) -> Sequence[Mapping[Any, Any]]:
+        """Run the statement in ``conn``'s transaction: the rows it returns, each a mapping
+        of its columns by name; by the driver where it takes it, else by SQLAlchemy."""
+        direct = self.on(conn)
+        if direct is not None:
+            return direct.run(conn, params)
+        return conn.execute(self.statement, params).mappings().all()

@@ -37,7 +37,6 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Integer,
-    Row,
     String,
     bindparam,
     exists,
@@ -52,12 +51,13 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import IntegrityError
 
 from orders.domain import APPLICATION, EventKind, NewOrder, OrderStatus
+from orders.sql.direct import PerDialect
 from orders.sql.holds import take
 from orders.sql.inflight import in_flight_lock
 from orders.sql.models import events_table, orders_table, user_limits_table
 from orders.sql.predicates import UNPAID_PREDICATE
 from orders.sql.transactions import Transactions
-from orders.sql.transitions import CLOSE_ALL_EXPIRED, record_events, with_events
+from orders.sql.transitions import CLOSE_ALL_EXPIRED, Changed, record_events, with_events
 from orders.validation import amount_to_text
 
 ORDER = orders_table.c
@@ -221,38 +221,46 @@ class SlotGuard:
 
     def __init__(self, tx: Transactions) -> None:
         self.tx = tx
-        self._insert = insert_in_free_slot(tx.dialect)
+        #: Straight to the driver (:mod:`orders.sql.direct`): SQLAlchemy's execution of it
+        #: cost more client CPU than the driver's.
+        self._insert = PerDialect(insert_in_free_slot(tx.dialect))
         self._in_one_statement = tx.dialect == "postgresql"
 
-    def insert(self, new: NewOrder, host: Connection | None = None) -> Row[Any] | None:
+    def _insert_row(self, conn: Connection, new: NewOrder) -> Changed | None:
+        """The free-slot insert in ``conn``'s transaction: the order's row, or None.
+        Raises InsertConflict (as SQLAlchemy's IntegrityError, by either path)."""
+        try:
+            rows = self._insert.rows(conn, insert_params(new))
+        except IntegrityError as exc:
+            raise InsertConflict(new.id) from exc
+        return rows[0] if rows else None
+
+    def insert(self, new: NewOrder, host: Connection | None = None) -> Changed | None:
         """Insert the order and its event into the lowest free slot; None if none is free
         (or, on PostgreSQL, a concurrent create took it first). Raises InsertConflict.
         ``host``: in the host's transaction (``Transactions.in_host``)."""
-        params = insert_params(new)
         if self._in_one_statement and not new.holds:
             with self.tx.statements(host) as conn:
-                try:
-                    return conn.execute(self._insert, params).one_or_none()
-                except IntegrityError as exc:
-                    raise InsertConflict(new.id) from exc
+                return self._insert_row(conn, new)
         with self.tx.write(host) as conn:
-            try:
-                row = conn.execute(self._insert, params).one_or_none()
-            except IntegrityError as exc:
-                raise InsertConflict(new.id) from exc
+            row = self._insert_row(conn, new)
             if row is not None:
                 if not self._in_one_statement:
-                    created = [(row.id, row.user_id)]
+                    created = [(row["id"], row["user_id"])]
                     record_events(
                         conn, created, EventKind.CREATED, new.created_at_ms, new.trace, new.actor
                     )
                 if new.holds:  # taken in the insert's transaction, or neither is written
                     named = take(conn, new)
                     if named.keys() - dict(new.names).keys():  # units picked: name them
-                        row = conn.execute(
-                            _NAME_UNITS,
-                            {"oid": new.id, "held": {**dict(new.holds), **named}},
-                        ).one()
+                        row = (
+                            conn.execute(
+                                _NAME_UNITS,
+                                {"oid": new.id, "held": {**dict(new.holds), **named}},
+                            )
+                            .mappings()
+                            .one()
+                        )
                 self.tx.commit(conn, host)
             return row
 

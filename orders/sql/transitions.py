@@ -224,8 +224,8 @@ class CompareAndSet:
         the rows it changed."""
         if conn.dialect.name == "postgresql":
             statement_params = {**params, "event_data": data, **actor.columns()}
-            return _rows(conn, self.direct_in_one_statement, statement_params)
-        rows = _rows(conn, self.direct_change, params)
+            return self.direct_in_one_statement.rows(conn, statement_params)
+        rows = self.direct_change.rows(conn, params)
         holding = [row["id"] for row in rows if row["holds"]]
         if self.holds is not None and holding:
             sqlite_hold_changes(conn, holding, self.holds)
@@ -238,14 +238,6 @@ class CompareAndSet:
             events.append(event_row(row["id"], row["user_id"], self.kind, at_ms, row_data, actor))
         insert_event_rows(conn, events)
         return rows
-
-
-def _rows(conn: Connection, statement: PerDialect, params: Mapping[str, Any]) -> Sequence[Changed]:
-    """The rows ``statement`` returns, by the driver when it takes it, else by SQLAlchemy."""
-    direct = statement.on(conn)
-    if direct is not None:
-        return direct.run(conn, params)
-    return conn.execute(statement.statement, params).mappings().all()
 
 
 _PAID = {

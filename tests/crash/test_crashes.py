@@ -47,6 +47,7 @@ from orders.errors import OrderClosed, StoreUnavailable, UnpaidOrderLimitReached
 from orders.index.lease import SweeperLease
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
+from orders.sql.direct import Compiled
 from orders.sql.models import events_table, orders_table
 from orders.sql.predicates import reminder_due_at
 from tests.support.clocks import ManualClock
@@ -804,6 +805,32 @@ def drop_connection(conn: Connection, how: str) -> None:
         dbapi_connection.close()  # SQLite has no server: close it behind the pool's back
 
 
+def before_each_statement(
+    monkeypatch: pytest.MonkeyPatch, engine: Engine, hook: Callable[[Connection, str], None]
+) -> Callable[[], None]:
+    """Call ``hook(conn, sql)`` before each statement run on ``engine``: SQLAlchemy's (its
+    cursor event) and those sent straight to the driver (``orders.sql.direct``), which the
+    event does not see. Returns what stops it (the monkeypatch ends with the test)."""
+
+    def on_cursor(conn: Connection, _cursor: Any, sql: str, *_: Any) -> None:
+        hook(conn, sql)
+
+    def hooked(method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Compiled, conn: Connection, params: Any) -> Any:
+            if conn.engine.pool is engine.pool:  # its autocommit twin too
+                if not conn.in_transaction():  # where the cursor event fires: begun
+                    conn.begin()
+                hook(conn, self.sql)
+            return method(self, conn, params)
+
+        return run
+
+    monkeypatch.setattr(Compiled, "run", hooked(Compiled.run))
+    monkeypatch.setattr(Compiled, "execute", hooked(Compiled.execute))
+    event.listen(engine, "before_cursor_execute", on_cursor)
+    return lambda: (event.remove(engine, "before_cursor_execute", on_cursor), monkeypatch.undo())
+
+
 @pytest.mark.parametrize("how", ["invalidate", "server"])
 @pytest.mark.parametrize(
     "statement", [f"INSERT INTO {orders_table.name} ", f"INSERT INTO {events_table.name} "]
@@ -815,24 +842,25 @@ def test_a_connection_dropped_during_the_create_transaction_leaves_no_phantom_sl
     clock: ManualClock,
     statement: str,
     how: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = Settings(database_url=database_url, unpaid_limit=2)
     service = OrderService(engine, redis_client, settings, clock=clock)
     kept = service.create_unpaid_order("u1", order_id="kept")
     armed = [True]
 
-    def break_it(conn: Connection, cursor: Any, sql: str, *args: Any) -> None:
+    def break_it(conn: Connection, sql: str) -> None:
         # On PostgreSQL both inserts are one statement (WITH created AS (INSERT ...)).
         if armed[0] and statement in sql:
             armed[0] = False
             drop_connection(conn, how)
 
-    event.listen(engine, "before_cursor_execute", break_it)
+    stop = before_each_statement(monkeypatch, engine, break_it)
     try:
         with pytest.raises(StoreUnavailable) as info:
             service.create_unpaid_order("u1", order_id="doomed")
     finally:
-        event.remove(engine, "before_cursor_execute", break_it)
+        stop()
     assert not armed[0]
     assert info.value.store == "sql"
     assert service.index.members("u1") == {"kept": kept.expires_at_ms}  # no phantom
