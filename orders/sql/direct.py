@@ -3,7 +3,8 @@
 SQLAlchemy's execution of one statement (the execution context, its events, the result
 object) cost as much client CPU as the driver's own work: for a payment, whose SQL is an
 ``UPDATE ... RETURNING`` and its event's ``INSERT``, about a third of the call. So the
-transitions of one order (:mod:`orders.sql.transitions`) and SQLite's ``BEGIN IMMEDIATE``
+transitions of one order (:mod:`orders.sql.transitions`), a single create's free-slot
+insert (:mod:`orders.sql.slots`) and SQLite's ``BEGIN IMMEDIATE``
 (:mod:`orders.sql.transactions`) run on the driver connection that SQLAlchemy checked out,
 inside the transaction SQLAlchemy began: SQLAlchemy keeps the pool, the transaction (its
 commit, rollback and events) and every other statement. Each statement is still defined
