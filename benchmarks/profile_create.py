@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -59,6 +60,41 @@ def on_threads(share: Callable[[int], None], threads: int) -> None:
         worker.join()
 
 
+#: Layers of a call, by where a function lives (cProfile's own time of each function): the
+#: first whose mark is in the file name, or in a built-in's name, wins.
+LAYERS = (
+    ("SQL driver and server", ("sqlite3.", "/psycopg", "psycopg_c", "psycopg_binary")),
+    ("Redis socket and server", ("_socket.socket", "hiredis")),
+    ("SQLAlchemy", ("/sqlalchemy/",)),
+    ("redis-py", ("/redis/",)),
+    ("orders", ("/orders/",)),
+)
+
+
+def layer_of(filename: str, function: str) -> str:
+    where = filename + " " + function
+    for name, marks in LAYERS:
+        if any(mark in where for mark in marks):
+            return name
+    return "Python and the standard library"
+
+
+def print_layers(stats: pstats.Stats, calls: int) -> None:
+    """Microseconds per call in each layer (cProfile's own time, its overhead included:
+    compare runs of this script with each other, not with the ops/s of a run without it)."""
+    spent: dict[str, float] = dict.fromkeys([name for name, _ in LAYERS], 0.0)
+    spent["Python and the standard library"] = 0.0
+    raw: Any = stats
+    for (filename, _line, function), row in raw.stats.items():
+        spent[layer_of(filename, function)] += row[2]  # tottime
+    total = sum(spent.values())
+    print("| layer | us per call | share |", file=sys.stderr)
+    print("| --- | --- | --- |", file=sys.stderr)
+    for name, seconds in spent.items():
+        print(f"| {name} | {seconds / calls * 1e6:,.0f} | {seconds / total:.0%} |", file=sys.stderr)
+    print(f"| all | {total / calls * 1e6:,.0f} | 100% |", file=sys.stderr)
+
+
 def run(
     service: OrderService,
     users: list[str],
@@ -67,6 +103,7 @@ def run(
     sort: str = "tottime",
     callers: str | None = None,
     threads: int = 1,
+    layers: bool = False,
 ) -> None:
     """Once per user: create, be refused at the limit, pay or cancel (the last three on an
     order created beforehand, untimed); print the rate. ``callers``: also print who called
@@ -95,7 +132,7 @@ def run(
                 if mode != "refuse":
                     raise
 
-    profiler = cProfile.Profile() if top else None
+    profiler = cProfile.Profile() if top or layers else None
     started, cpu_started = time.perf_counter(), time.process_time()
     busy_started, total_started = machine_busy()
     if profiler is not None:
@@ -107,7 +144,9 @@ def run(
     if profiler is not None:
         profiler.disable()
     elapsed = time.perf_counter() - started
-    if profiler is not None:
+    if profiler is not None and layers:
+        print_layers(pstats.Stats(profiler), len(users))
+    elif profiler is not None:
         stats = pstats.Stats(profiler, stream=sys.stderr).sort_stats(sort)
         stats.print_stats(top)
         if callers:
@@ -137,6 +176,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="callers at once")
     parser.add_argument(
+        "--layers", action="store_true", help="print the time per call in each layer (cProfile)"
+    )
+    parser.add_argument(
         "--combine", action="store_true", help="combine_creates and combine_transitions on"
     )
     options = parser.parse_args()
@@ -164,6 +206,7 @@ def main() -> None:
             options.sort,
             options.callers,
             threads=options.threads,
+            layers=options.layers,
         )
         service.close()
 

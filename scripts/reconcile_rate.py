@@ -12,7 +12,7 @@ rebuild must not pay for), and times two runs, ``--repeat`` times each:
 Every server it starts it stops by its PID. Usage::
 
     .venv/bin/python scripts/reconcile_rate.py [--users 100000] [--closed 1000000]
-        [--engines sqlite,postgresql]
+        [--engines sqlite,postgresql] [--resources 1000]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from orders.config import Settings
 from orders.embedded.binary import find_redis_server
 from orders.service import OrderService
 from orders.sql import migrate
+from orders.sql.inventory_tables import HOLD_HELD, HoldRow, ResourceRow
 from orders.sql.models import orders_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the tests' server
@@ -99,9 +101,34 @@ def postgres_server() -> Iterator[str]:
         server.stop()
 
 
-def fill(engine: Engine, users: int, closed: int, seed: int = 7) -> int:
+def fill_holds(engine: Engine, rows: list[dict[str, Any]], resources: int) -> int:
+    """``resources`` counted resources, and a hold of one unit of one of them for every
+    third open order (each resource's ``held`` the sum of its rows, as the service keeps
+    it); returns how many holds."""
+    if not resources:
+        return 0
+    holds = [
+        {"order_id": row["id"], "resource_id": f"r{n % resources:06d}", "user_id": row["user_id"],
+         "quantity": 1, "status": HOLD_HELD}
+        for n, row in enumerate(rows) if n % 3 == 0
+    ]  # fmt: skip
+    held = Counter(hold["resource_id"] for hold in holds)
+    stock = [
+        {"id": f"r{r:06d}", "capacity": 10**9, "held": held[f"r{r:06d}"], "sold": 0,
+         "updated_at_ms": NOW_MS, "named": False}
+        for r in range(resources)
+    ]  # fmt: skip
+    with engine.begin() as conn:
+        conn.execute(insert(ResourceRow.__table__), stock)
+        for start in range(0, len(holds), 20_000):
+            conn.execute(insert(HoldRow.__table__), holds[start : start + 20_000])
+    return len(holds)
+
+
+def fill(engine: Engine, users: int, closed: int, resources: int = 0, seed: int = 7) -> int:
     """``users`` users with 1-3 open orders each, inserted in bulk, and ``closed`` terminal
-    ones of theirs; returns the open order count."""
+    ones of theirs (and ``resources``, with holds: :func:`fill_holds`); returns the open
+    order count."""
     rng = random.Random(seed)
     rows = []
     for u in range(users):
@@ -120,7 +147,9 @@ def fill(engine: Engine, users: int, closed: int, seed: int = 7) -> int:
     with engine.begin() as conn:
         for start in range(0, len(rows), 20_000):
             conn.execute(insert(orders_table), rows[start : start + 20_000])
+    holds = fill_holds(engine, rows, resources)
     add_history(engine, closed, users, NOW_MS)  # and ANALYZE
+    print(f"{len(rows):,} open orders, {holds:,} of them holding one of {resources:,} resources")
     return len(rows)
 
 
@@ -131,7 +160,7 @@ def server_cpu_s(client: redis.Redis) -> float:
 
 def measure(engine: Engine, redis_url: str, args: argparse.Namespace, label: str) -> None:
     users, repeat, chunk = args.users, args.repeat, args.chunk_size
-    orders = fill(engine, users, args.closed)
+    orders = fill(engine, users, args.closed, args.resources)
     client = redis.Redis.from_url(redis_url)
     service = OrderService(engine, client, Settings(), clock=lambda: NOW_MS)
     try:
@@ -148,11 +177,18 @@ def measure(engine: Engine, redis_url: str, args: argparse.Namespace, label: str
                 cpu = time.process_time() - cpu
                 redis_cpu = server_cpu_s(client) - redis_cpu
                 expect = orders if kind == "rebuild" else 0
+                wrong_resources = report.resources != args.resources or (
+                    report.resources_missing != (args.resources if kind == "rebuild" else 0)
+                )
                 if report.users != users or report.added != expect or report.rescored:
+                    raise RuntimeError(f"{label} {kind}: unexpected report {report.as_dict()}")
+                if wrong_resources or report.resources_stale or report.resources_removed:
                     raise RuntimeError(f"{label} {kind}: unexpected report {report.as_dict()}")
                 print(
                     f"{label:10} {kind:7} run {run + 1}: {report.users} users, "
-                    f"{report.added} added in {elapsed:.2f} s = {report.users / elapsed:,.0f} "
+                    f"{report.added} added, {report.resources} resources "
+                    f"({report.resources_missing} rebuilt) in {elapsed:.2f} s = "
+                    f"{report.users / elapsed:,.0f} "
                     f"users/s (CPU: this process {cpu:.2f} s, redis-server {redis_cpu:.2f} s; "
                     f"load average {os.getloadavg()[0]:.1f})",
                     flush=True,
@@ -167,6 +203,7 @@ def main() -> int:
     parser.add_argument("--closed", type=int, default=0, help="terminal orders beside [0]")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--engines", default="sqlite,postgresql")
+    parser.add_argument("--resources", type=int, default=0, help="counted resources [0]")
     parser.add_argument("--chunk-size", type=int, default=None, help="[default: the service's]")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="orders-reconcile-rate-", dir="/tmp"))

@@ -188,8 +188,8 @@ class UnpaidIndex:
             client, key_prefix=key_prefix, user_key=self.key, foreign=self.foreign
         )
         self._admit: Script = client.register_script(load_script("admit"))
-        #: Where an admission is sent packed by hiredis (None: through the client's call;
-        #: :mod:`orders.index.direct`).
+        #: Where an admission (and a payment's ZREM) is sent packed by hiredis (None:
+        #: through the client's call; :mod:`orders.index.direct`).
         self._admit_pool = pool_of(client)
         self._abandon: Script = client.register_script(load_script("abandon"))
         # Run through orders.index.pipeline (EVALSHA, SCRIPT LOAD on NOSCRIPT): redis-py's
@@ -303,7 +303,10 @@ class UnpaidIndex:
         and costs one command.
         """
         with redis_errors("release"):
-            if not forget_admission:
+            if not forget_admission:  # every payment's and cancel's: packed when it can be
+                if self._admit_pool is not None:
+                    command = packed(("ZREM", self.key(user_id), order_id))
+                    return bool(run_packed(self._admit_pool, command))
                 return bool(self.client.zrem(self.key(user_id), order_id))
             pipe = self.client.pipeline(transaction=False)
             pipe.zrem(self.key(user_id), order_id)
