@@ -52,7 +52,7 @@ from tests.support.clocks import ManualClock
 from tests.support.cluster import LocalCluster, running_cluster
 from tests.support.postgres import PostgresServer, PostgresTarget, find_postgres_bin
 from tests.support.redis_server import RedisServer
-from tests.support.stores import ENGINES, RoundTripCounter, StatementCounter, flush_db
+from tests.support.stores import ENGINES, DriverStatements, RoundTripCounter, flush_db
 
 # No per-example deadline: on a shared machine an example's wall time is the machine's, and
 # a time bound is not what the property tests check (they check what is shown or stored).
@@ -540,14 +540,12 @@ def service(make_service: Callable[..., OrderService]) -> OrderService:
 
 
 @pytest.fixture
-def sql_statements(engine: Engine) -> Iterator[StatementCounter]:
-    """Every SQL statement the engine sends to the database during the test."""
-    counter = StatementCounter()
-    event.listen(engine, "before_cursor_execute", counter)
-    try:
-        yield counter
-    finally:
-        event.remove(engine, "before_cursor_execute", counter)
+def sql_statements() -> Iterator[DriverStatements]:
+    """Every SQL statement sent to a database during the test, seen at the driver: those
+    SQLAlchemy runs and those sent straight to the driver (orders.sql.direct) alike, on
+    every engine of the process (on SQLite BEGIN and COMMIT too)."""
+    with DriverStatements() as seen:
+        yield seen
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import redis
 from orders import OrderService, UnpaidOrderLimitReached
 from orders.rules.confirming import CONFIRM_THREAD
 from tests.support.clocks import ManualClock
-from tests.support.stores import RoundTripCounter, StatementCounter
+from tests.support.stores import DriverStatements, RoundTripCounter
 
 pytestmark = [pytest.mark.every_server, pytest.mark.cluster_too]
 
@@ -25,7 +25,7 @@ def test_a_refusal_of_orders_a_minute_old_costs_one_round_trip_once_they_are_con
     service: OrderService,
     clock: ManualClock,
     redis_client: redis.Redis,
-    sql_statements: StatementCounter,
+    sql_statements: DriverStatements,
     redis_round_trips: RoundTripCounter,
 ) -> None:
     held = {service.create_unpaid_order("u1", ttl_s=600, limit=2).id for _ in range(2)}

@@ -26,7 +26,6 @@ from tests.support.clocks import ManualClock
 from tests.support.stores import (
     DriverStatements,
     RoundTripCounter,
-    StatementCounter,
     refuse_inserts,
 )
 
@@ -95,7 +94,7 @@ def test_refusal_at_the_limit_carries_count_and_retry_after_and_costs_one_redis_
     service: OrderService,
     redis_client: redis.Redis,
     clock: ManualClock,
-    sql_statements: StatementCounter,
+    sql_statements: DriverStatements,
     redis_round_trips: RoundTripCounter,
 ) -> None:
     first = service.create_unpaid_order("u1", ttl_s=10)
@@ -120,7 +119,7 @@ def test_refusal_at_the_limit_carries_count_and_retry_after_and_costs_one_redis_
 def test_a_refusal_asks_sql_once_about_admissions_seconds_old_then_costs_one_redis_call_again(
     service: OrderService,
     clock: ManualClock,
-    sql_statements: StatementCounter,
+    sql_statements: DriverStatements,
     redis_round_trips: RoundTripCounter,
 ) -> None:
     held = {service.create_unpaid_order("u1", limit=2).id for _ in range(2)}

@@ -28,7 +28,7 @@ from orders.sql.inventory_tables import (
 from orders.sql.resources import ResourceRecords
 from tests.support.aio import run_checked
 from tests.support.clocks import ManualClock
-from tests.support.stores import StatementCounter
+from tests.support.stores import DriverStatements
 
 #: Every bad input of the issue, as (resource_id, capacity, per_user).
 BAD_INPUTS = {
@@ -198,7 +198,7 @@ def test_running_out_lists_the_smallest_free_share_first_without_capacity_zero(
 def test_bad_input_is_invalid_input_before_any_statement_reaches_sql(
     service: OrderService,
     engine: Engine,
-    sql_statements: StatementCounter,
+    sql_statements: DriverStatements,
     resource_id: Any,
     capacity: Any,
     per_user: Any,

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event, select
+from sqlalchemy import Engine, select
 
 from orders import (
     HoldRefused,
@@ -22,7 +22,7 @@ from orders import (
 from orders.domain import RefusalReason
 from orders.sql.inventory_tables import units_table
 from tests.support.clocks import ManualClock
-from tests.support.stores import StatementCounter, flush_db
+from tests.support.stores import DriverStatements, flush_db
 
 UNIT = units_table.c
 #: Every test here also runs on orders.aio's service (tests/support/aio.py).
@@ -219,17 +219,13 @@ def test_a_unit_taken_or_a_sold_out_resource_is_refused_by_redis_without_sql(
     first = seats.create_unpaid_order("u1", holds={"ev7": SEATS[:-1]})
     seats.mark_paid(first.id)
     seats.create_unpaid_order("u2", holds={"ev7": 1})  # picks the last, A-10
-    counter = StatementCounter()
-    event.listen(engine, "before_cursor_execute", counter)
-    try:
+    with DriverStatements() as counter:  # SQLAlchemy's and the direct path's alike
         with pytest.raises(HoldRefused) as bought:
             seats.create_unpaid_order("u3", holds={"ev7": ["A-4"]})
         with pytest.raises(HoldRefused) as held:
             seats.create_unpaid_order("u3", holds={"ev7": ["A-10"]})
         with pytest.raises(HoldRefused) as sold_out:
             seats.create_unpaid_order("u3", holds={"ev7": 1})
-    finally:
-        event.remove(engine, "before_cursor_execute", counter)
 
     assert (bought.value.reason, bought.value.source, bought.value.units) == (
         "taken",

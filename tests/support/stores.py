@@ -174,6 +174,10 @@ class DriverStatements:
         self.statements: list[str] = []
         self.autocommit: list[bool] = []
 
+    @property
+    def count(self) -> int:
+        return len(self.statements)
+
     def __enter__(self) -> DriverStatements:
         event.listen(Pool, "checkout", self._checkout)
         event.listen(Pool, "checkin", self._checkin)
