@@ -20,6 +20,7 @@ from orders.config import Settings
 from orders.errors import SchemaNotReady, StoreUnavailable, UnpaidOrderLimitReached
 from orders.service import OrderService
 from orders.sql import migrate
+from orders.sql.direct import Compiled
 from orders.sql.models import events_table, orders_table
 from orders.sql.schema_names import unprefixed
 from orders.sql.stats import collect_stats
@@ -200,16 +201,28 @@ def test_upgrade_to_0006_numbers_each_users_unpaid_orders_in_expiry_order(
 
 
 def statements_run_by(engine: Engine, action: Callable[[], object]) -> list[tuple[str, Any]]:
-    """Every (SQL, parameters) pair the driver is handed while ``action`` runs."""
+    """Every (SQL, parameters) pair the driver is handed while ``action`` runs: SQLAlchemy's
+    (its cursor event) and those sent straight to the driver (``orders.sql.direct``)."""
     seen: list[tuple[str, Any]] = []
 
     def capture(_conn: Any, _cursor: Any, sql: str, params: Any, *_rest: Any) -> None:
         seen.append((sql, params))
 
+    def noted(method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: Compiled, conn: Any, params: Any) -> Any:
+            bound = self.parameters(params)  # sqlite3's: a list in the statement's order
+            seen.append((self.sql, tuple(bound) if isinstance(bound, list) else bound))
+            return method(self, conn, params)
+
+        return run
+
+    run, execute = Compiled.run, Compiled.execute
     event.listen(engine, "before_cursor_execute", capture)
+    Compiled.run, Compiled.execute = noted(run), noted(execute)  # type: ignore[method-assign]
     try:
         action()
     finally:
+        Compiled.run, Compiled.execute = run, execute  # type: ignore[method-assign]
         event.remove(engine, "before_cursor_execute", capture)
     return seen
 
