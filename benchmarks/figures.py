@@ -30,7 +30,7 @@ from benchmarks.throughput import cancel, create, mark_paid, refusal, sql_admiss
 from benchmarks.waiting import waiting
 from benchmarks.workload import FOREIGN_MARGIN_MS, OC, SWEEP_NOW_MS, Workload
 from orders.domain import OrderStatus
-from orders.index.unpaid import AdmitRequest
+from orders.index.admissions import AdmitRequest
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService

@@ -13,7 +13,7 @@ from benchmarks.driver import RawDriver, writer_queue
 from benchmarks.measure import Run, Variant, run_ops
 from benchmarks.workload import Workload
 from orders.domain import EventKind
-from orders.index.unpaid import admit_args
+from orders.index.admissions import admit_args
 from orders.sql.models import events_table, orders_table
 
 _INSERT_ORDER = insert(orders_table)

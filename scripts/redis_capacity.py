@@ -46,8 +46,9 @@ sys.path.insert(0, str(REPO))
 from orders.config import Settings  # noqa: E402
 from orders.domain import OrderIdGenerator  # noqa: E402
 from orders.embedded.binary import find_redis_server  # noqa: E402
+from orders.index.admissions import admit_args  # noqa: E402
 from orders.index.keys import admits_key  # noqa: E402
-from orders.index.unpaid import admit_args, load_script  # noqa: E402
+from orders.index.unpaid import load_script  # noqa: E402
 from tests.support.processes import stop_process  # noqa: E402
 
 PREFIX = "UnpaidOrder-"

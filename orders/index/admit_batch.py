@@ -15,9 +15,10 @@ from typing import Any
 import redis
 
 from orders.errors import StoreUnavailable
+from orders.index.admissions import AdmitRequest, AdmitResult, admit_result
 from orders.index.errors import ServerRefused, redis_errors
 from orders.index.pipeline import CallPacker, send_calls
-from orders.index.unpaid import AdmitRequest, AdmitResult, UnpaidIndex, admit_result
+from orders.index.unpaid import UnpaidIndex
 
 
 def _encoded(value: str | int) -> bytes:

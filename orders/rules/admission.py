@@ -48,8 +48,9 @@ from orders.errors import (
     StoreUnavailable,
     UnpaidOrderLimitReached,
 )
+from orders.index.admissions import Admission, AdmitRequest, AdmitResult
 from orders.index.errors import ServerRefused
-from orders.index.unpaid import Admission, AdmitRequest, AdmitResult, UnpaidIndex
+from orders.index.unpaid import UnpaidIndex
 from orders.rules.abandoning import Abandoner
 from orders.rules.confirming import Confirmations
 from orders.rules.followups import Followups

@@ -43,9 +43,9 @@ from sqlalchemy import Connection
 
 from orders.domain import NewOrder, Order
 from orders.errors import StoreUnavailable
+from orders.index.admissions import Admission, AdmitResult
 from orders.index.admit_batch import admit_all
 from orders.index.errors import ServerRefused
-from orders.index.unpaid import Admission, AdmitResult
 from orders.rules.admission import Admitter, interrupted
 from orders.rules.batching import PATIENCE_S, BatchQueue, CombinerStats, Seat
 from orders.sql.records import to_order

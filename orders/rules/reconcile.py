@@ -62,8 +62,9 @@ from dataclasses import dataclass, fields
 
 from orders import metrics
 from orders.domain import Clock
+from orders.index.admissions import SUSPECT_AFTER_MS
 from orders.index.reconcile_batch import KeysChecked, ReconcileBatch
-from orders.index.unpaid import SUSPECT_AFTER_MS, UnpaidIndex
+from orders.index.unpaid import UnpaidIndex
 from orders.rules.holding import Holding, reconcile_resources
 from orders.sql.records import OrderRecords
 from orders.validation import check_count, check_user_id

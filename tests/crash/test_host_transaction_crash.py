@@ -29,7 +29,7 @@ from sqlalchemy import Engine
 from orders.config import Settings
 from orders.domain import system_clock
 from orders.errors import UnpaidOrderLimitReached
-from orders.index.unpaid import SUSPECT_AFTER_MS
+from orders.index.admissions import SUSPECT_AFTER_MS
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
 from tests.support.host_app import members, sql_status

@@ -31,7 +31,7 @@ from sqlalchemy import Engine, func, select
 from orders import StoreUnavailable, UnpaidOrderLimitReached
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.index.unpaid import SUSPECT_AFTER_MS, Admission, AdmitRequest
+from orders.index.admissions import SUSPECT_AFTER_MS, Admission, AdmitRequest
 from orders.service import OrderService
 from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock

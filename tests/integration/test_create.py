@@ -20,7 +20,7 @@ from orders import (
 )
 from orders.bootstrap import build_redis
 from orders.config import Settings
-from orders.index.unpaid import SUSPECT_AFTER_MS, AdmitRequest
+from orders.index.admissions import SUSPECT_AFTER_MS, AdmitRequest
 from orders.sql.models import events_table, orders_table
 from tests.support.clocks import ManualClock
 from tests.support.stores import (

@@ -15,7 +15,7 @@ import orders.aio
 from orders import CreateRateLimited, InvalidInput, Order, OrderService, UnpaidOrderLimitReached
 from orders.config import Settings
 from orders.config.values import CreateRate
-from orders.index.unpaid import AdmitRequest
+from orders.index.admissions import AdmitRequest
 from orders.sql.models import orders_table
 from tests.support.clocks import ManualClock
 from tests.support.threads import outcomes_of_race

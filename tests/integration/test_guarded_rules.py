@@ -19,7 +19,7 @@ from orders.domain import Order
 from orders.errors import UnpaidOrderLimitReached
 from orders.events.admin import list_parked
 from orders.events.consumer import EventConsumer, OrderEvent, read_events
-from orders.index.unpaid import AdmitRequest
+from orders.index.admissions import AdmitRequest
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 

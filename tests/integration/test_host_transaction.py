@@ -20,7 +20,7 @@ from orders.bootstrap import build_async_engine, build_engine
 from orders.config import Settings
 from orders.domain import OrderStatus
 from orders.errors import InvalidInput, OrderNotFound, UnpaidOrderLimitReached
-from orders.index.unpaid import SUSPECT_AFTER_MS
+from orders.index.admissions import SUSPECT_AFTER_MS
 from orders.service import OrderService
 from orders.sql import host as host_tx
 from orders.sql.models import orders_table

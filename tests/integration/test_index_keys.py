@@ -14,9 +14,10 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from orders.index.admissions import AdmitRequest
 from orders.index.keys import admits_key
 from orders.index.nodes import is_cluster
-from orders.index.unpaid import AdmitRequest, UnpaidIndex
+from orders.index.unpaid import UnpaidIndex
 from orders.service import OrderService
 from tests.support.clocks import ManualClock
 

@@ -20,7 +20,7 @@ from sqlalchemy import Engine, select
 
 from orders.domain import OrderStatus, SweepResult
 from orders.errors import InvalidInput, OrderAlreadyPaid, OrderClosed, UnpaidOrderLimitReached
-from orders.index.unpaid import AdmitRequest
+from orders.index.admissions import AdmitRequest
 from orders.service import OrderService
 from orders.sql.models import events_table, orders_table
 from orders.validation import MAX_TIMESTAMP_MS

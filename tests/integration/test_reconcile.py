@@ -18,7 +18,7 @@ import redis
 from sqlalchemy import Engine, insert
 
 from orders import Settings, UnpaidOrderLimitReached
-from orders.index.unpaid import AdmitRequest
+from orders.index.admissions import AdmitRequest
 from orders.rules import reconcile as reconciler
 from orders.scheduler.jobs import build_scheduler
 from orders.scheduler.sweeper import Sweeper

@@ -48,8 +48,9 @@ from orders import OrderStatus, StoreUnavailable
 from orders.bootstrap import build_redis, build_service
 from orders.cli import main
 from orders.config import Settings
+from orders.index.admissions import Admission, AdmitRequest
 from orders.index.epoch import IndexEpoch
-from orders.index.unpaid import Admission, AdmitRequest, UnpaidIndex
+from orders.index.unpaid import UnpaidIndex
 from orders.scheduler.sweeper import Sweeper
 from orders.service import OrderService
 from tests.support.acl import ORDERS_ACL, PREFIX, SERVICE_COMMANDS

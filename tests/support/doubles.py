@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from orders.errors import OrdersError
 from orders.events.consumer import OrderEvent
-from orders.index.unpaid import AdmitRequest, AdmitResult, UnpaidIndex
+from orders.index.admissions import AdmitRequest, AdmitResult
+from orders.index.unpaid import UnpaidIndex
 from orders.service import OrderService
 from tests.support.threads import outcomes_of_race
 
