@@ -47,7 +47,7 @@ from orders.operations import Operations
 from orders.requests import CreateRequest, checked_payment
 from orders.rules.admission import Admitter
 from orders.rules.bulk import BulkActions
-from orders.rules.combining import CreateCombiner
+from orders.rules.combining import CreateCombiner, combines_by_default
 from orders.rules.creating import Creating
 from orders.rules.erasure import Eraser, Erasure
 from orders.rules.extending import Extender
@@ -144,6 +144,7 @@ class OrderService:
                 redis_socket_timeout_s=s.redis_socket_timeout_s,
             )
             if s.combine_creates
+            or (s.combine_creates is None and combines_by_default(engine.dialect.name))
             else None
         )
         self.creating = Creating(self.transitions, self.sweep, self.combiner)

@@ -77,9 +77,10 @@ class Settings:
     #: exact, just slower) instead of refusing them with StoreUnavailable.
     create_without_redis: bool = False
     #: Concurrent creates of one process share one Redis round trip per node and one SQL
-    #: commit (:mod:`orders.rules.combining`); a create alone never waits. On by default:
-    #: no slower at 1 and 8 callers, faster at 64 (benchmarks/README.md).
-    combine_creates: bool = True
+    #: commit (:mod:`orders.rules.combining`); a create alone never waits. None (the
+    #: default): on SQLite, where it measured no slower at 1 and 8 callers and faster at
+    #: 64, and off on PostgreSQL, where 8 callers ran slower combined (docs/bench.md).
+    combine_creates: bool | None = None
     #: The same for payments, cancels and extensions, on SQLite only: one transaction
     #: and commit for those in flight together (:mod:`orders.rules.transition`).
     combine_transitions: bool = True

@@ -72,8 +72,10 @@ def parse_env_value(name: str, type_name: object, raw: str) -> Any:
     kind = str(type_name)
     var = f"ORDERS_{name.upper()}"
     try:
-        if kind == "bool":
+        if kind in ("bool", "bool | None"):
             lowered = raw.strip().lower()
+            if kind == "bool | None" and lowered in ("", "auto"):
+                return None
             if lowered in ("1", "true", "yes", "on"):
                 return True
             if lowered in ("0", "false", "no", "off"):

@@ -57,6 +57,13 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 64
 
 
+def combines_by_default(dialect: str) -> bool:
+    """Whether creates are combined when ``Settings.combine_creates`` is None: on SQLite,
+    whose writes take turns anyway; not on PostgreSQL, whose parallel commits served 8
+    callers faster one by one (docs/bench.md, issue 45)."""
+    return dialect == "sqlite"
+
+
 @dataclass(slots=True, eq=False)
 class Member:
     """One caller's create, and what its batch did for it: nothing (the single path from the

@@ -126,3 +126,10 @@ def test_the_reminder_offset_is_off_by_default_and_read_from_the_environment() -
     with pytest.raises(InvalidInput) as caught:
         Settings.from_env({"ORDERS_REMIND_BEFORE_S": "soon"})
     assert caught.value.field == "ORDERS_REMIND_BEFORE_S"
+
+
+@pytest.mark.parametrize(
+    ("raw", "chosen"), [("auto", None), ("", None), ("true", True), ("off", False)]
+)
+def test_combine_creates_reads_auto_as_the_engines_choice(raw: str, chosen: bool | None) -> None:
+    assert Settings.from_env({"ORDERS_COMBINE_CREATES": raw}).combine_creates is chosen
